@@ -1,0 +1,336 @@
+"""Loader for WEKA's Claude Code session traces (one JSON file per session, sub-agents inline).
+
+The files have no global clock and block ids that mean something only within one file, so
+the loader does three things beyond parsing:
+
+* puts every session's ids into a namespace of its own (a dense offset per file), so the
+  whole folder is one comparable id space;
+* maps the first ``(tool_tokens + system_tokens) // block_size`` blocks of each agent's
+  first request onto a namespace shared by every agent of the same framework (same model,
+  tool and system prompt sizes), so the template's reuse across sessions is visible, as
+  the trace's README prescribes;
+* links each request to the one it waits for: the previous call of the same agent, or for a
+  sub-agent's first call, the parent-agent call that spawned it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import numpy as np
+import polars as pl
+
+from smetric.trace.schema import (
+    Trace,
+    TraceError,
+    Trigger,
+    common_prefix_len,
+    finalize,
+    is_compaction,
+)
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class Call(msgspec.Struct, tag_field="type"):
+    t: float
+    in_: NonNegInt = msgspec.field(name="in")
+    out: NonNegInt = 0
+    hash_ids: list[int] = msgspec.field(default_factory=list)
+    model: str = ""
+    input_types: list[str] = msgspec.field(default_factory=list)
+    api_time: NonNegFloat | None = None
+    think_time: float | None = None
+
+
+class NonStreamingCall(Call, tag="n"):
+    pass
+
+
+class StreamingCall(Call, tag="s"):
+    pass
+
+
+class SubAgent(msgspec.Struct, tag_field="type", tag="subagent"):
+    t: float
+    requests: list[NonStreamingCall | StreamingCall | SubAgent]
+    agent_id: str = ""
+    models: list[str] = msgspec.field(default_factory=list)
+    tool_tokens: NonNegInt = 0
+    system_tokens: NonNegInt = 0
+
+
+class SessionFile(msgspec.Struct):
+    requests: list[NonStreamingCall | StreamingCall | SubAgent]
+    id: str = ""
+    block_size: Annotated[int, msgspec.Meta(gt=0)] = 64
+    models: list[str] = msgspec.field(default_factory=list)
+    tool_tokens: NonNegInt = 0
+    system_tokens: NonNegInt = 0
+
+
+_DECODER = msgspec.json.Decoder(SessionFile)
+_BYTE_AT = re.compile(r"byte (\d+)")
+
+
+@dataclass
+class _IdSpace:
+    """Dense block ids: a range per session file, then a range per framework prompt.
+
+    Framework ids are handed out as negative placeholders while sessions load, because
+    a session's range is known only once all its calls are read; ``resolve`` moves them
+    past the last session range at the end.
+    """
+
+    next_id: int = 0
+    frameworks: dict[str, np.ndarray] = field(default_factory=dict)
+    placeholders: int = 0
+
+    def framework_ids(self, key: str, count: int) -> np.ndarray:
+        ids = self.frameworks.get(key)
+        if ids is None or len(ids) < count:
+            have = 0 if ids is None else len(ids)
+            fresh = -1 - np.arange(self.placeholders, self.placeholders + count - have)
+            self.placeholders += count - have
+            ids = fresh if ids is None else np.concatenate([ids, fresh])
+            self.frameworks[key] = ids
+        return ids[:count]
+
+    def resolve(self, blocks: np.ndarray, shared: int) -> None:
+        blocks[:shared] = self.next_id - 1 - blocks[:shared]
+
+
+@dataclass
+class _Rows:
+    """Column buffers for one trace, filled session by session."""
+
+    session_id: list[str] = field(default_factory=list)
+    agent_id: list[str] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)
+    parent: list[int | None] = field(default_factory=list)
+    session_time_s: list[float] = field(default_factory=list)
+    think_time_s: list[float | None] = field(default_factory=list)
+    duration_s: list[float | None] = field(default_factory=list)
+    input_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    block_size: list[int] = field(default_factory=list)
+    block_ids: list[np.ndarray] = field(default_factory=list)
+    trigger: list[str] = field(default_factory=list)
+    model: list[str] = field(default_factory=list)
+    framework: list[str] = field(default_factory=list)
+    shared_prefix_blocks: list[int] = field(default_factory=list)
+
+    def frame(self, order: np.ndarray) -> pl.DataFrame:
+        """Rows reordered by ``order``, with parent indices renumbered to match."""
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        parents = [self.parent[i] for i in order]
+        columns = {
+            name: [values[i] for i in order]
+            for name, values in vars(self).items()
+            if name not in ("parent", "block_ids")
+        }
+        columns["parent_id"] = [None if p is None else int(rank[p]) for p in parents]
+        return pl.DataFrame(columns).with_columns(
+            pl.Series("block_ids", [self.block_ids[i] for i in order], dtype=pl.List(pl.Int64))
+        )
+
+
+@dataclass
+class _Agent:
+    """One conversation inside a session: the root agent or a sub-agent."""
+
+    agent_id: str
+    start_s: float
+    calls: list[NonStreamingCall | StreamingCall | SubAgent]
+    model: str
+    tool_tokens: int
+    system_tokens: int
+    spawner: int | None
+
+
+def _framework_key(model: str, tool_tokens: int, system_tokens: int) -> str:
+    return f"{model}|tools={tool_tokens}|system={system_tokens}"
+
+
+def _trigger(call: Call, turn: int, spawned: bool, compaction: bool) -> Trigger:
+    """User-typed turns carry only text; tool results mean the agent loop sent it."""
+    if compaction:
+        return Trigger.COMPACTION
+    if "tool_result" in call.input_types or (turn == 0 and spawned):
+        return Trigger.AGENT
+    if "text" in call.input_types:
+        return Trigger.USER
+    return Trigger.UNKNOWN
+
+
+def _add_session(session: SessionFile, name: str, ids: _IdSpace, rows: _Rows) -> None:
+    start = len(rows.turn)
+    root_model = session.models[0] if session.models else ""
+    pending = [
+        _Agent(
+            "main",
+            0.0,
+            session.requests,
+            root_model,
+            session.tool_tokens,
+            session.system_tokens,
+            None,
+        )
+    ]
+    while pending:
+        agent = pending.pop(0)
+        _add_agent(agent, name, session.block_size, ids, rows, pending)
+    largest = max((int(b.max()) for b in rows.block_ids[start:] if len(b)), default=-1)
+    ids.next_id = max(ids.next_id, largest + 1)
+
+
+def _add_agent(
+    agent: _Agent,
+    session_name: str,
+    block_size: int,
+    ids: _IdSpace,
+    rows: _Rows,
+    pending: list[_Agent],
+) -> None:
+    prefix_len = (agent.tool_tokens + agent.system_tokens) // block_size
+    first_local: np.ndarray | None = None
+    previous: int | None = agent.spawner
+    turn = 0
+    for call in sorted(agent.calls, key=lambda c: c.t):
+        t = agent.start_s + call.t
+        if isinstance(call, SubAgent):
+            model = call.models[0] if call.models else agent.model
+            spawner = previous if previous is not None else agent.spawner
+            pending.append(
+                _Agent(
+                    call.agent_id or f"{agent.agent_id}/sub{len(pending)}",
+                    t,
+                    call.requests,
+                    model,
+                    call.tool_tokens,
+                    call.system_tokens,
+                    spawner,
+                )
+            )
+            continue
+        local = np.asarray(call.hash_ids, dtype=np.int64)
+        if len(local) and local.min() < 0:
+            raise ValueError("negative block id in hash_ids")
+        if first_local is None:
+            first_local = local[:prefix_len]
+        model = call.model or agent.model
+        key = _framework_key(model, agent.tool_tokens, agent.system_tokens)
+        shared = common_prefix_len(first_local, local)
+        blocks = local + ids.next_id
+        blocks[:shared] = ids.framework_ids(key, len(first_local))[:shared]
+        parent_blocks = rows.block_ids[previous] if previous is not None else None
+        compaction = turn > 0 and parent_blocks is not None and is_compaction(parent_blocks, blocks)
+        rows.session_id.append(session_name)
+        rows.agent_id.append(agent.agent_id)
+        rows.turn.append(turn)
+        rows.parent.append(previous)
+        rows.session_time_s.append(t)
+        rows.think_time_s.append(_think_time(call, t, rows, previous))
+        rows.duration_s.append(call.api_time)
+        rows.input_tokens.append(call.in_)
+        rows.output_tokens.append(call.out)
+        rows.block_size.append(block_size)
+        rows.block_ids.append(blocks)
+        rows.trigger.append(_trigger(call, turn, agent.spawner is not None, compaction).value)
+        rows.model.append(model)
+        rows.framework.append(key)
+        rows.shared_prefix_blocks.append(shared)
+        previous = len(rows.turn) - 1
+        turn += 1
+
+
+def _think_time(call: Call, t: float, rows: _Rows, parent: int | None) -> float | None:
+    """The recorded gap when present, else derived from the parent's start and duration."""
+    if parent is None:
+        return 0.0
+    if call.think_time is not None:
+        return call.think_time
+    parent_duration = rows.duration_s[parent]
+    if parent_duration is None:
+        return None
+    return max(0.0, t - rows.session_time_s[parent] - parent_duration)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        return path.read_bytes()
+    except (OSError, EOFError) as exc:
+        raise TraceError(path, f"cannot read file: {exc}") from exc
+
+
+def _decode(path: Path) -> SessionFile:
+    data = _read(path)
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        message = str(exc)
+        match = _BYTE_AT.search(message)
+        line = data.count(b"\n", 0, int(match.group(1))) + 1 if match else None
+        raise TraceError(path, message, line=line) from exc
+
+
+def session_files(path: Path) -> list[Path]:
+    """The session files of a folder (or the one file given), in name order."""
+    if path.is_file():
+        return [path]
+    files = sorted(
+        p for p in path.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz"))
+    )
+    if not files:
+        raise TraceError(path, "folder holds no .json or .json.gz session files")
+    return files
+
+
+def load(path: Path, progress: Callable[[int], None] | None = None) -> Trace:
+    """Load one session file or a folder of them; ``progress`` is told of each file done."""
+    files = session_files(path)
+    rows = _Rows()
+    ids = _IdSpace()
+    for file in files:
+        session = _decode(file)
+        name = session.id or file.name.split(".")[0]
+        try:
+            _add_session(session, name, ids, rows)
+        except ValueError as exc:
+            raise TraceError(file, str(exc)) from exc
+        if progress is not None:
+            progress(1)
+    if not rows.turn:
+        raise TraceError(path, "no requests")
+    for blocks, shared in zip(rows.block_ids, rows.shared_prefix_blocks, strict=True):
+        ids.resolve(blocks, shared)
+    frame = finalize(rows.frame(_issue_order(rows)))
+    return Trace(
+        requests=frame,
+        name=path.name,
+        source_format="weka",
+        has_clock=False,
+        notes=(
+            "Sessions have no global clock: times are relative to each session's start.",
+            "Leading system/tool-prompt blocks are mapped to a namespace shared per "
+            "(model, tool_tokens, system_tokens), as the trace's README prescribes.",
+        ),
+    )
+
+
+def _issue_order(rows: _Rows) -> np.ndarray:
+    """Sessions in file order; within one, by time, the parent before its children."""
+    session_rank = {s: i for i, s in enumerate(dict.fromkeys(rows.session_id))}
+    keys = [session_rank[s] for s in rows.session_id]
+    return np.lexsort((np.arange(len(keys)), rows.session_time_s, keys))
