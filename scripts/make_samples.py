@@ -25,7 +25,7 @@ MOONCAKE_LINES = 1000
 
 
 def framework(path: Path) -> str:
-    session = json.loads(gzip.open(path).read())
+    session = json.loads(gzip.decompress(path.read_bytes()))
     if any(r.get("type") == "subagent" for r in session["requests"]):
         return "with-subagents"
     model = session["models"][0] if session.get("models") else ""

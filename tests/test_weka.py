@@ -133,7 +133,7 @@ def test_single_file_and_think_time_fallback(tmp_path: Path) -> None:
     path = write(tmp_path, "s", session("s", [first, second]))
     df = weka.load(path).requests
     # No recorded think time: the gap after the parent's 1 s call, 7 - 0 - 1.
-    assert df["think_time_s"].to_list() == [0.0, 6.0]
+    assert df["think_time_s"].to_list() == [None, 6.0]
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import polars as pl
 
-from smetric.trace.mooncake import BlockId, NonNegInt, block_columns, list_column, read_jsonl
+from smetric.trace.jsonl import BlockId, NonNegInt, block_columns, list_column, read_jsonl
 from smetric.trace.schema import Trace, TraceError, Trigger, finalize, is_compaction
 from smetric.trace.sessions import ParentCycleError, chain_roots
 

@@ -255,7 +255,7 @@ def _add_agent(
 def _think_time(call: Call, t: float, rows: _Rows, parent: int | None) -> float | None:
     """The recorded gap when present, else derived from the parent's start and duration."""
     if parent is None:
-        return 0.0
+        return None
     if call.think_time is not None:
         return call.think_time
     parent_duration = rows.duration_s[parent]

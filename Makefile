@@ -1,0 +1,30 @@
+# Quick start: `make run` (main job on the embedded sample) and `make test`.
+# Both create .venv with everything the project needs on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/smetric analyze
+
+lint: $(STAMP)
+	$(BIN)/ruff check smetric tests benchmarks scripts
+	$(BIN)/ruff format --check smetric tests benchmarks scripts
+
+test: lint
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) smetric-out .pytest_cache .ruff_cache

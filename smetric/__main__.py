@@ -1,0 +1,3 @@
+from smetric.cli import app
+
+app(prog_name="smetric")
