@@ -23,7 +23,14 @@ import msgspec
 import numpy as np
 import polars as pl
 
-from smetric.trace.jsonl import BlockId, NonNegInt, block_columns, list_column, read_jsonl
+from smetric.trace.jsonl import (
+    BlockId,
+    NonNegInt,
+    block_columns,
+    linked_time_columns,
+    list_column,
+    read_jsonl,
+)
 from smetric.trace.schema import Trace, TraceError, Trigger, finalize, is_compaction
 from smetric.trace.sessions import ParentCycleError, chain_roots
 
@@ -57,17 +64,11 @@ def load(path: Path) -> Trace:
     records = [records[i] for i in order]
     arrival = stamps[order]
     flat, offsets = block_columns([r.hash_ids for r in records])
-    chained = parents >= 0
-    # Arrival gap to the parent: an upper bound, since the parent's end is not recorded.
-    think = np.where(chained, arrival - arrival[np.maximum(parents, 0)], np.nan)
     frame = pl.DataFrame(
         {
             "session_id": [str(records[r].chat_id) for r in roots.tolist()],
             "turn": _turns(records),
-            "parent_id": pl.Series(parents).set(pl.Series(~chained), None),
-            "arrival_s": arrival,
-            "session_time_s": arrival - arrival[roots],
-            "think_time_s": pl.Series(think, nan_to_null=True),
+            **linked_time_columns(parents, roots, arrival),
             "input_tokens": [r.input_length for r in records],
             "output_tokens": [r.output_length for r in records],
             "block_size": BLOCK_SIZE,

@@ -68,3 +68,19 @@ def list_column(flat: np.ndarray, offsets: np.ndarray) -> pl.Series:
     return spans.select(
         every_id.list.slice(pl.col("start"), pl.col("length")).alias("block_ids")
     ).to_series()
+
+
+def linked_time_columns(parents: np.ndarray, roots: np.ndarray, arrival: np.ndarray) -> dict:
+    """Parent, clock and think-time columns of a clocked trace whose rows are linked.
+
+    The parent's completion is not recorded, so the arrival gap bounds think time from
+    above.
+    """
+    chained = parents >= 0
+    think = np.where(chained, arrival - arrival[np.maximum(parents, 0)], np.nan)
+    return {
+        "parent_id": pl.Series(parents).set(pl.Series(~chained), None),
+        "arrival_s": arrival,
+        "session_time_s": arrival - arrival[roots],
+        "think_time_s": pl.Series(think, nan_to_null=True),
+    }

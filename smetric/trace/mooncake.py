@@ -14,7 +14,14 @@ import msgspec
 import numpy as np
 import polars as pl
 
-from smetric.trace.jsonl import BlockId, NonNegInt, block_columns, list_column, read_jsonl
+from smetric.trace.jsonl import (
+    BlockId,
+    NonNegInt,
+    block_columns,
+    linked_time_columns,
+    list_column,
+    read_jsonl,
+)
 from smetric.trace.schema import Trace, finalize
 from smetric.trace.sessions import chain_roots, infer_sessions
 
@@ -38,17 +45,11 @@ def load(path: Path) -> Trace:
     flat, offsets = block_columns([r.hash_ids for r in records])
     parents = infer_sessions(flat, offsets)
     roots, depths = chain_roots(parents)
-    chained = parents >= 0
-    # The parent's completion time is unknown, so the arrival gap bounds think time from above.
-    think = np.where(chained, arrival - arrival[np.maximum(parents, 0)], np.nan)
     frame = pl.DataFrame(
         {
             "session_id": [f"s{r}" for r in roots.tolist()],
             "turn": depths,
-            "parent_id": pl.Series(parents).set(pl.Series(~chained), None),
-            "arrival_s": arrival,
-            "session_time_s": arrival - arrival[roots],
-            "think_time_s": pl.Series(think, nan_to_null=True),
+            **linked_time_columns(parents, roots, arrival),
             "input_tokens": [r.input_length for r in records],
             "output_tokens": [r.output_length for r in records],
             "block_size": BLOCK_SIZE,
