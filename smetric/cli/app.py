@@ -1,0 +1,78 @@
+"""What every ``smetric`` command shares: the app, consoles, error handling, progress."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from smetric.trace.load import FORMATS, count_units, load_trace
+from smetric.trace.schema import Trace, TraceError
+
+app = typer.Typer(
+    help=(
+        "SMetric: balanced session-centric scheduling for agentic LLM serving.\n\n"
+        "Study a trace's KV reuse (analyze), simulate a cluster under every routing "
+        "policy (simulate, sweep), inspect and convert traces (trace)."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+trace_app = typer.Typer(help="Inspect and convert request traces.", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
+
+console = Console()
+err_console = Console(stderr=True)
+
+TraceArg = Annotated[
+    str,
+    typer.Argument(
+        help="Trace file or folder (WEKA folder, Mooncake/Bailian .jsonl, Azure .csv, "
+        "SMetric .parquet), or sample:weka / sample:mooncake for the embedded samples."
+    ),
+]
+FormatOpt = Annotated[
+    str | None,
+    typer.Option("--format", "-f", help=f"Trace format, if not detected: {', '.join(FORMATS)}."),
+]
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input ends with one located line and exit code 2, never a traceback."""
+    try:
+        yield
+    except TraceError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    except ValueError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
+
+
+def load_with_progress(source: str, fmt: str | None) -> Trace:
+    with progress_bar() as progress:
+        task = progress.add_task(f"loading {source}", total=count_units(source))
+        trace = load_trace(source, fmt, progress=lambda n: progress.advance(task, n))
+    return trace
+
+
+def slug(name: str) -> str:
+    """A trace name made safe for a folder name."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-") or "trace"

@@ -1,0 +1,410 @@
+"""``smetric simulate`` and ``smetric sweep``: the paper's evaluation on a simulated cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from smetric.cli.app import (
+    app,
+    console,
+    load_with_progress,
+    progress_bar,
+    slug,
+    user_errors,
+)
+from smetric.core.policy import POLICY_NAMES, make_policy
+from smetric.sim.config import SimConfig, dump_yaml, load_yaml, parse_global_capacity
+from smetric.sim.parallel import Job, default_jobs, run_jobs
+from smetric.sim.run import RunResult
+
+CLUSTER = "Cluster"
+WORKLOAD = "Workload"
+SLO = "SLO"
+
+
+def _opt(help_text: str, panel: str, *names: str, **kwargs: Any) -> Any:
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kwargs)
+
+
+SourceArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Trace (as for analyze) [default: the config's, else sample:weka].",
+        show_default=False,
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", "-c", help="YAML file with cluster/workload/slo/policies; flags override it."
+    ),
+]
+PoliciesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--policies",
+        "-p",
+        help=f"Comma-separated policies (name or name:key=value,...) or 'all': "
+        f"{', '.join(POLICY_NAMES)}.",
+    ),
+]
+InstancesOpt = Annotated[int | None, _opt("Instances in the cluster.", CLUSTER, min=1)]
+ModelOpt = Annotated[str | None, _opt("Model preset.", CLUSTER)]
+HardwareOpt = Annotated[str | None, _opt("GPU preset (H20, H100, H200).", CLUSTER)]
+GpusOpt = Annotated[int | None, _opt("GPUs per instance (tensor parallel).", CLUSTER, min=1)]
+WeightDtypeOpt = Annotated[str | None, _opt("Weight dtype (bf16, fp8).", CLUSTER)]
+KvDtypeOpt = Annotated[str | None, _opt("KV-cache dtype (bf16, fp8).", CLUSTER)]
+MemUtilOpt = Annotated[
+    float | None, _opt("GPU memory utilisation.", CLUSTER, "--mem-util", min=0.1, max=1.0)
+]
+KvTokensOpt = Annotated[
+    int | None,
+    _opt("KV room per instance in tokens [default: from GPU memory].", CLUSTER, min=1),
+]
+MaxLenOpt = Annotated[
+    int | None, _opt("Maximum context; longer requests are rejected.", CLUSTER, min=1)
+]
+MaxSeqsOpt = Annotated[int | None, _opt("Running sequences cap per instance.", CLUSTER, min=1)]
+BatchTokensOpt = Annotated[
+    int | None, _opt("Token budget per engine step (chunked prefill).", CLUSTER, min=1)
+]
+GlobalOpt = Annotated[
+    str | None,
+    _opt(
+        "Global KV tier: none, full, or a multiple of local capacity (1.6x).", CLUSTER, "--global"
+    ),
+]
+BandwidthOpt = Annotated[
+    float | None, _opt("Each instance's link to the global tier, GB/s.", CLUSTER, min=0.001)
+]
+RateOpt = Annotated[float | None, _opt("Session starts per second.", WORKLOAD, min=1e-6)]
+DurationOpt = Annotated[
+    float | None, _opt("Seconds of arrivals; what completes by then counts.", WORKLOAD, min=1.0)
+]
+OpenLoopOpt = Annotated[
+    bool | None,
+    _opt(
+        "Replay recorded arrival times (traces with a clock).",
+        WORKLOAD,
+        "--open-loop/--closed-loop",
+    ),
+]
+SpeedOpt = Annotated[float | None, _opt("Open-loop replay speed-up.", WORKLOAD, min=1e-6)]
+SeedOpt = Annotated[int | None, _opt("Seed for session starts and picks.", WORKLOAD)]
+TtftBaseOpt = Annotated[float | None, _opt("TTFT SLO constant, seconds.", SLO, min=0.0)]
+TtftPerTokenOpt = Annotated[float | None, _opt("TTFT SLO seconds per input token.", SLO, min=0.0)]
+TpotOpt = Annotated[float | None, _opt("TPOT SLO, seconds.", SLO, min=0.0)]
+OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Result folder.")]
+JobsOpt = Annotated[
+    int | None, typer.Option("--jobs", "-j", help="Worker processes [default: CPUs].", min=1)
+]
+
+
+def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> SimConfig:
+    config = load_yaml(config_path) if config_path else SimConfig()
+    cluster_keys = {
+        "instances": "instances",
+        "model": "model",
+        "hardware": "hardware",
+        "gpus": "gpus_per_instance",
+        "weight_dtype": "weight_dtype",
+        "kv_dtype": "kv_dtype",
+        "mem_util": "gpu_memory_utilization",
+        "kv_tokens": "kv_capacity_tokens",
+        "max_model_len": "max_model_len",
+        "max_num_seqs": "max_num_seqs",
+        "max_batched_tokens": "max_num_batched_tokens",
+        "global_capacity": "global_capacity",
+        "global_bandwidth": "global_bandwidth_gb_s",
+    }
+    workload_keys = {
+        "rate": "session_rate",
+        "duration": "duration_s",
+        "open_loop": "open_loop",
+        "speed": "speed",
+        "seed": "seed",
+    }
+    slo_keys = {
+        "ttft_base": "ttft_base_s",
+        "ttft_per_token": "ttft_per_token_s",
+        "tpot": "tpot_s",
+    }
+    config = config.override("cluster", **{v: flags.get(k) for k, v in cluster_keys.items()})
+    config = config.override("workload", **{v: flags.get(k) for k, v in workload_keys.items()})
+    config = config.override("slo", **{v: flags.get(k) for k, v in slo_keys.items()})
+    if trace is not None:
+        config = config.override("workload", trace=trace)
+    policies = flags.get("policies")
+    if policies:
+        names = POLICY_NAMES if policies == "all" else _split_policies(policies)
+        config = dataclasses.replace(config, policies=tuple(names))
+    for spec in config.policies:
+        make_policy(spec)  # fails early, with the valid names, on a typo
+    parse_global_capacity(config.cluster.global_capacity)
+    return config
+
+
+def _split_policies(text: str) -> tuple[str, ...]:
+    """'smetric,linear:lam=0.95' -> two specs; a ',' inside name:k=v,k=v stays with it."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if "=" in part and ":" not in part and out:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return tuple(out)
+
+
+def results_table(title: str, results: dict[str, RunResult]) -> Table:
+    table = Table(title=title)
+    for column in (
+        "policy",
+        "TPS in SLO",
+        "TPS",
+        "SLO met",
+        "TTFT p50/p90 s",
+        "TPOT p50/p90 ms",
+        "hit local/global",
+        "imbalance",
+        "sticky",
+        "rejected",
+    ):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    best = max((r.summary["tps_within_slo"] for r in results.values()), default=0.0)
+    for policy, result in results.items():
+        s = result.summary
+        tps = f"{s['tps_within_slo']:,.0f}"
+        ttft, tpot, reuse = s["ttft_s"], s["tpot_s"], s["reuse"]
+        sticky = s["stickiness"]
+        table.add_row(
+            policy,
+            f"[bold green]{tps}[/]" if s["tps_within_slo"] == best and best > 0 else tps,
+            f"{s['tps']:,.0f}",
+            f"{s['slo_attainment']:.1%}",
+            f"{_num(ttft['p50'])}/{_num(ttft['p90'])}",
+            f"{_num(tpot['p50'], 1000)}/{_num(tpot['p90'], 1000)}",
+            f"{reuse['local']:.1%}/{reuse['global']:.1%}",
+            f"{s['imbalance']['mean']:.2f}x",
+            "-" if sticky is None else f"{sticky:.1%}",
+            str(s["requests"]["rejected"]),
+        )
+    return table
+
+
+def _num(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.1f}"
+
+
+def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    dump_yaml(config, out / "config.yaml")
+    shape = next(iter(results.values())).shape
+    summary = {
+        "cluster_shape": vars(shape),
+        "policies": {policy: r.summary for policy, r in results.items()},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for policy, result in results.items():
+        result.requests.write_parquet(out / f"requests-{slug(policy)}.parquet")
+
+
+@app.command()
+def simulate(
+    source: SourceArg = None,
+    config_path: ConfigOpt = None,
+    policies: PoliciesOpt = None,
+    instances: InstancesOpt = None,
+    model: ModelOpt = None,
+    hardware: HardwareOpt = None,
+    gpus: GpusOpt = None,
+    weight_dtype: WeightDtypeOpt = None,
+    kv_dtype: KvDtypeOpt = None,
+    mem_util: MemUtilOpt = None,
+    kv_tokens: KvTokensOpt = None,
+    max_model_len: MaxLenOpt = None,
+    max_num_seqs: MaxSeqsOpt = None,
+    max_batched_tokens: BatchTokensOpt = None,
+    global_capacity: GlobalOpt = None,
+    global_bandwidth: BandwidthOpt = None,
+    rate: RateOpt = None,
+    duration: DurationOpt = None,
+    open_loop: OpenLoopOpt = None,
+    speed: SpeedOpt = None,
+    seed: SeedOpt = None,
+    ttft_base: TtftBaseOpt = None,
+    ttft_per_token: TtftPerTokenOpt = None,
+    tpot: TpotOpt = None,
+    out: OutOpt = None,
+    jobs: JobsOpt = None,
+) -> None:
+    """Simulate one cluster configuration under the chosen policies, side by side.
+
+    Writes the resolved configuration, a summary JSON, one per-request Parquet table per
+    policy and plots to the result folder [default: smetric-out/simulate-TRACE].
+    """
+    flags = {k: v for k, v in locals().items() if k not in ("source", "config_path", "out", "jobs")}
+    with user_errors():
+        config = build_config(config_path, source, **flags)
+        trace_source = config.workload.trace
+        trace = load_with_progress(trace_source, config.workload.format)
+        runs = [Job((p,), config, p) for p in config.policies]
+        processes = jobs or default_jobs(len(runs))
+        results: dict[str, RunResult] = {}
+        with progress_bar() as bar:
+            task = bar.add_task(f"simulating {len(runs)} policies", total=len(runs))
+            for key, result in run_jobs(
+                trace_source, config.workload.format, runs, processes, trace
+            ):
+                results[key[0]] = result
+                bar.advance(task)
+    ordered = {p: results[p] for p in config.policies}
+    out = out or Path("smetric-out") / f"simulate-{slug(trace.name)}"
+    write_results(out, config, ordered)
+    shape = next(iter(ordered.values())).shape
+    console.print(results_table(_title(config, shape), ordered))
+    console.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet)")
+
+
+def _title(config: SimConfig, shape: Any) -> str:
+    c, w = config.cluster, config.workload
+    load = "open loop" if w.open_loop else f"{w.session_rate:g} sessions/s"
+    return (
+        f"{c.instances} x {c.gpus_per_instance}x{c.hardware} · {c.model} · "
+        f"KV {shape.kv_capacity_tokens:,} tokens/instance · global {c.global_capacity} · "
+        f"{load} for {w.duration_s:g} s"
+    )
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{what}: expected positive numbers, got {text!r}")
+    return values
+
+
+def sweep_summary(
+    rates: list[float], provisionings: list[str], policies: tuple[str, ...], results: dict
+) -> dict:
+    """Every run's summary, and each policy's best TPS within SLO per provisioning."""
+    runs = [
+        {"rate": r, "global": g, "policy": p, "summary": results[(r, g, p)].summary}
+        for g in provisionings
+        for p in policies
+        for r in rates
+    ]
+    best: dict[str, dict[str, dict[str, float]]] = {}
+    for run in runs:
+        slot = best.setdefault(run["global"], {})
+        current = slot.get(run["policy"])
+        tps = run["summary"]["tps_within_slo"]
+        if current is None or tps > current["tps"]:
+            slot[run["policy"]] = {"tps": tps, "rate": run["rate"]}
+    return {
+        "rates": rates,
+        "provisionings": provisionings,
+        "policies": list(policies),
+        "runs": runs,
+        "max_tps": best,
+    }
+
+
+def sweep_table(summary: dict) -> Table:
+    table = Table(title="Max TPS within SLO (at offered rate, sessions/s)")
+    table.add_column("policy")
+    for g in summary["provisionings"]:
+        table.add_column(f"global {g}", justify="right")
+    for p in summary["policies"]:
+        cells = []
+        for g in summary["provisionings"]:
+            row = summary["max_tps"][g][p]
+            top = max(v["tps"] for v in summary["max_tps"][g].values())
+            text = f"{row['tps']:,.0f} (@{row['rate']:g})"
+            cells.append(f"[bold green]{text}[/]" if row["tps"] == top and top > 0 else text)
+        table.add_row(p, *cells)
+    return table
+
+
+@app.command()
+def sweep(
+    source: SourceArg = None,
+    config_path: ConfigOpt = None,
+    rates: Annotated[
+        str, typer.Option(help="Comma-separated session rates (sessions/s) to offer.")
+    ] = "0.1,0.2,0.4,0.8",
+    provisionings: Annotated[
+        str,
+        typer.Option(
+            "--globals", help="Comma-separated global-tier capacities: none, 1x, 1.6x, full."
+        ),
+    ] = "none,1x,full",
+    policies: PoliciesOpt = None,
+    instances: InstancesOpt = None,
+    model: ModelOpt = None,
+    hardware: HardwareOpt = None,
+    duration: DurationOpt = None,
+    seed: SeedOpt = None,
+    out: OutOpt = None,
+    jobs: JobsOpt = None,
+) -> None:
+    """Offered rate x global-tier provisioning x policy, in parallel processes.
+
+    Reports each policy's maximum TPS within SLO per provisioning (the paper's Figures
+    11a/16a) and writes sweep.json and plots [default: smetric-out/sweep-TRACE].
+    """
+    from smetric.report.simulation import write_sweep_pngs
+
+    with user_errors():
+        rate_values = _floats(rates, "--rates")
+        levels = [g.strip() for g in provisionings.split(",") if g.strip()]
+        for level in levels:
+            parse_global_capacity(level)
+        base = build_config(
+            config_path,
+            source,
+            policies=policies,
+            instances=instances,
+            model=model,
+            hardware=hardware,
+            duration=duration,
+            seed=seed,
+        )
+        runs = [
+            Job(
+                (r, g, p),
+                base.override("workload", session_rate=r).override("cluster", global_capacity=g),
+                p,
+            )
+            for g in levels
+            for p in base.policies
+            for r in rate_values
+        ]
+        trace = load_with_progress(base.workload.trace, base.workload.format)
+        results: dict[tuple, RunResult] = {}
+        with progress_bar() as bar:
+            task = bar.add_task(f"sweeping {len(runs)} runs", total=len(runs))
+            for key, result in run_jobs(
+                base.workload.trace,
+                base.workload.format,
+                runs,
+                jobs or default_jobs(len(runs)),
+                trace,
+            ):
+                results[key] = result
+                bar.advance(task)
+    summary = sweep_summary(rate_values, levels, base.policies, results)
+    out = out or Path("smetric-out") / f"sweep-{slug(trace.name)}"
+    out.mkdir(parents=True, exist_ok=True)
+    dump_yaml(base, out / "config.yaml")
+    (out / "sweep.json").write_text(json.dumps(summary, indent=1))
+    pngs = write_sweep_pngs(summary, out)
+    console.print(sweep_table(summary))
+    console.print(f"\nwrote {out}/ (config.yaml, sweep.json, {len(pngs)} plots)")

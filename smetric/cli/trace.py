@@ -1,0 +1,76 @@
+"""``smetric trace``: inspect and convert request traces."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import polars as pl
+import typer
+from rich.table import Table
+
+from smetric.cli.app import (
+    FormatOpt,
+    TraceArg,
+    console,
+    load_with_progress,
+    trace_app,
+    user_errors,
+)
+from smetric.trace.load import DEFAULT_SAMPLE, write_parquet
+
+
+@trace_app.command("info")
+def trace_info(source: TraceArg = DEFAULT_SAMPLE, fmt: FormatOpt = None) -> None:
+    """Summarise a trace: requests, sessions, clock, tokens, blocks, triggers."""
+    with user_errors():
+        started = time.perf_counter()
+        trace = load_with_progress(source, fmt)
+        elapsed = time.perf_counter() - started
+    frame = trace.requests
+    table = Table(title=f"{trace.name} ({trace.source_format})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    span = frame["arrival_s"] if trace.has_clock else frame["session_time_s"]
+    rows = {
+        "requests": f"{trace.num_requests:,}",
+        "sessions": f"{trace.num_sessions:,}" + (" (inferred)" if trace.sessions_inferred else ""),
+        "agents": f"{frame.select(['session_id', 'agent_id']).n_unique():,}",
+        "clock": "global" if trace.has_clock else "per session only",
+        "time span": f"{(span.max() or 0) - (span.min() or 0):,.1f} s",
+        "input tokens": _total_and_mean(frame["input_tokens"]),
+        "output tokens": _total_and_mean(frame["output_tokens"]),
+        "block size": ", ".join(str(b) for b in sorted(frame["block_size"].unique().to_list())),
+        "blocks": f"{frame['block_ids'].list.len().sum():,}",
+        "triggers": ", ".join(
+            f"{row['trigger']} {row['count']:,}"
+            for row in frame["trigger"].value_counts(sort=True).iter_rows(named=True)
+        ),
+        "loaded in": f"{elapsed:.2f} s",
+    }
+    for key, value in rows.items():
+        table.add_row(key, value)
+    console.print(table)
+    for note in trace.notes:
+        console.print(f"[dim]note: {note}[/]")
+
+
+def _total_and_mean(column: pl.Series) -> str:
+    return f"{column.sum():,} (mean {column.mean() or 0:,.0f})"
+
+
+@trace_app.command("convert")
+def trace_convert(
+    source: TraceArg,
+    out: Annotated[Path, typer.Argument(help="Output .parquet file (normalised request table).")],
+    fmt: FormatOpt = None,
+) -> None:
+    """Convert any supported trace to SMetric's normalised Parquet request table."""
+    with user_errors():
+        if out.suffix != ".parquet":
+            raise ValueError(f"{out}: the output must be a .parquet file")
+        trace = load_with_progress(source, fmt)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_parquet(trace, out)
+    console.print(f"wrote {trace.num_requests:,} requests to {out}")

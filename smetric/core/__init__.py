@@ -1,0 +1,25 @@
+"""What every driver (simulator, live router, mock engine) must agree on; no I/O here.
+
+The routing API is re-exported here: build a ``ClusterView`` and a ``RoutingRequest``, get a
+policy from ``make_policy(spec)``, and call its ``route``.
+"""
+
+from smetric.core.policy import (
+    POLICY_NAMES,
+    ClusterView,
+    Decision,
+    Policy,
+    RoutingRequest,
+    make_policy,
+    policy_params,
+)
+
+__all__ = [
+    "POLICY_NAMES",
+    "ClusterView",
+    "Decision",
+    "Policy",
+    "RoutingRequest",
+    "make_policy",
+    "policy_params",
+]

@@ -1,0 +1,119 @@
+"""What a routing policy sees and says, and how policies are named on the command line.
+
+The simulator and the live router build the same ``ClusterView`` from different sources
+and call the same policy object, so a policy never learns which driver called it. Every
+decision names the branch that made it, so both drivers can count branches and explain
+each routing choice the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """The few facts about a request that routing may use; the router keeps no session table."""
+
+    # 0 = first request of a session (no earlier assistant message).
+    turn: int
+    prompt_tokens: int
+    # Prompt tokens of the carried history, excluding the freshly appended part: what an
+    # unevicted follow-up should hit on the instance that served its previous turn.
+    est_hit_tokens: int
+    # Only session hashing reads it.
+    session_key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Per-instance numbers, indexed alike; lists are the fastest sequences to pass.
+
+    The view is frozen but its sequences are not copied, so a driver may build one view over
+    lists it keeps up to date in place and pass that same view on every call.
+    """
+
+    # Local-tier prefix hit for this request, in tokens.
+    hit_tokens: Sequence[int]
+    # In-flight requests (PD colocation) or unprefilled prompt tokens (PD disaggregation).
+    load: Sequence[float]
+    # Queued unprefilled prompt tokens (Dynamo's rule); may be the same sequence as load.
+    prefill_tokens: Sequence[float]
+
+
+class Decision(NamedTuple):
+    instance: int
+    branch: str
+
+
+class Policy(Protocol):
+    """A deterministic map from (request, view) to a decision.
+
+    A policy may hold tiny state (a round-robin pointer), so each driver owns its own object
+    and two fresh objects fed the same calls make the same decisions.
+    """
+
+    name: str
+    # Every branch ``route`` can report, so reports can show zero counts too.
+    branches: tuple[str, ...]
+
+    def route(self, request: RoutingRequest, view: ClusterView) -> Decision: ...
+
+
+POLICY_NAMES: tuple[str, ...] = (
+    "smetric",
+    "linear",
+    "lmetric",
+    "least_load",
+    "prefill_tokens",
+    "round_robin",
+    "session_hash",
+    "cache_aware",
+)
+
+
+def _policy_class(name: str) -> type[Policy]:
+    # Imported here because the policies build on the types above.
+    from smetric.core.policies import POLICY_CLASSES
+
+    try:
+        return POLICY_CLASSES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}"
+        ) from None
+
+
+def policy_params(name: str) -> dict[str, float]:
+    """The tunable parameters of a policy and their defaults (empty when it has none)."""
+    parameters = inspect.signature(_policy_class(name)).parameters.values()
+    return {p.name: p.default for p in parameters}
+
+
+def make_policy(spec: str) -> Policy:
+    """A fresh policy from ``name`` or ``name:key=value,key=value``.
+
+    For example ``smetric:overload=1.5,hit_ratio=0.3`` or ``linear:lam=0.95``.
+    """
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    cls = _policy_class(name)
+    defaults = policy_params(name)
+    params: dict[str, float] = {}
+    for item in rest.split(",") if rest.strip() else ():
+        key, eq, text = (part.strip() for part in item.partition("="))
+        if not eq:
+            raise ValueError(f"policy {spec!r}: expected key=value, got {item.strip()!r}")
+        if key not in defaults:
+            valid = ", ".join(defaults) or "none"
+            raise ValueError(f"policy {name!r} has no parameter {key!r}; valid: {valid}")
+        if key in params:
+            raise ValueError(f"policy {spec!r}: parameter {key!r} given twice")
+        try:
+            params[key] = float(text)
+        except ValueError:
+            raise ValueError(f"policy {spec!r}: {key}={text!r} is not a number") from None
+    return cls(**params)

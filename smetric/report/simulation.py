@@ -1,0 +1,400 @@
+"""Matplotlib renderings of simulated runs and sweeps (the paper's Figures 11, 12 and 14-17).
+
+Built like ``figures``: ``Figure`` objects without pyplot, the report style applied only
+while figures are built. Each policy keeps one colour in every figure of a run and of a
+sweep, so a reader can follow a policy from the TPS bars to the latency CDFs without
+re-reading legends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import matplotlib as mpl
+import numpy as np
+import polars as pl
+from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize, to_rgba
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from smetric.report.figures import _STYLE, COLORS, DPI, _new_figure, _percent_axis
+from smetric.report.terminal import Section, pct, seconds, times
+
+# Tableau 10 without its grey, which would read as the "miss" segment of the reuse bars.
+PALETTE = (
+    "#2f6db5",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#b07aa1",
+    "#76b7b2",
+    "#edc948",
+    "#9c755f",
+    "#ff9da7",
+)
+TIERS = {"local": "Local-tier hit", "global": "Global-tier hit", "miss": "Miss (computed)"}
+FADED = 0.35  # alpha of the secondary layer drawn in a policy's colour (total TPS, global hits)
+NEUTRAL = "#555555"  # legend swatches that explain a layer rather than name a policy
+LATENCIES = {"ttft_s": "Time to first token", "tpot_s": "Time per output token"}
+
+Summaries = Mapping[str, Section]
+
+
+def policy_colors(policies: Iterable[str]) -> dict[str, str]:
+    """Colour policies by their position in the policy list, cycling past the palette.
+
+    Position rather than a hash of the name puts the first policies on the most distinct
+    colours, and ``simulate`` and ``sweep`` over the same policy list agree.
+    """
+    return {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(dict.fromkeys(policies))}
+
+
+def _policy_axis(ax: Axes, labels: Sequence[str]) -> None:
+    """One horizontal row per policy: long specs such as ``linear:lam=0.95`` fit as y labels."""
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # first policy on top, as in the policy list
+    ax.grid(axis="y", visible=False)
+
+
+def _rows_height(rows: int) -> float:
+    return 1.3 + 0.45 * rows
+
+
+def _key(fig: Figure, handles: Sequence[Patch]) -> None:
+    """A figure-wide key below the axes, where it cannot cover bars or their labels."""
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4))
+
+
+def _policy_legend(fig: Figure, colors: Mapping[str, str]) -> None:
+    """Key multi-panel figures whose panels all show every policy once, not per panel."""
+    _key(fig, [Patch(color=color, label=policy) for policy, color in colors.items()])
+
+
+def _tps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
+    """How much of each policy's throughput counts: TPS within SLO over all completed TPS."""
+    policies = list(summaries)
+    y = np.arange(len(policies))
+    total = np.array([float(summaries[p]["tps"]) for p in policies])
+    within = np.array([float(summaries[p]["tps_within_slo"]) for p in policies])
+    fig = _new_figure(8, _rows_height(len(policies)) + 0.3)
+    ax = fig.add_subplot()
+    behind = ax.barh(y, total, height=0.7, color=[to_rgba(colors[p], FADED) for p in policies])
+    ax.barh(y, within, height=0.45, color=[colors[p] for p in policies])
+    labels = [
+        f"{w:,.0f} of {t:,.0f} tok/s ({pct(summaries[p]['slo_attainment'])} met SLO)"
+        for p, w, t in zip(policies, within, total, strict=True)
+    ]
+    ax.bar_label(behind, labels=labels, padding=4, fontsize=9)
+    ax.set_xlim(0, max(total.max(initial=0.0), 1.0) * 1.6)  # room for the labels
+    _policy_axis(ax, policies)
+    ax.set_xlabel("Tokens per second (prompt + output)")
+    ax.set_title("TPS within SLO and total TPS")
+    _key(
+        fig,
+        [
+            Patch(color=NEUTRAL, label="TPS within SLO"),
+            Patch(color=to_rgba(NEUTRAL, FADED), label="Total TPS (completed requests)"),
+        ],
+    )
+    return fig
+
+
+def _reuse_panel(ax: Axes, rows: Sequence[tuple[str, Mapping[str, float], str]]) -> None:
+    """100 % bars of prompt tokens per row: local hits solid, global hits hatched (Fig. 11b)."""
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for tier in TIERS:
+        widths = np.array([float(split[tier]) for _, split, _ in rows])
+        if tier == "miss":
+            style: dict[str, Any] = {"color": COLORS["miss"]}
+        else:
+            faded = FADED if tier == "global" else 1.0
+            style = {"color": [to_rgba(color, faded) for *_, color in rows]}
+            if tier == "global":
+                style |= {"hatch": "///", "edgecolor": [color for *_, color in rows], "lw": 0}
+        bars = ax.barh(y, widths, left=left, height=0.6, **style)
+        texts = [pct(w) if w >= 0.06 else "" for w in widths]
+        ink = "white" if tier == "local" else "black"
+        ax.bar_label(bars, labels=texts, label_type="center", fontsize=9, color=ink)
+        left += widths
+    ax.set_xlim(0, 1)
+    _policy_axis(ax, [label for label, *_ in rows])
+    _percent_axis(ax, "x")
+
+
+def _tier_legend(fig: Figure) -> None:
+    tiers = [
+        Patch(color=NEUTRAL, label=TIERS["local"]),
+        Patch(
+            facecolor=to_rgba(NEUTRAL, FADED),
+            edgecolor=NEUTRAL,
+            hatch="///",
+            lw=0,
+            label=TIERS["global"],
+        ),
+        Patch(color=COLORS["miss"], label=TIERS["miss"]),
+    ]
+    _key(fig, tiers)
+
+
+def _reuse_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
+    """Where each policy's prompt tokens come from: local tier, global tier or recompute."""
+    fig = _new_figure(8, _rows_height(len(summaries)) + 0.3)
+    ax = fig.add_subplot()
+    _reuse_panel(ax, [(p, s["reuse"], colors[p]) for p, s in summaries.items()])
+    ax.set_xlabel("Share of prompt tokens")
+    ax.set_title("KV-cache reuse by tier")
+    _tier_legend(fig)
+    return fig
+
+
+def _cdf(ax: Axes, values: Iterable[float | None], color: str, label: str) -> None:
+    """Empirical CDF; an empty sample still gets its legend entry so no policy goes missing."""
+    data = np.array([v for v in values if v is not None], dtype=float)
+    data = np.sort(data[np.isfinite(data)])
+    ax.plot(
+        data,
+        np.arange(1, len(data) + 1) / max(len(data), 1),
+        drawstyle="steps-post",
+        color=color,
+        lw=1.8,
+        label=label,
+    )
+
+
+def _cdf_axis(ax: Axes, xlabel: str) -> None:
+    ax.set_ylim(0, 1.02)
+    _percent_axis(ax, "y")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("Share (CDF)")
+    ax.legend(loc="upper left", fontsize=8)  # the empty corner of a rising CDF
+
+
+def _mean_imbalance(imbalance: Section) -> str:
+    """The paper's load-imbalance figure of merit; a run with no busy window has none."""
+    mean = imbalance["mean"]
+    if mean is None or math.isnan(mean):
+        return "no busy windows"
+    return f"mean {times(mean)}"
+
+
+def _imbalance_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
+    """Figure 14: how often, and how badly, each policy piles load onto one instance."""
+    fig = _new_figure(8, 4.2)
+    ax = fig.add_subplot()
+    for policy, summary in summaries.items():
+        imbalance = summary["imbalance"]
+        _cdf(ax, imbalance["series"], colors[policy], f"{policy} ({_mean_imbalance(imbalance)})")
+    ax.axvline(1, color="grey", lw=0.8)
+    _cdf_axis(ax, "Per-window imbalance (max / mean in-flight tokens; 1.0x = balanced)")
+    ax.set_title("Distribution of per-window load imbalance")
+    return fig
+
+
+def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
+    """Figure 15b: per-instance load over time, each policy scaled to its own p99 so that
+    the pattern (hot instances vs an even spread) compares even when volumes differ."""
+    columns = min(len(summaries), 3)
+    rows = math.ceil(len(summaries) / columns)
+    fig = _new_figure(11, 0.4 + 2.6 * rows)
+    # One scale for all panels: 1.0 is a policy's own p99, so its top 1 % of cells saturate.
+    scale = ScalarMappable(Normalize(0, 1), "viridis")
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    for ax, (policy, summary) in zip(axes, summaries.items(), strict=False):
+        heat = np.asarray(summary["load_heatmap"], dtype=float)
+        p99 = float(np.percentile(heat, 99)) if heat.size else 0.0
+        ax.imshow(
+            heat / p99 if p99 > 0 else heat,
+            aspect="auto",
+            interpolation="nearest",
+            cmap=scale.cmap,
+            norm=scale.norm,
+        )
+        ax.grid(False)
+        ax.set_title(f"{policy} ({_mean_imbalance(summary['imbalance'])})", fontsize=10)
+        ax.title.set_color(colors[policy])
+        ax.set_xlabel("Time window")
+        ax.set_ylabel("Instance")
+    for ax in axes[len(summaries) :]:
+        ax.set_visible(False)
+    fig.colorbar(scale, ax=axes.tolist(), label="In-flight tokens / policy's p99", pad=0.01)
+    fig.suptitle("In-flight tokens per instance (load imbalance in brackets)", weight="bold")
+    return fig
+
+
+def _seconds_axis(ax: Axes) -> None:
+    """Log time axis labelled in ms / s / min: latencies span several decades."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 3.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: seconds(value)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _latency_label(policy: str, percentiles: Mapping[str, float | None]) -> str:
+    p50, p90 = percentiles["p50"], percentiles["p90"]
+    if p50 is None or p90 is None:
+        return f"{policy} (none completed)"
+    return f"{policy} (p50 {seconds(p50)}, p90 {seconds(p90)})"
+
+
+def _latency_figure(
+    summaries: Summaries, tables: Mapping[str, pl.DataFrame], colors: Mapping[str, str]
+) -> Figure:
+    """Figure 17: TTFT and TPOT of every completed request, met SLO or not, as the paper
+    counts them. TPOT needs a second output token, so single-token replies are left out."""
+    fig = _new_figure(11, 4.4)
+    axes = dict(zip(LATENCIES, fig.subplots(1, 2), strict=True))
+    for policy, summary in summaries.items():
+        done = tables[policy].filter(pl.col("completed"))
+        samples = {
+            "ttft_s": done["ttft_s"],
+            "tpot_s": done.filter(pl.col("output_tokens") > 1)["tpot_s"],
+        }
+        for metric, sample in samples.items():
+            positive = [v for v in sample.to_list() if v is not None and v > 0]  # log axis
+            label = _latency_label(policy, summary[metric])
+            _cdf(axes[metric], positive, colors[policy], label)
+    for metric, ax in axes.items():
+        _seconds_axis(ax)
+        _cdf_axis(ax, f"{LATENCIES[metric]} (log scale)")
+        ax.set_title(f"{LATENCIES[metric]}, completed requests")
+    return fig
+
+
+def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
+    """Figure 12: whether a policy keeps a session's follow-ups on its first instance."""
+    policies = list(summaries)
+    shares = [summaries[p]["stickiness"] for p in policies]
+    fig = _new_figure(8, _rows_height(len(policies)))
+    ax = fig.add_subplot()
+    bars = ax.barh(
+        np.arange(len(policies)),
+        [0.0 if s is None else s for s in shares],
+        height=0.6,
+        color=[colors[p] for p in policies],
+    )
+    labels = ["no follow-ups" if s is None else pct(s) for s in shares]
+    ax.bar_label(bars, labels=labels, padding=4, fontsize=9)
+    ax.set_xlim(0, 1.15)
+    ax.set_xticks(np.linspace(0, 1, 6))
+    _percent_axis(ax, "x")
+    _policy_axis(ax, policies)
+    ax.set_xlabel("Share of follow-up requests")
+    ax.set_title("Follow-ups served by their session's first instance")
+    return fig
+
+
+def _save(builds: Mapping[str, Callable[[], Figure]], out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    with mpl.rc_context(_STYLE):
+        for name, build in builds.items():
+            path = out / f"{name}.png"
+            build().savefig(path, dpi=DPI)
+            written[name] = path
+    return written
+
+
+def write_simulation_pngs(
+    summaries: dict[str, dict], tables: dict[str, pl.DataFrame], out: Path
+) -> dict[str, Path]:
+    """Write one run's figures; keys are figure names, policies keep the summaries' order."""
+    colors = policy_colors(summaries)
+    return _save(
+        {
+            "tps": partial(_tps_figure, summaries, colors),
+            "reuse": partial(_reuse_figure, summaries, colors),
+            "imbalance": partial(_imbalance_figure, summaries, colors),
+            "heatmaps": partial(_heatmaps_figure, summaries, colors),
+            "latency": partial(_latency_figure, summaries, tables, colors),
+            "stickiness": partial(_stickiness_figure, summaries, colors),
+        },
+        out,
+    )
+
+
+def _run_index(sweep: Section) -> dict[tuple[str, str, float], Section]:
+    return {(run["global"], run["policy"], run["rate"]): run["summary"] for run in sweep["runs"]}
+
+
+def _max_tps_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
+    """Figures 11a/16a: each policy's best TPS within SLO over the rate sweep, per global
+    tier, grouped by provisioning because the question is who wins at each one."""
+    provisionings, policies = sweep["provisionings"], sweep["policies"]
+    width = 0.8 / len(policies)
+    x = np.arange(len(provisionings))
+    fig = _new_figure(8, 4.6)
+    ax = fig.add_subplot()
+    for i, policy in enumerate(policies):
+        tps = [float(sweep["max_tps"][g][policy]["tps"]) for g in provisionings]
+        offset = (i - (len(policies) - 1) / 2) * width
+        bars = ax.bar(x + offset, tps, width * 0.9, color=colors[policy])
+        labels = [f"{v:,.0f}" for v in tps]
+        ax.bar_label(bars, labels=labels, padding=2, fontsize=8, rotation=90)
+    ax.margins(y=0.2)  # headroom for the rotated value labels
+    ax.set_xticks(x, provisionings)
+    ax.grid(axis="x", visible=False)
+    ax.set_xlabel("Global-tier provisioning")
+    ax.set_ylabel("Max TPS within SLO (tok/s)")
+    ax.set_title("Maximum TPS within SLO over the offered-rate sweep")
+    _policy_legend(fig, colors)
+    return fig
+
+
+def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
+    """Figure 15a: where each policy's TPS within SLO saturates as the offered rate grows."""
+    runs = _run_index(sweep)
+    provisionings, rates = sweep["provisionings"], sorted(sweep["rates"])
+    fig = _new_figure(min(4.0 * len(provisionings), 13), 4.4)
+    axes = fig.subplots(1, len(provisionings), sharey=True, squeeze=False).ravel()
+    for ax, level in zip(axes, provisionings, strict=True):
+        for policy in sweep["policies"]:
+            tps = [float(runs[level, policy, r]["tps_within_slo"]) for r in rates]
+            ax.plot(rates, tps, color=colors[policy], marker="o", ms=4, lw=1.8)
+        ax.set_title(f"Global tier: {level}")
+        ax.set_xlabel("Offered rate (sessions/s)")
+    axes[0].set_ylabel("TPS within SLO (tok/s)")
+    axes[0].set_ylim(bottom=0)
+    _policy_legend(fig, colors)
+    return fig
+
+
+def _reuse_by_provisioning_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
+    """Figures 11b/16b: the hit split that produced each max-TPS bar, so a TPS gap can be
+    traced to local hits lost or to recompute."""
+    runs = _run_index(sweep)
+    provisionings, policies = sweep["provisionings"], sweep["policies"]
+    fig = _new_figure(8, len(provisionings) * (0.5 + 0.45 * len(policies)) + 0.9)
+    axes = fig.subplots(len(provisionings), 1, sharex=True, squeeze=False).ravel()
+    for ax, level in zip(axes, provisionings, strict=True):
+        rows = []
+        for policy in policies:
+            rate = sweep["max_tps"][level][policy]["rate"]
+            rows.append(
+                (f"{policy} @ {rate:g}/s", runs[level, policy, rate]["reuse"], colors[policy])
+            )
+        _reuse_panel(ax, rows)
+        ax.set_title(f"Global tier: {level}", loc="left", fontsize=10)
+    axes[-1].set_xlabel("Share of prompt tokens, at each policy's max-TPS rate (sessions/s)")
+    _tier_legend(fig)
+    return fig
+
+
+def write_sweep_pngs(sweep: dict, out: Path) -> dict[str, Path]:
+    """Write a sweep's figures; policies keep the sweep's order and so its colours."""
+    colors = policy_colors(sweep["policies"])
+    return _save(
+        {
+            "max_tps": partial(_max_tps_figure, sweep, colors),
+            "tps_vs_rate": partial(_tps_vs_rate_figure, sweep, colors),
+            "reuse_by_provisioning": partial(_reuse_by_provisioning_figure, sweep, colors),
+        },
+        out,
+    )

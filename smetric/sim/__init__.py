@@ -1,0 +1,1 @@
+"""Cluster simulator: event loop, engine instances, KV tiers and the step-time model."""

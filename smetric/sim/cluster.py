@@ -1,0 +1,206 @@
+"""The discrete-event loop: requests arrive, a policy routes them, instances step.
+
+Events sit on one heap keyed by (time, kind, sequence number): at equal times a step's end
+is applied before a wake-up and a wake-up before an arrival, and otherwise events keep
+the order they were created in, so a run is a pure function of its inputs and seed.
+The policy sees the same view the live router builds: per instance, the local-tier prefix
+hit for this request and the load (requests in flight), plus queued prefill tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from smetric.core.policy import ClusterView, Policy, RoutingRequest
+from smetric.sim.config import ClusterConfig, parse_global_capacity
+from smetric.sim.instance import EngineLimits, Instance, SimRequest
+from smetric.sim.kv import GlobalTier, Link, LocalPool
+from smetric.sim.perf import (
+    StepTimeModel,
+    kv_bytes_per_token,
+    kv_capacity_tokens,
+    load_hardware,
+    load_model,
+)
+from smetric.sim.workload import SimWorkload
+from smetric.trace.compose import ClosedLoopIssuer
+
+STEP_END, WAKE, ARRIVAL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """What the configuration resolves to: the numbers a user should see."""
+
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    global_capacity_blocks: int | None
+
+
+def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
+    model = load_model(config.model)
+    hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
+    capacity = config.kv_capacity_tokens or kv_capacity_tokens(
+        model,
+        hardware,
+        weight_dtype=config.weight_dtype,
+        kv_dtype=config.kv_dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    if capacity <= 0:
+        raise ValueError(
+            f"{config.model} ({config.weight_dtype}) leaves no KV room on "
+            f"{config.gpus_per_instance}x{config.hardware} at memory utilisation "
+            f"{config.gpu_memory_utilization}"
+        )
+    # vLLM refuses to start when one max-length sequence cannot fit its KV pool.
+    limit = min(model.max_context, capacity)
+    if config.max_model_len is not None:
+        limit = min(limit, config.max_model_len)
+    ratio = parse_global_capacity(config.global_capacity)
+    local_blocks = capacity // block_size
+    global_blocks = None if ratio is None else int(ratio * local_blocks * config.instances)
+    return ClusterShape(
+        kv_capacity_tokens=capacity,
+        kv_bytes_per_token=kv_bytes_per_token(model, config.kv_dtype),
+        max_model_len=limit,
+        global_capacity_blocks=global_blocks,
+    )
+
+
+class Simulation:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        policy: Policy,
+        workload: SimWorkload,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.workload = workload
+        self.progress = progress
+        block_size = workload.requests[0].block_size if workload.requests else 16
+        self.shape = resolve_shape(config, block_size)
+        model = load_model(config.model)
+        hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
+        perf = StepTimeModel(
+            model, hardware, weight_dtype=config.weight_dtype, kv_dtype=config.kv_dtype
+        )
+        limits = EngineLimits(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_bytes_per_token=self.shape.kv_bytes_per_token,
+        )
+        global_blocks = self.shape.global_capacity_blocks
+        self.global_tier = GlobalTier(global_blocks, enabled=global_blocks != 0)
+        local_blocks = self.shape.kv_capacity_tokens // block_size
+        self.instances = [
+            Instance(
+                index=i,
+                pool=LocalPool(local_blocks),
+                link=Link(config.global_bandwidth_gb_s * 1e9),
+                global_tier=self.global_tier,
+                perf=perf,
+                limits=limits,
+            )
+            for i in range(config.instances)
+        ]
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self.sequence = 0
+        # A step's end event is valid only while its instance's plan is the same version.
+        self.plan_version = [0] * config.instances
+        self.issuer: ClosedLoopIssuer | None = None
+
+    def push(self, time: float, kind: int, payload: int, version: int = 0) -> None:
+        heapq.heappush(self.events, (time, kind, self.sequence, payload, version))
+        self.sequence += 1
+
+    def run(self) -> list[SimRequest]:
+        arrivals, self.issuer = self.workload.initial_arrivals()
+        for t, rid in arrivals:
+            self.push(t, ARRIVAL, rid)
+        horizon = self.workload.horizon_s
+        next_report = 0.0
+        while self.events:
+            t, kind, _, payload, version = heapq.heappop(self.events)
+            if t > horizon:
+                break
+            if self.progress is not None and t >= next_report:
+                self.progress(t)
+                next_report = t + horizon / 200
+            if kind == ARRIVAL:
+                self.arrive(self.workload.requests[payload], t)
+            elif kind == STEP_END:
+                if version == self.plan_version[payload]:
+                    self.end_step(self.instances[payload], t)
+            elif not self.instances[payload].busy:
+                self.kick(self.instances[payload], t)
+        if self.progress is not None:
+            self.progress(horizon)
+        return self.workload.requests
+
+    def arrive(self, req: SimRequest, now: float) -> None:
+        req.arrival = now
+        total = req.prompt + req.output
+        if total > self.shape.max_model_len:
+            req.rejected = True
+            req.finished_at = now
+            self.completed(req, now)
+            return
+        decision = self.policy.route(
+            RoutingRequest(req.turn, req.prompt, req.est_hit, req.session), self.view(req)
+        )
+        req.instance, req.branch = decision
+        instance = self.instances[decision.instance]
+        instance.enqueue(req, now)
+        if not instance.busy:
+            self.kick(instance, now)
+            return
+        end = instance.interrupt(now)
+        if end is not None:
+            self.schedule_step_end(instance, end)
+
+    def view(self, req: SimRequest) -> ClusterView:
+        bs = req.block_size
+        hits = [min(i.pool.cache.match(req.blocks) * bs, req.prompt) for i in self.instances]
+        return ClusterView(
+            hit_tokens=hits,
+            load=[float(i.inflight) for i in self.instances],
+            prefill_tokens=[float(i.unprefilled) for i in self.instances],
+        )
+
+    def kick(self, instance: Instance, now: float) -> None:
+        end = instance.plan_step(now)
+        if end is None:
+            instance.busy = False
+            wake = instance.next_ready()
+            if wake is not None and wake > now:
+                self.push(wake, WAKE, instance.index)
+            return
+        instance.busy = True
+        self.schedule_step_end(instance, end)
+
+    def schedule_step_end(self, instance: Instance, end: float) -> None:
+        self.plan_version[instance.index] += 1
+        self.push(end, STEP_END, instance.index, self.plan_version[instance.index])
+
+    def end_step(self, instance: Instance, now: float) -> None:
+        finished = instance.finish_step(now)
+        for req in finished:
+            self.completed(req, now)
+        self.kick(instance, now)
+
+    def completed(self, req: SimRequest, now: float) -> None:
+        if self.issuer is None:
+            return
+        for t, rid in self.issuer.complete(req.rid, now):
+            self.push(t, ARRIVAL, rid)
+
+
+def instance_busy_fraction(sim: Simulation, horizon: float) -> np.ndarray:
+    return np.array([i.busy_time for i in sim.instances]) / max(horizon, 1e-9)

@@ -1,0 +1,162 @@
+"""What a simulation run is: cluster, workload, SLOs and policies, as data.
+
+The flags of ``smetric simulate`` and a YAML file map onto the same dataclasses, and a run
+writes its resolved configuration next to its results, so any number can be reproduced
+with ``smetric simulate --config RESULT/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    instances: int = 32
+    model: str = "Qwen3-Coder-30B-A3B"
+    hardware: str = "H20"
+    gpus_per_instance: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    gpu_memory_utilization: float = 0.9
+    # None: GPU memory x utilisation - weights - activations, over KV bytes per token.
+    kv_capacity_tokens: int | None = None
+    # None: the model's context, capped at what one instance's KV pool can hold.
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # "none", "full" (never evicts) or a multiple of the cluster's total local capacity.
+    global_capacity: str = "full"
+    # Each instance's link to the global tier: one 200 Gbps RDMA NIC, about 21.7 GB/s
+    # effective (perf-anchors.md).
+    global_bandwidth_gb_s: float = 21.7
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    trace: str = "sample:weka"
+    format: str | None = None
+    # Closed-loop sessions composed from the trace: start rate and how long starts go on.
+    session_rate: float = 0.5
+    duration_s: float = 600.0
+    arrival: str = "poisson"
+    # Traces with a clock may instead be replayed open loop at their recorded arrivals.
+    open_loop: bool = False
+    speed: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """TTFT SLO = ttft_base_s + ttft_per_token_s x input tokens; TPOT SLO fixed.
+
+    Defaults: 1 s plus 0.25 ms per prompt token, about four times what an H20 needs to
+    prefill a token of Qwen3-30B-A3B without any cache hit (16.6 k tokens/s measured), so
+    a request meets it unless it queues or recomputes far more than its share; 30 ms TPOT
+    as in the paper.
+    """
+
+    ttft_base_s: float = 1.0
+    ttft_per_token_s: float = 0.00025
+    tpot_s: float = 0.030
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    policies: tuple[str, ...] = (
+        "smetric",
+        "linear",
+        "lmetric",
+        "least_load",
+        "prefill_tokens",
+        "round_robin",
+        "session_hash",
+        "cache_aware",
+    )
+    # Width of the windows in which load imbalance is measured.
+    window_s: float = 60.0
+
+    def override(self, section: str, **values: Any) -> SimConfig:
+        """A copy with fields of one section changed; None values leave a field as is."""
+        values = {k: v for k, v in values.items() if v is not None}
+        if not values:
+            return self
+        updated = dataclasses.replace(getattr(self, section), **values)
+        return dataclasses.replace(self, **{section: updated})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["policies"] = list(self.policies)
+        return data
+
+
+def _section(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+def from_dict(data: dict[str, Any], where: str = "config") -> SimConfig:
+    known = {f.name for f in fields(SimConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown sections {unknown}; known: {sorted(known)}")
+    policies = data.get("policies", SimConfig().policies)
+    if isinstance(policies, str):
+        policies = [p.strip() for p in policies.split(",") if p.strip()]
+    return SimConfig(
+        cluster=_section(ClusterConfig, data.get("cluster"), f"{where}: cluster"),
+        workload=_section(WorkloadConfig, data.get("workload"), f"{where}: workload"),
+        slo=_section(SLOConfig, data.get("slo"), f"{where}: slo"),
+        policies=tuple(policies),
+        window_s=float(data.get("window_s", SimConfig().window_s)),
+    )
+
+
+def load_yaml(path: Path) -> SimConfig:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return from_dict(data, str(path))
+
+
+def dump_yaml(config: SimConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def parse_global_capacity(text: str) -> float | None:
+    """'none' -> 0, 'full' -> None (never evicts), '1.6x' or '1.6' -> 1.6."""
+    value = str(text).strip().lower()
+    if value in ("none", "0", "0x"):
+        return 0.0
+    if value in ("full", "inf", "infinite"):
+        return None
+    try:
+        ratio = float(value.removesuffix("x"))
+    except ValueError as exc:
+        raise ValueError(
+            f"global capacity {text!r}: use none, full, or a ratio to local capacity like 1.6x"
+        ) from exc
+    if ratio < 0:
+        raise ValueError(f"global capacity {text!r} must not be negative")
+    return ratio

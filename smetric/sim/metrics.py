@@ -1,0 +1,151 @@
+"""The paper's metrics from one run's per-request records (DESIGN.md, "Metrics").
+
+A run measures what completes within its horizon (the period in which sessions start or
+requests arrive): TPS within SLO counts the prompt and output tokens of the requests that
+completed by then and met both SLOs, divided by the horizon. Latency percentiles count
+every completed request, met or not. Requests still running at the horizon count in
+neither and are reported as such.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+
+from smetric.sim.config import SLOConfig
+from smetric.sim.instance import SimRequest
+from smetric.trace.analysis.balance import window_loads
+
+PERCENTILES = (50, 90, 99)
+
+
+def request_table(requests: list[SimRequest], horizon_s: float) -> pl.DataFrame:
+    """Per-request results, for every request issued before the horizon."""
+    issued = [r for r in requests if r.arrival <= horizon_s and (r.instance >= 0 or r.rejected)]
+    return pl.DataFrame(
+        {
+            "request_id": [r.rid for r in issued],
+            "session_id": [r.session for r in issued],
+            "turn": [r.turn for r in issued],
+            "instance": [r.instance for r in issued],
+            "branch": [r.branch for r in issued],
+            "rejected": [r.rejected for r in issued],
+            "arrival_s": [r.arrival for r in issued],
+            "first_token_s": [r.first_token_at for r in issued],
+            "finished_s": [r.finished_at for r in issued],
+            "prompt_tokens": [r.prompt for r in issued],
+            "output_tokens": [r.output for r in issued],
+            "est_hit_tokens": [r.est_hit for r in issued],
+            "local_hit_tokens": [r.local_hit for r in issued],
+            "global_hit_tokens": [r.global_hit for r in issued],
+            "preemptions": [r.preemptions for r in issued],
+        },
+        schema_overrides={"first_token_s": pl.Float64, "finished_s": pl.Float64},
+    ).with_columns(
+        pl.col("first_token_s").fill_nan(None),
+        pl.col("finished_s").fill_nan(None),
+    )
+
+
+def with_latencies(table: pl.DataFrame, slo: SLOConfig, horizon_s: float) -> pl.DataFrame:
+    ttft = pl.col("first_token_s") - pl.col("arrival_s")
+    decode = pl.col("finished_s") - pl.col("first_token_s")
+    tpot = pl.when(pl.col("output_tokens") > 1).then(decode / (pl.col("output_tokens") - 1))
+    completed = pl.col("finished_s").is_not_null() & (pl.col("finished_s") <= horizon_s)
+    return table.with_columns(
+        ttft_s=ttft,
+        tpot_s=tpot.otherwise(0.0),
+        completed=completed & ~pl.col("rejected"),
+    ).with_columns(
+        met_slo=pl.col("completed")
+        & (pl.col("ttft_s") <= slo.ttft_base_s + slo.ttft_per_token_s * pl.col("prompt_tokens"))
+        & (pl.col("tpot_s") <= slo.tpot_s)
+    )
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float | None]:
+    if len(values) == 0:
+        return {f"p{p}": None for p in PERCENTILES}
+    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+
+
+def stickiness(table: pl.DataFrame) -> float | None:
+    """Share of follow-ups served by the instance that served their session's first request."""
+    routed = table.filter(pl.col("instance") >= 0).sort("request_id")
+    first = routed.group_by("session_id").agg(pl.col("instance").first().alias("home"))
+    follow = routed.filter(pl.col("turn") > 0).join(first, on="session_id")
+    if follow.height == 0:
+        return None
+    return float((follow["instance"] == follow["home"]).mean())
+
+
+def load_over_time(
+    table: pl.DataFrame, instances: int, window_s: float, horizon_s: float
+) -> np.ndarray:
+    """Mean in-flight tokens (prompt + output) per instance and window, as Figure 15(b)."""
+    routed = table.filter(pl.col("instance") >= 0)
+    end = routed["finished_s"].fill_null(horizon_s).clip(upper_bound=horizon_s).to_numpy()
+    edges = np.arange(0.0, horizon_s + window_s, window_s)
+    edges = edges[edges <= horizon_s + 1e-9]
+    if len(edges) < 2:
+        edges = np.array([0.0, horizon_s])
+    tokens = (routed["prompt_tokens"] + routed["output_tokens"]).to_numpy()
+    return window_loads(
+        routed["arrival_s"].to_numpy(),
+        end,
+        tokens,
+        routed["instance"].to_numpy(),
+        instances,
+        edges,
+    )
+
+
+def summarize(
+    table: pl.DataFrame, slo: SLOConfig, horizon_s: float, instances: int, window_s: float
+) -> dict:
+    done = table.filter(pl.col("completed"))
+    met = done.filter(pl.col("met_slo"))
+    tokens = pl.col("prompt_tokens") + pl.col("output_tokens")
+    admitted = table.filter(pl.col("instance") >= 0)
+    prompt = int(admitted["prompt_tokens"].sum())
+    local = int(admitted["local_hit_tokens"].sum())
+    remote = int(admitted["global_hit_tokens"].sum())
+    loads = load_over_time(table, instances, window_s, horizon_s)
+    mean = loads.mean(axis=0)
+    busy = mean > 0
+    imbalance = loads.max(axis=0)[busy] / mean[busy]
+    branches = admitted["branch"].value_counts().sort("branch").rows()
+    return {
+        "horizon_s": horizon_s,
+        "requests": {
+            "issued": table.height,
+            "completed": done.height,
+            "met_slo": met.height,
+            "rejected": int(table["rejected"].sum()),
+            "unfinished": int(admitted.height - done.height),
+            "preemptions": int(table["preemptions"].sum()),
+        },
+        "tps_within_slo": float(met.select(tokens.sum()).item() or 0) / horizon_s,
+        "tps": float(done.select(tokens.sum()).item() or 0) / horizon_s,
+        "slo_attainment": met.height / done.height if done.height else 0.0,
+        "ttft_s": _percentiles(done["ttft_s"].to_numpy()),
+        "tpot_s": _percentiles(done.filter(pl.col("output_tokens") > 1)["tpot_s"].to_numpy()),
+        "reuse": {
+            "prompt_tokens": prompt,
+            "local": local / prompt if prompt else 0.0,
+            "global": remote / prompt if prompt else 0.0,
+            "miss": 1 - (local + remote) / prompt if prompt else 0.0,
+        },
+        "imbalance": {
+            "mean": float(imbalance.mean()) if len(imbalance) else math.nan,
+            "p50": float(np.percentile(imbalance, 50)) if len(imbalance) else math.nan,
+            "p90": float(np.percentile(imbalance, 90)) if len(imbalance) else math.nan,
+            "max": float(imbalance.max()) if len(imbalance) else math.nan,
+            "series": imbalance.tolist(),
+        },
+        "load_heatmap": loads.tolist(),
+        "stickiness": stickiness(table),
+        "branches": {name: int(count) for name, count in branches},
+    }

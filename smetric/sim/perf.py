@@ -1,0 +1,393 @@
+"""Analytic step-time model of a vLLM-V1-like engine, and the KV-cache budget it leaves.
+
+The simulator calls ``StepTimeModel.step_time`` once per simulated engine step, 10^5-10^6
+times a run, so everything that does not depend on the step's contents is folded into
+per-token and per-step constants in ``__init__`` and a call is a dozen float operations.
+
+Kernels of one layer run one after another on the same GPUs (vLLM overlaps no two
+batches), so each kernel class is bound by its own resource: the step time is the *sum*
+over terms of each term's own roofline ``max(compute time, memory time)``, not one max
+over the step. Hardware and model numbers are presets (``presets/*.toml``), not code; the
+per-term ``Corrections`` let a measured run rescale any term without touching them.
+Calibration against public measurements: ``benchmarks/perf_anchors.py``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1}
+# What an FP8 checkpoint keeps in BF16 (embedding, lm_head, routers) is stored at this width.
+_UNQUANTIZED_BYTES = 2
+# Activations cross the tensor-parallel all-reduces in BF16.
+_ACTIVATION_BYTES = 2
+# load_model() rejects a preset whose published parameter counts its shape misses by more.
+_PARAM_TOLERANCE = 0.02
+
+
+@cache
+def _presets(filename: str) -> dict[str, dict[str, Any]]:
+    text = resources.files("smetric.sim").joinpath("presets", filename).read_text("utf-8")
+    return tomllib.loads(text)
+
+
+HARDWARE_NAMES: tuple[str, ...] = tuple(_presets("hardware.toml"))
+MODEL_NAMES: tuple[str, ...] = tuple(_presets("models.toml"))
+
+
+def _dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One instance's GPUs: per-GPU peaks and achieved fractions, times ``gpus``.
+
+    Efficiencies are what real kernels reach of a peak (perf-anchors.md, H20 column); a
+    term's time is its work over ``peak x efficiency``. A tensor-parallel instance is
+    worth ``gpus x tp_efficiency`` single GPUs and pays two all-reduces per layer.
+    """
+
+    name: str
+    gpus: int
+    bf16_tflops: float
+    fp8_tflops: float
+    hbm_tb_s: float
+    memory_gb: float
+    gemm_efficiency: float
+    grouped_gemm_efficiency: float
+    fp8_gemm_derate: float
+    attention_efficiency: float
+    decode_attention_bw_efficiency: float
+    memory_efficiency: float
+    nvlink_gb_s: float
+    allreduce_bw_efficiency: float
+    allreduce_latency_s: float
+    tp_efficiency: float
+
+    @property
+    def scale(self) -> float:
+        """How many single GPUs' worth of compute and bandwidth the instance has."""
+        return self.gpus * self.tp_efficiency if self.gpus > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Qwen3-MoE-shaped model: GQA attention, top-k routed experts, untied lm_head."""
+
+    name: str
+    hf_repo: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_ffn: int
+    vocab: int
+    tie_embeddings: bool
+    total_params: float
+    active_matmul_params: float
+    weight_dtype: str
+    max_context: int
+    max_context_yarn: int
+
+    @property
+    def attention_params(self) -> int:
+        """q, k, v and o projections of one layer."""
+        return self.hidden * self.head_dim * 2 * (self.q_heads + self.kv_heads)
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden * self.experts
+
+    @property
+    def expert_params(self) -> int:
+        """gate, up and down projections of one expert in one layer."""
+        return 3 * self.hidden * self.expert_ffn
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return 0 if self.tie_embeddings else self.vocab * self.hidden
+
+    @property
+    def dense_params(self) -> int:
+        """Matmul weights every token runs through besides its experts and the lm_head."""
+        return self.layers * (self.attention_params + self.router_params)
+
+    @property
+    def unquantized_params(self) -> int:
+        return self.lm_head_params + self.embedding_params + self.layers * self.router_params
+
+    @property
+    def shape_total_params(self) -> int:
+        per_layer = self.attention_params + self.router_params + self.experts * self.expert_params
+        return self.layers * per_layer + self.lm_head_params + self.embedding_params
+
+    @property
+    def shape_active_params(self) -> int:
+        moe = self.layers * self.top_k * self.expert_params
+        return self.dense_params + moe + self.lm_head_params
+
+
+def load_hardware(name: str, gpus: int = 1) -> Hardware:
+    presets = _presets("hardware.toml")
+    if name not in presets:
+        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE_NAMES)}")
+    if gpus < 1:
+        raise ValueError(f"an instance needs at least one GPU, got {gpus}")
+    return Hardware(name=name, gpus=gpus, **presets[name])
+
+
+def load_model(name: str) -> ModelSpec:
+    presets = _presets("models.toml")
+    if name not in presets:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODEL_NAMES)}")
+    spec = ModelSpec(name=name, **presets[name])
+    for published, derived in (
+        (spec.total_params, spec.shape_total_params),
+        (spec.active_matmul_params, spec.shape_active_params),
+    ):
+        if abs(derived / published - 1) > _PARAM_TOLERANCE:
+            raise ValueError(
+                f"model preset {name!r}: its shape implies {derived:.3e} parameters where "
+                f"{published:.3e} are published"
+            )
+    _dtype_bytes(spec.weight_dtype)
+    return spec
+
+
+def experts_touched(model: ModelSpec, tokens: int) -> float:
+    """Distinct experts a layer runs for ``tokens`` tokens under uniform routing.
+
+    Each token picks ``top_k`` of ``experts``; an expert is missed by all of them with
+    probability ``(1 - k/E)^B``. A decode step must stream every touched expert's weights,
+    which is why step time grows sublinearly in batch size until about B = 32-64.
+    """
+    return model.experts * (1.0 - (1.0 - model.top_k / model.experts) ** tokens)
+
+
+def kv_bytes_per_token(model: ModelSpec, kv_dtype: str) -> int:
+    return 2 * model.layers * model.kv_heads * model.head_dim * _dtype_bytes(kv_dtype)
+
+
+def weight_bytes(model: ModelSpec, weight_dtype: str) -> float:
+    quantized = model.total_params - model.unquantized_params
+    return quantized * _dtype_bytes(weight_dtype) + model.unquantized_params * _UNQUANTIZED_BYTES
+
+
+def kv_capacity_tokens(
+    model: ModelSpec,
+    hardware: Hardware,
+    *,
+    weight_dtype: str,
+    kv_dtype: str,
+    gpu_memory_utilization: float = 0.9,
+    activation_reserve_gb: float = 3.0,
+) -> int:
+    """KV tokens one instance holds, as vLLM sizes its pool (0 when the weights do not fit).
+
+    vLLM claims ``gpu_memory_utilization`` of each GPU, loads the weights, profiles a peak
+    forward pass and gives the rest to KV blocks. ``activation_reserve_gb`` per GPU stands
+    in for that profiled peak (activations of an 8 k-token chunk, CUDA graphs, NCCL
+    buffers): 3 GB leaves Qwen3-30B-A3B in BF16 on one H20 about 22 GB, 227 k tokens.
+    """
+    usable = hardware.memory_gb * 1e9 * hardware.gpus * gpu_memory_utilization
+    reserve = activation_reserve_gb * 1e9 * hardware.gpus
+    free = usable - weight_bytes(model, weight_dtype) - reserve
+    return max(0, int(free // kv_bytes_per_token(model, kv_dtype)))
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """Per-term factors, to rescale the analytic terms to a measured engine.
+
+    ``compute`` scales the GEMMs' compute-bound times (dense, experts, lm_head), ``memory``
+    their weight-streaming times, ``attention`` both prefill attention FLOPs and decode KV
+    reads, ``comm`` the tensor-parallel all-reduces. The overheads are what an engine step
+    costs besides its GEMMs and attention: per step, scheduling, input preparation and
+    sampling; per layer, the small kernels (norms, RoPE, KV-cache write, routing top-k,
+    expert sort, activation) at a few microseconds each. Their defaults, 1 ms + 25 us a
+    layer, are fitted to the small-batch anchors (H20 single stream, H100 at concurrency
+    10), which without them come out 13-47 % fast.
+    """
+
+    compute: float = 1.0
+    memory: float = 1.0
+    attention: float = 1.0
+    step_overhead_s: float = 1.0e-3
+    layer_overhead_s: float = 25e-6
+    comm: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """The terms of one step, in seconds; they add up to ``step_time``."""
+
+    overhead: float
+    dense: float
+    lm_head: float
+    experts: float
+    attention: float
+    comm: float
+
+    @property
+    def total(self) -> float:
+        return self.overhead + self.dense + self.lm_head + self.experts + self.attention + self.comm
+
+
+class StepTimeModel:
+    """Seconds one engine step takes, from what the step computes.
+
+    A step (continuous batching with chunked prefill) runs ``prefill_tokens`` new prompt
+    tokens and ``decode_seqs`` decode tokens through the model. Terms:
+
+    - dense GEMMs (attention projections, router): ``2 x dense params x tokens`` FLOPs
+      against one read of their weights;
+    - lm_head: only for the positions that are sampled (each decode, and one for the
+      step's prefill chunks: the last position of a finishing prompt);
+    - experts: ``2 x top_k x expert params x tokens`` FLOPs against reading every expert
+      the batch touches (``experts_touched``);
+    - attention: prefill's quadratic part from ``prefill_attn_tokens2`` (query-key pairs:
+      ``4 x q_heads x head_dim`` FLOPs each per layer), counted as compute only since a
+      chunk reuses each KV read across its rows and the GQA group (memory only wins
+      below ~5-token chunks); decode's KV-cache reads;
+    - all-reduces of the activations, twice per layer, when the instance spans GPUs;
+    - fixed per-step and per-layer overheads (``Corrections``).
+    """
+
+    __slots__ = (
+        "_comm_fixed_s",
+        "_comm_s_per_token",
+        "_dense_read_s",
+        "_dense_s_per_token",
+        "_expert_read_s",
+        "_fixed_s",
+        "_kv_token_s",
+        "_lm_read_s",
+        "_lm_s_per_token",
+        "_miss",
+        "_moe_s_per_token",
+        "_overhead_s",
+        "_pair_s",
+    )
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: Hardware,
+        *,
+        weight_dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+        corrections: Corrections = Corrections(),
+    ) -> None:
+        c = corrections
+        w = _dtype_bytes(weight_dtype)
+        fp8 = weight_dtype == "fp8"
+        scale = hardware.scale
+        peak = (hardware.fp8_tflops if fp8 else hardware.bf16_tflops) * 1e12 * scale
+        derate = hardware.fp8_gemm_derate if fp8 else 1.0
+        dense_rate = peak * hardware.gemm_efficiency * derate
+        moe_rate = peak * hardware.grouped_gemm_efficiency * derate
+        bf16_peak = hardware.bf16_tflops * 1e12 * scale
+        lm_rate = bf16_peak * hardware.gemm_efficiency
+        attn_rate = bf16_peak * hardware.attention_efficiency
+        weight_bw = hardware.hbm_tb_s * 1e12 * scale * hardware.memory_efficiency
+        kv_bw = hardware.hbm_tb_s * 1e12 * scale * hardware.decode_attention_bw_efficiency
+        layers = model.layers
+
+        self._dense_s_per_token = 2 * model.dense_params / dense_rate * c.compute
+        dense_bytes = layers * (
+            model.attention_params * w + model.router_params * _UNQUANTIZED_BYTES
+        )
+        self._dense_read_s = dense_bytes / weight_bw * c.memory
+        self._lm_s_per_token = 2 * model.lm_head_params / lm_rate * c.compute
+        self._lm_read_s = model.lm_head_params * _UNQUANTIZED_BYTES / weight_bw * c.memory
+        active_expert_params = layers * model.top_k * model.expert_params
+        self._moe_s_per_token = 2 * active_expert_params / moe_rate * c.compute
+        all_expert_bytes = layers * model.experts * model.expert_params * w
+        self._expert_read_s = all_expert_bytes / weight_bw * c.memory
+        self._miss = 1.0 - model.top_k / model.experts
+        attn_flops = 4 * model.q_heads * model.head_dim * layers
+        self._pair_s = attn_flops / attn_rate * c.attention
+        # Decode attention is linear in context for both resources: the larger wins.
+        kv_read_s = kv_bytes_per_token(model, kv_dtype) / kv_bw
+        self._kv_token_s = max(kv_read_s, attn_flops / attn_rate) * c.attention
+        if hardware.gpus > 1:
+            # Ring all-reduce moves 2(g-1)/g of the message over each GPU's link.
+            g = hardware.gpus
+            link = hardware.nvlink_gb_s * 1e9 * hardware.allreduce_bw_efficiency
+            per_token = 2 * (g - 1) / g * model.hidden * _ACTIVATION_BYTES / link
+            self._comm_fixed_s = 2 * layers * hardware.allreduce_latency_s * c.comm
+            self._comm_s_per_token = 2 * layers * per_token * c.comm
+        else:
+            self._comm_fixed_s = 0.0
+            self._comm_s_per_token = 0.0
+        self._overhead_s = c.step_overhead_s + layers * c.layer_overhead_s
+        self._fixed_s = self._overhead_s + self._comm_fixed_s
+
+    def step_time(
+        self,
+        prefill_tokens: int,
+        prefill_attn_tokens2: float,
+        decode_seqs: int,
+        decode_context_tokens: int,
+    ) -> float:
+        """Seconds for one step; see the class docstring for the arguments' meaning.
+
+        ``prefill_attn_tokens2`` is the sum over prefill chunks of
+        ``chunk_len x (tokens already cached or computed before the chunk + chunk_len / 2)``;
+        ``decode_context_tokens`` the sum of the decode sequences' KV lengths.
+        """
+        tokens = prefill_tokens + decode_seqs
+        if tokens <= 0:
+            raise ValueError("an engine step runs at least one token")
+        logits = decode_seqs + (1 if prefill_tokens else 0)
+        return (
+            self._fixed_s
+            + max(tokens * self._dense_s_per_token, self._dense_read_s)
+            + max(logits * self._lm_s_per_token, self._lm_read_s)
+            + max(tokens * self._moe_s_per_token, (1.0 - self._miss**tokens) * self._expert_read_s)
+            + prefill_attn_tokens2 * self._pair_s
+            + decode_context_tokens * self._kv_token_s
+            + tokens * self._comm_s_per_token
+        )
+
+    def breakdown(
+        self,
+        prefill_tokens: int,
+        prefill_attn_tokens2: float,
+        decode_seqs: int,
+        decode_context_tokens: int,
+    ) -> StepBreakdown:
+        """The same step, term by term: which resource a configuration is bound by."""
+        tokens = prefill_tokens + decode_seqs
+        if tokens <= 0:
+            raise ValueError("an engine step runs at least one token")
+        logits = decode_seqs + (1 if prefill_tokens else 0)
+        return StepBreakdown(
+            overhead=self._overhead_s,
+            dense=max(tokens * self._dense_s_per_token, self._dense_read_s),
+            lm_head=max(logits * self._lm_s_per_token, self._lm_read_s),
+            experts=max(
+                tokens * self._moe_s_per_token,
+                (1.0 - self._miss**tokens) * self._expert_read_s,
+            ),
+            attention=prefill_attn_tokens2 * self._pair_s
+            + decode_context_tokens * self._kv_token_s,
+            comm=self._comm_fixed_s + tokens * self._comm_s_per_token,
+        )
