@@ -7,11 +7,10 @@ blocks a prompt on average, after a 64-block system prompt every session shares)
 sessions live at a time. Every request is matched against all 32 instance caches of
 4,000 blocks (what routing does), then inserted and locked on one instance (round-robin
 for a session's first turn, the longest hit after that) and unlocked eight requests
-later. The
-baseline is the usual per-block design, a dict of lock counts plus an OrderedDict of
-unlocked blocks in LRU order, fed Python lists made before the clock starts; it runs on
-fewer sessions because it is slow, so the two are compared per request on the same
-smaller workload, with the cache's full-size figures beside them.
+later. The baseline is the usual per-block design, a dict of lock counts plus an
+OrderedDict of unlocked blocks in LRU order, fed Python lists made before the clock
+starts; it runs on fewer sessions because it is slow, so the two are compared per request
+on the same smaller workload, with the cache's full-size figures beside them.
 """
 
 from __future__ import annotations
@@ -125,12 +124,15 @@ def workload(sessions: int, seed: int = 0) -> tuple[list[np.ndarray], list[tuple
 def replay(
     make: Callable[[], Cache], prompts: list[Any], requests: list[tuple[int, int, int]]
 ) -> tuple[float, int, float]:
-    """Seconds, cache operations and hit ratio (blocks) of one run."""
+    """CPU seconds, cache operations and hit ratio (in blocks) of one run.
+
+    CPU time rather than wall time, so that other work on a shared machine skews it less.
+    """
     caches = [make() for _ in range(INSTANCES)]
     in_flight: deque[tuple[Cache, Any]] = deque()
     ops = hits = blocks_total = 0
     next_rr = 0
-    start = time.perf_counter()
+    start = time.process_time()
     for now, (s, turn, length) in enumerate(requests):
         blocks = prompts[s][:length]
         matches = [cache.match(blocks) for cache in caches]
@@ -148,7 +150,7 @@ def replay(
             ops += 1
         hits += matches[best]
         blocks_total += length
-    return time.perf_counter() - start, ops, hits / blocks_total
+    return time.process_time() - start, ops, hits / blocks_total
 
 
 def main() -> None:
@@ -173,7 +175,7 @@ def main() -> None:
             naive, small_lists, small_requests
         ),
     }
-    print(f"{'run':32} {'requests':>8} {'seconds':>8} {'us/request':>10} {'ops/s':>9} {'hit':>6}")
+    print(f"{'run':32} {'requests':>8} {'cpu s':>8} {'us/request':>10} {'ops/s':>9} {'hit':>6}")
     per_request = {}
     for (name, (seconds, ops, hit)), requests in zip(
         runs.items(), [full_requests, small_requests, small_requests], strict=True

@@ -35,6 +35,15 @@ def test_match_after_insert() -> None:
     assert cache.size == 4
 
 
+def test_any_one_dimensional_integer_sequence_is_accepted() -> None:
+    cache = PrefixCache(None)
+    cache.insert([1, 2, 3, 4], now=1)
+    strided = np.array([1, 0, 2, 0, 3, 0, 9, 0], dtype=np.int32)[::2]
+    assert cache.match(strided) == 3
+    with pytest.raises(ValueError, match="one-dimensional"):
+        cache.match(np.ones((2, 2), dtype=np.int64))
+
+
 def test_session_extension_stays_one_node() -> None:
     cache = PrefixCache(None)
     prompt = np.empty(0, dtype=np.int64)
@@ -144,6 +153,7 @@ def test_a_prefix_hit_outlives_its_older_branches() -> None:
     assert cache.node_count == 3
     assert cache.evict(6) == 6
     assert (cache.match(b), cache.match(d)) == (4, 0)
+    assert cache.evict(100) == 4
 
 
 def test_lock_prevents_eviction_and_nests() -> None:

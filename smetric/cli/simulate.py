@@ -162,20 +162,12 @@ def _split_policies(text: str) -> tuple[str, ...]:
 
 
 def results_table(title: str, results: dict[str, RunResult]) -> Table:
-    table = Table(title=title)
-    for column in (
-        "policy",
-        "TPS in SLO",
-        "TPS",
-        "SLO met",
-        "TTFT p50/p90 s",
-        "TPOT p50/p90 ms",
-        "hit local/global",
-        "imbalance",
-        "sticky",
-        "rejected",
-    ):
-        table.add_column(column, justify="left" if column == "policy" else "right")
+    table = Table(title=title, title_style="bold", padding=(0, 1))
+    table.add_column("policy", no_wrap=True)
+    for header in ("TPS@SLO", "SLO", "TTFT s p50/90", "TPOT ms p50/90", "hit loc/glob"):
+        table.add_column(header, justify="right")
+    table.add_column("imbal.", justify="right")
+    table.add_column("sticky", justify="right")
     best = max((r.summary["tps_within_slo"] for r in results.values()), default=0.0)
     for policy, result in results.items():
         s = result.summary
@@ -185,14 +177,12 @@ def results_table(title: str, results: dict[str, RunResult]) -> Table:
         table.add_row(
             policy,
             f"[bold green]{tps}[/]" if s["tps_within_slo"] == best and best > 0 else tps,
-            f"{s['tps']:,.0f}",
-            f"{s['slo_attainment']:.1%}",
+            f"{s['slo_attainment']:.0%}",
             f"{_num(ttft['p50'])}/{_num(ttft['p90'])}",
             f"{_num(tpot['p50'], 1000)}/{_num(tpot['p90'], 1000)}",
-            f"{reuse['local']:.1%}/{reuse['global']:.1%}",
+            f"{reuse['local']:.0%}/{reuse['global']:.0%}",
             f"{s['imbalance']['mean']:.2f}x",
-            "-" if sticky is None else f"{sticky:.1%}",
-            str(s["requests"]["rejected"]),
+            "-" if sticky is None else f"{sticky:.0%}",
         )
     return table
 
@@ -201,7 +191,10 @@ def _num(value: float | None, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:.1f}"
 
 
-def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -> None:
+def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -> int:
+    """Configuration, summaries, per-request tables and plots; returns the plot count."""
+    from smetric.report.simulation import write_simulation_pngs
+
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(config, out / "config.yaml")
     shape = next(iter(results.values())).shape
@@ -212,6 +205,9 @@ def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for policy, result in results.items():
         result.requests.write_parquet(out / f"requests-{slug(policy)}.parquet")
+    summaries = {policy: r.summary for policy, r in results.items()}
+    tables = {policy: r.requests for policy, r in results.items()}
+    return len(write_simulation_pngs(summaries, tables, out))
 
 
 @app.command()
@@ -265,10 +261,16 @@ def simulate(
                 bar.advance(task)
     ordered = {p: results[p] for p in config.policies}
     out = out or Path("smetric-out") / f"simulate-{slug(trace.name)}"
-    write_results(out, config, ordered)
+    plots = write_results(out, config, ordered)
     shape = next(iter(ordered.values())).shape
     console.print(results_table(_title(config, shape), ordered))
-    console.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet)")
+    first = next(iter(ordered.values())).summary["requests"]
+    console.print(
+        f"TPS@SLO: prompt + output tokens/s of requests that met both SLOs · "
+        f"{first['rejected']} requests longer than max_model_len "
+        f"({shape.max_model_len:,}) rejected"
+    )
+    console.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet, {plots} plots)")
 
 
 def _title(config: SimConfig, shape: Any) -> str:

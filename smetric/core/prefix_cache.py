@@ -61,7 +61,8 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.last_access = last_access
         self.lock_count = 0
-        # Counter of this node's one valid heap entry; -1 when it has none or is dead.
+        # Counter of this node's latest heap entry, -1 once dead. A leaf gets a fresh entry
+        # whenever its time changes or it becomes evictable, so older ones are stale.
         self.entry = -1
 
 
@@ -182,9 +183,11 @@ class PrefixCache:
                 break
             run = child.run
             k = min(len(run), limit - i)
-            differs = run[:k] != blocks[i : i + k]
-            j = int(differs.argmax())
-            if differs[j]:
+            head, window = run[:k], blocks[i : i + k]
+            # Equality by memcmp is a few times cheaper than an elementwise compare, which
+            # is left for finding where a mismatching run diverges.
+            if head.tobytes() != window.tobytes():
+                j = int((head != window).argmax())
                 return child, i + j, j
             i += k
             if k < len(run):
@@ -339,12 +342,7 @@ def _mergeable(node: _Node) -> bool:
 
 def _evictable(entry: tuple[float, int, _Node]) -> bool:
     node = entry[2]
-    return (
-        node.entry == entry[1]
-        and node.last_access == entry[0]
-        and not node.children
-        and node.lock_count == 0
-    )
+    return node.entry == entry[1] and not node.children and node.lock_count == 0
 
 
 def _as_blocks(blocks: np.ndarray) -> np.ndarray:

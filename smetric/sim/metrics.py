@@ -119,6 +119,7 @@ def summarize(
     branches = admitted["branch"].value_counts().sort("branch").rows()
     return {
         "horizon_s": horizon_s,
+        "window_s": window_s,
         "requests": {
             "issued": table.height,
             "completed": done.height,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -49,7 +50,11 @@ def run_jobs(
         for job in jobs:
             yield job.key, simulate(loaded, job.config, job.policy)
         return
-    with ProcessPoolExecutor(processes, initializer=_init, initargs=(source, fmt)) as pool:
+    # Forking a process that has run polars' thread pool can deadlock the child: spawn.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        processes, mp_context=context, initializer=_init, initargs=(source, fmt)
+    ) as pool:
         futures = [pool.submit(_run, job) for job in jobs]
         for future in as_completed(futures):
             yield future.result()

@@ -1,0 +1,224 @@
+"""The simulator: instance mechanics worked out by hand, and whole-run properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smetric.core.policy import POLICY_NAMES, make_policy
+from smetric.sim.cluster import Simulation
+from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
+from smetric.sim.instance import EngineLimits, Instance, SimRequest
+from smetric.sim.kv import GlobalTier, Link, LocalPool
+from smetric.sim.run import simulate
+from smetric.sim.workload import build_workload
+
+from conftest import make_trace
+
+
+class OneSecondSteps:
+    """Every engine step takes one second, so times can be worked out by hand."""
+
+    def step_time(self, prefill, attn2, decode_seqs, decode_context) -> float:
+        return 1.0
+
+
+def instance(capacity_blocks: int = 100, budget: int = 64, global_blocks=0) -> Instance:
+    return Instance(
+        index=0,
+        pool=LocalPool(capacity_blocks),
+        link=Link(1000.0),
+        global_tier=GlobalTier(global_blocks),
+        perf=OneSecondSteps(),
+        limits=EngineLimits(max_num_seqs=8, max_num_batched_tokens=budget, kv_bytes_per_token=1),
+    )
+
+
+def request(rid: int, blocks: list[int], prompt: int, output: int) -> SimRequest:
+    return SimRequest(rid, "s", 0, np.array(blocks, dtype=np.int64), prompt, output, 0, 16)
+
+
+def drive(inst: Instance, start: float = 0.0) -> list[tuple[int, float]]:
+    """Run the instance until idle; returns (request id, finish time) in finish order."""
+    done: list[tuple[int, float]] = []
+    now = start
+    while (end := inst.plan_step(now)) is not None:
+        now = end
+        done += [(r.rid, now) for r in inst.finish_step(now)]
+    return done
+
+
+def test_chunked_prefill_then_decode_timeline() -> None:
+    inst = instance()
+    a = request(0, [1, 2, 3, 4, 5, 6], prompt=100, output=3)
+    inst.enqueue(a, 0.0)
+    # Steps of 64 prompt tokens: 64 then 36 -> first token at t=2; two decode steps -> t=4.
+    assert drive(inst) == [(0, 4.0)]
+    assert a.first_token_at == 2.0
+    assert (inst.pool.private, inst.pool.cache.size, inst.pool.cache.locked) == (0, 6, 0)
+
+
+def test_follow_up_hits_the_cached_prefix() -> None:
+    inst = instance()
+    inst.enqueue(request(0, [1, 2, 3, 4, 5, 6], 100, 1), 0.0)
+    drive(inst)
+    b = request(1, [1, 2, 3, 4, 5, 6, 7, 8], prompt=130, output=2)
+    inst.enqueue(b, 10.0)
+    # 6 cached blocks (96 tokens) hit; 34 tokens fit one step -> first token at 11.
+    assert drive(inst, 10.0) == [(1, 12.0)]
+    assert (b.local_hit, b.global_hit, b.first_token_at) == (96, 0, 11.0)
+
+
+def test_global_tier_fetch_delays_admission_and_counts_as_global_hit() -> None:
+    inst = instance(global_blocks=None)
+    blocks = np.array([1, 2, 3, 4], dtype=np.int64)
+    inst.global_tier.write(blocks, 0.0)
+    c = request(0, [1, 2, 3, 4], prompt=80, output=1)
+    inst.enqueue(c, 0.0)
+    # 4 blocks x 16 tokens x 1 byte over 1000 B/s land at t=0.064; then one 16-token step.
+    assert c.ready_at == pytest.approx(0.064)
+    assert inst.plan_step(0.0) is None
+    assert drive(inst, c.ready_at) == [(0, pytest.approx(1.064))]
+    assert (c.local_hit, c.global_hit) == (0, 64)
+
+
+def test_decode_out_of_blocks_preempts_the_latest_request() -> None:
+    # 10 blocks: two 64-token prompts take 4 each; their decodes need a block every 16
+    # tokens, so the second admitted is preempted and recomputes after the first ends.
+    inst = instance(capacity_blocks=10, budget=256)
+    a = request(0, [1, 2, 3, 4], prompt=64, output=40)
+    b = request(1, [11, 12, 13, 14], prompt=64, output=40)
+    inst.enqueue(a, 0.0)
+    inst.enqueue(b, 0.0)
+    finished = drive(inst)
+    assert [rid for rid, _ in finished] == [0, 1]
+    assert (a.preemptions, b.preemptions) == (0, 1)
+    assert b.first_token_at == 1.0  # its first token was out before the preemption
+    assert (inst.pool.private, inst.pool.cache.locked) == (0, 0)
+    assert inst.pool.cache.size <= 10
+
+
+class CheckedSimulation(Simulation):
+    """A simulation that checks the KV invariants after every event it handles."""
+
+    def check(self) -> None:
+        for inst in self.instances:
+            assert inst.pool.cache.size + inst.pool.private <= inst.pool.capacity
+            assert inst.pool.private >= 0
+            for req in inst.running.values():
+                # A running request's pinned prefix is never evicted.
+                assert inst.pool.cache.match(req.blocks) >= req.pinned_blocks
+
+    def arrive(self, req, now):
+        super().arrive(req, now)
+        self.check()
+
+    def end_step(self, inst, now):
+        super().end_step(inst, now)
+        self.check()
+
+
+@st.composite
+def small_traces(draw):
+    rows = []
+    next_block = 1000
+    for s in range(draw(st.integers(1, 4))):
+        blocks: list[int] = [1, 2]  # a shared system prompt
+        parent = None
+        for turn in range(draw(st.integers(1, 4))):
+            grow = draw(st.integers(1, 12))
+            blocks = blocks + list(range(next_block, next_block + grow))
+            next_block += grow
+            rows.append(
+                {
+                    "session_id": f"s{s}",
+                    "turn": turn,
+                    "parent_id": parent,
+                    "block_ids": list(blocks),
+                    "input_tokens": 16 * len(blocks) + draw(st.integers(0, 15)),
+                    "output_tokens": draw(st.integers(1, 40)),
+                    "think_time_s": draw(st.floats(0, 5)),
+                    "session_time_s": 0.0,
+                    "block_size": 16,
+                    "shared_prefix_blocks": 2,
+                }
+            )
+            parent = len(rows) - 1
+    return make_trace(rows)
+
+
+def small_config(instances: int, kv_tokens: int, glob: str, seed: int) -> SimConfig:
+    return SimConfig(
+        cluster=ClusterConfig(
+            instances=instances,
+            kv_capacity_tokens=kv_tokens,
+            max_num_batched_tokens=128,
+            max_num_seqs=4,
+            global_capacity=glob,
+        ),
+        workload=WorkloadConfig(session_rate=2.0, duration_s=5.0, seed=seed),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    trace=small_traces(),
+    instances=st.integers(1, 3),
+    kv_tokens=st.integers(24, 60).map(lambda b: b * 16),
+    glob=st.sampled_from(["none", "1x", "full"]),
+    policy=st.sampled_from(POLICY_NAMES),
+    seed=st.integers(0, 3),
+)
+def test_runs_conserve_blocks_and_are_deterministic(
+    trace, instances, kv_tokens, glob, policy, seed
+) -> None:
+    config = small_config(instances, kv_tokens, glob, seed)
+    config = config.override("workload", duration_s=5.0)
+    workload = build_workload(trace, config.workload)
+    workload.horizon_s = 1e9  # run to completion
+    sim = CheckedSimulation(config.cluster, make_policy(policy), workload)
+    requests = sim.run()
+    for req in requests:
+        if req.rejected:
+            assert req.prompt + req.output > sim.shape.max_model_len
+        else:
+            assert req.arrival <= req.first_token_at <= req.finished_at
+    for inst in sim.instances:
+        assert (inst.pool.private, inst.pool.cache.locked, inst.inflight) == (0, 0, 0)
+        assert inst.unprefilled == 0
+    first = simulate(trace, config, policy)
+    second = simulate(trace, config, policy)
+    assert first.requests.equals(second.requests)
+    assert first.summary == second.summary
+
+
+def test_sticky_policy_keeps_sessions_home_and_least_load_spreads_them() -> None:
+    rows = []
+    for s in range(6):
+        blocks = [1, 2]
+        parent = None
+        for turn in range(6):
+            blocks = blocks + [1000 * (s + 1) + turn * 10 + k for k in range(8)]
+            rows.append(
+                {
+                    "session_id": f"s{s}",
+                    "turn": turn,
+                    "parent_id": parent,
+                    "block_ids": list(blocks),
+                    "input_tokens": 16 * len(blocks),
+                    "output_tokens": 20,
+                    "think_time_s": 1.0,
+                    "session_time_s": 0.0,
+                    "block_size": 16,
+                }
+            )
+            parent = len(rows) - 1
+    trace = make_trace(rows)
+    config = small_config(3, 4096, "full", 0).override("workload", duration_s=3.0)
+    sticky = simulate(trace, config, "smetric").summary
+    spread = simulate(trace, config, "round_robin").summary
+    assert sticky["stickiness"] > 0.9
+    assert sticky["reuse"]["local"] > spread["reuse"]["local"]
+    assert spread["reuse"]["global"] > sticky["reuse"]["global"]
