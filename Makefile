@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/smetric analyze
+	$(BIN)/smetric simulate
 
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts

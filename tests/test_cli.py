@@ -59,3 +59,91 @@ def test_convert_refuses_a_non_parquet_target(tmp_path: Path) -> None:
     result = runner.invoke(app, ["trace", "convert", "sample:mooncake", str(tmp_path / "x.csv")])
     assert result.exit_code == 2
     assert "must be a .parquet file" in result.output
+
+
+SMALL = ["--instances", "2", "--duration", "60", "--rate", "0.1", "--jobs", "1"]
+
+
+def test_simulate_writes_results_and_config_round_trips(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["simulate", "-p", "smetric,least_load", *SMALL, "--global", "1x", "-o", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["policies"]) == ["smetric", "least_load"]
+    for policy in ("smetric", "least_load"):
+        assert (out / f"requests-{policy}.parquet").exists()
+    assert (out / "tps.png").read_bytes()[:4] == b"\x89PNG"
+    # The resolved configuration reproduces the run exactly.
+    again = tmp_path / "again"
+    rerun = runner.invoke(
+        app, ["simulate", "--config", str(out / "config.yaml"), "-j", "1", "-o", str(again)]
+    )
+    assert rerun.exit_code == 0, rerun.output
+    assert json.loads((again / "summary.json").read_text()) == summary
+
+
+def test_yaml_config_equals_flags(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "cluster: {instances: 2, global_capacity: 1x}\n"
+        "workload: {duration_s: 60, session_rate: 0.1}\n"
+        "policies: [lmetric]\n"
+    )
+    by_yaml = runner.invoke(
+        app, ["simulate", "-c", str(config), "-j", "1", "-o", str(tmp_path / "y")]
+    )
+    by_flags = runner.invoke(
+        app, ["simulate", "-p", "lmetric", *SMALL, "--global", "1x", "-o", str(tmp_path / "f")]
+    )
+    assert by_yaml.exit_code == 0 and by_flags.exit_code == 0
+    assert (tmp_path / "y" / "summary.json").read_text() == (
+        tmp_path / "f" / "summary.json"
+    ).read_text()
+
+
+def test_simulate_bad_options_are_clear(tmp_path: Path) -> None:
+    typo = runner.invoke(app, ["simulate", "-p", "smetrik", "-o", str(tmp_path)])
+    assert typo.exit_code == 2 and "smetrik" in typo.output and "Traceback" not in typo.output
+    glob = runner.invoke(app, ["simulate", "--global", "lots", "-o", str(tmp_path)])
+    assert glob.exit_code == 2 and "global capacity" in glob.output
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("cluster: {instancez: 3}\n")
+    unknown = runner.invoke(app, ["simulate", "-c", str(bad_yaml), "-o", str(tmp_path)])
+    assert unknown.exit_code == 2 and "instancez" in unknown.output
+    model = runner.invoke(app, ["simulate", "--model", "gpt-9", "-o", str(tmp_path)])
+    assert model.exit_code == 2 and "gpt-9" in model.output
+
+
+def test_sweep_reports_max_tps_per_provisioning(tmp_path: Path) -> None:
+    args = [
+        "sweep",
+        "-p",
+        "smetric,round_robin",
+        "--rates",
+        "0.05,0.1",
+        "--globals",
+        "none,full",
+        "--instances",
+        "2",
+        "--duration",
+        "60",
+        "-j",
+        "1",
+        "-o",
+        str(tmp_path),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(sweep["runs"]) == 2 * 2 * 2
+    for level in ("none", "full"):
+        for policy in ("smetric", "round_robin"):
+            best = sweep["max_tps"][level][policy]
+            runs = [
+                r["summary"]["tps_within_slo"]
+                for r in sweep["runs"]
+                if r["global"] == level and r["policy"] == policy
+            ]
+            assert best["tps"] == max(runs)
+    assert (tmp_path / "max_tps.png").exists()

@@ -13,7 +13,7 @@ from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.kv import GlobalTier, Link, LocalPool
 from smetric.sim.run import simulate
-from smetric.sim.workload import build_workload
+from smetric.sim.workload import build_workload, sample_sessions
 
 from conftest import make_trace
 
@@ -222,3 +222,19 @@ def test_sticky_policy_keeps_sessions_home_and_least_load_spreads_them() -> None
     assert sticky["stickiness"] > 0.9
     assert sticky["reuse"]["local"] > spread["reuse"]["local"]
     assert spread["reuse"]["global"] > sticky["reuse"]["global"]
+
+
+def test_open_loop_session_sampling_keeps_whole_sessions() -> None:
+    from smetric.trace.load import load_trace
+
+    trace = load_trace("sample:mooncake")
+    half = sample_sessions(trace, 0.5, seed=3)
+    again = sample_sessions(trace, 0.5, seed=3)
+    assert half.requests.equals(again.requests)
+    assert 0.3 * trace.num_sessions < half.num_sessions < 0.7 * trace.num_sessions
+    kept = set(half.requests["session_id"].to_list())
+    original = trace.requests.filter(trace.requests["session_id"].is_in(list(kept)))
+    assert original.height == half.num_requests  # no session is cut
+    assert half.requests["request_id"].to_list() == list(range(half.num_requests))
+    with pytest.raises(ValueError, match="fraction"):
+        sample_sessions(trace, 0.0, seed=0)

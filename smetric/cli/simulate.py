@@ -95,6 +95,15 @@ OpenLoopOpt = Annotated[
         "--open-loop/--closed-loop",
     ),
 ]
+SampleOpt = Annotated[
+    float | None,
+    _opt(
+        "Open loop: fraction of sessions kept (the paper's load scaling).",
+        WORKLOAD,
+        min=1e-6,
+        max=1.0,
+    ),
+]
 SpeedOpt = Annotated[float | None, _opt("Open-loop replay speed-up.", WORKLOAD, min=1e-6)]
 SeedOpt = Annotated[int | None, _opt("Seed for session starts and picks.", WORKLOAD)]
 TtftBaseOpt = Annotated[float | None, _opt("TTFT SLO constant, seconds.", SLO, min=0.0)]
@@ -127,6 +136,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
         "rate": "session_rate",
         "duration": "duration_s",
         "open_loop": "open_loop",
+        "sample": "sample",
         "speed": "speed",
         "seed": "seed",
     }
@@ -231,6 +241,7 @@ def simulate(
     rate: RateOpt = None,
     duration: DurationOpt = None,
     open_loop: OpenLoopOpt = None,
+    sample: SampleOpt = None,
     speed: SpeedOpt = None,
     seed: SeedOpt = None,
     ttft_base: TtftBaseOpt = None,

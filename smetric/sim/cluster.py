@@ -48,13 +48,13 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
     capacity = config.kv_capacity_tokens or kv_capacity_tokens(
         model,
         hardware,
-        weight_dtype=config.weight_dtype,
+        weight_dtype=config.weight_dtype or model.weight_dtype,
         kv_dtype=config.kv_dtype,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
     if capacity <= 0:
         raise ValueError(
-            f"{config.model} ({config.weight_dtype}) leaves no KV room on "
+            f"{config.model} ({config.weight_dtype or model.weight_dtype}) leaves no KV room on "
             f"{config.gpus_per_instance}x{config.hardware} at memory utilisation "
             f"{config.gpu_memory_utilization}"
         )
@@ -89,7 +89,10 @@ class Simulation:
         model = load_model(config.model)
         hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
         perf = StepTimeModel(
-            model, hardware, weight_dtype=config.weight_dtype, kv_dtype=config.kv_dtype
+            model,
+            hardware,
+            weight_dtype=config.weight_dtype or model.weight_dtype,
+            kv_dtype=config.kv_dtype,
         )
         limits = EngineLimits(
             max_num_seqs=config.max_num_seqs,
