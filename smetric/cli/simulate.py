@@ -197,6 +197,20 @@ def results_table(title: str, results: dict[str, RunResult]) -> Table:
     return table
 
 
+def branches_table(results: dict[str, RunResult]) -> Table:
+    """Why each policy routed where it did: decisions per branch, for multi-branch policies."""
+    table = Table(title="Routing decisions per branch", title_style="bold")
+    table.add_column("policy", no_wrap=True)
+    table.add_column("branches")
+    for policy, result in results.items():
+        counts = result.summary["branches"]
+        total = sum(counts.values())
+        if len(counts) > 1 and total:
+            parts = (f"{name} {n / total:.0%}" for name, n in sorted(counts.items()))
+            table.add_row(policy, " · ".join(parts))
+    return table
+
+
 def _num(value: float | None, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:.1f}"
 
@@ -275,6 +289,7 @@ def simulate(
     plots = write_results(out, config, ordered)
     shape = next(iter(ordered.values())).shape
     console.print(results_table(_title(config, shape), ordered))
+    console.print(branches_table(ordered))
     first = next(iter(ordered.values())).summary["requests"]
     console.print(
         f"TPS@SLO: prompt + output tokens/s of requests that met both SLOs · "

@@ -35,7 +35,7 @@ COLORS = {
 }
 LIGHT = frozenset({"miss", "unknown"})  # segments too pale for white labels
 REUSE_LABELS = {**REUSE_SOURCES, "miss": "Miss (computed)"}
-_STYLE = {
+STYLE = {
     "font.size": 10,
     "axes.titlesize": 11,
     "axes.titleweight": "bold",
@@ -54,17 +54,17 @@ def _styled(build: _Builder) -> _Builder:
 
     @wraps(build)
     def wrapper(section: Section) -> Figure:
-        with mpl.rc_context(_STYLE):
+        with mpl.rc_context(STYLE):
             return build(section)
 
     return wrapper
 
 
-def _new_figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _percent_axis(ax: Axes, axis: Literal["x", "y"]) -> None:
+def percent_axis(ax: Axes, axis: Literal["x", "y"]) -> None:
     formatter = PercentFormatter(xmax=1, decimals=0)
     (ax.xaxis if axis == "x" else ax.yaxis).set_major_formatter(formatter)
 
@@ -89,7 +89,7 @@ def _stacked_shares(
     ax.set_xlim(0, 1)
     ax.invert_yaxis()
     ax.grid(axis="y", visible=False)
-    _percent_axis(ax, "x")
+    percent_axis(ax, "x")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(labels))
 
 
@@ -100,7 +100,7 @@ def reuse_figure(reuse: Section) -> Figure:
     breakdown = reuse["breakdown"]
     of_prompt = {key: ratio * float(share) for key, share in breakdown.items()}
     of_prompt["miss"] = 1.0 - ratio
-    fig = _new_figure(8, 2.8)
+    fig = new_figure(8, 2.8)
     ax = fig.add_subplot()
     _stacked_shares(
         ax, [("All prompt tokens", of_prompt), ("Reused tokens", breakdown)], REUSE_LABELS
@@ -116,7 +116,7 @@ def reuse_intervals_figure(intervals: Section) -> Figure:
     x = np.asarray(intervals["cdf"]["x"], dtype=float)
     y = np.asarray(intervals["cdf"]["y"], dtype=float)
     positive = x > 0  # a log axis cannot place zero-second reuses; their mass stays in y
-    fig = _new_figure(8, 4.2)
+    fig = new_figure(8, 4.2)
     ax = fig.add_subplot()
     ax.plot(x[positive], y[positive], drawstyle="steps-post", color=COLORS["line"], lw=2)
     # Labels sit low beside each marker line: right of an increasing CDF's curve, that
@@ -128,7 +128,7 @@ def reuse_intervals_figure(intervals: Section) -> Figure:
         ax.text(seconds * 1.15, 0.04 + 0.08 * row, f"{share:.1%} ≤ {mark} s", fontsize=9)
     ax.set_xscale("log")
     ax.set_ylim(0, 1.02)
-    _percent_axis(ax, "y")
+    percent_axis(ax, "y")
     ax.set_xlabel("Reuse interval (seconds, log scale)")
     ax.set_ylabel("Share of reuses (CDF)")
     ax.set_title(
@@ -144,7 +144,7 @@ def triggers_figure(triggers: Section) -> Figure:
         ("Requests", shares(triggers["requests"])),
         ("Tokens", shares(triggers["tokens"])),
     ]
-    fig = _new_figure(8, 2.8)
+    fig = new_figure(8, 2.8)
     ax = fig.add_subplot()
     _stacked_shares(ax, rows, {key: key.capitalize() for key in TRIGGER_SOURCES})
     ax.set_title("What triggers requests")
@@ -169,8 +169,8 @@ def _lorenz_panel(ax: Axes, usage: Section) -> None:
     )
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    _percent_axis(ax, "x")
-    _percent_axis(ax, "y")
+    percent_axis(ax, "x")
+    percent_axis(ax, "y")
     ax.set_xlabel("Cumulative share of sessions (lightest first)")
     ax.set_ylabel("Cumulative share of tokens")
     ax.set_title("Lorenz curve of token usage")
@@ -194,7 +194,7 @@ def _per_session_panel(ax: Axes, usage: Section) -> None:
 @_styled
 def session_usage_figure(usage: Section) -> Figure:
     """Figure 8: how unevenly token usage is spread over sessions."""
-    fig = _new_figure(11, 4.2)
+    fig = new_figure(11, 4.2)
     lorenz, ranked = fig.subplots(1, 2)
     _lorenz_panel(lorenz, usage)
     _per_session_panel(ranked, usage)
@@ -243,7 +243,7 @@ def _heatmap_panel(fig: Figure, ax: Axes, balance: Section) -> None:
 @_styled
 def balance_figure(balance: Section) -> Figure:
     """Figure 9: how evenly least-in-flight-tokens dispatch can spread the load."""
-    fig = _new_figure(11, 7.5)
+    fig = new_figure(11, 7.5)
     axes = fig.subplot_mosaic(
         [["line", "hist"], ["heat", "heat"]], width_ratios=[3, 1], height_ratios=[1, 1.2]
     )

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from smetric.report.figures import _STYLE, COLORS, DPI, _new_figure, _percent_axis
+from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
 from smetric.report.terminal import Section, pct, seconds, times
 
 # Tableau 10 without its grey, which would read as the "miss" segment of the reuse bars.
@@ -83,7 +83,7 @@ def _tps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     y = np.arange(len(policies))
     total = np.array([float(summaries[p]["tps"]) for p in policies])
     within = np.array([float(summaries[p]["tps_within_slo"]) for p in policies])
-    fig = _new_figure(8, _rows_height(len(policies)) + 0.3)
+    fig = new_figure(8, _rows_height(len(policies)) + 0.3)
     ax = fig.add_subplot()
     behind = ax.barh(y, total, height=0.7, color=[to_rgba(colors[p], FADED) for p in policies])
     ax.barh(y, within, height=0.45, color=[colors[p] for p in policies])
@@ -126,7 +126,7 @@ def _reuse_panel(ax: Axes, rows: Sequence[tuple[str, Mapping[str, float], str]])
         left += widths
     ax.set_xlim(0, 1)
     _policy_axis(ax, [label for label, *_ in rows])
-    _percent_axis(ax, "x")
+    percent_axis(ax, "x")
 
 
 def _tier_legend(fig: Figure) -> None:
@@ -146,7 +146,7 @@ def _tier_legend(fig: Figure) -> None:
 
 def _reuse_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     """Where each policy's prompt tokens come from: local tier, global tier or recompute."""
-    fig = _new_figure(8, _rows_height(len(summaries)) + 0.3)
+    fig = new_figure(8, _rows_height(len(summaries)) + 0.3)
     ax = fig.add_subplot()
     _reuse_panel(ax, [(p, s["reuse"], colors[p]) for p, s in summaries.items()])
     ax.set_xlabel("Share of prompt tokens")
@@ -171,7 +171,7 @@ def _cdf(ax: Axes, values: Iterable[float | None], color: str, label: str) -> No
 
 def _cdf_axis(ax: Axes, xlabel: str) -> None:
     ax.set_ylim(0, 1.02)
-    _percent_axis(ax, "y")
+    percent_axis(ax, "y")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("Share (CDF)")
     ax.legend(loc="upper left", fontsize=8)  # the empty corner of a rising CDF
@@ -187,7 +187,7 @@ def _mean_imbalance(imbalance: Section) -> str:
 
 def _imbalance_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     """Figure 14: how often, and how badly, each policy piles load onto one instance."""
-    fig = _new_figure(8, 4.2)
+    fig = new_figure(8, 4.2)
     ax = fig.add_subplot()
     for policy, summary in summaries.items():
         imbalance = summary["imbalance"]
@@ -203,24 +203,26 @@ def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     the pattern (hot instances vs an even spread) compares even when volumes differ."""
     columns = min(len(summaries), 3)
     rows = math.ceil(len(summaries) / columns)
-    fig = _new_figure(11, 0.4 + 2.6 * rows)
+    fig = new_figure(11, 0.4 + 2.6 * rows)
     # One scale for all panels: 1.0 is a policy's own p99, so its top 1 % of cells saturate.
     scale = ScalarMappable(Normalize(0, 1), "viridis")
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax, (policy, summary) in zip(axes, summaries.items(), strict=False):
         heat = np.asarray(summary["load_heatmap"], dtype=float)
         p99 = float(np.percentile(heat, 99)) if heat.size else 0.0
+        minutes = heat.shape[1] * summary.get("window_s", 60.0) / 60 if heat.ndim == 2 else 1
         ax.imshow(
             heat / p99 if p99 > 0 else heat,
             aspect="auto",
             interpolation="nearest",
             cmap=scale.cmap,
             norm=scale.norm,
+            extent=(0, minutes, heat.shape[0] - 0.5 if heat.ndim == 2 else 0.5, -0.5),
         )
         ax.grid(False)
         ax.set_title(f"{policy} ({_mean_imbalance(summary['imbalance'])})", fontsize=10)
         ax.title.set_color(colors[policy])
-        ax.set_xlabel("Time window")
+        ax.set_xlabel("Time (minutes)")
         ax.set_ylabel("Instance")
     for ax in axes[len(summaries) :]:
         ax.set_visible(False)
@@ -249,7 +251,7 @@ def _latency_figure(
 ) -> Figure:
     """Figure 17: TTFT and TPOT of every completed request, met SLO or not, as the paper
     counts them. TPOT needs a second output token, so single-token replies are left out."""
-    fig = _new_figure(11, 4.4)
+    fig = new_figure(11, 4.4)
     axes = dict(zip(LATENCIES, fig.subplots(1, 2), strict=True))
     for policy, summary in summaries.items():
         done = tables[policy].filter(pl.col("completed"))
@@ -272,7 +274,7 @@ def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figur
     """Figure 12: whether a policy keeps a session's follow-ups on its first instance."""
     policies = list(summaries)
     shares = [summaries[p]["stickiness"] for p in policies]
-    fig = _new_figure(8, _rows_height(len(policies)))
+    fig = new_figure(8, _rows_height(len(policies)))
     ax = fig.add_subplot()
     bars = ax.barh(
         np.arange(len(policies)),
@@ -284,7 +286,7 @@ def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figur
     ax.bar_label(bars, labels=labels, padding=4, fontsize=9)
     ax.set_xlim(0, 1.15)
     ax.set_xticks(np.linspace(0, 1, 6))
-    _percent_axis(ax, "x")
+    percent_axis(ax, "x")
     _policy_axis(ax, policies)
     ax.set_xlabel("Share of follow-up requests")
     ax.set_title("Follow-ups served by their session's first instance")
@@ -294,7 +296,7 @@ def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figur
 def _save(builds: Mapping[str, Callable[[], Figure]], out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    with mpl.rc_context(_STYLE):
+    with mpl.rc_context(STYLE):
         for name, build in builds.items():
             path = out / f"{name}.png"
             build().savefig(path, dpi=DPI)
@@ -330,7 +332,7 @@ def _max_tps_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     provisionings, policies = sweep["provisionings"], sweep["policies"]
     width = 0.8 / len(policies)
     x = np.arange(len(provisionings))
-    fig = _new_figure(8, 4.6)
+    fig = new_figure(8, 4.6)
     ax = fig.add_subplot()
     for i, policy in enumerate(policies):
         tps = [float(sweep["max_tps"][g][policy]["tps"]) for g in provisionings]
@@ -352,7 +354,7 @@ def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     """Figure 15a: where each policy's TPS within SLO saturates as the offered rate grows."""
     runs = _run_index(sweep)
     provisionings, rates = sweep["provisionings"], sorted(sweep["rates"])
-    fig = _new_figure(min(4.0 * len(provisionings), 13), 4.4)
+    fig = new_figure(min(4.0 * len(provisionings), 13), 4.4)
     axes = fig.subplots(1, len(provisionings), sharey=True, squeeze=False).ravel()
     for ax, level in zip(axes, provisionings, strict=True):
         for policy in sweep["policies"]:
@@ -371,7 +373,7 @@ def _reuse_by_provisioning_figure(sweep: Section, colors: Mapping[str, str]) -> 
     traced to local hits lost or to recompute."""
     runs = _run_index(sweep)
     provisionings, policies = sweep["provisionings"], sweep["policies"]
-    fig = _new_figure(8, len(provisionings) * (0.5 + 0.45 * len(policies)) + 0.9)
+    fig = new_figure(8, len(provisionings) * (0.5 + 0.45 * len(policies)) + 0.9)
     axes = fig.subplots(len(provisionings), 1, sharex=True, squeeze=False).ravel()
     for ax, level in zip(axes, provisionings, strict=True):
         rows = []

@@ -13,8 +13,6 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from smetric.core.policy import ClusterView, Policy, RoutingRequest
 from smetric.sim.config import ClusterConfig, parse_global_capacity
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
@@ -100,7 +98,7 @@ class Simulation:
             kv_bytes_per_token=self.shape.kv_bytes_per_token,
         )
         global_blocks = self.shape.global_capacity_blocks
-        self.global_tier = GlobalTier(global_blocks, enabled=global_blocks != 0)
+        self.global_tier = GlobalTier(global_blocks)
         local_blocks = self.shape.kv_capacity_tokens // block_size
         self.instances = [
             Instance(
@@ -203,7 +201,3 @@ class Simulation:
             return
         for t, rid in self.issuer.complete(req.rid, now):
             self.push(t, ARRIVAL, rid)
-
-
-def instance_busy_fraction(sim: Simulation, horizon: float) -> np.ndarray:
-    return np.array([i.busy_time for i in sim.instances]) / max(horizon, 1e-9)

@@ -59,8 +59,8 @@ class LocalPool:
 class GlobalTier:
     """The cluster's CPU-memory prefix store; ``capacity_blocks`` None means it never evicts."""
 
-    def __init__(self, capacity_blocks: int | None, enabled: bool = True) -> None:
-        self.enabled = enabled and capacity_blocks != 0
+    def __init__(self, capacity_blocks: int | None) -> None:
+        self.enabled = capacity_blocks != 0
         self.cache = PrefixCache(capacity_blocks)
 
     def match(self, blocks: np.ndarray) -> int:
