@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 import yaml
 
+from smetric.core.policy import POLICY_NAMES
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -75,16 +77,7 @@ class SimConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
-    policies: tuple[str, ...] = (
-        "smetric",
-        "linear",
-        "lmetric",
-        "least_load",
-        "prefill_tokens",
-        "round_robin",
-        "session_hash",
-        "cache_aware",
-    )
+    policies: tuple[str, ...] = POLICY_NAMES
     # Width of the windows in which load imbalance is measured.
     window_s: float = 60.0
 
