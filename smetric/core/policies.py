@@ -98,7 +98,23 @@ class SMetric:
         return Decision(self._ties.argmin(loads), branch)
 
 
-class Linear:
+class _Scored:
+    """A policy that sends each request to its lowest-scoring instance, ties round-robin."""
+
+    branch = "score"
+    __slots__ = ("_ties",)
+
+    def __init__(self) -> None:
+        self._ties = RoundRobin()
+
+    def scores(self, request: RoutingRequest, view: ClusterView) -> Sequence[float]:
+        raise NotImplementedError
+
+    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+        return Decision(self._ties.argmin(self.scores(request, view)), self.branch)
+
+
+class Linear(_Scored):
     """The paper's "Bailian": a weighted sum of normalised load and cache miss ratio.
 
     Scored as ``(1-lam)*load/max_load - lam*hit/prompt``: the paper's
@@ -108,75 +124,64 @@ class Linear:
 
     name = "linear"
     branches = ("score",)
-    __slots__ = ("_ties", "lam")
+    __slots__ = ("lam",)
 
     def __init__(self, *, lam: float = 0.9) -> None:
+        super().__init__()
         self.lam = _checked("lam", lam, 1.0)
-        self._ties = RoundRobin()
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def scores(self, request: RoutingRequest, view: ClusterView) -> list[float]:
         loads = view.load
         max_load = max(loads)
         per_load = (1.0 - self.lam) / max_load if max_load > 0 else 0.0
         prompt = request.prompt_tokens
         per_hit = self.lam / prompt if prompt > 0 else 0.0
-        scores = [
+        return [
             per_load * load - per_hit * hit
             for load, hit in zip(loads, view.hit_tokens, strict=True)
         ]
-        return Decision(self._ties.argmin(scores), "score")
 
 
-class LMetric:
+class LMetric(_Scored):
     """LMetric: prefill work left after reuse times (load + 1), with no weight to tune."""
 
     name = "lmetric"
     branches = ("score",)
-    __slots__ = ("_ties",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._ties = RoundRobin()
-
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def scores(self, request: RoutingRequest, view: ClusterView) -> list[float]:
         prompt = request.prompt_tokens
-        scores = [
+        return [
             (prompt - hit) * (load + 1)
             for hit, load in zip(view.hit_tokens, view.load, strict=True)
         ]
-        return Decision(self._ties.argmin(scores), "score")
 
 
-class LeastLoad:
+class LeastLoad(_Scored):
     """Load balance only: vLLM's default router and the paper's KV-agnostic baseline."""
 
     name = "least_load"
+    branch = "least_load"
     branches = ("least_load",)
-    __slots__ = ("_ties",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._ties = RoundRobin()
-
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        return Decision(self._ties.argmin(view.load), "least_load")
+    def scores(self, request: RoutingRequest, view: ClusterView) -> Sequence[float]:
+        return view.load
 
 
-class PrefillTokens:
+class PrefillTokens(_Scored):
     """Dynamo: the fewest unprefilled tokens the instance would hold after taking this one."""
 
     name = "prefill_tokens"
     branches = ("score",)
-    __slots__ = ("_ties",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._ties = RoundRobin()
-
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def scores(self, request: RoutingRequest, view: ClusterView) -> list[float]:
         prompt = request.prompt_tokens
-        scores = [
+        return [
             queued + (prompt - hit)
             for queued, hit in zip(view.prefill_tokens, view.hit_tokens, strict=True)
         ]
-        return Decision(self._ties.argmin(scores), "score")
 
 
 class RoundRobinPolicy:
