@@ -289,7 +289,9 @@ def simulate(
     plots = write_results(out, config, ordered)
     shape = next(iter(ordered.values())).shape
     console.print(results_table(_title(config, shape), ordered))
-    console.print(branches_table(ordered))
+    branches = branches_table(ordered)
+    if branches.row_count:
+        console.print(branches)
     first = next(iter(ordered.values())).summary["requests"]
     console.print(
         f"TPS@SLO: prompt + output tokens/s of requests that met both SLOs · "
