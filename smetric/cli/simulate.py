@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.table import Table
 
 from smetric.cli.app import (
@@ -172,12 +173,21 @@ def _split_policies(text: str) -> tuple[str, ...]:
 
 
 def results_table(title: str, results: dict[str, RunResult]) -> Table:
-    table = Table(title=title, title_style="bold", padding=(0, 1))
+    table = Table(
+        title=title, title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False
+    )
     table.add_column("policy", no_wrap=True)
-    for header in ("TPS@SLO", "SLO", "TTFT s p50/90", "TPOT ms p50/90", "hit loc/glob"):
-        table.add_column(header, justify="right")
-    table.add_column("imbal.", justify="right")
-    table.add_column("sticky", justify="right")
+    headers = (
+        "TPS\n@SLO",
+        "SLO\nmet",
+        "TTFT s\np50/p90",
+        "TPOT ms\np50/p90",
+        "hit %\nL/G",
+        "imba-\nlance",
+        "sticky",
+    )
+    for header in headers:
+        table.add_column(header, justify="right", min_width=8 if "TTFT" in header else None)
     best = max((r.summary["tps_within_slo"] for r in results.values()), default=0.0)
     for policy, result in results.items():
         s = result.summary
@@ -189,8 +199,8 @@ def results_table(title: str, results: dict[str, RunResult]) -> Table:
             f"[bold green]{tps}[/]" if s["tps_within_slo"] == best and best > 0 else tps,
             f"{s['slo_attainment']:.0%}",
             f"{_num(ttft['p50'])}/{_num(ttft['p90'])}",
-            f"{_num(tpot['p50'], 1000)}/{_num(tpot['p90'], 1000)}",
-            f"{reuse['local']:.0%}/{reuse['global']:.0%}",
+            f"{_num(tpot['p50'], 1000, 0)}/{_num(tpot['p90'], 1000, 0)}",
+            f"{reuse['local'] * 100:.0f}/{reuse['global'] * 100:.0f}",
             f"{s['imbalance']['mean']:.2f}x",
             "-" if sticky is None else f"{sticky:.0%}",
         )
@@ -211,8 +221,8 @@ def branches_table(results: dict[str, RunResult]) -> Table:
     return table
 
 
-def _num(value: float | None, scale: float = 1.0) -> str:
-    return "-" if value is None else f"{value * scale:.1f}"
+def _num(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
 def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -> int:
