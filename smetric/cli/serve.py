@@ -1,0 +1,94 @@
+"""``smetric serve``: the session-centric router in front of OpenAI-compatible engines."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from aiohttp import web
+
+from smetric.cli.app import app, console, user_errors
+from smetric.core.policy import POLICY_NAMES
+from smetric.serve.app import Router, RouterSettings
+from smetric.serve.engines import Engine
+
+
+def engines_from(urls: list[str], config: Path | None, kv_blocks: int) -> list[Engine]:
+    """Engines from --engine flags and/or a YAML list of ``{url, kv_blocks}`` or URLs."""
+    engines = [Engine(url, kv_blocks) for url in urls]
+    if config is not None:
+        try:
+            data = yaml.safe_load(config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{config}: cannot read YAML: {exc}") from exc
+        entries = data.get("engines", []) if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"{config}: expected 'engines:' with a list of engines")
+        for entry in entries:
+            if isinstance(entry, str):
+                engines.append(Engine(entry, kv_blocks))
+            elif isinstance(entry, dict) and isinstance(entry.get("url"), str):
+                engines.append(Engine(entry["url"], int(entry.get("kv_blocks", kv_blocks))))
+            else:
+                raise ValueError(f"{config}: each engine is a URL or {{url, kv_blocks}}")
+    for engine in engines:
+        if not engine.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine {engine.url!r} must be an http(s):// URL")
+    if not engines:
+        raise ValueError("give at least one --engine URL (or engines: in --config)")
+    return engines
+
+
+@app.command()
+def serve(
+    engine: Annotated[
+        list[str] | None,
+        typer.Option("--engine", "-e", help="Engine base URL (repeat for each engine)."),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="YAML with 'engines: [...]'.")
+    ] = None,
+    policy: Annotated[
+        str, typer.Option("--policy", "-p", help=f"One of {', '.join(POLICY_NAMES)}.")
+    ] = "smetric",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000,
+    block_size: Annotated[
+        int, typer.Option(help="Tokens per KV block (the engines' block size).", min=1)
+    ] = 16,
+    kv_blocks: Annotated[
+        int,
+        typer.Option(help="KV blocks per engine for the router's prefix index.", min=1),
+    ] = 16384,
+    api_key: Annotated[
+        list[str] | None, typer.Option("--api-key", help="Accepted client key (repeatable).")
+    ] = None,
+    health_interval: Annotated[
+        float, typer.Option(help="Seconds between health checks.", min=0.05)
+    ] = 2.0,
+) -> None:
+    """Route OpenAI-compatible traffic (chat, completions, Anthropic messages) to engines.
+
+    First turns go where load is lowest; follow-ups go where their prefix is cached, unless
+    that engine is overloaded or has evicted it. One JSON log line per decision.
+    """
+    with user_errors():
+        engines = engines_from(engine or [], config, kv_blocks)
+        router = Router(
+            engines,
+            RouterSettings(
+                policy=policy,
+                block_size=block_size,
+                api_keys=frozenset(api_key or []),
+                health_interval_s=health_interval,
+            ),
+        )
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console.print(
+        f"smetric serve: {policy} over {len(engines)} engines on http://{host}:{port}",
+        highlight=False,
+    )
+    web.run_app(router.app(), host=host, port=port, print=None)

@@ -1,0 +1,1 @@
+"""The live router: ``smetric serve`` in front of real (or mock) OpenAI-compatible engines."""

@@ -1,0 +1,317 @@
+"""``smetric serve``: an OpenAI-compatible router running the policies of ``smetric.core``.
+
+Each request is analysed from its body alone (turn, expected hit, prompt blocks; no session
+table), the policy picks an engine from the view the simulator also builds (local prefix
+hit per engine from the router's own index, in-flight requests as load), and the response
+streams back chunk by chunk as the engine sends it. A request counts as in flight from the
+moment it is routed until its response ends, fails or the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from smetric.core.blocks import ByteTokenizer, Tokenizer
+from smetric.core.conversation import Api, RequestError, RequestFacts, analyze_request
+from smetric.core.policy import ClusterView, make_policy
+from smetric.serve.engines import Engine
+from smetric.serve.metrics import RouterMetrics
+
+log = logging.getLogger("smetric.serve")
+
+ENGINE_HEADER = "x-smetric-engine"
+_ROUTES: dict[str, Api] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/messages": "messages",
+}
+
+
+@dataclass
+class RouterSettings:
+    policy: str = "smetric"
+    block_size: int = 16
+    api_keys: frozenset[str] = frozenset()
+    health_interval_s: float = 2.0
+    max_body_bytes: int = 32 << 20
+    connect_timeout_s: float = 5.0
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    """An OpenAI-style error body, so clients' SDKs surface the message."""
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@dataclass
+class Router:
+    engines: list[Engine]
+    settings: RouterSettings = field(default_factory=RouterSettings)
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ValueError("the router needs at least one engine")
+        self.policy = make_policy(self.settings.policy)
+        self.metrics = RouterMetrics(self.policy.name, [e.url for e in self.engines])
+        self.client: aiohttp.ClientSession | None = None
+
+    # -- application --------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.settings.max_body_bytes, middlewares=[self._errors]
+        )
+        for path, api in _ROUTES.items():
+            app.router.add_post(path, self._handler(path, api))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.cleanup_ctx.append(self._lifecycle)
+        return app
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
+        self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        checker = asyncio.create_task(self._check_health_forever())
+        yield
+        checker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checker
+        await self.client.close()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Whatever goes wrong answers in OpenAI's error shape, with the right 4xx."""
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, "request body too large")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.reason)
+
+    # -- proxying ------------------------------------------------------------------------
+
+    def _handler(self, path: str, api: Api) -> Any:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self.proxy(request, path, api)
+
+        return handle
+
+    def _authorised(self, request: web.Request) -> bool:
+        if not self.settings.api_keys:
+            return True
+        header = request.headers.get("Authorization", "")
+        key = header.removeprefix("Bearer ").strip() or request.headers.get("x-api-key", "")
+        return key in self.settings.api_keys
+
+    async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
+        if not self._authorised(request):
+            return error_response(401, "missing or invalid API key", "authentication_error")
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return error_response(400, f"body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "body must be a JSON object")
+        try:
+            facts = analyze_request(body, api, self.tokenizer, self.settings.block_size)
+        except RequestError as exc:
+            return error_response(400, str(exc))
+        started = time.perf_counter()
+        tried: set[str] = set()
+        while True:
+            candidates = [e for e in self.engines if e.healthy and e.url not in tried]
+            if not candidates:
+                return error_response(503, "no healthy engine to serve the request", "server_error")
+            engine, predicted = self.route(facts, candidates)
+            tried.add(engine.url)
+            engine.inflight += 1
+            try:
+                upstream = await self._send(engine, path, raw, request)
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                # Nothing reached the client yet: eject the engine, try another.
+                engine.inflight -= 1
+                self._eject(engine, f"connect failed: {exc!r}")
+                self.metrics.retries.inc()
+                continue
+            try:
+                return await self._relay(request, engine, upstream, facts, predicted)
+            finally:
+                engine.inflight -= 1
+                upstream.release()
+                self.metrics.latency.labels(api).observe(time.perf_counter() - started)
+
+    def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
+        bs = self.settings.block_size
+        hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
+        loads = [float(e.inflight) for e in engines]
+        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
+        decision = self.policy.route(facts.routing_request(), view)
+        engine = engines[decision.instance]
+        self.metrics.decisions.labels(decision.branch).inc()
+        log.info(
+            json.dumps(
+                {
+                    "event": "route",
+                    "engine": engine.url,
+                    "branch": decision.branch,
+                    "turn": facts.turn,
+                    "prompt_tokens": facts.prompt_tokens,
+                    "est_hit_tokens": facts.est_hit_tokens,
+                    "predicted_hit_tokens": hits[decision.instance],
+                    "loads": loads,
+                }
+            )
+        )
+        return engine, hits[decision.instance]
+
+    async def _send(
+        self, engine: Engine, path: str, raw: bytes, request: web.Request
+    ) -> aiohttp.ClientResponse:
+        assert self.client is not None
+        headers = {"Content-Type": "application/json"}
+        for name in ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta"):
+            if name in request.headers and not self.settings.api_keys:
+                headers[name] = request.headers[name]
+        return await self.client.post(engine.url + path, data=raw, headers=headers)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        engine: Engine,
+        upstream: aiohttp.ClientResponse,
+        facts: RequestFacts,
+        predicted: int,
+    ) -> web.StreamResponse:
+        """Pass the engine's response through as it arrives; end cleanly if it breaks."""
+        response = web.StreamResponse(status=upstream.status)
+        response.content_type = upstream.content_type or "application/json"
+        response.headers[ENGINE_HEADER] = engine.url
+        await response.prepare(request)
+        if upstream.status == 200:
+            engine.remember(facts.blocks)
+            self.metrics.predicted.labels(engine.url).inc(predicted)
+        usage = _UsageTap()
+        try:
+            async for chunk in upstream.content.iter_any():
+                usage.feed(chunk)
+                await response.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            log.warning(json.dumps({"event": "upstream_broke", "engine": engine.url}))
+            self._eject(engine, f"stream broke: {exc!r}")
+            message = {"error": {"message": "engine connection lost", "type": "server_error"}}
+            if response.content_type == "text/event-stream":
+                await response.write(f"data: {json.dumps(message)}\n\n".encode())
+            return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            # The client went away: stop reading from the engine so it can free the slot.
+            upstream.close()
+            raise
+        cached = usage.cached_tokens()
+        if cached is not None:
+            self.metrics.reported.labels(engine.url).inc(cached)
+        await response.write_eof()
+        return response
+
+    def _eject(self, engine: Engine, reason: str) -> None:
+        if engine.healthy:
+            log.warning(json.dumps({"event": "eject", "engine": engine.url, "reason": reason}))
+        engine.healthy = False
+        self.metrics.healthy.labels(engine.url).set(0)
+
+    # -- health --------------------------------------------------------------------------
+
+    async def _check_health_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(e) for e in self.engines))
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def check(self, engine: Engine) -> None:
+        assert self.client is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
+            async with self.client.get(engine.url + "/health", timeout=timeout) as response:
+                ok = response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok and not engine.healthy:
+            # It may have restarted: what the router remembered of its cache is stale.
+            engine.forget()
+            log.info(json.dumps({"event": "readmit", "engine": engine.url}))
+        elif not ok:
+            self._eject(engine, "health check failed")
+        engine.healthy = ok
+        self.metrics.healthy.labels(engine.url).set(1 if ok else 0)
+
+    # -- small endpoints -----------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = sum(e.healthy for e in self.engines)
+        return web.json_response(
+            {"status": "ok" if up else "unavailable", "healthy_engines": up},
+            status=200 if up else 503,
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        assert self.client is not None
+        seen: dict[str, dict] = {}
+        for engine in (e for e in self.engines if e.healthy):
+            try:
+                async with self.client.get(engine.url + "/v1/models") as response:
+                    data = await response.json()
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                continue
+            for model in data.get("data", []) if isinstance(data, dict) else []:
+                if isinstance(model, dict) and "id" in model:
+                    seen.setdefault(model["id"], model)
+        return web.json_response({"object": "list", "data": list(seen.values())})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        for engine in self.engines:
+            self.metrics.inflight.labels(engine.url).set(engine.inflight)
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class _UsageTap:
+    """Finds ``usage.prompt_tokens_details.cached_tokens`` in a passing response.
+
+    Only the tail is kept: usage comes in the last JSON body or the last SSE chunks.
+    """
+
+    KEEP = 1 << 16
+
+    def __init__(self) -> None:
+        self.tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.tail = (self.tail + chunk)[-self.KEEP :]
+
+    def cached_tokens(self) -> int | None:
+        for piece in reversed(self.tail.replace(b"data: ", b"\n").split(b"\n")):
+            if b'"usage"' not in piece:
+                continue
+            try:
+                usage = json.loads(piece).get("usage") or {}
+            except (ValueError, AttributeError):
+                continue
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens")
+            if isinstance(cached, int):
+                return cached
+        return None

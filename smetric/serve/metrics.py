@@ -1,0 +1,60 @@
+"""The router's Prometheus metrics, in a registry of its own (several routers per process
+in tests, and nothing of the host application's leaks in)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class RouterMetrics:
+    def __init__(self, policy: str, engines: list[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.inflight = Gauge(
+            "smetric_engine_inflight_requests",
+            "Requests routed to the engine whose response has not ended.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "smetric_engine_healthy",
+            "1 while the engine passes health checks.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "smetric_routing_decisions",
+            "Routing decisions, by the policy branch that made them.",
+            ["branch"],
+            registry=self.registry,
+        )
+        self.predicted = Counter(
+            "smetric_predicted_hit_tokens",
+            "Prompt tokens the router's prefix index expected the engine to have cached.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.reported = Counter(
+            "smetric_reported_cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens as the engine reported it.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "smetric_connect_retries",
+            "Requests re-routed because an engine refused the connection.",
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "smetric_request_seconds",
+            "Time from routing to the end of the response.",
+            ["api"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        info = Gauge(
+            "smetric_router_info", "The routing policy.", ["policy"], registry=self.registry
+        )
+        info.labels(policy).set(1)
+        for url in engines:
+            self.healthy.labels(url).set(1)
+            self.inflight.labels(url).set(0)
