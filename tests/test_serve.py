@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -96,3 +98,181 @@ def test_unreachable_engine_is_ejected_and_health_says_so() -> None:
         assert f'smetric_engine_healthy{{engine="{engine}"}} 0.0' in text
 
     run(lambda: with_router(router, body))
+
+
+# -- with real mock engines ------------------------------------------------------------------
+
+from smetric.engine import EngineConfig, create_app  # noqa: E402
+
+FAST = EngineConfig(speed=0.0001, kv_blocks=4096, default_max_tokens=8)
+
+
+async def with_cluster(
+    n: int,
+    body: Callable[[aiohttp.ClientSession, str, Router, list[TestServer]], Awaitable[Any]],
+    policy: str = "smetric",
+    dead: int = 0,
+) -> Any:
+    """``n`` mock engines (plus ``dead`` unreachable URLs first) behind one router."""
+    engines = [TestServer(create_app(FAST), host="127.0.0.1") for _ in range(n)]
+    for server in engines:
+        await server.start_server()
+    urls = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead)]
+    urls += [f"http://127.0.0.1:{s.port}" for s in engines]
+    router = Router(
+        [Engine(u, 4096) for u in urls], RouterSettings(policy=policy, health_interval_s=0.05)
+    )
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as client:
+            return await body(client, f"http://127.0.0.1:{server.port}", router, engines)
+    finally:
+        await server.close()
+        for engine in engines:
+            await engine.close()
+
+
+def conversation(session: int, turns: int) -> list[dict]:
+    system = {"role": "system", "content": "You are a coding agent. " * 20}
+    messages = [system, {"role": "user", "content": f"task {session}: " + "fix the bug " * 30}]
+    for turn in range(turns):
+        messages += [
+            {"role": "assistant", "content": f"step {turn} " * 10},
+            {"role": "tool", "content": f"output {turn} " * 40},
+        ]
+    return messages
+
+
+async def chat(client: aiohttp.ClientSession, url: str, messages: list[dict]) -> tuple[str, dict]:
+    payload = {"model": "m", "messages": messages, "max_tokens": 4}
+    async with client.post(url + "/v1/chat/completions", json=payload) as response:
+        assert response.status == 200, await response.text()
+        return response.headers["x-smetric-engine"], await response.json()
+
+
+def test_first_turns_spread_and_follow_ups_hit_where_routed() -> None:
+    async def body(client, url, router, engines) -> None:
+        homes = {}
+        for s in range(4):
+            homes[s], _ = await chat(client, url, conversation(s, 0))
+        assert len(set(homes.values())) == 2  # four first turns over two engines
+        for turn in range(1, 4):
+            for s in range(4):
+                where, data = await chat(client, url, conversation(s, turn))
+                assert where == homes[s]  # the follow-up sticks to its cache
+                assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        # The router's prefix index predicts exactly what the engines report as cached.
+        for engine in router.engines:
+            predicted = _metric(text, "smetric_predicted_hit_tokens_total", engine.url)
+            reported = _metric(text, "smetric_reported_cached_tokens_total", engine.url)
+            assert predicted == reported > 0
+        assert _metric(text, "smetric_routing_decisions_total", "sticky", label="branch") == 12
+
+    run(lambda: with_cluster(2, body))
+
+
+def test_streaming_passes_chunks_through_and_reports_the_engine() -> None:
+    async def body(client, url, router, engines) -> None:
+        payload = {"messages": conversation(0, 0), "max_tokens": 5, "stream": True}
+        async with client.post(url + "/v1/chat/completions", json=payload) as response:
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            lines = [line async for line in response.content if line.strip()]
+        assert lines[-1].strip() == b"data: [DONE]"
+        tokens = [json.loads(line[6:]) for line in lines[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in tokens)
+        assert len(text.split()) == 5
+
+    run(lambda: with_cluster(1, body))
+
+
+def test_connect_failure_retries_on_another_engine() -> None:
+    async def body(client, url, router, engines) -> None:
+        router.settings.health_interval_s = 60  # keep the dead engine "healthy" for the test
+        for engine in router.engines:
+            engine.healthy = True
+        where, _ = await chat(client, url, conversation(0, 0))
+        assert where == router.engines[1].url
+        assert router.engines[0].healthy is False
+
+    run(lambda: with_cluster(1, body, policy="round_robin", dead=1))
+
+
+def test_engine_down_is_ejected_then_readmitted_with_a_fresh_view() -> None:
+    async def body(client, url, router, engines) -> None:
+        await chat(client, url, conversation(0, 0))
+        victim = router.engines[0]
+        port = engines[0].port
+        await engines[0].close()
+        await asyncio.sleep(0.3)
+        assert victim.healthy is False
+        where, _ = await chat(client, url, conversation(1, 0))
+        assert where == router.engines[1].url  # traffic avoids the ejected engine
+        revived = TestServer(create_app(FAST), host="127.0.0.1", port=port)
+        await revived.start_server()
+        engines[0] = revived
+        await asyncio.sleep(0.3)
+        assert victim.healthy is True
+        assert victim.index.size == 0  # what it cached before the restart is forgotten
+
+    run(lambda: with_cluster(2, body))
+
+
+def test_engine_killed_mid_stream_ends_the_stream_cleanly() -> None:
+    """A real engine process, SIGKILLed while it streams: the client gets an error event
+    and the end of the stream, never a hang, and the router's load count comes back."""
+    port = closed_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "smetric", "engine", "--port", str(port), "--speed", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        async def scenario() -> None:
+            await wait_healthy(f"http://127.0.0.1:{port}")
+            router = Router(
+                [Engine(f"http://127.0.0.1:{port}", 4096)], RouterSettings(health_interval_s=60)
+            )
+
+            async def body(client: aiohttp.ClientSession, url: str) -> None:
+                payload = {"messages": conversation(0, 0), "max_tokens": 5000, "stream": True}
+                async with client.post(url + "/v1/chat/completions", json=payload) as response:
+                    first = await response.content.readline()
+                    assert first.startswith(b"data: ")
+                    process.kill()
+                    rest = await asyncio.wait_for(response.content.read(), timeout=10)
+                assert b"engine connection lost" in rest
+                assert router.engines[0].inflight == 0
+                assert router.engines[0].healthy is False
+
+            await with_router(router, body)
+
+        run(scenario)
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def wait_healthy(url: str, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with aiohttp.ClientSession() as client:
+        while True:
+            try:
+                async with client.get(url + "/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{url} did not become healthy")
+            await asyncio.sleep(0.1)
+
+
+def _metric(text: str, name: str, value: str, label: str = "engine") -> float:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{{label}="{value}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} for {value} not in /metrics")

@@ -1,0 +1,55 @@
+"""``smetric engine``: a vLLM-compatible mock engine, to run the router without GPUs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from smetric.cli.app import app, console, user_errors
+from smetric.engine import EngineConfig, run_engine
+from smetric.sim.perf import load_hardware, load_model
+
+
+@app.command()
+def engine(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8100,
+    served_model_name: Annotated[str, typer.Option(help="Model id it reports.")] = (
+        EngineConfig.served_model_name
+    ),
+    model: Annotated[str, typer.Option(help="Step-time model preset.")] = EngineConfig.model,
+    hardware: Annotated[str, typer.Option(help="GPU preset.")] = EngineConfig.hardware,
+    gpus: Annotated[int, typer.Option(help="GPUs (tensor parallel).", min=1)] = 1,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.", min=1)] = 16,
+    kv_blocks: Annotated[int, typer.Option(help="KV blocks in the pool.", min=1)] = 4096,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
+    default_max_tokens: Annotated[int, typer.Option(min=1)] = 16,
+    speed: Annotated[
+        float, typer.Option(help="Multiplier on every step's modelled duration (1 = real).")
+    ] = 1.0,
+) -> None:
+    """Serve vLLM's OpenAI API with a real prefix cache and the simulator's step timing.
+
+    Endpoints: /v1/chat/completions, /v1/completions (streaming or not), /v1/models,
+    /tokenize, /health and /metrics with vLLM's metric names; cached tokens are reported in
+    usage.prompt_tokens_details.cached_tokens.
+    """
+    with user_errors():
+        config = EngineConfig(
+            served_model_name=served_model_name,
+            model=model,
+            hardware=hardware,
+            gpus=gpus,
+            block_size=block_size,
+            kv_blocks=kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            default_max_tokens=default_max_tokens,
+            speed=speed,
+        )
+        load_model(model)
+        load_hardware(hardware, gpus=gpus)
+    console.print(f"smetric engine ({model} on {gpus}x{hardware}) on http://{host}:{port}")
+    run_engine(config, host=host, port=port)

@@ -1,0 +1,10 @@
+"""``smetric engine``: a GPU-free stand-in for vLLM, to test and demo the router against.
+
+Its timing and prefix cache come from the simulator's own modules (``sim.perf``,
+``sim.kv``, ``core.prefix_cache``), so the mock and the simulator tell the same story.
+"""
+
+from smetric.engine.scheduler import Engine, EngineConfig
+from smetric.engine.server import create_app, run_engine
+
+__all__ = ["Engine", "EngineConfig", "create_app", "run_engine"]

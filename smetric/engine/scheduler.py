@@ -1,0 +1,271 @@
+"""The mock engine's continuous-batching loop, timed and cached by the simulator's own code.
+
+A router is only as good as its tests, and real engines need GPUs. This loop behaves like
+vLLM V1 where a router can observe it: requests wait until their KV fits, each step runs
+every decode plus prompt chunks under a token budget, a prompt's full blocks become a
+reusable prefix once its prefill completes, and the cache evicts least recently used
+prefixes. The KV pool is ``sim.kv.LocalPool`` (cached blocks in ``core.prefix_cache`` plus
+private blocks, one budget) and a step lasts ``StepTimeModel.step_time`` of what it
+computes, so the engine and the simulator cannot disagree about either.
+
+Simplifications, chosen so the engine never has to preempt: a request reserves the blocks
+for its whole prompt and ``max_tokens`` when admitted, and only prompt blocks are cached
+(generated text is filler, so caching it would promise hits no client can produce).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from smetric.core.prefix_cache import Handle
+from smetric.sim.kv import LocalPool
+from smetric.sim.perf import StepTimeModel, load_hardware, load_model
+
+# What a finished request's queue receives last, after its tokens.
+END = None
+
+_FILLER = (
+    "the",
+    "agent",
+    "reads",
+    "a",
+    "file",
+    "and",
+    "calls",
+    "one",
+    "more",
+    "tool",
+    "before",
+    "it",
+    "writes",
+    "its",
+    "answer",
+)
+
+
+def filler_token(index: int) -> str:
+    """The text of generated token ``index``: deterministic, so tests and demos can compare."""
+    return _FILLER[index % len(_FILLER)] + " "
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What ``smetric engine`` is started with; the defaults mimic one H20 serving Qwen3-30B.
+
+    ``speed`` multiplies every step's modelled duration: 1.0 is real time, 0.001 makes a
+    test's steps microseconds long without changing what any step contains.
+    """
+
+    served_model_name: str = "Qwen/Qwen3-30B-A3B"
+    model: str = "Qwen3-30B-A3B"
+    hardware: str = "H20"
+    gpus: int = 1
+    block_size: int = 16
+    kv_blocks: int = 4096
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    default_max_tokens: int = 16
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.default_max_tokens < 1:
+            raise ValueError(
+                f"default_max_tokens must be at least 1, got {self.default_max_tokens}"
+            )
+        if self.speed < 0:
+            raise ValueError(f"speed must be >= 0, got {self.speed}")
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt plus output one request may have: what the whole pool holds."""
+        return self.kv_blocks * self.block_size
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One request's progress; the server reads ``tokens`` until it yields ``END``."""
+
+    token_ids: np.ndarray
+    blocks: np.ndarray
+    max_tokens: int
+    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    cached_tokens: int = 0
+    computed: int = 0
+    generated: int = 0
+    handle: Handle | None = None
+    pinned_blocks: int = 0
+    private_blocks: int = 0
+    finished: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic totals behind the ``/metrics`` counters, in vLLM's units (tokens)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    finished_requests: int = 0
+
+
+class Engine:
+    """Waiting queue, running batch and KV pool, advanced one modelled step at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.pool = LocalPool(config.kv_blocks)
+        self.perf = StepTimeModel(
+            load_model(config.model), load_hardware(config.hardware, config.gpus)
+        )
+        self.waiting: deque[EngineRequest] = deque()
+        self.prefilling: list[EngineRequest] = []
+        self.decoding: list[EngineRequest] = []
+        self.counters = EngineCounters()
+        self._wake = asyncio.Event()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of blocks in use, as vLLM reports it: cached blocks nobody holds count free."""
+        used = self.pool.cache.locked + self.pool.private
+        return used / self.pool.capacity
+
+    def submit(self, request: EngineRequest) -> None:
+        """Queue a request; the caller has checked it fits ``max_model_len``."""
+        self.waiting.append(request)
+        self._wake.set()
+
+    def cancel(self, request: EngineRequest) -> None:
+        """Drop a request whose client went away, freeing its blocks at once."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+            request.finished = True
+            return
+        self._release(request, asyncio.get_running_loop().time())
+
+    async def run(self) -> None:
+        """Step forever: sleep while idle, otherwise plan a step, wait its time, apply it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.waiting and not self.num_running:
+                self._wake.clear()
+                await self._wake.wait()
+            chunks = self._plan(loop.time())
+            decodes = list(self.decoding)
+            if not chunks and not decodes:
+                # Nothing admitted: the head request waits for blocks that running ones hold.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            prefill = sum(n for _, n in chunks)
+            attn2 = sum(n * (req.computed + n / 2) for req, n in chunks)
+            context = sum(req.prompt_tokens + req.generated for req in decodes)
+            step_s = self.perf.step_time(prefill, attn2, len(decodes), context)
+            await asyncio.sleep(step_s * self.config.speed)
+            self._apply(chunks, decodes, loop.time())
+
+    def _plan(self, now: float) -> list[tuple[EngineRequest, int]]:
+        """This step's prompt chunks: running prefills first, then admissions, in order."""
+        budget = self.config.max_num_batched_tokens - len(self.decoding)
+        chunks: list[tuple[EngineRequest, int]] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                return chunks
+            n = min(req.prompt_tokens - req.computed, budget)
+            chunks.append((req, n))
+            budget -= n
+        while self.waiting and budget > 0 and self.num_running < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self._allocate(req, now):
+                break
+            self.waiting.popleft()
+            self.prefilling.append(req)
+            n = min(req.prompt_tokens - req.computed, budget)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def _allocate(self, req: EngineRequest, now: float) -> bool:
+        """Pin the cached prefix and reserve the rest; the hit is counted once, on success.
+
+        As in vLLM, at least the prompt's last token is always computed (it yields the first
+        output token), so a fully cached prompt still gives up its last block.
+        """
+        bs = self.config.block_size
+        hit = min(self.pool.cache.match(req.blocks), (req.prompt_tokens - 1) // bs)
+        handle = self.pool.cache.lock(req.blocks, hit) if hit else None
+        private = -(-(req.prompt_tokens + req.max_tokens) // bs) - hit
+        if not self.pool.reserve(private):
+            if handle is not None:
+                self.pool.cache.unlock(handle, now)
+            return False
+        req.handle, req.pinned_blocks, req.private_blocks = handle, hit, private
+        req.cached_tokens = req.computed = hit * bs
+        self.counters.prefix_cache_queries += req.prompt_tokens
+        self.counters.prefix_cache_hits += req.cached_tokens
+        return True
+
+    def _apply(
+        self, chunks: list[tuple[EngineRequest, int]], decodes: list[EngineRequest], now: float
+    ) -> None:
+        """The step's effects at its end; requests cancelled meanwhile are skipped."""
+        for req in decodes:
+            if not req.finished:
+                self._emit(req, now)
+        for req, n in chunks:
+            if req.finished:
+                continue
+            req.computed += n
+            if req.computed == req.prompt_tokens:
+                self._complete_prefill(req, now)
+
+    def _complete_prefill(self, req: EngineRequest, now: float) -> None:
+        """Publish the prompt's full blocks as a reusable prefix and sample the first token."""
+        self.prefilling.remove(req)
+        moved = len(req.blocks) - req.pinned_blocks
+        req.handle = self.pool.publish(req.blocks, req.handle, moved, now)
+        req.private_blocks -= moved
+        req.pinned_blocks = len(req.blocks)
+        self.counters.prompt_tokens += req.prompt_tokens
+        self.decoding.append(req)
+        self._emit(req, now)
+
+    def _emit(self, req: EngineRequest, now: float) -> None:
+        req.tokens.put_nowait(req.generated)
+        req.generated += 1
+        self.counters.generation_tokens += 1
+        if req.generated >= req.max_tokens:
+            self._release(req, now)
+            self.counters.finished_requests += 1
+            req.tokens.put_nowait(END)
+
+    def _release(self, req: EngineRequest, now: float) -> None:
+        if req in self.decoding:
+            self.decoding.remove(req)
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+        if req.handle is not None:
+            self.pool.cache.unlock(req.handle, now)
+            req.handle = None
+        self.pool.release(req.private_blocks)
+        req.private_blocks = req.pinned_blocks = 0
+        req.finished = True
+        # Freed blocks may let the head of the queue in.
+        self._wake.set()

@@ -1,0 +1,324 @@
+"""vLLM's observable HTTP surface over the mock ``Engine``: what a router sends and scrapes.
+
+Only what routers and load generators touch is modelled: the OpenAI chat and completions
+endpoints (streamed or not, with ``usage.prompt_tokens_details.cached_tokens`` as vLLM
+reports it with ``--enable-prompt-tokens-details``), ``/tokenize``, ``/v1/models``,
+``/health`` and ``/metrics`` under vLLM's metric names. Prompts are parsed by
+``core.conversation.analyze_request``, the router's own parser, so router and engine agree
+on every prompt's tokens and blocks, and its ``RequestError`` becomes a 400. Any model name
+is accepted in requests, so a router configured with another name still gets answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from smetric.core.blocks import ByteTokenizer
+from smetric.core.conversation import Api, RequestError, analyze_request
+from smetric.engine.scheduler import END, Engine, EngineConfig, EngineRequest, filler_token
+
+ENGINE = web.AppKey("engine", Engine)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+_TOKENIZER = ByteTokenizer()
+
+
+def create_app(config: EngineConfig) -> web.Application:
+    """An app whose engine loop runs while the app does; metrics live in its own registry.
+
+    A private registry lets several engines share one process, as the tests and a local
+    demo cluster do.
+    """
+    engine = Engine(config)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine))
+    app = web.Application()
+    app[ENGINE] = engine
+    app[REGISTRY] = registry
+    app.cleanup_ctx.append(_engine_loop)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def run_engine(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve until interrupted; a client that disconnects cancels its request at once."""
+    web.run_app(create_app(config), host=host, port=port, handler_cancellation=True)
+
+
+async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[ENGINE].run())
+    yield
+    task.cancel()
+
+
+# --- Generation ----------------------------------------------------------------------------
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions")
+
+
+async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    config = engine.config
+    try:
+        body = await _json_body(request)
+        facts = analyze_request(body, api, _TOKENIZER, config.block_size)
+        max_tokens, stream, include_usage = _sampling(body, api, config.default_max_tokens)
+        if facts.prompt_tokens == 0:
+            raise RequestError("the prompt must not be empty")
+        if facts.prompt_tokens + max_tokens > config.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {config.max_model_len} tokens; the "
+                f"request has {facts.prompt_tokens} prompt tokens and max_tokens {max_tokens}"
+            )
+    except RequestError as error:
+        return _error(str(error))
+    job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
+    engine.submit(job)
+    reply = _Reply(api, config.served_model_name)
+    try:
+        if stream:
+            return await _stream(request, job, reply, include_usage)
+        count = 0
+        while await job.tokens.get() is not END:
+            count += 1
+        return web.json_response(reply.full(count, _usage(job)))
+    finally:
+        engine.cancel(job)
+
+
+async def _stream(
+    request: web.Request, job: EngineRequest, reply: _Reply, include_usage: bool
+) -> web.StreamResponse:
+    """Server-sent events, one chunk per token as vLLM sends them; a gone client cancels."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    try:
+        for chunk in reply.opening():
+            await _send(response, chunk)
+        index = await job.tokens.get()
+        while index is not END:
+            following = await job.tokens.get()
+            await _send(response, reply.token(index, last=following is END))
+            index = following
+        if include_usage:
+            await _send(response, reply.usage(_usage(job)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the caller's finally cancels the request and frees its blocks
+    return response
+
+
+async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+
+class _Reply:
+    """The OpenAI response and chunk shapes of one request, for either endpoint."""
+
+    def __init__(self, api: Api, model: str) -> None:
+        self.chat = api == "chat"
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def full(self, count: int, usage: dict[str, Any]) -> dict[str, Any]:
+        text = "".join(filler_token(i) for i in range(count))
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            body = self._envelope("chat.completion", [{**choice, "finish_reason": "length"}])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            body = self._envelope("text_completion", [choice])
+        return {**body, "usage": usage}
+
+    def opening(self) -> Iterable[dict[str, Any]]:
+        """vLLM opens a chat stream with an empty assistant delta; completions start at once."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""}
+            yield self._chunk({"index": 0, "delta": delta, "finish_reason": None})
+
+    def token(self, index: int, *, last: bool) -> dict[str, Any]:
+        reason = "length" if last else None
+        if self.chat:
+            delta = {"content": filler_token(index)}
+            return self._chunk({"index": 0, "delta": delta, "finish_reason": reason})
+        text = filler_token(index)
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._chunk(None), "usage": usage}
+
+    def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [] if choice is None else [choice])
+
+
+def _usage(job: EngineRequest) -> dict[str, Any]:
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.generated,
+        "total_tokens": job.prompt_tokens + job.generated,
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+    }
+
+
+def _sampling(body: dict[str, Any], api: Api, default_max_tokens: int) -> tuple[int, bool, bool]:
+    """``max_tokens``, ``stream`` and ``stream_options.include_usage``, type-checked.
+
+    Output always stops at ``max_tokens``: filler text has no end-of-sequence token, so
+    ``ignore_eos`` changes nothing and is not read.
+    """
+    keys = ("max_completion_tokens", "max_tokens") if api == "chat" else ("max_tokens",)
+    max_tokens = next((body[k] for k in keys if body.get(k) is not None), default_max_tokens)
+    if type(max_tokens) is not int or max_tokens < 1:
+        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be a boolean, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("stream_options.include_usage must be a boolean")
+    return max_tokens, stream, include_usage
+
+
+# --- Everything else -----------------------------------------------------------------------
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: ``messages`` render as a chat prompt, ``prompt`` as is."""
+    config = request.app[ENGINE].config
+    try:
+        body = await _json_body(request)
+        api: Api = "chat" if isinstance(body, dict) and "messages" in body else "completions"
+        facts = analyze_request(body, api, _TOKENIZER, config.block_size)
+    except RequestError as error:
+        return _error(str(error))
+    return web.json_response(
+        {
+            "count": facts.prompt_tokens,
+            "max_model_len": config.max_model_len,
+            "tokens": facts.token_ids.tolist(),
+            "token_strs": None,
+        }
+    )
+
+
+async def _models(request: web.Request) -> web.Response:
+    config = request.app[ENGINE].config
+    model = {
+        "id": config.served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "smetric",
+        "root": config.served_model_name,
+        "max_model_len": config.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    payload = generate_latest(request.app[REGISTRY])
+    return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class _EngineCollector:
+    """Reads the engine's state at scrape time, so no gauge can lag behind the engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self.engine
+        config = engine.config
+        counters = engine.counters
+        label = ["model_name"]
+        value = [config.served_model_name]
+
+        def gauge(name: str, doc: str, reading: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=label)
+            family.add_metric(value, reading)
+            return family
+
+        def counter(name: str, doc: str, reading: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=label)
+            family.add_metric(value, reading)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the batch.", engine.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for KV.", len(engine.waiting))
+        yield gauge("vllm:kv_cache_usage_perc", "Share of KV blocks in use.", engine.kv_cache_usage)
+        yield counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up.", counters.prefix_cache_queries
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found cached.", counters.prefix_cache_hits
+        )
+        yield counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens found cached.", counters.prefix_cache_hits
+        )
+        yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", counters.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Generated tokens.", counters.generation_tokens)
+        yield counter("vllm:request_success", "Requests finished.", counters.finished_requests)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV cache configuration.",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        info.add_metric([str(config.block_size), str(config.kv_blocks), "True"], 1.0)
+        yield info
+
+
+# --- Helpers -------------------------------------------------------------------------------
+
+
+async def _json_body(request: web.Request) -> object:
+    try:
+        return json.loads(await request.read())
+    except (ValueError, RecursionError) as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    error = {"message": message, "type": "invalid_request_error", "code": status}
+    return web.json_response({"error": error}, status=status)
