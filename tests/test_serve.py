@@ -276,3 +276,14 @@ def _metric(text: str, name: str, value: str, label: str = "engine") -> float:
         if line.startswith(f'{name}{{{label}="{value}"}}'):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} for {value} not in /metrics")
+
+
+def test_demo_drives_sessions_through_router_and_engines() -> None:
+    from typer.testing import CliRunner
+
+    from smetric.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--engines", "2", "--duration", "4"])
+    assert result.exit_code == 0, result.output
+    assert "0 failed" in result.output
+    assert "sticky" in result.output  # follow-ups were routed to their cache

@@ -225,7 +225,8 @@ class Router:
         cached = usage.cached_tokens()
         if cached is not None:
             self.metrics.reported.labels(engine.url).inc(cached)
-        await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):
+            await response.write_eof()  # the client may be gone by now
         return response
 
     def _eject(self, engine: Engine, reason: str) -> None:
