@@ -287,3 +287,35 @@ def test_demo_drives_sessions_through_router_and_engines() -> None:
     assert result.exit_code == 0, result.output
     assert "0 failed" in result.output
     assert "sticky" in result.output  # follow-ups were routed to their cache
+
+
+def test_overload_guard_moves_a_follow_up_off_a_busy_engine() -> None:
+    async def body(client, url, router, engines) -> None:
+        home, _ = await chat(client, url, conversation(0, 0))
+        # Turn 1 sticks to home and keeps streaming there...
+        payload = {"messages": conversation(0, 1), "max_tokens": 50_000, "stream": True}
+        async with client.post(url + "/v1/chat/completions", json=payload) as long_stream:
+            assert long_stream.headers["x-smetric-engine"] == home
+            await long_stream.content.readline()
+            # ...so home holds 1 request against a mean of 1/3: more than 2x the mean.
+            where, _ = await chat(client, url, conversation(0, 2))
+            assert where != home
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        assert _metric(text, "smetric_routing_decisions_total", "overload_fallback", "branch") == 1
+
+    run(lambda: with_cluster(3, body))
+
+
+def test_eviction_guard_rebalances_a_session_the_index_lost() -> None:
+    async def body(client, url, router, engines) -> None:
+        for engine in router.engines:
+            engine.kv_blocks = 4  # an index too small to hold a session's history
+            engine.forget()
+        await chat(client, url, conversation(0, 0))
+        await chat(client, url, conversation(0, 1))
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        assert _metric(text, "smetric_routing_decisions_total", "evicted_fallback", "branch") == 1
+
+    run(lambda: with_cluster(2, body))
