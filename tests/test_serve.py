@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 
 from smetric.serve.app import Router, RouterSettings
@@ -120,7 +121,7 @@ async def with_cluster(
     urls = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead)]
     urls += [f"http://127.0.0.1:{s.port}" for s in engines]
     router = Router(
-        [Engine(u, 4096) for u in urls], RouterSettings(policy=policy, health_interval_s=0.05)
+        [Engine(u, 1000) for u in urls], RouterSettings(policy=policy, health_interval_s=0.05)
     )
     server = TestServer(router.app(), host="127.0.0.1")
     await server.start_server()
@@ -319,3 +320,29 @@ def test_eviction_guard_rebalances_a_session_the_index_lost() -> None:
         assert _metric(text, "smetric_routing_decisions_total", "evicted_fallback", "branch") == 1
 
     run(lambda: with_cluster(2, body))
+
+
+def test_engine_metrics_size_the_index_and_raise_the_load() -> None:
+    from smetric.serve.scrape import EngineReport, parse_vllm_metrics
+
+    async def body(client, url, router, engines) -> None:
+        router.settings.scrape_interval_s = 0.05
+        for engine in router.engines:
+            await router.scrape(engine)
+        # The mock engine's pool: 4096 blocks of 16 tokens; the router was told 1000.
+        assert [e.kv_blocks for e in router.engines] == [4096, 4096]
+        async with client.get(router.engines[0].url + "/metrics") as response:
+            report = parse_vllm_metrics(await response.text(), at=0.0)
+        assert (report.running, report.waiting, report.num_gpu_blocks) == (0.0, 0.0, 4096)
+
+    async def cluster() -> None:
+        await with_cluster(2, body)
+
+    run(cluster)
+    engine = Engine("http://127.0.0.1:1", 100)
+    engine.inflight = 2
+    engine.report = EngineReport(at=10.0, running=5.0, waiting=1.0)
+    assert engine.load(now=12.0, staleness_s=5.0) == 6.0  # fresh: the engine knows more
+    assert engine.load(now=20.0, staleness_s=5.0) == 2.0  # stale: only what the router sent
+    with pytest.raises(ValueError):
+        parse_vllm_metrics("this is { not prometheus", at=0.0)

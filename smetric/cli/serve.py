@@ -69,6 +69,17 @@ def serve(
     health_interval: Annotated[
         float, typer.Option(help="Seconds between health checks.", min=0.05)
     ] = 2.0,
+    scrape_interval: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between scrapes of engines' /metrics (0: off); running + waiting "
+            "then raise the load, and cache_config_info sizes the prefix index.",
+            min=0.0,
+        ),
+    ] = 0.0,
+    staleness: Annotated[
+        float, typer.Option(help="Ignore a scrape older than this many seconds.", min=0.0)
+    ] = 5.0,
 ) -> None:
     """Route OpenAI-compatible traffic (chat, completions, Anthropic messages) to engines.
 
@@ -84,6 +95,8 @@ def serve(
                 block_size=block_size,
                 api_keys=frozenset(api_key or []),
                 health_interval_s=health_interval,
+                scrape_interval_s=scrape_interval,
+                staleness_s=staleness,
             ),
         )
     logging.basicConfig(level=logging.INFO, format="%(message)s")

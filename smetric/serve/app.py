@@ -27,6 +27,7 @@ from smetric.core.conversation import Api, RequestError, RequestFacts, analyze_r
 from smetric.core.policy import ClusterView, make_policy
 from smetric.serve.engines import Engine
 from smetric.serve.metrics import RouterMetrics
+from smetric.serve.scrape import parse_vllm_metrics
 
 log = logging.getLogger("smetric.serve")
 
@@ -46,6 +47,9 @@ class RouterSettings:
     health_interval_s: float = 2.0
     max_body_bytes: int = 32 << 20
     connect_timeout_s: float = 5.0
+    # Scrape engines' /metrics this often (0: never) and trust a scrape this long.
+    scrape_interval_s: float = 0.0
+    staleness_s: float = 5.0
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -84,11 +88,14 @@ class Router:
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
         self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
-        checker = asyncio.create_task(self._check_health_forever())
+        tasks = [asyncio.create_task(self._check_health_forever())]
+        if self.settings.scrape_interval_s > 0:
+            tasks.append(asyncio.create_task(self._scrape_forever()))
         yield
-        checker.cancel()
+        for task in tasks:
+            task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await checker
+            await asyncio.gather(*tasks)
         await self.client.close()
 
     @web.middleware
@@ -159,7 +166,8 @@ class Router:
     def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
         bs = self.settings.block_size
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
-        loads = [float(e.inflight) for e in engines]
+        now = time.monotonic()
+        loads = [e.load(now, self.settings.staleness_s) for e in engines]
         view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
@@ -258,6 +266,28 @@ class Router:
             self._eject(engine, "health check failed")
         engine.healthy = ok
         self.metrics.healthy.labels(engine.url).set(1 if ok else 0)
+
+    async def _scrape_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.scrape(e) for e in self.engines if e.healthy))
+            await asyncio.sleep(self.settings.scrape_interval_s)
+
+    async def scrape(self, engine: Engine) -> None:
+        """Read the engine's /metrics; a failed or garbled scrape just leaves the old one."""
+        assert self.client is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
+            async with self.client.get(engine.url + "/metrics", timeout=timeout) as response:
+                text = await response.text()
+            report = parse_vllm_metrics(text, time.monotonic())
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return
+        if engine.adopt(report, self.settings.block_size):
+            log.info(
+                json.dumps(
+                    {"event": "kv_capacity", "engine": engine.url, "blocks": engine.kv_blocks}
+                )
+            )
 
     # -- small endpoints -----------------------------------------------------------------
 

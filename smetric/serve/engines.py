@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from smetric.core.prefix_cache import PrefixCache
+from smetric.serve.scrape import EngineReport
 
 
 @dataclass
@@ -23,7 +24,8 @@ class Engine:
     # Requests routed here whose response has not ended: the load the policy sees.
     inflight: int = 0
     index: PrefixCache = field(init=False)
-    failures: int = 0
+    # The engine's latest /metrics, when the router scrapes them.
+    report: EngineReport | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -40,3 +42,26 @@ class Engine:
     def forget(self) -> None:
         """An engine that went away lost its cache."""
         self.index = PrefixCache(self.kv_blocks)
+
+    def load(self, now: float, staleness_s: float) -> float:
+        """In-flight requests, raised to what the engine reports queued if that is fresh."""
+        report = self.report
+        if report is None or now - report.at > staleness_s or report.queued is None:
+            return float(self.inflight)
+        return max(float(self.inflight), report.queued)
+
+    def adopt(self, report: EngineReport, block_size: int) -> bool:
+        """Take a scrape; size the prefix index to the engine's real KV pool once known.
+
+        Returns True when the index was resized (it starts empty: the sizes differ, and
+        what it held is a guess either way).
+        """
+        self.report = report
+        if report.num_gpu_blocks is None:
+            return False
+        blocks = report.num_gpu_blocks * (report.block_size or block_size) // block_size
+        if blocks == self.kv_blocks or blocks <= 0:
+            return False
+        self.kv_blocks = blocks
+        self.forget()
+        return True
