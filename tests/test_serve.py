@@ -346,3 +346,46 @@ def test_engine_metrics_size_the_index_and_raise_the_load() -> None:
     assert engine.load(now=20.0, staleness_s=5.0) == 2.0  # stale: only what the router sent
     with pytest.raises(ValueError):
         parse_vllm_metrics("this is { not prometheus", at=0.0)
+
+
+def test_anthropic_messages_pass_through_and_follow_ups_hit() -> None:
+    def turn(n: int) -> dict:
+        messages = [{"role": "user", "content": "refactor the parser " * 20}]
+        for i in range(n):
+            messages += [
+                {"role": "assistant", "content": [{"type": "text", "text": f"step {i} " * 8}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": f"t{i}",
+                            "content": f"output {i} " * 30,
+                        }
+                    ],
+                },
+            ]
+        return {
+            "model": "m",
+            "system": "You are Claude Code. " * 10,
+            "messages": messages,
+            "max_tokens": 6,
+        }
+
+    async def body(client, url, router, engines) -> None:
+        async with client.post(url + "/v1/messages", json=turn(0)) as response:
+            assert response.status == 200
+            home = response.headers["x-smetric-engine"]
+            first = await response.json()
+        assert first["type"] == "message" and first["usage"]["output_tokens"] == 6
+        async with client.post(url + "/v1/messages", json={**turn(1), "stream": True}) as response:
+            assert response.headers["x-smetric-engine"] == home
+            events = [line async for line in response.content if line.startswith(b"event: ")]
+        assert events[0].strip() == b"event: message_start"
+        assert events[-1].strip() == b"event: message_stop"
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        reported = _metric(text, "smetric_reported_cached_tokens_total", home)
+        assert reported == _metric(text, "smetric_predicted_hit_tokens_total", home) > 0
+
+    run(lambda: with_cluster(2, body))

@@ -320,7 +320,8 @@ class Router:
 
 
 class _UsageTap:
-    """Finds ``usage.prompt_tokens_details.cached_tokens`` in a passing response.
+    """Finds the cached prompt tokens an engine reports in a passing response: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` or Anthropic's ``cache_read_input_tokens``.
 
     Only the tail is kept: usage comes in the last JSON body or the last SSE chunks.
     """
@@ -342,7 +343,7 @@ class _UsageTap:
             except (ValueError, AttributeError):
                 continue
             details = usage.get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens")
+            cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
             if isinstance(cached, int):
                 return cached
         return None
