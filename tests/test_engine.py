@@ -276,3 +276,17 @@ def test_requests_wait_for_kv_and_disconnects_free_it() -> None:
         assert seen["vllm:generation_tokens_total"] < 400
 
     serve(config, scenario)
+
+
+def test_model_info_and_server_info_answer_sglang_router_probes() -> None:
+    async def scenario(client: TestClient) -> None:
+        info = await (await client.get("/model_info")).json()
+        assert info == {"model_path": "demo-model", "is_generation": True}
+        server = await client.get("/server_info")
+        assert server.status == 200
+        config = await server.json()
+        assert config["served_model_name"] == "demo-model"
+        assert config["block_size"] == 16
+        assert config["max_model_len"] > 0
+
+    serve(EngineConfig(speed=0.001, served_model_name="demo-model"), scenario)

@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import Api, RequestError, analyze_request
+from smetric.engine.anthropic import MessagesReply, messages_usage
 from smetric.engine.scheduler import END, Engine, EngineConfig, EngineRequest, filler_token
 
 ENGINE = web.AppKey("engine", Engine)
@@ -46,9 +48,12 @@ def create_app(config: EngineConfig) -> web.Application:
     app.cleanup_ctx.append(_engine_loop)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/messages", _messages)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/model_info", _model_info)
+    app.router.add_get("/server_info", _server_info)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -75,6 +80,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completions")
 
 
+async def _messages(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "messages")
+
+
 async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     engine = request.app[ENGINE]
     config = engine.config
@@ -95,6 +104,8 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     engine.submit(job)
     reply = _Reply(api, config.served_model_name)
     try:
+        if api == "messages":
+            return await _anthropic(request, job, config.served_model_name, stream)
         if stream:
             return await _stream(request, job, reply, include_usage)
         count = 0
@@ -128,6 +139,38 @@ async def _stream(
     except ConnectionResetError:
         pass  # the caller's finally cancels the request and frees its blocks
     return response
+
+
+async def _anthropic(
+    request: web.Request, job: EngineRequest, model: str, stream: bool
+) -> web.StreamResponse:
+    """The Messages API's shapes: one JSON message, or its named server-sent events."""
+    reply = MessagesReply(model)
+    if not stream:
+        count = 0
+        while await job.tokens.get() is not END:
+            count += 1
+        text = "".join(filler_token(i) for i in range(count))
+        return web.json_response(reply.full(text, _anthropic_usage(job)))
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    try:
+        for data in reply.opening(_anthropic_usage(job)):
+            await response.write(data)
+        while (index := await job.tokens.get()) is not END:
+            await response.write(reply.token(filler_token(index)))
+        for data in reply.closing(_anthropic_usage(job)):
+            await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the caller's finally cancels the request and frees its blocks
+    return response
+
+
+def _anthropic_usage(job: EngineRequest) -> dict[str, int]:
+    return messages_usage(job.prompt_tokens, job.cached_tokens, job.generated)
 
 
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
@@ -255,6 +298,18 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     return web.Response()
+
+
+async def _model_info(request: web.Request) -> web.Response:
+    """SGLang's ``/model_info``: sglang-router probes it before it accepts a worker."""
+    config = request.app[ENGINE].config
+    return web.json_response({"model_path": config.served_model_name, "is_generation": True})
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    """SGLang's ``/server_info``: the engine's configuration, which routers read at startup."""
+    config = request.app[ENGINE].config
+    return web.json_response({**asdict(config), "max_model_len": config.max_model_len})
 
 
 async def _metrics(request: web.Request) -> web.Response:
