@@ -389,3 +389,17 @@ def test_anthropic_messages_pass_through_and_follow_ups_hit() -> None:
         assert reported == _metric(text, "smetric_predicted_hit_tokens_total", home) > 0
 
     run(lambda: with_cluster(2, body))
+
+
+def test_engine_tokenizer_gives_the_same_prediction() -> None:
+    async def body(client, url, router, engines) -> None:
+        router.engine_tokenizer = True  # tokenise through the engines' /tokenize
+        home, _ = await chat(client, url, conversation(7, 0))
+        where, data = await chat(client, url, conversation(7, 1))
+        assert where == home
+        cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        assert _metric(text, "smetric_predicted_hit_tokens_total", home) == cached > 0
+
+    run(lambda: with_cluster(2, body))

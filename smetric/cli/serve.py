@@ -14,6 +14,7 @@ from smetric.cli.app import app, console, user_errors
 from smetric.core.policy import POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
+from smetric.serve.tokenizers import make_tokenizer
 
 
 def engines_from(urls: list[str], config: Path | None, kv_blocks: int) -> list[Engine]:
@@ -80,6 +81,14 @@ def serve(
     staleness: Annotated[
         float, typer.Option(help="Ignore a scrape older than this many seconds.", min=0.0)
     ] = 5.0,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            help="How prompts are tokenised for the prefix index: 'bytes' (fallback), "
+            "'hf:/local/model/dir' (tokenizer.json and its chat template), or 'engine' "
+            "(the engines' /tokenize)."
+        ),
+    ] = "bytes",
 ) -> None:
     """Route OpenAI-compatible traffic (chat, completions, Anthropic messages) to engines.
 
@@ -88,6 +97,8 @@ def serve(
     """
     with user_errors():
         engines = engines_from(engine or [], config, kv_blocks)
+        by_engine = tokenizer == "engine"
+        encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
         router = Router(
             engines,
             RouterSettings(
@@ -98,6 +109,9 @@ def serve(
                 scrape_interval_s=scrape_interval,
                 staleness_s=staleness,
             ),
+            tokenizer=encoder,
+            template=template,
+            engine_tokenizer=by_engine,
         )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     console.print(

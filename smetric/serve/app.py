@@ -23,11 +23,18 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
-from smetric.core.conversation import Api, RequestError, RequestFacts, analyze_request
+from smetric.core.conversation import (
+    Api,
+    ChatTemplate,
+    RequestError,
+    RequestFacts,
+    analyze_request,
+)
 from smetric.core.policy import ClusterView, make_policy
 from smetric.serve.engines import Engine
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.scrape import parse_vllm_metrics
+from smetric.serve.tokenizers import analyze_with_engine
 
 log = logging.getLogger("smetric.serve")
 
@@ -63,6 +70,10 @@ class Router:
     engines: list[Engine]
     settings: RouterSettings = field(default_factory=RouterSettings)
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    # The model's chat template, so prompts are cut into the blocks the engine caches.
+    template: ChatTemplate | None = None
+    # Tokenise with an engine's /tokenize instead (exact for any model, one round trip).
+    engine_tokenizer: bool = False
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -136,9 +147,11 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
         try:
-            facts = analyze_request(body, api, self.tokenizer, self.settings.block_size)
+            facts = await self.analyze(body, api)
         except RequestError as exc:
             return error_response(400, str(exc))
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            return error_response(502, f"tokenising with the engine failed: {exc}", "server_error")
         started = time.perf_counter()
         tried: set[str] = set()
         while True:
@@ -162,6 +175,14 @@ class Router:
                 engine.inflight -= 1
                 upstream.release()
                 self.metrics.latency.labels(api).observe(time.perf_counter() - started)
+
+    async def analyze(self, body: dict, api: Api) -> RequestFacts:
+        bs = self.settings.block_size
+        if not self.engine_tokenizer:
+            return analyze_request(body, api, self.tokenizer, bs, self.template)
+        assert self.client is not None
+        engine = next((e for e in self.engines if e.healthy), self.engines[0])
+        return await analyze_with_engine(body, api, self.client, engine.url, bs, self.template)
 
     def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
         bs = self.settings.block_size
