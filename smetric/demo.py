@@ -86,7 +86,7 @@ async def run_demo(
     await front.start_server()
     try:
         async with aiohttp.ClientSession() as client:
-            driver = _Driver(trace, options, state, client, f"http://127.0.0.1:{front.port}")
+            driver = SessionDriver(trace, options, state, client, f"http://127.0.0.1:{front.port}")
             ticker = asyncio.create_task(_tick(state, on_tick))
             try:
                 await driver.run()
@@ -106,7 +106,7 @@ async def _tick(state: DemoState, on_tick: Callable[[DemoState], None]) -> None:
         await asyncio.sleep(0.25)
 
 
-class _Driver:
+class SessionDriver:
     """Closed-loop sessions: a request goes out its think time after its parent finished."""
 
     def __init__(
@@ -160,7 +160,9 @@ class _Driver:
             return [system, task]
         history = self.messages[parent]
         grown = max(scaled - sum(len(m["content"]) for m in history), 16)
-        return [*history, {"role": "tool", "content": filler(f"{session}/{turn}", grown)}]
+        # Tool output goes back as a user turn: strict OpenAI servers (sglang-router, for
+        # one) reject a ``tool`` message without the ``tool_call_id`` of a real tool call.
+        return [*history, {"role": "user", "content": filler(f"{session}/{turn}", grown)}]
 
     async def _send(self, rid: int, delay: float) -> None:
         await asyncio.sleep(delay)
