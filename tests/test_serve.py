@@ -123,7 +123,7 @@ async def with_cluster(
     router = Router(
         [Engine(u, 1000) for u in urls], RouterSettings(policy=policy, health_interval_s=0.05)
     )
-    server = TestServer(router.app(), host="127.0.0.1")
+    server = TestServer(router.app(), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
     try:
         async with aiohttp.ClientSession() as client:
@@ -403,3 +403,19 @@ def test_engine_tokenizer_gives_the_same_prediction() -> None:
         assert _metric(text, "smetric_predicted_hit_tokens_total", home) == cached > 0
 
     run(lambda: with_cluster(2, body))
+
+
+def test_client_going_away_ends_the_request_s_load() -> None:
+    async def body(client, url, router, engines) -> None:
+        payload = {"messages": conversation(3, 0), "max_tokens": 50_000, "stream": True}
+        response = await client.post(url + "/v1/chat/completions", json=payload)
+        await response.content.readline()
+        assert sum(e.inflight for e in router.engines) == 1
+        response.close()  # the client hangs up mid-stream
+        for _ in range(100):
+            if sum(e.inflight for e in router.engines) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert sum(e.inflight for e in router.engines) == 0
+
+    run(lambda: with_cluster(1, body))

@@ -118,4 +118,5 @@ def serve(
         f"smetric serve: {policy} over {len(engines)} engines on http://{host}:{port}",
         highlight=False,
     )
-    web.run_app(router.app(), host=host, port=port, print=None)
+    # A client that goes away cancels its handler, so its request stops counting at once.
+    web.run_app(router.app(), host=host, port=port, print=None, handler_cancellation=True)
