@@ -419,3 +419,19 @@ def test_client_going_away_ends_the_request_s_load() -> None:
         assert sum(e.inflight for e in router.engines) == 0
 
     run(lambda: with_cluster(1, body))
+
+
+def test_large_prompts_are_routed_the_same_way() -> None:
+    """A prompt analysed off the event loop (over 64 KiB) still sticks and hits."""
+
+    async def body(client, url, router, engines) -> None:
+        for engine in router.engines:
+            await router.scrape(engine)  # size the index to the engines' 4096 blocks
+        big = [{"role": "user", "content": "long context " * 5000}]  # 65 KB, 65 k tokens
+        home, _ = await chat(client, url, big)
+        follow = [*big, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+        where, data = await chat(client, url, follow)
+        assert where == home
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 60_000
+
+    run(lambda: with_cluster(2, body))
