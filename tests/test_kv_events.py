@@ -1,0 +1,226 @@
+"""KV-event decoding, the exact index built from events, and sequence checking."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from smetric.core.blocks import chain_hashes
+from smetric.core.kv_events import (
+    REPLAY_END,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventIndex,
+    KVEventError,
+    SequenceCheck,
+    SequenceTracker,
+    decode_batch,
+    parse_sequence,
+)
+
+BS = 4
+TOKENS = list(range(100, 124))  # six blocks of four
+
+
+def stored_map(hashes: list[Any], parent: Any, tokens: list[int], medium: Any = "GPU") -> dict:
+    """A BlockStored as recent vLLM encodes it, with fields this module ignores."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "group_idx": 0,
+    }
+
+
+def stored_array(hashes: list[Any], parent: Any, tokens: list[int], medium: Any = "GPU") -> list:
+    """A BlockStored as array_like releases encode it: tag, then fields in order."""
+    return ["BlockStored", hashes, parent, tokens, BS, None, medium]
+
+
+def removed_map(hashes: list[Any], medium: Any = "GPU") -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+def removed_array(hashes: list[Any], medium: Any = "GPU") -> list:
+    return ["BlockRemoved", hashes, medium]
+
+
+FORMS = {
+    "map": (stored_map, removed_map, {"type": "AllBlocksCleared"}),
+    "array": (stored_array, removed_array, ["AllBlocksCleared"]),
+}
+
+
+def payload(events: list[Any], form: str, ts: float = 1.5, dp_rank: int | None = 0) -> bytes:
+    if form == "map":
+        batch: Any = {"ts": ts, "events": events, "data_parallel_rank": dp_rank}
+    else:
+        batch = [ts, events, dp_rank]
+    return msgspec.msgpack.encode(batch)
+
+
+def feed(index: EventIndex, events: list[Any], form: str) -> None:
+    index.apply(decode_batch(payload(events, form)).events)
+
+
+def request(tokens: list[int]) -> np.ndarray:
+    return chain_hashes(tokens, BS)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_decode_both_forms(form: str) -> None:
+    stored, removed, cleared = FORMS[form]
+    batch = decode_batch(
+        payload(
+            [stored([b"\x01", b"\x02"], None, TOKENS[:8]), removed([7], "CPU"), cleared],
+            form,
+            dp_rank=3,
+        )
+    )
+    assert batch.timestamp == 1.5
+    assert batch.dp_rank == 3
+    assert batch.skipped == 0
+    assert batch.events == (
+        BlockStored((b"\x01", b"\x02"), None, tuple(TOKENS[:8]), BS, "GPU"),
+        BlockRemoved((7,), "CPU"),
+        AllBlocksCleared(),
+    )
+
+
+def test_decode_accepts_old_short_forms() -> None:
+    """Releases before ``medium`` existed, and a batch without a dp rank."""
+    old = ["BlockStored", [1], None, TOKENS[:4], BS, None]
+    batch = decode_batch(msgspec.msgpack.encode([2.0, [old, ["BlockRemoved", [1]]]]))
+    assert batch.dp_rank is None
+    assert batch.events == (
+        BlockStored((1,), None, tuple(TOKENS[:4]), BS, None),
+        BlockRemoved((1,), None),
+    )
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_stored_blocks_match_request_keys(form: str) -> None:
+    stored, _, _ = FORMS[form]
+    index = EventIndex(BS)
+    feed(index, [stored([b"a1", b"a2", b"a3"], None, TOKENS[:12])], form)
+    assert index.match(request(TOKENS)) == 3
+    assert index.size() == 3
+    # A second batch continues the chain from the first batch's last block.
+    feed(index, [stored([b"a4", b"a5"], b"a3", TOKENS[12:20])], form)
+    assert index.match(request(TOKENS)) == 5
+    # A prompt diverging inside block 2 shares only the first two blocks.
+    other = [*TOKENS[:9], 0, *TOKENS[10:]]
+    assert index.match(request(other)) == 2
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_removed_tail_block_shortens_match(form: str) -> None:
+    stored, removed, _ = FORMS[form]
+    index = EventIndex(BS)
+    feed(index, [stored([1, 2, 3, 4], None, TOKENS[:16])], form)
+    feed(index, [removed([4])], form)
+    assert index.match(request(TOKENS)) == 3
+    # A hole in the middle ends the match there, as it ends the engine's lookup.
+    feed(index, [removed([2])], form)
+    assert index.match(request(TOKENS)) == 1
+    assert index.size() == 2
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_all_blocks_cleared(form: str) -> None:
+    stored, _, cleared = FORMS[form]
+    index = EventIndex(BS)
+    feed(index, [stored([1, 2], None, TOKENS[:8]), cleared], form)
+    assert index.match(request(TOKENS)) == 0
+    assert index.size() == 0
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_cpu_medium_is_not_gpu(form: str) -> None:
+    stored, removed, _ = FORMS[form]
+    index = EventIndex(BS)
+    feed(index, [stored([1, 2], None, TOKENS[:8], medium="CPU")], form)
+    assert index.match(request(TOKENS)) == 0
+    assert index.match(request(TOKENS), medium="CPU") == 2
+    # No medium means GPU; a CPU chain may continue a prefix only the GPU holds.
+    feed(index, [stored([10], None, TOKENS[:4], medium=None)], form)
+    feed(index, [stored([11], 10, TOKENS[4:8], medium="CPU")], form)
+    assert index.match(request(TOKENS)) == 1
+    feed(index, [removed([1, 2], medium="CPU")], form)
+    assert index.match(request(TOKENS), medium="CPU") == 0
+
+
+def test_shared_router_key_stays_until_last_engine_hash_goes() -> None:
+    """Two engine hashes (e.g. two LoRA adapters) for the same tokens share a router key."""
+    index = EventIndex(BS)
+    feed(index, [stored_map([1], None, TOKENS[:4]), stored_map([2], None, TOKENS[:4])], "map")
+    feed(index, [removed_map([1])], "map")
+    assert index.match(request(TOKENS)) == 1
+    feed(index, [removed_map([2])], "map")
+    assert index.match(request(TOKENS)) == 0
+
+
+def test_events_the_index_cannot_key_are_counted() -> None:
+    index = EventIndex(BS)
+    wrong_size = {**stored_map([1], None, TOKENS[:8]), "block_size": 8}
+    feed(index, [wrong_size, stored_map([2], 999, TOKENS[:4])], "map")
+    assert (index.mismatched, index.orphaned, index.size()) == (1, 1, 0)
+
+
+def test_hash_and_token_counts_must_agree() -> None:
+    with pytest.raises(KVEventError, match="2 hashes"):
+        feed(EventIndex(BS), [stored_map([1, 2], None, TOKENS[:4])], "map")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_unknown_event_type_is_skipped(form: str) -> None:
+    stored, _, _ = FORMS[form]
+    unknown = {"type": "BlockPinned", "x": 1} if form == "map" else ["BlockPinned", 1]
+    batch = decode_batch(payload([unknown, stored([1], None, TOKENS[:4])], form))
+    assert batch.skipped == 1
+    assert len(batch.events) == 1
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1",  # never valid msgpack
+        msgspec.msgpack.encode([1.0, [stored_map([1], None, TOKENS[:4])]])[:-3],
+        msgspec.msgpack.encode("hello"),
+        msgspec.msgpack.encode([1.0, "events"]),
+        msgspec.msgpack.encode([1.0, [42]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1.5], None, [1, 2, 3, 4], 4]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1, 2], 0]]]),
+        msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved"}]}),
+    ],
+)
+def test_corrupt_payload_raises(data: bytes) -> None:
+    with pytest.raises(KVEventError):
+        decode_batch(data)
+
+
+def test_parse_sequence() -> None:
+    assert parse_sequence((5).to_bytes(8, "big")) == 5
+    assert parse_sequence((-1).to_bytes(8, "big", signed=True)) == REPLAY_END
+    with pytest.raises(KVEventError):
+        parse_sequence(b"\x00\x01")
+
+
+def test_sequence_tracker() -> None:
+    tracker = SequenceTracker()
+    assert tracker.feed(7) == SequenceCheck("ok")  # joined late: nothing to ask for
+    assert tracker.feed(8) == SequenceCheck("ok")
+    assert tracker.feed(11) == SequenceCheck("gap", range(9, 11))
+    assert tracker.feed(12) == SequenceCheck("ok")
+    assert tracker.feed(2) == SequenceCheck("restart", range(0, 2))
+    assert tracker.feed(3) == SequenceCheck("ok")
+    assert tracker.feed(3).status == "restart"
