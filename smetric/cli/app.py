@@ -16,8 +16,9 @@ from smetric.trace.schema import Trace, TraceError
 app = typer.Typer(
     help=(
         "SMetric: balanced session-centric scheduling for agentic LLM serving.\n\n"
-        "Study a trace's KV reuse (analyze), simulate a cluster under every routing "
-        "policy (simulate, sweep), inspect and convert traces (trace)."
+        "Route agent traffic across engines (serve; engine and demo run it without GPUs), "
+        "simulate a cluster under every routing policy (simulate, sweep), study a trace's "
+        "KV reuse (analyze), inspect and convert traces (trace)."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
