@@ -5,6 +5,6 @@ Its timing and prefix cache come from the simulator's own modules (``sim.perf``,
 """
 
 from smetric.engine.scheduler import Engine, EngineConfig
-from smetric.engine.server import create_app, run_engine
+from smetric.engine.server import KVEventPublisher, create_app, run_engine
 
-__all__ = ["Engine", "EngineConfig", "create_app", "run_engine"]
+__all__ = ["Engine", "EngineConfig", "KVEventPublisher", "create_app", "run_engine"]

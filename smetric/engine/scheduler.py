@@ -11,13 +11,22 @@ computes, so the engine and the simulator cannot disagree about either.
 Simplifications, chosen so the engine never has to preempt: a request reserves the blocks
 for its whole prompt and ``max_tokens`` when admitted, and only prompt blocks are cached
 (generated text is filler, so caching it would promise hits no client can produce).
+
+With a ``kv_sink`` the engine also reports its cache as vLLM's KV events do (map-form
+``BlockStored``/``BlockRemoved`` dicts, one list per step), using the router's own chained
+block ids as its block hashes. ``PrefixCache`` has no eviction hook, so removals are found
+by diffing: after a reservation shrinks the cache, every prefix chain stored so far is
+matched again and the blocks past its surviving prefix are reported removed. That costs one
+``match`` per stored chain per eviction, acceptable for a mock.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -70,9 +79,22 @@ class EngineConfig:
     max_num_seqs: int = 256
     default_max_tokens: int = 16
     speed: float = 1.0
+    # KV events as vLLM's ``--kv-events-config`` publishes them: the engine connects its PUB
+    # socket to a ``tcp://host:port`` endpoint and binds a ROUTER on the replay endpoint,
+    # which resends any of the last ``kv_events_buffer_steps`` batches.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv"
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "block_size",
+            "kv_blocks",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "kv_events_buffer_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.default_max_tokens < 1:
@@ -123,8 +145,17 @@ class EngineCounters:
 class Engine:
     """Waiting queue, running batch and KV pool, advanced one modelled step at a time."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_sink: Callable[[list[dict[str, Any]]], None] | None = None
+    ) -> None:
+        """``kv_sink`` receives each step's KV events; without one none are recorded."""
         self.config = config
+        self.kv_sink = kv_sink
+        self._kv_events: list[dict[str, Any]] = []
+        # Blocks reported stored and not yet removed, and the chains that stored them (by
+        # leaf block), which removals are diffed against.
+        self._reported: set[int] = set()
+        self._chains: dict[int, np.ndarray] = {}
         self.pool = LocalPool(config.kv_blocks)
         self.perf = StepTimeModel(
             load_model(config.model), load_hardware(config.hardware, config.gpus)
@@ -168,6 +199,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
             chunks = self._plan(loop.time())
+            self._flush_kv_events()
             decodes = list(self.decoding)
             if not chunks and not decodes:
                 # Nothing admitted: the head request waits for blocks that running ones hold.
@@ -180,6 +212,7 @@ class Engine:
             step_s = self.perf.step_time(prefill, attn2, len(decodes), context)
             await asyncio.sleep(step_s * self.config.speed)
             self._apply(chunks, decodes, loop.time())
+            self._flush_kv_events()
 
     def _plan(self, now: float) -> list[tuple[EngineRequest, int]]:
         """This step's prompt chunks: running prefills first, then admissions, in order."""
@@ -212,7 +245,11 @@ class Engine:
         hit = min(self.pool.cache.match(req.blocks), (req.prompt_tokens - 1) // bs)
         handle = self.pool.cache.lock(req.blocks, hit) if hit else None
         private = -(-(req.prompt_tokens + req.max_tokens) // bs) - hit
-        if not self.pool.reserve(private):
+        cached = self.pool.cache.size
+        reserved = self.pool.reserve(private)
+        if self.kv_sink is not None and self.pool.cache.size < cached:
+            self._report_removed()
+        if not reserved:
             if handle is not None:
                 self.pool.cache.unlock(handle, now)
             return False
@@ -240,12 +277,55 @@ class Engine:
         """Publish the prompt's full blocks as a reusable prefix and sample the first token."""
         self.prefilling.remove(req)
         moved = len(req.blocks) - req.pinned_blocks
+        present = self.pool.cache.match(req.blocks)
         req.handle = self.pool.publish(req.blocks, req.handle, moved, now)
+        if self.kv_sink is not None and present < len(req.blocks):
+            self._report_stored(req, present)
         req.private_blocks -= moved
         req.pinned_blocks = len(req.blocks)
         self.counters.prompt_tokens += req.prompt_tokens
         self.decoding.append(req)
         self._emit(req, now)
+
+    def _report_stored(self, req: EngineRequest, start: int) -> None:
+        """``BlockStored`` for the prompt blocks from ``start`` on, which the cache lacked."""
+        bs = self.config.block_size
+        new = req.blocks[start:].tolist()
+        self._reported.update(new)
+        self._chains[new[-1]] = req.blocks
+        self._kv_events.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": new,
+                "parent_block_hash": int(req.blocks[start - 1]) if start else None,
+                "token_ids": req.token_ids[start * bs : len(req.blocks) * bs].tolist(),
+                "block_size": bs,
+                "lora_id": None,
+                "medium": "GPU",
+            }
+        )
+
+    def _report_removed(self) -> None:
+        """``BlockRemoved`` for reported blocks the cache no longer holds (see module doc)."""
+        gone: list[int] = []
+        for leaf, chain in list(self._chains.items()):
+            kept = self.pool.cache.match(chain)
+            if kept == len(chain):
+                continue
+            for block in chain[kept:].tolist():
+                if block in self._reported:
+                    self._reported.remove(block)
+                    gone.append(block)
+            del self._chains[leaf]
+            if kept:
+                self._chains[int(chain[kept - 1])] = chain[:kept]
+        if gone:
+            self._kv_events.append({"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"})
+
+    def _flush_kv_events(self) -> None:
+        if self._kv_events and self.kv_sink is not None:
+            self.kv_sink(self._kv_events)
+            self._kv_events = []
 
     def _emit(self, req: EngineRequest, now: float) -> None:
         req.tokens.put_nowait(req.generated)

@@ -7,24 +7,35 @@ reports it with ``--enable-prompt-tokens-details``), ``/tokenize``, ``/v1/models
 ``core.conversation.analyze_request``, the router's own parser, so router and engine agree
 on every prompt's tokens and blocks, and its ``RequestError`` becomes a 400. Any model name
 is accepted in requests, so a router configured with another name still gets answers.
+
+With ``kv_events_endpoint`` set, the engine's KV events go out over ZMQ exactly as vLLM's
+``ZmqEventPublisher`` sends them: multipart ``[topic, seq (8-byte big-endian), payload]``
+with the payload ``[ts, [events], dp_rank]`` in msgpack, numbered from 0 per process, and a
+ROUTER on ``kv_events_replay_endpoint`` that resends buffered batches from a number.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
+import zmq
+import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import Api, RequestError, analyze_request
+from smetric.core.kv_events import REPLAY_END
 from smetric.engine.anthropic import MessagesReply, messages_usage
 from smetric.engine.scheduler import END, Engine, EngineConfig, EngineRequest, filler_token
 
@@ -39,12 +50,16 @@ def create_app(config: EngineConfig) -> web.Application:
     A private registry lets several engines share one process, as the tests and a local
     demo cluster do.
     """
-    engine = Engine(config)
+    publisher = KVEventPublisher(config) if config.kv_events_endpoint else None
+    engine = Engine(config, None if publisher is None else publisher.publish)
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
     app = web.Application()
     app[ENGINE] = engine
     app[REGISTRY] = registry
+    if publisher is not None:
+        app[KV_EVENTS] = publisher
+        app.cleanup_ctx.append(publisher.serve)
     app.cleanup_ctx.append(_engine_loop)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
@@ -67,6 +82,67 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(app[ENGINE].run())
     yield
     task.cancel()
+
+
+class KVEventPublisher:
+    """The engine's KV events on the wire, with vLLM's sequence numbers and replay buffer."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.kv_events_endpoint is None:
+            raise ValueError("KV events need kv_events_endpoint")
+        self.endpoint = config.kv_events_endpoint
+        self.config = config
+        self.topic = config.kv_events_topic.encode()
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.kv_events_buffer_steps)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._pub: zmq.asyncio.Socket | None = None
+
+    async def serve(self, app: web.Application) -> AsyncIterator[None]:
+        """Open the sockets for the app's lifetime (an aiohttp cleanup context)."""
+        config = self.config
+        context = zmq.asyncio.Context()
+        pub = context.socket(zmq.PUB)
+        pub.connect(self.endpoint)
+        self._pub = pub
+        replay_task = None
+        if config.kv_events_replay_endpoint is not None:
+            router = context.socket(zmq.ROUTER)
+            router.bind(config.kv_events_replay_endpoint)
+            replay_task = asyncio.create_task(self._replay(router))
+        try:
+            yield
+        finally:
+            self._pub = None
+            if replay_task is not None:
+                replay_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await replay_task
+            context.destroy(linger=0)
+
+    def publish(self, events: list[dict[str, Any]]) -> None:
+        """Number, buffer and send one step's events; PUB drops rather than blocks, as vLLM's."""
+        payload = self._encoder.encode([time.time(), events, 0])
+        seq, self.seq = self.seq, self.seq + 1
+        self.buffer.append((seq, payload))
+        if self._pub is not None:
+            self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+
+    async def _replay(self, router: zmq.asyncio.Socket) -> None:
+        end = REPLAY_END.to_bytes(8, "big", signed=True)
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= first:
+                    await router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+            await router.send_multipart([client, b"", end, b""])
+
+
+KV_EVENTS = web.AppKey("kv_events", KVEventPublisher)
 
 
 # --- Generation ----------------------------------------------------------------------------

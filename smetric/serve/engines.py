@@ -3,6 +3,11 @@
 The KV view is the router's own prefix index: the blocks of every request it sent to the
 engine, bounded by the engine's KV capacity and evicted least recently used, the same
 ``PrefixCache`` the simulator uses for a GPU pool. It never asks the engine.
+
+An engine that publishes KV events can carry an ``EventIndex`` (``events``) instead, kept
+exact by a ``serve.kv_subscriber.KVEventSubscriber``: then the engine says what it caches,
+so routing does not record anything, and only the events view answers hits. Its keys are
+the router's block ids, so the router must hash prompts with the engine's block size.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from smetric.core.kv_events import EventIndex
 from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.scrape import EngineReport
 
@@ -26,6 +32,8 @@ class Engine:
     index: PrefixCache = field(init=False)
     # The engine's latest /metrics, when the router scrapes them.
     report: EngineReport | None = None
+    # The engine's own account of its cache, from its KV events; replaces ``index``.
+    events: EventIndex | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -33,15 +41,30 @@ class Engine:
 
     def predicted_hit(self, blocks: np.ndarray, block_size: int, prompt_tokens: int) -> int:
         """Tokens this engine should find cached: whole blocks, never the whole prompt."""
-        return min(self.index.match(blocks) * block_size, max(prompt_tokens - 1, 0))
+        if self.events is None:
+            matched = self.index.match(blocks)
+        else:
+            if block_size != self.events.block_size:
+                raise ValueError(
+                    f"{self.url} publishes {self.events.block_size}-token blocks, but "
+                    f"prompts are hashed with {block_size}"
+                )
+            matched = self.events.match(blocks)
+        return min(matched * block_size, max(prompt_tokens - 1, 0))
 
     def remember(self, blocks: np.ndarray) -> None:
-        """The engine now caches this prompt (as vLLM does after the prefill)."""
-        self.index.insert(blocks, time.monotonic())
+        """The engine now caches this prompt (as vLLM does after the prefill).
+
+        With an events view the engine's own ``BlockStored`` says so instead.
+        """
+        if self.events is None:
+            self.index.insert(blocks, time.monotonic())
 
     def forget(self) -> None:
         """An engine that went away lost its cache."""
         self.index = PrefixCache(self.kv_blocks)
+        if self.events is not None:
+            self.events.clear()
 
     def load(self, now: float, staleness_s: float) -> float:
         """In-flight requests, raised to what the engine reports queued if that is fresh."""
@@ -63,5 +86,6 @@ class Engine:
         if blocks == self.kv_blocks or blocks <= 0:
             return False
         self.kv_blocks = blocks
-        self.forget()
+        # Not ``forget``: the engine did not lose its cache, and the events view knows it.
+        self.index = PrefixCache(self.kv_blocks)
         return True
