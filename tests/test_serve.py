@@ -435,3 +435,54 @@ def test_large_prompts_are_routed_the_same_way() -> None:
         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 60_000
 
     run(lambda: with_cluster(2, body))
+
+
+def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
+    """`smetric serve --config` with kv_events: the router routes on what the engine says
+    it cached, and reports the view as exact."""
+    from smetric.cli.serve import engines_from
+
+    events_port, replay_port = closed_port(), closed_port()
+    config = EngineConfig(
+        speed=0.0001,
+        kv_events_endpoint=f"tcp://127.0.0.1:{events_port}",
+        kv_events_topic="kv-a",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+    )
+
+    async def scenario() -> None:
+        engine_server = TestServer(create_app(config), host="127.0.0.1")
+        await engine_server.start_server()
+        yaml_file = tmp_path / "engines.yaml"
+        yaml_file.write_text(
+            "engines:\n"
+            f"  - url: http://127.0.0.1:{engine_server.port}\n"
+            "    kv_events:\n"
+            f"      endpoint: tcp://127.0.0.1:{events_port}\n"
+            "      topic: kv-a\n"
+            f"      replay_endpoint: tcp://127.0.0.1:{replay_port}\n"
+        )
+        engines, subscribers = engines_from([], yaml_file, 1000, 16)
+        router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
+
+        async def body(client: aiohttp.ClientSession, url: str) -> None:
+            await asyncio.sleep(0.3)  # let the subscriber's socket join
+            await chat(client, url, conversation(5, 0))
+            for _ in range(100):
+                if engines[0].events.size() > 0:
+                    break
+                await asyncio.sleep(0.02)
+            _, data = await chat(client, url, conversation(5, 1))
+            async with client.get(url + "/metrics") as response:
+                text = await response.text()
+            cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+            predicted = _metric(text, "smetric_predicted_hit_tokens_total", engines[0].url)
+            assert predicted == cached > 0
+            assert _metric(text, "smetric_engine_kv_view_exact", engines[0].url) == 1.0
+
+        try:
+            await with_router(router, body)
+        finally:
+            await engine_server.close()
+
+    run(scenario)

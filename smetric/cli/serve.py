@@ -11,15 +11,22 @@ import yaml
 from aiohttp import web
 
 from smetric.cli.app import app, console, user_errors
+from smetric.core.kv_events import EventIndex
 from smetric.core.policy import POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
+from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.tokenizers import make_tokenizer
 
 
-def engines_from(urls: list[str], config: Path | None, kv_blocks: int) -> list[Engine]:
-    """Engines from --engine flags and/or a YAML list of ``{url, kv_blocks}`` or URLs."""
+def engines_from(
+    urls: list[str], config: Path | None, kv_blocks: int, block_size: int
+) -> tuple[list[Engine], dict[str, KVEventSubscriber]]:
+    """Engines from --engine flags and/or a YAML list of URLs or ``{url, kv_blocks,
+    kv_events: {endpoint, topic, replay_endpoint}}``; an engine with ``kv_events`` is
+    routed on its exact KV-event view (vLLM's ``--kv-events-config``)."""
     engines = [Engine(url, kv_blocks) for url in urls]
+    subscribers: dict[str, KVEventSubscriber] = {}
     if config is not None:
         try:
             data = yaml.safe_load(config.read_text()) or {}
@@ -32,7 +39,19 @@ def engines_from(urls: list[str], config: Path | None, kv_blocks: int) -> list[E
             if isinstance(entry, str):
                 engines.append(Engine(entry, kv_blocks))
             elif isinstance(entry, dict) and isinstance(entry.get("url"), str):
-                engines.append(Engine(entry["url"], int(entry.get("kv_blocks", kv_blocks))))
+                engine = Engine(entry["url"], int(entry.get("kv_blocks", kv_blocks)))
+                events = entry.get("kv_events")
+                if events is not None:
+                    if not isinstance(events, dict) or not isinstance(events.get("endpoint"), str):
+                        raise ValueError(f"{config}: kv_events needs an endpoint (tcp://...)")
+                    engine.events = EventIndex(block_size)
+                    subscribers[engine.url] = KVEventSubscriber(
+                        engine.events,
+                        events["endpoint"],
+                        topic=str(events.get("topic", "")),
+                        replay_endpoint=events.get("replay_endpoint"),
+                    )
+                engines.append(engine)
             else:
                 raise ValueError(f"{config}: each engine is a URL or {{url, kv_blocks}}")
     for engine in engines:
@@ -40,7 +59,7 @@ def engines_from(urls: list[str], config: Path | None, kv_blocks: int) -> list[E
             raise ValueError(f"engine {engine.url!r} must be an http(s):// URL")
     if not engines:
         raise ValueError("give at least one --engine URL (or engines: in --config)")
-    return engines
+    return engines, subscribers
 
 
 @app.command()
@@ -96,7 +115,7 @@ def serve(
     that engine is overloaded or has evicted it. One JSON log line per decision.
     """
     with user_errors():
-        engines = engines_from(engine or [], config, kv_blocks)
+        engines, subscribers = engines_from(engine or [], config, kv_blocks, block_size)
         by_engine = tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
         router = Router(
@@ -112,6 +131,7 @@ def serve(
             tokenizer=encoder,
             template=template,
             engine_tokenizer=by_engine,
+            subscribers=subscribers,
         )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     console.print(

@@ -32,6 +32,7 @@ from smetric.core.conversation import (
 )
 from smetric.core.policy import ClusterView, make_policy
 from smetric.serve.engines import Engine
+from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.scrape import parse_vllm_metrics
 from smetric.serve.tokenizers import analyze_with_engine
@@ -76,6 +77,8 @@ class Router:
     template: ChatTemplate | None = None
     # Tokenise with an engine's /tokenize instead (exact for any model, one round trip).
     engine_tokenizer: bool = False
+    # KV-event subscribers of the engines that have an events view, by engine URL.
+    subscribers: dict[str, KVEventSubscriber] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -101,6 +104,8 @@ class Router:
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
         self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        for subscriber in self.subscribers.values():
+            await subscriber.start()
         tasks = [asyncio.create_task(self._check_health_forever())]
         if self.settings.scrape_interval_s > 0:
             tasks.append(asyncio.create_task(self._scrape_forever()))
@@ -109,6 +114,8 @@ class Router:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks)
+        for subscriber in self.subscribers.values():
+            await subscriber.close()
         await self.client.close()
 
     @web.middleware
@@ -344,6 +351,8 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         for engine in self.engines:
             self.metrics.inflight.labels(engine.url).set(engine.inflight)
+        for url, subscriber in self.subscribers.items():
+            self.metrics.exact.labels(url).set(1 if subscriber.exact else 0)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -21,6 +21,12 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.exact = Gauge(
+            "smetric_engine_kv_view_exact",
+            "1 while the engine's KV-event view is exact, 0 when degraded (missed events).",
+            ["engine"],
+            registry=self.registry,
+        )
         self.decisions = Counter(
             "smetric_routing_decisions",
             "Routing decisions, by the policy branch that made them.",
