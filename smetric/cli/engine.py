@@ -29,6 +29,14 @@ def engine(
     speed: Annotated[
         float, typer.Option(help="Multiplier on every step's modelled duration (1 = real).")
     ] = 1.0,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(help="Publish vLLM KV events: ZMQ endpoint to connect to (tcp://host:port)."),
+    ] = None,
+    kv_events_topic: Annotated[str, typer.Option(help="Topic of the KV events.")] = "kv",
+    kv_events_replay_endpoint: Annotated[
+        str | None, typer.Option(help="ZMQ endpoint to bind the replay socket on.")
+    ] = None,
 ) -> None:
     """Serve vLLM's OpenAI API with a real prefix cache and the simulator's step timing.
 
@@ -48,6 +56,9 @@ def engine(
             max_num_seqs=max_num_seqs,
             default_max_tokens=default_max_tokens,
             speed=speed,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_topic=kv_events_topic,
+            kv_events_replay_endpoint=kv_events_replay_endpoint,
         )
         load_model(model)
         load_hardware(hardware, gpus=gpus)
