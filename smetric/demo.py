@@ -67,6 +67,31 @@ def filler(seed: str, tokens: int) -> str:
     return (" ".join(words) + " ")[: max(tokens, 1)]
 
 
+MIN_CHUNK = 16
+
+
+def next_conversation(
+    session: str,
+    turn: int,
+    trace_tokens: int,
+    history: list[dict] | None,
+    token_scale: float,
+) -> list[dict]:
+    """The messages a synthetic agent sends: its history as it happened, plus new content
+    that brings the prompt to the trace's size (scaled), deterministic per session and turn.
+
+    Tool output goes back as a user turn: strict OpenAI servers (sglang-router, for one)
+    reject a ``tool`` message without the ``tool_call_id`` of a real tool call.
+    """
+    scaled = max(int(trace_tokens / token_scale), MIN_CHUNK)
+    if history is None:
+        system = {"role": "system", "content": filler("system-prompt", scaled // 3)}
+        task = {"role": "user", "content": filler(f"{session}/task", scaled - scaled // 3)}
+        return [system, task]
+    grown = max(scaled - sum(len(m["content"]) for m in history), MIN_CHUNK)
+    return [*history, {"role": "user", "content": filler(f"{session}/{turn}", grown)}]
+
+
 async def run_demo(
     trace: Trace, options: DemoOptions, on_tick: Callable[[DemoState], None]
 ) -> DemoState:
@@ -153,16 +178,8 @@ class SessionDriver:
 
     def _conversation(self, rid: int) -> list[dict]:
         session, parent, tokens, turn = self.rows[rid]
-        scaled = max(int(tokens / self.options.token_scale), 16)
-        if parent is None or parent not in self.messages:
-            system = {"role": "system", "content": filler("system-prompt", scaled // 3)}
-            task = {"role": "user", "content": filler(f"{session}/task", scaled - scaled // 3)}
-            return [system, task]
-        history = self.messages[parent]
-        grown = max(scaled - sum(len(m["content"]) for m in history), 16)
-        # Tool output goes back as a user turn: strict OpenAI servers (sglang-router, for
-        # one) reject a ``tool`` message without the ``tool_call_id`` of a real tool call.
-        return [*history, {"role": "user", "content": filler(f"{session}/{turn}", grown)}]
+        history = self.messages.get(parent) if parent is not None else None
+        return next_conversation(session, turn, tokens, history, self.options.token_scale)
 
     async def _send(self, rid: int, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -1,0 +1,101 @@
+"""``smetric replay``: a trace's sessions against a live OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
+from smetric.replay import Progress, Replayer, ReplayOptions
+from smetric.trace.load import DEFAULT_SAMPLE
+
+
+def summary_table(title: str, summary: dict) -> Table:
+    """One metric a row, so the table fits a narrow terminal."""
+    table = Table(title=title, title_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    counts, ttft, tpot = summary["requests"], summary["ttft_s"], summary["tpot_s"]
+    rows = {
+        "requests": f"{counts['issued']:,}",
+        "completed": f"{counts['completed']:,} ({counts['rejected']} rejected)",
+        "TPS within SLO": f"{summary['tps_within_slo']:,.0f}",
+        "TTFT p50 / p90 (s)": f"{_num(ttft['p50'])} / {_num(ttft['p90'])}",
+        "TPOT p50 / p90 (ms)": f"{_num(tpot['p50'], 1000)} / {_num(tpot['p90'], 1000)}",
+        "hit ratio": f"{summary['reuse']['local']:.0%}",
+        "imbalance (mean)": f"{summary['imbalance']['mean']:.2f}",
+    }
+    for name, value in rows.items():
+        table.add_row(name, value)
+    return table
+
+
+def _num(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.2f}"
+
+
+@app.command()
+def replay(
+    url: Annotated[str, typer.Argument(help="OpenAI-compatible base URL (router or engine).")],
+    source: Annotated[
+        str, typer.Option("--trace", "-t", help="Session trace to draw from.")
+    ] = DEFAULT_SAMPLE,
+    rate: Annotated[float, typer.Option(help="Session starts per second.", min=0.001)] = 1.0,
+    duration: Annotated[float, typer.Option(help="Seconds to offer load.", min=0.1)] = 60.0,
+    time_scale: Annotated[
+        float, typer.Option(help="Trace seconds per replay second.", min=0.001)
+    ] = 1.0,
+    token_scale: Annotated[
+        float, typer.Option(help="Trace tokens per prompt byte (or token).", min=0.001)
+    ] = 1.0,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most.", min=1)] = 256,
+    model: Annotated[
+        str | None, typer.Option(help="Model name [default: the first the endpoint lists].")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for the sessions.")] = 0,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Result folder.", show_default=False)
+    ] = None,
+) -> None:
+    """Replay a trace's sessions closed loop against an endpoint and measure them.
+
+    Writes requests-replay.parquet and summary.json in the simulator's layout, so a
+    measured run compares with `smetric simulate` [default folder:
+    smetric-out/replay-TRACE]. Ctrl-C stops early and keeps what was measured.
+    """
+    with user_errors():
+        trace = load_with_progress(source, None)
+        options = ReplayOptions(
+            url=url,
+            rate=rate,
+            duration_s=duration,
+            time_scale=time_scale,
+            token_scale=token_scale,
+            concurrency=concurrency,
+            seed=seed,
+            model=model,
+        )
+        replayer = Replayer(trace, options)
+        interrupted = False
+        with progress_bar() as bar:
+            task = bar.add_task(f"replaying against {url}", total=round(duration))
+
+            def tick(progress: Progress) -> None:
+                description = f"{progress.completed:,} done, {progress.failed} failed"
+                bar.update(task, completed=round(progress.elapsed_s), description=description)
+
+            try:
+                asyncio.run(replayer.run(tick))
+            except KeyboardInterrupt:
+                interrupted = True
+        out = out or Path("smetric-out") / f"replay-{slug(trace.name)}"
+        summary = replayer.write(out)
+    title = f"{trace.name} against {url}" + (" (interrupted)" if interrupted else "")
+    console.print(summary_table(title, summary))
+    console.print(f"\nwrote {out}/ (summary.json, requests-replay.parquet)")
+    if interrupted:
+        raise typer.Exit(130)

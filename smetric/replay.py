@@ -1,0 +1,314 @@
+"""``smetric replay``: a trace's sessions against any OpenAI-compatible endpoint, measured.
+
+The sessions are composed closed loop as the simulator composes them, and their text is
+synthesised as ``smetric demo`` does (``filler``): equal content gives equal prompt blocks,
+and each follow-up carries the conversation as it happened, the endpoint's answers
+included, so prefix caching works as it would for a real agent. Requests stream so that
+TTFT is measured at the first content chunk, and outputs are forced to the trace's length
+(``max_tokens`` with ``ignore_eos``) so decode load matches the trace whatever the model
+says. The results use the simulator's per-request columns and ``summarize``, so simulated
+and measured runs compare side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import polars as pl
+
+from smetric.demo import next_conversation
+from smetric.serve.app import ENGINE_HEADER
+from smetric.sim.config import SimConfig, SLOConfig
+from smetric.sim.metrics import summarize, with_latencies
+from smetric.trace.compose import ClosedLoopIssuer, compose_sessions
+from smetric.trace.schema import Trace
+
+# The simulator's per-request columns (``request_table``), with their types.
+REQUEST_SCHEMA: dict[str, pl.DataType] = {
+    "request_id": pl.Int64(),
+    "session_id": pl.String(),
+    "turn": pl.Int64(),
+    "instance": pl.Int64(),
+    "branch": pl.String(),
+    "rejected": pl.Boolean(),
+    "arrival_s": pl.Float64(),
+    "first_token_s": pl.Float64(),
+    "finished_s": pl.Float64(),
+    "prompt_tokens": pl.Int64(),
+    "output_tokens": pl.Int64(),
+    "est_hit_tokens": pl.Int64(),
+    "local_hit_tokens": pl.Int64(),
+    "global_hit_tokens": pl.Int64(),
+    "preemptions": pl.Int64(),
+}
+
+
+class ReplayError(ValueError):
+    """The endpoint cannot be replayed against; reported as a user error."""
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    url: str
+    rate: float = 1.0
+    duration_s: float = 60.0
+    # Trace seconds per replay second, and trace tokens per prompt byte (or token).
+    time_scale: float = 1.0
+    token_scale: float = 1.0
+    concurrency: int = 256
+    seed: int = 0
+    # None: the first model the endpoint lists.
+    model: str | None = None
+
+
+@dataclass
+class Measured:
+    """One request as the client saw it; times in seconds since the replay started."""
+
+    request_id: int
+    session_id: str
+    turn: int
+    arrival_s: float
+    prompt_tokens: int
+    engine: str | None = None
+    rejected: bool = False
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Progress:
+    elapsed_s: float = 0.0
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class Replayer:
+    """Drives the sessions and keeps every measurement, so an interrupted run still reports.
+
+    A request goes out its (scaled) think time after its parent finished, once a
+    concurrency slot is free; the run stops at the duration and cancels what is in flight,
+    which then counts as unfinished, as requests still running at the simulator's horizon.
+    """
+
+    def __init__(self, trace: Trace, options: ReplayOptions) -> None:
+        if options.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {options.concurrency}")
+        if not (options.time_scale > 0 and options.token_scale > 0):
+            raise ValueError("time and token scales must be > 0")
+        self.options = options
+        self.base = options.url.rstrip("/")
+        self.workload = compose_sessions(
+            trace,
+            rate=options.rate / options.time_scale,
+            duration_s=options.duration_s * options.time_scale,
+            seed=options.seed,
+        )
+        self.issuer = ClosedLoopIssuer(self.workload)
+        columns = ("session_id", "parent_id", "input_tokens", "output_tokens", "turn")
+        self.rows = self.workload.requests.select(*columns).rows()
+        self.messages: dict[int, list[dict[str, str]]] = {}
+        self.records: dict[int, Measured] = {}
+        self.engines: dict[str, int] = {}
+        self.progress = Progress()
+        self.tasks: set[asyncio.Task] = set()
+        self.model: str | None = options.model
+        self.horizon_s = options.duration_s
+        self.t0 = time.monotonic()
+        self._slots = asyncio.Semaphore(options.concurrency)
+
+    async def run(self, on_tick: Callable[[Progress], None] | None = None) -> None:
+        """Replay for the duration; cancelled (Ctrl-C), it keeps what it measured so far."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        connector = aiohttp.TCPConnector(limit=self.options.concurrency)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
+            await self._probe(client)
+            self.t0 = time.monotonic()
+            for at, rid in self.issuer.initial():
+                self._schedule(client, at, rid)
+            try:
+                while self._now() < self.options.duration_s:
+                    self.progress.elapsed_s = self._now()
+                    if on_tick:
+                        on_tick(self.progress)
+                    await asyncio.sleep(0.1)
+            except asyncio.CancelledError:
+                self.horizon_s = min(self._now(), self.options.duration_s)
+                raise
+            finally:
+                for task in self.tasks:
+                    task.cancel()
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+                self.progress.elapsed_s = self.horizon_s
+                if on_tick:
+                    on_tick(self.progress)
+
+    async def _probe(self, client: aiohttp.ClientSession) -> None:
+        """Fail before the clock starts if the endpoint is down, and learn its model."""
+        try:
+            async with client.get(
+                self.base + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)
+            ) as reply:
+                data = await reply.json(content_type=None) if reply.status == 200 else {}
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ReplayError(f"cannot reach {self.base}: {exc}") from exc
+        except ValueError:
+            data = {}
+        if self.model is None:
+            listed = data.get("data") if isinstance(data, dict) else None
+            if listed and isinstance(listed[0], dict):
+                self.model = listed[0].get("id")
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _schedule(self, client: aiohttp.ClientSession, at_trace_s: float, rid: int) -> None:
+        at = at_trace_s / self.options.time_scale
+        if at > self.options.duration_s:
+            return
+        task = asyncio.create_task(self._send(client, rid, max(at - self._now(), 0.0)))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _conversation(self, rid: int) -> list[dict[str, str]]:
+        session, parent, tokens, _, turn = self.rows[rid]
+        history = self.messages.get(parent) if parent is not None else None
+        return next_conversation(session, turn, tokens, history, self.options.token_scale)
+
+    async def _send(self, client: aiohttp.ClientSession, rid: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        session, _, _, output, turn = self.rows[rid]
+        messages = self._conversation(rid)
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": max(round(output / self.options.token_scale), 1),
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.model:
+            body["model"] = self.model
+        async with self._slots:
+            record = Measured(
+                rid,
+                session,
+                turn,
+                self._now(),
+                prompt_tokens=sum(len(m["content"]) for m in messages),
+            )
+            self.records[rid] = record
+            self.progress.sent += 1
+            try:
+                answer = await self._stream(client, body, record)
+            except (aiohttp.ClientError, ValueError):
+                answer = None
+            if answer is None:
+                record.rejected = record.finished_s is None
+                self.progress.failed += 1
+                return
+        self.progress.completed += 1
+        self.messages[rid] = [*messages, {"role": "assistant", "content": answer}]
+        now_trace = record.finished_s * self.options.time_scale
+        for at, child in self.issuer.complete(rid, now_trace):
+            self._schedule(client, at, child)
+
+    async def _stream(
+        self, client: aiohttp.ClientSession, body: dict[str, Any], record: Measured
+    ) -> str | None:
+        """The answer's text, or None when the endpoint refused the request."""
+        async with client.post(self.base + "/v1/chat/completions", json=body) as reply:
+            engine = reply.headers.get(ENGINE_HEADER, "")
+            if reply.status != 200:
+                await reply.read()
+                return None
+            record.engine = engine
+            self.engines.setdefault(engine, len(self.engines))
+            parts: list[str] = []
+            usage: dict[str, Any] = {}
+            async for line in reply.content:
+                data = line.strip()
+                if not data.startswith(b"data:"):
+                    continue
+                data = data[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                    if text and record.first_token_s is None:
+                        record.first_token_s = self._now()
+                    parts.append(text)
+                usage = chunk.get("usage") or usage
+        record.finished_s = self._now()
+        if record.first_token_s is None:
+            record.first_token_s = record.finished_s
+        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+        record.output_tokens = usage.get("completion_tokens", sum(1 for p in parts if p))
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_tokens = details.get("cached_tokens") or 0
+        return "".join(parts)
+
+    def table(self) -> pl.DataFrame:
+        """What was measured, in the simulator's columns, for requests sent by the horizon."""
+        sent = sorted(
+            (r for r in self.records.values() if r.arrival_s <= self.horizon_s),
+            key=lambda r: r.request_id,
+        )
+        return pl.DataFrame(
+            {
+                "request_id": [r.request_id for r in sent],
+                "session_id": [r.session_id for r in sent],
+                "turn": [r.turn for r in sent],
+                "instance": [-1 if r.engine is None else self.engines[r.engine] for r in sent],
+                "branch": ["" for _ in sent],
+                "rejected": [r.rejected for r in sent],
+                "arrival_s": [r.arrival_s for r in sent],
+                "first_token_s": [r.first_token_s for r in sent],
+                "finished_s": [r.finished_s for r in sent],
+                "prompt_tokens": [r.prompt_tokens for r in sent],
+                "output_tokens": [r.output_tokens for r in sent],
+                "est_hit_tokens": [0 for _ in sent],
+                "local_hit_tokens": [r.cached_tokens for r in sent],
+                "global_hit_tokens": [0 for _ in sent],
+                "preemptions": [0 for _ in sent],
+            },
+            schema=REQUEST_SCHEMA,
+        )
+
+    def results(self, slo: SLOConfig | None = None) -> tuple[pl.DataFrame, dict]:
+        """The per-request table with latencies and its summary, as a simulated run has.
+
+        Imbalance windows are the simulator's, in replay seconds, so that a time-scaled
+        replay measures over the same stretch of trace time as its simulation.
+        """
+        slo = slo or SLOConfig()
+        horizon = max(self.horizon_s, 1e-9)
+        table = with_latencies(self.table(), slo, horizon)
+        window = SimConfig().window_s / self.options.time_scale
+        summary = summarize(table, slo, horizon, max(len(self.engines), 1), window)
+        return table, summary
+
+    def write(self, out: Path) -> dict:
+        """``requests-replay.parquet`` and ``summary.json``, laid out as ``simulate`` writes."""
+        table, summary = self.results()
+        out.mkdir(parents=True, exist_ok=True)
+        table.write_parquet(out / "requests-replay.parquet")
+        meta = {
+            "endpoint": self.base,
+            "model": self.model,
+            "engines": list(self.engines),
+            "options": {k: v for k, v in vars(self.options).items() if k != "url"},
+            "policies": {"replay": summary},
+        }
+        (out / "summary.json").write_text(json.dumps(meta, indent=1))
+        return summary
