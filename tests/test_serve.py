@@ -486,3 +486,61 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
             await engine_server.close()
 
     run(scenario)
+
+
+def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
+    """Two routers sharing nothing, both on the engines' KV events: a session whose turns
+    alternate between them still sticks to one engine (the paper: no session table)."""
+    from smetric.cli.serve import engines_from
+
+    ports = [(closed_port(), closed_port()) for _ in range(2)]
+    configs = [
+        EngineConfig(
+            speed=0.0001,
+            kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
+            kv_events_bind=True,
+            kv_events_topic=f"kv-{i}",
+            kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
+        )
+        for i, (pub, replay) in enumerate(ports)
+    ]
+
+    async def scenario() -> None:
+        servers = [TestServer(create_app(c), host="127.0.0.1") for c in configs]
+        for server in servers:
+            await server.start_server()
+        yaml_file = tmp_path / "engines.yaml"
+        yaml_file.write_text(
+            "engines:\n"
+            + "".join(
+                f"  - url: http://127.0.0.1:{server.port}\n"
+                f"    kv_events: {{endpoint: 'tcp://127.0.0.1:{pub}', topic: kv-{i},"
+                f" replay_endpoint: 'tcp://127.0.0.1:{replay}', bind: false}}\n"
+                for i, (server, (pub, replay)) in enumerate(zip(servers, ports, strict=True))
+            )
+        )
+        replicas = []
+        for _ in range(2):
+            engines, subscribers = engines_from([], yaml_file, 1000, 16)
+            router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
+            replica = TestServer(router.app(), host="127.0.0.1")
+            await replica.start_server()
+            replicas.append(replica)
+        fronts = [f"http://127.0.0.1:{r.port}" for r in replicas]
+        await asyncio.sleep(0.5)  # subscribers join the publishers
+        try:
+            async with aiohttp.ClientSession() as client:
+                served = []
+                for turn in range(5):
+                    front = fronts[turn % 2]  # alternate between the two replicas
+                    where, data = await chat(client, front, conversation(9, turn))
+                    served.append(where)
+                    if turn:
+                        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                    await asyncio.sleep(0.2)  # the engine's BlockStored reaches both
+            assert len(set(served)) == 1
+        finally:
+            for server in [*replicas, *servers]:
+                await server.close()
+
+    run(scenario)

@@ -23,8 +23,9 @@ def engines_from(
     urls: list[str], config: Path | None, kv_blocks: int, block_size: int
 ) -> tuple[list[Engine], dict[str, KVEventSubscriber]]:
     """Engines from --engine flags and/or a YAML list of URLs or ``{url, kv_blocks,
-    kv_events: {endpoint, topic, replay_endpoint}}``; an engine with ``kv_events`` is
-    routed on its exact KV-event view (vLLM's ``--kv-events-config``)."""
+    kv_events: {endpoint, topic, replay_endpoint, bind}}``; an engine with ``kv_events``
+    is routed on its exact KV-event view (vLLM's ``--kv-events-config``). ``bind: false``
+    connects to an engine that binds its publisher (several routers share one engine)."""
     engines = [Engine(url, kv_blocks) for url in urls]
     subscribers: dict[str, KVEventSubscriber] = {}
     if config is not None:
@@ -50,6 +51,7 @@ def engines_from(
                         events["endpoint"],
                         topic=str(events.get("topic", "")),
                         replay_endpoint=events.get("replay_endpoint"),
+                        bind=events.get("bind"),
                     )
                 engines.append(engine)
             else:

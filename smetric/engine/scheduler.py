@@ -85,6 +85,9 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv"
     kv_events_replay_endpoint: str | None = None
+    # Bind the PUB socket instead (vLLM does for ``tcp://*:port``), so that several
+    # subscribers, e.g. router replicas, connect to one engine.
+    kv_events_bind: bool = False
     kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:

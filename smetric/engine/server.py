@@ -103,7 +103,10 @@ class KVEventPublisher:
         config = self.config
         context = zmq.asyncio.Context()
         pub = context.socket(zmq.PUB)
-        pub.connect(self.endpoint)
+        if config.kv_events_bind:
+            pub.bind(self.endpoint)
+        else:
+            pub.connect(self.endpoint)
         self._pub = pub
         replay_task = None
         if config.kv_events_replay_endpoint is not None:
