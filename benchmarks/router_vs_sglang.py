@@ -4,11 +4,11 @@
 
 Each router gets 4 fresh mock engines (subprocesses, so no router inherits another's warm
 caches) and the same closed-loop agentic sessions from the embedded WEKA sample, driven by
-``smetric.demo``'s driver with the same seed and duration: every turn resends the
+``smetric replay``'s ``Replayer`` with the same seed and duration: every turn resends the
 conversation so far plus the engine's answer and new tool output, so a router that keeps
 a session on one engine turns most of each prompt into cache hits. Reported per router:
-completed requests/s and p50/p90 end-to-end latency (timed by an aiohttp trace hook on
-the driver's client), the cluster's prefix-cache hit ratio and the load imbalance (max
+completed requests/s and p50/p90 end-to-end latency (streamed, send to last token, as the
+replayer measures it), the cluster's prefix-cache hit ratio and the load imbalance (max
 over mean of requests finished per engine), both from the engines' ``/metrics`` deltas,
 which every router leaves equally observable.
 
@@ -25,7 +25,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,8 +39,10 @@ from router_overhead import (
     wait_ready,
 )
 
-from smetric.demo import DemoOptions, DemoState, SessionDriver
+from smetric.demo import DemoOptions
+from smetric.replay import Replayer, ReplayOptions
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
+from smetric.trace.schema import Trace
 
 COUNTERS = (
     "vllm:prefix_cache_hits_total",
@@ -117,25 +118,7 @@ async def routes_chat(router: str, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.5)
 
 
-def latency_hook(outcome: Outcome) -> aiohttp.TraceConfig:
-    """Times each chat request to its response headers: the engine sends them on completion."""
-    hook = aiohttp.TraceConfig()
-
-    async def start(_s: object, ctx: SimpleNamespace, _p: object) -> None:
-        ctx.t0 = time.perf_counter()
-
-    async def end(_s: object, ctx: SimpleNamespace, params: object) -> None:
-        if params.response.status == 200:  # type: ignore[attr-defined]
-            outcome.latencies.append(time.perf_counter() - ctx.t0)
-        else:
-            outcome.failed += 1
-
-    hook.on_request_start.append(start)
-    hook.on_request_end.append(end)
-    return hook
-
-
-async def run_one(name: str, args: argparse.Namespace, trace: object) -> Outcome:
+async def run_one(name: str, args: argparse.Namespace, trace: Trace) -> Outcome:
     options = DemoOptions(
         engines=args.engines,
         session_rate=args.rate,
@@ -154,12 +137,26 @@ async def run_one(name: str, args: argparse.Namespace, trace: object) -> Outcome
         await routes_chat(router)
         async with aiohttp.ClientSession() as probe:
             before = [await scrape(probe, url) for url in engines]
-            hook = latency_hook(outcome)
-            timeout = aiohttp.ClientTimeout(total=60)
-            async with aiohttp.ClientSession(trace_configs=[hook], timeout=timeout) as client:
-                driver = SessionDriver(trace, options, DemoState(), client, router)  # type: ignore[arg-type]
-                await driver.run()
+            replayer = Replayer(
+                trace,
+                ReplayOptions(
+                    url=router,
+                    rate=options.session_rate,
+                    duration_s=options.duration_s,
+                    time_scale=options.time_scale,
+                    token_scale=options.token_scale,
+                    seed=options.seed,
+                ),
+            )
+            await replayer.run()
             after = [await scrape(probe, url) for url in engines]
+        # End-to-end time of every request that finished (streamed, to its last token).
+        outcome.latencies = [
+            r.finished_s - r.arrival_s
+            for r in replayer.records.values()
+            if r.finished_s is not None and not r.rejected
+        ]
+        outcome.failed = replayer.progress.failed
         outcome.per_engine = [
             {k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)
         ]

@@ -13,6 +13,7 @@ and measured runs compare side by side.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -23,12 +24,46 @@ from typing import Any
 import aiohttp
 import polars as pl
 
-from smetric.demo import next_conversation
 from smetric.serve.app import ENGINE_HEADER
 from smetric.sim.config import SimConfig, SLOConfig
 from smetric.sim.metrics import summarize, with_latencies
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions
 from smetric.trace.schema import Trace
+
+_WORDS = ("read", "file", "grep", "test", "patch", "build", "diff", "log", "run", "fix")
+
+
+def filler(seed: str, tokens: int) -> str:
+    """Deterministic text of about ``tokens`` bytes, different per seed."""
+    digest = hashlib.blake2b(seed.encode(), digest_size=8).digest()
+    words = [_WORDS[(b + i) % len(_WORDS)] for i, b in enumerate(digest * (tokens // 40 + 1))]
+    return (" ".join(words) + " ")[: max(tokens, 1)]
+
+
+MIN_CHUNK = 16
+
+
+def next_conversation(
+    session: str,
+    turn: int,
+    trace_tokens: int,
+    history: list[dict] | None,
+    token_scale: float,
+) -> list[dict]:
+    """The messages a synthetic agent sends: its history as it happened, plus new content
+    that brings the prompt to the trace's size (scaled), deterministic per session and turn.
+
+    Tool output goes back as a user turn: strict OpenAI servers (sglang-router, for one)
+    reject a ``tool`` message without the ``tool_call_id`` of a real tool call.
+    """
+    scaled = max(int(trace_tokens / token_scale), MIN_CHUNK)
+    if history is None:
+        system = {"role": "system", "content": filler("system-prompt", scaled // 3)}
+        task = {"role": "user", "content": filler(f"{session}/task", scaled - scaled // 3)}
+        return [system, task]
+    grown = max(scaled - sum(len(m["content"]) for m in history), MIN_CHUNK)
+    return [*history, {"role": "user", "content": filler(f"{session}/{turn}", grown)}]
+
 
 # The simulator's per-request columns (``request_table``), with their types.
 REQUEST_SCHEMA: dict[str, pl.DataType] = {

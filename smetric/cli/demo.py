@@ -21,7 +21,7 @@ def engine_table(state: DemoState, title: str) -> Table:
         table.add_column(column, justify="left" if column == "engine" else "right")
     router = state.router
     loads = {e.url: e.inflight for e in router.engines} if router else {}
-    for url, tally in state.tallies.items():
+    for url, tally in state.tallies().items():
         ratio = tally.cached_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
         table.add_row(
             url.removeprefix("http://"),
@@ -79,4 +79,6 @@ def demo(
     counts = branch_counts(state)
     total = sum(counts.values()) or 1.0
     summary = " · ".join(f"{b} {n / total:.0%}" for b, n in counts.items() if n)
-    console.print(f"\n{state.sent:,} requests sent, {state.failed} failed; branches: {summary}")
+    progress = state.replayer.progress if state.replayer else None
+    sent, failed = (progress.sent, progress.failed) if progress else (0, 0)
+    console.print(f"\n{sent:,} requests sent, {failed} failed; branches: {summary}")
