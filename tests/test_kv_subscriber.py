@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -182,7 +183,7 @@ def test_a_gap_is_filled_from_replay_in_order() -> None:
     asyncio.run(main())
 
 
-def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart() -> None:
+def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart(caplog) -> None:
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)
 
@@ -202,4 +203,8 @@ def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart()
             await sub.receive([b"kv", (1).to_bytes(8, "big"), b"\xc1"])
             assert not sub.exact and sub.counters.decode_errors == 1
 
-    asyncio.run(main())
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        asyncio.run(main())
+    # Each change of state is logged once, as a JSON line the operator can grep.
+    events = [json.loads(r.getMessage())["event"] for r in caplog.records]
+    assert events == ["kv_view_degraded", "kv_events_restart", "kv_view_degraded"]

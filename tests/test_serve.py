@@ -472,13 +472,23 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
                 if engines[0].events.size() > 0:
                     break
                 await asyncio.sleep(0.02)
-            _, data = await chat(client, url, conversation(5, 1))
+            payload = {"model": "m", "messages": conversation(5, 1), "max_tokens": 4}
+            async with client.post(url + "/v1/chat/completions", json=payload) as response:
+                data = await response.json()
+                header = int(response.headers["x-smetric-predicted-hit-tokens"])
             async with client.get(url + "/metrics") as response:
                 text = await response.text()
             cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
             predicted = _metric(text, "smetric_predicted_hit_tokens_total", engines[0].url)
-            assert predicted == cached > 0
-            assert _metric(text, "smetric_engine_kv_view_exact", engines[0].url) == 1.0
+            assert predicted == header == cached > 0
+            url0 = engines[0].url
+            assert _metric(text, "smetric_engine_kv_view_exact", url0) == 1.0
+            assert _metric(text, "smetric_engine_kv_view_blocks", url0) == engines[0].events.size()
+            batches = f'smetric_kv_events_total{{engine="{url0}",kind="batches"}}'
+            assert any(
+                line.startswith(batches) and float(line.split()[-1]) >= 2
+                for line in text.splitlines()
+            )
 
         try:
             await with_router(router, body)

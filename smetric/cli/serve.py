@@ -52,6 +52,7 @@ def engines_from(
                         topic=str(events.get("topic", "")),
                         replay_endpoint=events.get("replay_endpoint"),
                         bind=events.get("bind"),
+                        name=engine.url,
                     )
                 engines.append(engine)
             else:

@@ -33,13 +33,16 @@ from smetric.core.conversation import (
 from smetric.core.policy import ClusterView, make_policy
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
-from smetric.serve.metrics import RouterMetrics
+from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.scrape import parse_vllm_metrics
 from smetric.serve.tokenizers import analyze_with_engine
 
 log = logging.getLogger("smetric.serve")
 
 ENGINE_HEADER = "x-smetric-engine"
+# What the router expected the engine to find cached, so a client can set it beside the
+# engine's own ``cached_tokens`` request by request.
+PREDICTED_HIT_HEADER = "x-smetric-predicted-hit-tokens"
 # Bodies above this are analysed off the event loop.
 _OFF_LOOP_BYTES = 64 << 10
 _ROUTES: dict[str, Api] = {
@@ -85,6 +88,7 @@ class Router:
             raise ValueError("the router needs at least one engine")
         self.policy = make_policy(self.settings.policy)
         self.metrics = RouterMetrics(self.policy.name, [e.url for e in self.engines])
+        self.metrics.registry.register(SubscriberCollector(self.subscribers))
         self.client: aiohttp.ClientSession | None = None
 
     # -- application --------------------------------------------------------------------
@@ -246,6 +250,7 @@ class Router:
         response = web.StreamResponse(status=upstream.status)
         response.content_type = upstream.content_type or "application/json"
         response.headers[ENGINE_HEADER] = engine.url
+        response.headers[PREDICTED_HIT_HEADER] = str(predicted)
         await response.prepare(request)
         if upstream.status == 200:
             engine.remember(facts.blocks)
@@ -351,6 +356,7 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         for engine in self.engines:
             self.metrics.inflight.labels(engine.url).set(engine.inflight)
+            self.metrics.view_blocks.labels(engine.url).set(engine.view_blocks())
         for url, subscriber in self.subscribers.items():
             self.metrics.exact.labels(url).set(1 if subscriber.exact else 0)
         body = generate_latest(self.metrics.registry)

@@ -50,7 +50,12 @@ class Engine:
                     f"prompts are hashed with {block_size}"
                 )
             matched = self.events.match(blocks)
-        return min(matched * block_size, max(prompt_tokens - 1, 0))
+        # vLLM leaves at least the last prompt token to compute, and hits whole blocks only.
+        return min(matched, max(prompt_tokens - 1, 0) // block_size) * block_size
+
+    def view_blocks(self) -> int:
+        """Blocks the router's view says the engine holds on its device."""
+        return self.index.size if self.events is None else self.events.size()
 
     def remember(self, blocks: np.ndarray) -> None:
         """The engine now caches this prompt (as vLLM does after the prefill).

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from dataclasses import dataclass
 
 import zmq
@@ -26,6 +28,8 @@ from smetric.core.kv_events import (
     decode_batch,
     parse_sequence,
 )
+
+log = logging.getLogger("smetric.serve")
 
 
 @dataclass
@@ -69,6 +73,7 @@ class KVEventSubscriber:
         *,
         bind: bool | None = None,
         replay_timeout_s: float = 1.0,
+        name: str = "",
     ) -> None:
         self.index = index
         self.endpoint = endpoint
@@ -76,6 +81,8 @@ class KVEventSubscriber:
         self.replay_endpoint = replay_endpoint
         self.bind = endpoint.startswith("tcp://") if bind is None else bind
         self.replay_timeout_s = replay_timeout_s
+        # The engine's URL, for log lines.
+        self.name = name or endpoint
         self.exact = True
         self.counters = SubscriberCounters()
         self.tracker = SequenceTracker()
@@ -124,11 +131,11 @@ class KVEventSubscriber:
             if len(frames) != 3:
                 raise KVEventError(f"expected [topic, seq, payload], got {len(frames)} frames")
             seq = parse_sequence(frames[1])
-            joined = self.tracker.last is None
+            last = self.tracker.last
             check = self.tracker.feed(seq)
-        except (KVEventError, ValueError):
+        except (KVEventError, ValueError) as exc:
             self.counters.decode_errors += 1
-            self.exact = False
+            self._degrade(f"undecodable message: {exc}")
             return
         missing = check.missing
         if check.status == "restart":
@@ -137,26 +144,36 @@ class KVEventSubscriber:
             self.counters.restarts += 1
             self.index.clear()
             self.exact = True
+            self._log("kv_events_restart", last_seq=last, seq=seq)
         elif check.status == "gap":
             self.counters.gaps += 1
-        elif joined:
+        elif last is None:
             missing = range(0, seq)
         if missing and not await self._replay(missing):
             self.counters.unrecovered += 1
-            self.exact = False
+            self._degrade(f"batches {missing.start}..{missing.stop - 1} missed, replay failed")
         self._apply(frames[2])
 
     def _apply(self, payload: bytes) -> None:
         try:
             batch = decode_batch(payload)
             self.index.apply(batch.events)
-        except KVEventError:
+        except KVEventError as exc:
             self.counters.decode_errors += 1
-            self.exact = False
+            self._degrade(f"undecodable batch: {exc}")
             return
         self.counters.batches += 1
         self.counters.events += len(batch.events)
         self.counters.skipped_events += batch.skipped
+
+    def _degrade(self, reason: str) -> None:
+        """The view may now hold blocks the engine dropped, or lack ones it stored."""
+        if self.exact:
+            self._log("kv_view_degraded", reason=reason)
+        self.exact = False
+
+    def _log(self, event: str, **fields: object) -> None:
+        log.warning(json.dumps({"event": event, "engine": self.name, **fields}))
 
     async def _replay(self, missing: range) -> bool:
         """Apply ``missing`` from the replay socket in order; True when none was lacking.

@@ -3,7 +3,14 @@ in tests, and nothing of the host application's leaks in)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import fields
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from smetric.serve.kv_subscriber import KVEventSubscriber, SubscriberCounters
 
 
 class RouterMetrics:
@@ -24,6 +31,12 @@ class RouterMetrics:
         self.exact = Gauge(
             "smetric_engine_kv_view_exact",
             "1 while the engine's KV-event view is exact, 0 when degraded (missed events).",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.view_blocks = Gauge(
+            "smetric_engine_kv_view_blocks",
+            "KV blocks the router believes the engine holds (its device tier).",
             ["engine"],
             registry=self.registry,
         )
@@ -64,3 +77,27 @@ class RouterMetrics:
         for url in engines:
             self.healthy.labels(url).set(1)
             self.inflight.labels(url).set(0)
+
+
+class SubscriberCollector(Collector):
+    """Exports each KV-event subscriber's running totals, read at scrape time.
+
+    The subscriber keeps plain integers (it is tested without Prometheus); this turns them
+    into one counter family, ``smetric_kv_events_total{engine, kind}``, so gaps, restarts
+    and unrecovered holes are visible beside the ``exact`` gauge.
+    """
+
+    def __init__(self, subscribers: Mapping[str, KVEventSubscriber]) -> None:
+        self.subscribers = subscribers
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "smetric_kv_events",
+            "KV-event stream totals per engine: batches, events, gaps, restarts, replayed, "
+            "duplicates, unrecovered holes, decode errors, skipped events.",
+            labels=["engine", "kind"],
+        )
+        for url, subscriber in self.subscribers.items():
+            for field in fields(SubscriberCounters):
+                family.add_metric([url, field.name], getattr(subscriber.counters, field.name))
+        yield family
