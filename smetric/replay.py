@@ -1,6 +1,7 @@
 """``smetric replay``: a trace's sessions against any OpenAI-compatible endpoint, measured.
 
-The sessions are composed closed loop as the simulator composes them, and their text is
+The sessions are composed closed loop as the simulator composes them (or, for a trace with
+a clock, every request is sent at its recorded arrival time), and their text is
 synthesised as ``smetric demo`` does (``filler``): equal content gives equal prompt blocks,
 and each follow-up carries the conversation as it happened, the endpoint's answers
 included, so prefix caching works as it would for a real agent. Requests stream so that
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import polars as pl
@@ -27,7 +28,7 @@ import polars as pl
 from smetric.serve.app import ENGINE_HEADER
 from smetric.sim.config import SimConfig, SLOConfig
 from smetric.sim.metrics import summarize, with_latencies
-from smetric.trace.compose import ClosedLoopIssuer, compose_sessions
+from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals
 from smetric.trace.schema import Trace
 
 _WORDS = ("read", "file", "grep", "test", "patch", "build", "diff", "log", "run", "fix")
@@ -98,6 +99,9 @@ class ReplayOptions:
     time_scale: float = 1.0
     token_scale: float = 1.0
     concurrency: int = 256
+    # closed-loop: sessions composed at ``rate``, each turn its think time after its parent
+    # ends; recorded: every request at the trace's own arrival time (traces with a clock).
+    arrivals: Literal["closed-loop", "recorded"] = "closed-loop"
     seed: int = 0
     # None: the first model the endpoint lists.
     model: str | None = None
@@ -131,9 +135,10 @@ class Progress:
 class Replayer:
     """Drives the sessions and keeps every measurement, so an interrupted run still reports.
 
-    A request goes out its (scaled) think time after its parent finished, once a
-    concurrency slot is free; the run stops at the duration and cancels what is in flight,
-    which then counts as unfinished, as requests still running at the simulator's horizon.
+    A request goes out its (scaled) think time after its parent finished, or with recorded
+    arrivals at its (scaled) arrival time, once a concurrency slot is free; the run stops
+    at the duration and cancels what is in flight, which then counts as unfinished, as
+    requests still running at the simulator's horizon.
     """
 
     def __init__(self, trace: Trace, options: ReplayOptions) -> None:
@@ -143,16 +148,27 @@ class Replayer:
             raise ValueError("time and token scales must be > 0")
         self.options = options
         self.base = options.url.rstrip("/")
-        self.workload = compose_sessions(
-            trace,
-            rate=options.rate / options.time_scale,
-            duration_s=options.duration_s * options.time_scale,
-            seed=options.seed,
-        )
-        self.issuer = ClosedLoopIssuer(self.workload)
+        horizon = options.duration_s * options.time_scale
+        self.issuer: ClosedLoopIssuer | None = None
+        if options.arrivals == "recorded":
+            try:
+                self.workload = replay_arrivals(trace, limit_s=horizon)
+            except ValueError as exc:
+                raise ReplayError(str(exc)) from exc
+        elif options.arrivals == "closed-loop":
+            self.workload = compose_sessions(
+                trace, rate=options.rate / options.time_scale, duration_s=horizon, seed=options.seed
+            )
+            self.issuer = ClosedLoopIssuer(self.workload)
+        else:
+            raise ValueError(
+                f"arrivals must be 'closed-loop' or 'recorded', not {options.arrivals!r}"
+            )
         columns = ("session_id", "parent_id", "input_tokens", "output_tokens", "turn")
         self.rows = self.workload.requests.select(*columns).rows()
         self.messages: dict[int, list[dict[str, str]]] = {}
+        # What each request sent, for open-loop follow-ups whose parent has not answered.
+        self.sent: dict[int, list[dict[str, str]]] = {}
         self.records: dict[int, Measured] = {}
         self.engines: dict[str, int] = {}
         self.progress = Progress()
@@ -169,8 +185,12 @@ class Replayer:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
             await self._probe(client)
             self.t0 = time.monotonic()
-            for at, rid in self.issuer.initial():
-                self._schedule(client, at, rid)
+            if self.issuer is None:
+                for rid, at in enumerate(self.workload.requests["arrival_s"]):
+                    self._schedule(client, at, rid)
+            else:
+                for at, rid in self.issuer.initial():
+                    self._schedule(client, at, rid)
             try:
                 while self._now() < self.options.duration_s:
                     self.progress.elapsed_s = self._now()
@@ -217,16 +237,25 @@ class Replayer:
 
     def _conversation(self, rid: int) -> list[dict[str, str]]:
         session, parent, tokens, _, turn = self.rows[rid]
-        history = self.messages.get(parent) if parent is not None else None
+        history = None if parent is None else self.messages.get(parent)
+        if history is None and parent in self.sent:
+            # Open loop, the parent still running (or failed): an agent would have waited,
+            # a recorded arrival does not, so its answer is stood in for, at its length.
+            answer = filler(f"{session}/{parent}/answer", self._output(parent))
+            history = [*self.sent[parent], {"role": "assistant", "content": answer}]
         return next_conversation(session, turn, tokens, history, self.options.token_scale)
+
+    def _output(self, rid: int) -> int:
+        return max(round(self.rows[rid][3] / self.options.token_scale), 1)
 
     async def _send(self, client: aiohttp.ClientSession, rid: int, delay: float) -> None:
         await asyncio.sleep(delay)
-        session, _, _, output, turn = self.rows[rid]
+        session, _, _, _, turn = self.rows[rid]
         messages = self._conversation(rid)
+        self.sent[rid] = messages
         body: dict[str, Any] = {
             "messages": messages,
-            "max_tokens": max(round(output / self.options.token_scale), 1),
+            "max_tokens": self._output(rid),
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -253,6 +282,8 @@ class Replayer:
                 return
         self.progress.completed += 1
         self.messages[rid] = [*messages, {"role": "assistant", "content": answer}]
+        if self.issuer is None:
+            return  # open loop: every request is already scheduled at its arrival
         now_trace = record.finished_s * self.options.time_scale
         for at, child in self.issuer.complete(rid, now_trace):
             self._schedule(client, at, child)

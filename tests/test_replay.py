@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 from aiohttp.test_utils import TestServer
@@ -20,7 +21,7 @@ from smetric.serve.engines import Engine
 from smetric.trace.load import load_trace
 
 
-async def replay_through_router(out: Path) -> Replayer:
+async def replay_through_router(out: Path, trace: str = "sample:weka", **options: Any) -> Replayer:
     engines = [TestServer(create_app(EngineConfig(speed=0.0001)), host="127.0.0.1") for _ in "ab"]
     for server in engines:
         await server.start_server()
@@ -31,14 +32,11 @@ async def replay_through_router(out: Path) -> Replayer:
     front = TestServer(router.app(), host="127.0.0.1")
     await front.start_server()
     try:
-        options = ReplayOptions(
-            url=f"http://127.0.0.1:{front.port}",
-            rate=4.0,
-            duration_s=3.0,
-            time_scale=20.0,
-            token_scale=100.0,
+        settings = {"rate": 4.0, "duration_s": 3.0, "time_scale": 20.0, "token_scale": 100.0}
+        settings |= options
+        replayer = Replayer(
+            load_trace(trace), ReplayOptions(url=f"http://127.0.0.1:{front.port}", **settings)
         )
-        replayer = Replayer(load_trace("sample:weka"), options)
         await replayer.run()
         replayer.write(out)
         return replayer
@@ -61,6 +59,34 @@ def test_replay_through_the_router_measures_hits_and_engines(tmp_path: Path) -> 
     assert table.filter(pl.col("instance") >= 0)["instance"].n_unique() == 2
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["policies"]["replay"]["tps_within_slo"] > 0
+
+
+def test_recorded_arrivals_are_replayed_open_loop_at_the_trace_s_clock(tmp_path: Path) -> None:
+    replayer = asyncio.run(
+        replay_through_router(
+            tmp_path, "sample:mooncake", arrivals="recorded", duration_s=2.0, time_scale=30.0
+        )
+    )
+    trace = load_trace("sample:mooncake").requests
+    recorded = trace.filter(pl.col("arrival_s") < 60.0).sort("arrival_s")["arrival_s"]
+    table = pl.read_parquet(tmp_path / "requests-replay.parquet").sort("request_id")
+    # Every request of the first 60 trace seconds went out, each at its arrival / 30.
+    assert table.height == recorded.len() > 20
+    lag = table["arrival_s"].to_numpy() - recorded.to_numpy() / 30.0
+    assert lag.min() >= -1e-3 and lag.max() < 0.5
+    # Inferred follow-ups carry their parent's conversation, so they hit its cache.
+    follow = table.filter(pl.col("completed") & (pl.col("turn") > 0))
+    assert follow.height > 0 and follow["local_hit_tokens"].sum() > 0
+    assert replayer.issuer is None
+
+
+def test_recorded_arrivals_need_a_clock(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["replay", "http://127.0.0.1:9", "--arrivals", "recorded", "-o", str(tmp_path)]
+    )
+    assert result.exit_code == 2
+    assert "no global clock" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:

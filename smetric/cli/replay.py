@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +13,11 @@ from rich.table import Table
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
 from smetric.replay import Progress, Replayer, ReplayOptions
 from smetric.trace.load import DEFAULT_SAMPLE
+
+
+class Arrivals(StrEnum):
+    closed_loop = "closed-loop"
+    recorded = "recorded"
 
 
 def summary_table(title: str, summary: dict) -> Table:
@@ -53,6 +59,14 @@ def replay(
         float, typer.Option(help="Trace tokens per prompt byte (or token).", min=0.001)
     ] = 1.0,
     concurrency: Annotated[int, typer.Option(help="Requests in flight at most.", min=1)] = 256,
+    arrivals: Annotated[
+        Arrivals,
+        typer.Option(
+            help="closed-loop: sessions start at --rate and each turn follows its parent's "
+            "answer after the recorded think time; recorded: every request at the trace's own "
+            "arrival time (traces with a clock: mooncake, bailian, azure), --rate unused."
+        ),
+    ] = Arrivals.closed_loop,
     model: Annotated[
         str | None, typer.Option(help="Model name [default: the first the endpoint lists].")
     ] = None,
@@ -61,7 +75,10 @@ def replay(
         Path | None, typer.Option("--out", "-o", help="Result folder.", show_default=False)
     ] = None,
 ) -> None:
-    """Replay a trace's sessions closed loop against an endpoint and measure them.
+    """Replay a trace's sessions against an endpoint and measure them.
+
+    Closed loop by default (time scale compresses think times, rate sets session starts);
+    --arrivals recorded replays a clocked trace open loop (time scale compresses its clock).
 
     Writes requests-replay.parquet and summary.json in the simulator's layout, so a
     measured run compares with `smetric simulate` [default folder:
@@ -76,6 +93,7 @@ def replay(
             time_scale=time_scale,
             token_scale=token_scale,
             concurrency=concurrency,
+            arrivals=arrivals.value,
             seed=seed,
             model=model,
         )
