@@ -118,6 +118,29 @@ async def routes_chat(router: str, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.5)
 
 
+async def measure(
+    name: str, router: str, engines: Sequence[str], trace: Trace, options: ReplayOptions
+) -> tuple[Outcome, Replayer]:
+    """Replay ``options`` through ``router``; the engines' counters are read before and after."""
+    outcome = Outcome(name, options.duration_s)
+    async with aiohttp.ClientSession() as probe:
+        before = [await scrape(probe, url) for url in engines]
+        replayer = Replayer(trace, options)
+        await replayer.run()
+        after = [await scrape(probe, url) for url in engines]
+    # End-to-end time of every request that finished (streamed, to its last token).
+    outcome.latencies = [
+        r.finished_s - r.arrival_s
+        for r in replayer.records.values()
+        if r.finished_s is not None and not r.rejected
+    ]
+    outcome.failed = replayer.progress.failed
+    outcome.per_engine = [
+        {k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)
+    ]
+    return outcome, replayer
+
+
 async def run_one(name: str, args: argparse.Namespace, trace: Trace) -> Outcome:
     options = DemoOptions(
         engines=args.engines,
@@ -126,7 +149,6 @@ async def run_one(name: str, args: argparse.Namespace, trace: Trace) -> Outcome:
         engine_speed=args.speed,
         seed=args.seed,
     )
-    outcome = Outcome(name, args.duration)
     with processes() as procs:
         engines = [start_engine(procs, args.speed, options.kv_blocks) for _ in range(args.engines)]
         await wait_ready(engines)
@@ -135,39 +157,21 @@ async def run_one(name: str, args: argparse.Namespace, trace: Trace) -> Outcome:
         else:
             router = start_smetric_router(procs, engines, name, options.kv_blocks)
         await routes_chat(router)
-        async with aiohttp.ClientSession() as probe:
-            before = [await scrape(probe, url) for url in engines]
-            replayer = Replayer(
-                trace,
-                ReplayOptions(
-                    url=router,
-                    rate=options.session_rate,
-                    duration_s=options.duration_s,
-                    time_scale=options.time_scale,
-                    token_scale=options.token_scale,
-                    seed=options.seed,
-                ),
-            )
-            await replayer.run()
-            after = [await scrape(probe, url) for url in engines]
-        # End-to-end time of every request that finished (streamed, to its last token).
-        outcome.latencies = [
-            r.finished_s - r.arrival_s
-            for r in replayer.records.values()
-            if r.finished_s is not None and not r.rejected
-        ]
-        outcome.failed = replayer.progress.failed
-        outcome.per_engine = [
-            {k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)
-        ]
+        replay = ReplayOptions(
+            url=router,
+            rate=options.session_rate,
+            duration_s=options.duration_s,
+            time_scale=options.time_scale,
+            token_scale=options.token_scale,
+            seed=options.seed,
+        )
+        outcome, _ = await measure(name, router, engines, trace, replay)
     return outcome
 
 
-def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
-    print(
-        f"\n{args.engines} mock engines at speed {args.speed}, {DEFAULT_SAMPLE} sessions at "
-        f"{args.rate}/s, {args.duration:.0f} s each, seed {args.seed}"
-    )
+def report(outcomes: list[Outcome], title: str) -> None:
+    """One row per router, then the first router's ratios to each of the others."""
+    print(f"\n{title}")
     head = f"{'router':<20}{'req/s':>8}{'p50 ms':>9}{'p90 ms':>9}{'hit ratio':>11}"
     print(head + f"{'imbalance':>11}{'failed':>8}  requests per engine")
     for o in outcomes:
@@ -202,7 +206,11 @@ def main() -> None:
     t0 = time.perf_counter()
     trace = load_trace(DEFAULT_SAMPLE)
     outcomes = [asyncio.run(run_one(name, args, trace)) for name in ROUTERS]
-    report(outcomes, args)
+    report(
+        outcomes,
+        f"{args.engines} mock engines at speed {args.speed}, {DEFAULT_SAMPLE} sessions at "
+        f"{args.rate}/s, {args.duration:.0f} s each, seed {args.seed}",
+    )
     print(f"total time {time.perf_counter() - t0:.1f} s")
 
 

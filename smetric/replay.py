@@ -25,7 +25,7 @@ from typing import Any, Literal
 import aiohttp
 import polars as pl
 
-from smetric.serve.app import ENGINE_HEADER
+from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.sim.config import SimConfig, SLOConfig
 from smetric.sim.metrics import summarize, with_latencies
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals
@@ -122,6 +122,8 @@ class Measured:
     finished_s: float | None = None
     output_tokens: int = 0
     cached_tokens: int = 0
+    # What an SMetric router expected the engine to have cached (its response header).
+    predicted_hit_tokens: int | None = None
 
 
 @dataclass
@@ -298,6 +300,8 @@ class Replayer:
                 await reply.read()
                 return None
             record.engine = engine
+            if PREDICTED_HIT_HEADER in reply.headers:
+                record.predicted_hit_tokens = int(reply.headers[PREDICTED_HIT_HEADER])
             self.engines.setdefault(engine, len(self.engines))
             parts: list[str] = []
             usage: dict[str, Any] = {}

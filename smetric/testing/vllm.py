@@ -1,11 +1,9 @@
-"""Real vLLM engines for the end-to-end tests: find (or install) the CPU build, start and
-stop instances on loopback with prefix caching and KV events on.
+"""Real vLLM engines on this machine: find the CPU build, start and stop instances on
+loopback with prefix caching and KV events on, read their metrics.
 
 vLLM lives in a venv of its own (``scripts/real_engines/setup_vllm.sh``), because it pins
-torch and transformers and weighs 3.4 GB; the tests only speak HTTP and ZMQ to it.
-``SMETRIC_REAL_ENGINES`` says what to do when it is missing: unset, skip with a message;
-``install``, run the setup script (cached per machine) and fail if that fails, as CI does;
-``off``, always skip.
+torch and transformers and weighs 3.4 GB; everything here only starts its processes and
+speaks HTTP to them, so the project never imports vLLM.
 """
 
 from __future__ import annotations
@@ -21,10 +19,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
-SETUP = REPO / "scripts" / "real_engines" / "setup_vllm.sh"
+SETUP_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "real_engines" / "setup_vllm.sh"
 MODEL_NAME = "smollm2"
 BLOCK_SIZE = 32  # vLLM's CPU attention backend needs a multiple of 32
 
@@ -35,42 +32,34 @@ class VLLMInstall:
     model: Path
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """Where the setup script installs: ``$SMETRIC_ENGINES_DIR`` or the user's cache."""
     if "SMETRIC_ENGINES_DIR" in os.environ:
         return Path(os.environ["SMETRIC_ENGINES_DIR"])
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return base / "smetric" / "engines"
 
 
-def _installed() -> VLLMInstall | None:
-    root = _cache_root()
-    python, model = root / "vllm-venv" / "bin" / "python", root / "smollm2-135m-instruct"
-    if (root / "vllm-venv" / ".installed").exists() and (model / ".converted").exists():
-        return VLLMInstall(python, model)
+def find_install() -> VLLMInstall | None:
+    """The finished install, or None (each step leaves a stamp file when it completes)."""
+    root = cache_root()
+    venv, model = root / "vllm-venv", root / "smollm2-135m-instruct"
+    if (venv / ".installed").exists() and (model / ".converted").exists():
+        return VLLMInstall(venv / "bin" / "python", model)
     return None
 
 
-def find_or_install_vllm() -> VLLMInstall:
-    """The cached install; installs it first under ``SMETRIC_REAL_ENGINES=install``."""
-    mode = os.environ.get("SMETRIC_REAL_ENGINES", "")
-    if mode == "off":
-        pytest.skip("real-engine tests are off (SMETRIC_REAL_ENGINES=off)")
-    found = _installed()
-    if found is None and mode == "install":
-        done = subprocess.run([str(SETUP)], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            pytest.fail(f"{SETUP} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        found = _installed()
-    if found is None:
-        pytest.skip(
-            "vLLM (CPU build) is not installed: run scripts/real_engines/setup_vllm.sh once "
-            "(about 7 minutes, 3.4 GB, cached in ~/.cache/smetric/engines), or set "
-            "SMETRIC_REAL_ENGINES=install"
-        )
+def install() -> VLLMInstall:
+    """Run the setup script (minutes the first time, instant after); raises on failure."""
+    done = subprocess.run([str(SETUP_SCRIPT)], capture_output=True, text=True, check=False)
+    found = find_install()
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"{SETUP_SCRIPT} failed:\n{done.stderr[-3000:]}")
     return found
 
 
-def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """(status, body); status 0 when nothing answered."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             return reply.status, reply.read().decode()
@@ -81,20 +70,17 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels`` (Prometheus text)."""
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric_name, _, label_text = head.partition("{")
-        if metric_name != name:
-            continue
-        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total, seen = total + float(value), True
-    if not seen:
+    """The sum of the samples of ``name`` (as exposed, ``_total`` included) whose labels
+    include ``labels``, from Prometheus text; AssertionError when there is none."""
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+    if not values:
         raise AssertionError(f"{name}{labels} not in the metrics")
-    return total
+    return sum(values)
 
 
 @dataclass
@@ -122,8 +108,10 @@ class VLLMServer:
     def log_path(self) -> Path:
         return self.scratch / f"vllm-{self.port}.log"
 
-    def kv_events_yaml(self) -> str:
+    def engines_yaml_entry(self) -> str:
+        """This engine in ``smetric serve --config``, on its KV-event view."""
         return (
+            f"  - url: {self.url}\n"
             f"    kv_events: {{endpoint: 'tcp://127.0.0.1:{self.events_port}', "
             f"topic: {self.topic}, replay_endpoint: 'tcp://127.0.0.1:{self.replay_port}'}}\n"
         )
@@ -164,10 +152,10 @@ class VLLMServer:
         tmp.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: 23,296 tokens of this model
             "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
             "VLLM_CACHE_ROOT": str(self.scratch / "vllm-cache"),
-            "TMPDIR": str(tmp),
+            "TMPDIR": str(tmp),  # it writes IPC sockets and caches there
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
@@ -185,34 +173,30 @@ class VLLMServer:
             )
 
     def wait_ready(self, timeout_s: float = 420.0) -> None:
-        """Until ``/health`` answers 200; fails with the log's tail if the process dies."""
+        """Until ``/health`` answers 200; raises with the log's tail if the process dies."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
-                raise AssertionError(f"vLLM on {self.port} exited:\n{self.log_tail()}")
-            if get(self.url + "/health", timeout=2.0)[0] == 200:
+                raise RuntimeError(f"vLLM on {self.port} exited:\n{self.log_tail()}")
+            if http_get(self.url + "/health", timeout=2.0)[0] == 200:
                 return
             time.sleep(1.0)
         tail = self.log_tail()
-        raise AssertionError(f"vLLM on {self.port} not healthy in {timeout_s} s:\n{tail}")
+        raise RuntimeError(f"vLLM on {self.port} not healthy in {timeout_s} s:\n{tail}")
 
     def stop(self) -> None:
+        """SIGTERM to the whole process group, SIGKILL to what is left after 30 s."""
         if self.process is None:
             return
         process, self.process = self.process, None
-        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                process.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Workers of the group may outlive the API server for a moment.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(30.0)
+        # The engine core and workers of the group may outlive the API server.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10.0)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -221,6 +205,7 @@ class VLLMServer:
             return "(no log)"
 
     def metrics(self) -> str:
-        status, text = get(self.url + "/metrics")
-        assert status == 200, f"{self.url}/metrics answered {status}"
+        status, text = http_get(self.url + "/metrics")
+        if status != 200:
+            raise RuntimeError(f"{self.url}/metrics answered {status}")
         return text

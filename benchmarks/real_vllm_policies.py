@@ -1,0 +1,111 @@
+"""SMetric against least-load and cache-aware routing, in front of two real vLLM engines.
+
+    python benchmarks/real_vllm_policies.py [--duration 120] [--rate 0.1] [--token-scale 30]
+
+Needs vLLM's CPU build and its model (``scripts/real_engines/setup_vllm.sh``); without them
+this prints why and exits 0. For each policy, two fresh vLLM instances (one core each, so no
+policy inherits another's warm caches) start on loopback with prefix caching and KV events,
+``smetric serve --policy P`` routes on their KV events with the model's own tokenizer, and
+``smetric replay``'s ``Replayer`` drives the same closed-loop Claude Code sessions from the
+embedded sample (prompts scaled down ``--token-scale`` times to fit the 135M model's window
+and a CPU's speed). Reported per policy, from vLLM's own ``/metrics`` deltas: completed
+requests/s, p50/p90 end-to-end latency, prefix-cache hit ratio and imbalance (max over mean
+requests per engine); from the replayer: TTFT p50/p90, and how often the router's predicted
+hit (``x-smetric-predicted-hit-tokens``) equalled the cached tokens vLLM reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from router_overhead import LOCALHOST, free_port, processes
+from router_vs_sglang import Outcome, measure, report, routes_chat
+
+from smetric.replay import Replayer, ReplayOptions
+from smetric.testing.vllm import BLOCK_SIZE, VLLMInstall, VLLMServer, find_install
+from smetric.trace.load import DEFAULT_SAMPLE, load_trace
+from smetric.trace.schema import Trace
+
+POLICIES = ("smetric", "least_load", "cache_aware")
+
+
+async def run_one(
+    policy: str, args: argparse.Namespace, trace: Trace, install: VLLMInstall, scratch: Path
+) -> tuple[Outcome, Replayer]:
+    servers = [
+        VLLMServer(install, free_port(), free_port(), free_port(), f"kv-{i}", i, scratch)
+        for i in range(2)
+    ]
+    config = scratch / f"engines-{policy}.yaml"
+    config.write_text("engines:\n" + "".join(s.engines_yaml_entry() for s in servers))
+    try:
+        for server in servers:
+            server.start()
+        with processes() as procs:
+            port = free_port()
+            command = [sys.executable, "-m", "smetric", "serve", "--config", str(config)]
+            command += ["--port", str(port), "--policy", policy, "--block-size", str(BLOCK_SIZE)]
+            procs.start([*command, "--tokenizer", f"hf:{install.model}", "--scrape-interval", "1"])
+            for server in servers:
+                await asyncio.to_thread(server.wait_ready)
+            router = f"http://{LOCALHOST}:{port}"
+            await routes_chat(router, timeout_s=120)
+            options = ReplayOptions(
+                url=router,
+                rate=args.rate,
+                duration_s=args.duration,
+                token_scale=args.token_scale,
+                seed=args.seed,
+            )
+            return await measure(policy, router, [s.url for s in servers], trace, options)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.quantile(values, q)) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--rate", type=float, default=0.1, help="session starts per second")
+    parser.add_argument("--token-scale", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    install = find_install()
+    if install is None:
+        print("vLLM is not installed: run scripts/real_engines/setup_vllm.sh first; skipping.")
+        return
+    t0 = time.perf_counter()
+    trace = load_trace(DEFAULT_SAMPLE)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="smetric-vllm-") as scratch:
+        for policy in POLICIES:
+            runs.append(asyncio.run(run_one(policy, args, trace, install, Path(scratch))))
+    report(
+        [outcome for outcome, _ in runs],
+        f"2 vLLM CPU instances (SmolLM2-135M, one core each), {DEFAULT_SAMPLE} sessions at "
+        f"{args.rate}/s for {args.duration:.0f} s, tokens / {args.token_scale:g}, seed {args.seed}",
+    )
+    print(f"{'policy':<20}{'TTFT p50 s':>11}{'TTFT p90 s':>11}{'predicted == cached':>21}")
+    for outcome, replayer in runs:
+        done = [r for r in replayer.records.values() if r.finished_s is not None]
+        ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+        exact = [r.predicted_hit_tokens == r.cached_tokens for r in done]
+        print(
+            f"{outcome.router:<20}{percentile(ttft, 0.5):>11.2f}{percentile(ttft, 0.9):>11.2f}"
+            f"{sum(exact):>14} of {len(exact):<5}"
+        )
+    print(f"total time {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
