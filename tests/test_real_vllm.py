@@ -185,10 +185,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     str(BLOCK_SIZE),
                     "--tokenizer",
                     f"hf:{install.model}",
+                    # No --scrape-interval: a scraped load can be a second stale, and the
+                    # placements checked here should follow from in-flight counts alone.
                     "--health-interval",
                     "0.5",
-                    "--scrape-interval",
-                    "1",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
