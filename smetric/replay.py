@@ -25,6 +25,7 @@ from typing import Any, Literal
 import aiohttp
 import polars as pl
 
+from smetric.report.runs import run_file_name
 from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.sim.config import SimConfig, SLOConfig
 from smetric.sim.metrics import summarize, with_latencies
@@ -372,7 +373,7 @@ class Replayer:
         """``requests-replay.parquet`` and ``summary.json``, laid out as ``simulate`` writes."""
         table, summary = self.results()
         out.mkdir(parents=True, exist_ok=True)
-        table.write_parquet(out / "requests-replay.parquet")
+        table.write_parquet(out / run_file_name("replay"))
         meta = {
             "endpoint": self.base,
             "model": self.model,

@@ -100,3 +100,26 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert f"cannot reach {url}" in result.output
     assert "Traceback" not in result.output
+
+
+def test_report_shows_simulated_and_measured_runs_side_by_side(tmp_path: Path) -> None:
+    measured, simulated, out = tmp_path / "measured", tmp_path / "simulated", tmp_path / "out"
+    asyncio.run(replay_through_router(measured))
+    small = ["--instances", "2", "--duration", "60", "--rate", "0.1", "--jobs", "1"]
+    args = ["simulate", "-p", "smetric,least_load", *small, "-o", str(simulated)]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    result = CliRunner().invoke(app, ["report", str(simulated), str(measured), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    for row in ("simulated/smetric", "simulated/least_load", "measured/replay"):
+        assert row in result.output
+    figures = sorted(p.name for p in out.glob("*.png"))
+    assert figures == sorted(
+        f"{name}.png" for name in ("tps", "reuse", "imbalance", "heatmaps", "latency", "stickiness")
+    )
+
+
+def test_report_of_a_folder_that_is_not_a_result_is_a_clear_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "summary.json (not a" in result.output
+    assert "Traceback" not in result.output

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from smetric.report.runs import safe_name
 from smetric.trace.load import FORMATS, count_units, load_trace
 from smetric.trace.schema import Trace, TraceError
 
@@ -76,4 +77,4 @@ def load_with_progress(source: str, fmt: str | None) -> Trace:
 
 def slug(name: str) -> str:
     """A trace name made safe for a folder name."""
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-") or "trace"
+    return safe_name(name, "trace")

@@ -20,6 +20,7 @@ from smetric.cli.app import (
     user_errors,
 )
 from smetric.core.policy import POLICY_NAMES, make_policy
+from smetric.report.runs import run_file_name
 from smetric.sim.config import SimConfig, dump_yaml, load_yaml, parse_global_capacity
 from smetric.sim.parallel import Job, default_jobs, run_jobs
 from smetric.sim.run import RunResult
@@ -172,7 +173,8 @@ def _split_policies(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def results_table(title: str, results: dict[str, RunResult]) -> Table:
+def results_table(title: str, summaries: dict[str, dict]) -> Table:
+    """One row per run summary (a simulated policy or a measured replay), best TPS bold."""
     table = Table(
         title=title, title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False
     )
@@ -188,9 +190,8 @@ def results_table(title: str, results: dict[str, RunResult]) -> Table:
     )
     for header in headers:
         table.add_column(header, justify="right", min_width=8 if "TTFT" in header else None)
-    best = max((r.summary["tps_within_slo"] for r in results.values()), default=0.0)
-    for policy, result in results.items():
-        s = result.summary
+    best = max((s["tps_within_slo"] for s in summaries.values()), default=0.0)
+    for policy, s in summaries.items():
         tps = f"{s['tps_within_slo']:,.0f}"
         ttft, tpot, reuse = s["ttft_s"], s["tpot_s"], s["reuse"]
         sticky = s["stickiness"]
@@ -207,13 +208,13 @@ def results_table(title: str, results: dict[str, RunResult]) -> Table:
     return table
 
 
-def branches_table(results: dict[str, RunResult]) -> Table:
+def branches_table(summaries: dict[str, dict]) -> Table:
     """Why each policy routed where it did: decisions per branch, for multi-branch policies."""
     table = Table(title="Routing decisions per branch", title_style="bold")
     table.add_column("policy", no_wrap=True)
     table.add_column("branches")
-    for policy, result in results.items():
-        counts = result.summary["branches"]
+    for policy, summary in summaries.items():
+        counts = summary["branches"]
         total = sum(counts.values())
         if len(counts) > 1 and total:
             parts = (f"{name} {n / total:.0%}" for name, n in sorted(counts.items()))
@@ -238,7 +239,7 @@ def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for policy, result in results.items():
-        result.requests.write_parquet(out / f"requests-{slug(policy)}.parquet")
+        result.requests.write_parquet(out / run_file_name(policy))
     summaries = {policy: r.summary for policy, r in results.items()}
     tables = {policy: r.requests for policy, r in results.items()}
     return len(write_simulation_pngs(summaries, tables, out))
@@ -298,8 +299,9 @@ def simulate(
     out = out or Path("smetric-out") / f"simulate-{slug(trace.name)}"
     plots = write_results(out, config, ordered)
     shape = next(iter(ordered.values())).shape
-    console.print(results_table(_title(config, shape), ordered))
-    branches = branches_table(ordered)
+    summaries = {policy: result.summary for policy, result in ordered.items()}
+    console.print(results_table(_title(config, shape), summaries))
+    branches = branches_table(summaries)
     if branches.row_count:
         console.print(branches)
     first = next(iter(ordered.values())).summary["requests"]

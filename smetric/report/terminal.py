@@ -45,6 +45,8 @@ def pct(share: float) -> str:
 
 def seconds(value: float) -> str:
     """Format a duration in the largest unit that keeps it readable (reuse spans ms to hours)."""
+    if value < 0.001:
+        return f"{value * 1000:.2g} ms"  # sub-millisecond decode steps of fast engines
     if value < 1:
         return f"{value * 1000:.0f} ms"
     if value < 100:

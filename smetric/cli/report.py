@@ -1,0 +1,40 @@
+"""``smetric report``: simulated and measured runs side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from smetric.cli.app import app, console, user_errors
+from smetric.cli.simulate import results_table
+from smetric.report.runs import load_runs
+
+
+@app.command()
+def report(
+    folders: Annotated[
+        list[Path],
+        typer.Argument(help="Result folders written by `smetric simulate` or `smetric replay`."),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Folder for the figures.", show_default=False),
+    ] = None,
+) -> None:
+    """Compare runs side by side: one table and the simulator's figures for all of them.
+
+    Every run in each folder becomes a row (each policy of a simulation, the replay of a
+    measured run); with several folders rows are named FOLDER/run. Writes tps, reuse,
+    imbalance, heatmaps, latency and stickiness PNGs [default folder: smetric-out/report].
+    """
+    from smetric.report.simulation import write_simulation_pngs
+
+    with user_errors():
+        summaries, tables = load_runs(folders)
+        out = out or Path("smetric-out") / "report"
+        figures = write_simulation_pngs(summaries, tables, out)
+    title = f"{len(summaries)} runs from {len(folders)} folder{'s' * (len(folders) > 1)}"
+    console.print(results_table(title, summaries))
+    console.print(f"wrote {len(figures)} figures to {out}/")
