@@ -29,6 +29,7 @@ from smetric.report.runs import run_file_name
 from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.sim.config import SimConfig, SLOConfig
 from smetric.sim.metrics import summarize, with_latencies
+from smetric.sim.workload import sample_sessions
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals
 from smetric.trace.schema import Trace
 
@@ -103,6 +104,8 @@ class ReplayOptions:
     # closed-loop: sessions composed at ``rate``, each turn its think time after its parent
     # ends; recorded: every request at the trace's own arrival time (traces with a clock).
     arrivals: Literal["closed-loop", "recorded"] = "closed-loop"
+    # Recorded arrivals: the seeded fraction of sessions kept (the paper's load scaling).
+    sample: float = 1.0
     seed: int = 0
     # None: the first model the endpoint lists.
     model: str | None = None
@@ -155,9 +158,15 @@ class Replayer:
         self.issuer: ClosedLoopIssuer | None = None
         if options.arrivals == "recorded":
             try:
-                self.workload = replay_arrivals(trace, limit_s=horizon)
+                sampled = sample_sessions(trace, options.sample, options.seed)
+                self.workload = replay_arrivals(sampled, limit_s=horizon)
             except ValueError as exc:
                 raise ReplayError(str(exc)) from exc
+        elif options.sample != 1.0:
+            raise ValueError(
+                "--sample scales recorded arrivals (--arrivals recorded); "
+                "closed-loop load is set by --rate"
+            )
         elif options.arrivals == "closed-loop":
             self.workload = compose_sessions(
                 trace, rate=options.rate / options.time_scale, duration_s=horizon, seed=options.seed

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pytest
 from aiohttp.test_utils import TestServer
 from typer.testing import CliRunner
 
@@ -80,6 +82,23 @@ def test_recorded_arrivals_are_replayed_open_loop_at_the_trace_s_clock(tmp_path:
     follow = table.filter(pl.col("completed") & (pl.col("turn") > 0))
     assert follow.height > 0 and follow["local_hit_tokens"].sum() > 0
     assert replayer.issuer is None
+
+
+def test_recorded_arrivals_scale_by_sampling_sessions() -> None:
+    trace = load_trace("sample:mooncake")
+
+    def workload(sample: float, seed: int = 0) -> pl.DataFrame:
+        options = ReplayOptions("http://127.0.0.1:9", arrivals="recorded", duration_s=1e6)
+        options = replace(options, sample=sample, seed=seed)
+        return Replayer(trace, options).workload.requests
+
+    full, half = workload(1.0), workload(0.5)
+    assert full.height == trace.num_requests
+    assert 0.35 < half["session_id"].n_unique() / full["session_id"].n_unique() < 0.65
+    assert half.equals(workload(0.5))  # seeded
+    assert not half.equals(workload(0.5, seed=1))
+    with pytest.raises(ValueError, match="--sample scales recorded arrivals"):
+        Replayer(trace, ReplayOptions("http://127.0.0.1:9", sample=0.5))
 
 
 def test_recorded_arrivals_need_a_clock(tmp_path: Path) -> None:

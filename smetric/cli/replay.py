@@ -67,6 +67,15 @@ def replay(
             "arrival time (traces with a clock: mooncake, bailian, azure), --rate unused."
         ),
     ] = Arrivals.closed_loop,
+    sample: Annotated[
+        float,
+        typer.Option(
+            help="Recorded arrivals: fraction of sessions kept, seeded (the paper's load "
+            "scaling; --time-scale compresses the clock instead).",
+            min=1e-6,
+            max=1.0,
+        ),
+    ] = 1.0,
     model: Annotated[
         str | None, typer.Option(help="Model name [default: the first the endpoint lists].")
     ] = None,
@@ -94,6 +103,7 @@ def replay(
             token_scale=token_scale,
             concurrency=concurrency,
             arrivals=arrivals.value,
+            sample=sample,
             seed=seed,
             model=model,
         )
