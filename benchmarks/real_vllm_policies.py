@@ -28,7 +28,7 @@ from router_overhead import LOCALHOST, free_port, processes
 from router_vs_sglang import Outcome, measure, report, routes_chat
 
 from smetric.replay import Replayer, ReplayOptions
-from smetric.testing.vllm import BLOCK_SIZE, VLLMInstall, VLLMServer, find_install
+from smetric.testing.engines import BLOCK_SIZE, VLLMInstall, VLLMServer, find_vllm
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
 from smetric.trace.schema import Trace
 
@@ -39,7 +39,15 @@ async def run_one(
     policy: str, args: argparse.Namespace, trace: Trace, install: VLLMInstall, scratch: Path
 ) -> tuple[Outcome, Replayer]:
     servers = [
-        VLLMServer(install, free_port(), free_port(), free_port(), f"kv-{i}", i, scratch)
+        VLLMServer(
+            free_port(),
+            scratch,
+            install=install,
+            events_port=free_port(),
+            replay_port=free_port(),
+            topic=f"kv-{i}",
+            core=i,
+        )
         for i in range(2)
     ]
     config = scratch / f"engines-{policy}.yaml"
@@ -80,7 +88,7 @@ def main() -> None:
     parser.add_argument("--token-scale", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    install = find_install()
+    install = find_vllm()
     if install is None:
         print("vLLM is not installed: run scripts/real_engines/setup_vllm.sh first; skipping.")
         return

@@ -1,0 +1,186 @@
+"""What the real-engine tests share: finding (or installing) an engine, a router subprocess
+in front of engine processes, and agent-like sessions that go through it.
+
+``SMETRIC_REAL_ENGINES`` says what to do when an engine is missing: unset, skip with the
+command that installs it; ``install``, run its setup script (cached per machine) and fail
+if that fails, as `.ci/run` does; ``off``, always skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from smetric.testing.engines import MODEL_NAME, EngineProcess, http_get, metric, run_setup
+
+T = TypeVar("T")
+
+SYSTEM = (
+    "You are a careful coding agent working in a Python repository. Read the files you "
+    "need, run the tests after each change, keep changes small, explain what you did. "
+) * 4
+
+
+def find_or_install(find: Callable[[], T | None], script: str, what: str, cost: str) -> T:
+    mode = os.environ.get("SMETRIC_REAL_ENGINES", "")
+    if mode == "off":
+        pytest.skip("real-engine tests are off (SMETRIC_REAL_ENGINES=off)")
+    found = find()
+    if found is None and mode == "install":
+        try:
+            run_setup(script)
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        found = find()
+    if found is None:
+        pytest.skip(
+            f"{what} is not installed: run scripts/real_engines/{script} once ({cost}, cached "
+            "in ~/.cache/smetric/engines), or set SMETRIC_REAL_ENGINES=install"
+        )
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    """Engine processes behind one ``smetric serve`` subprocess."""
+
+    engines: Sequence[EngineProcess]
+    router_port: int
+    router_log: Path
+    router: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def router_metrics(self) -> str:
+        status, text = http_get(self.url + "/metrics")
+        assert status == 200, f"router /metrics answered {status}:\n{self.router_tail()}"
+        return text
+
+    def router_tail(self) -> str:
+        return self.router_log.read_text(errors="replace")[-4000:]
+
+    def wait_router_sees(self, engine: EngineProcess, healthy: bool, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = self.router_metrics()
+            if metric(text, "smetric_engine_healthy", engine=engine.url) == float(healthy):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"router never saw {engine.url} healthy={healthy}")
+
+
+@contextlib.contextmanager
+def running_cluster(
+    engines: Sequence[EngineProcess], scratch: Path, router_args: list[str]
+) -> Iterator[Cluster]:
+    """Start the engines and ``smetric serve ROUTER_ARGS`` in front; stop all on exit.
+
+    The router gets no ``--scrape-interval``: a scraped load can be a second stale, and the
+    placements the tests check should follow from in-flight counts alone.
+    """
+    cluster = Cluster(engines, free_port(), scratch / "router.log")
+    try:
+        for engine in engines:
+            engine.start()
+        command = [sys.executable, "-m", "smetric", "serve", "--port", str(cluster.router_port)]
+        with cluster.router_log.open("wb") as log:
+            cluster.router = subprocess.Popen(
+                [*command, "--health-interval", "0.5", *router_args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        for engine in engines:
+            engine.wait_ready()
+        for engine in engines:
+            cluster.wait_router_sees(engine, healthy=True)
+        yield cluster
+    finally:
+        if cluster.router is not None:
+            cluster.router.terminate()
+            cluster.router.wait(10)
+        for engine in engines:
+            engine.stop()
+
+
+@dataclass
+class Reply:
+    engine: str
+    predicted: int
+    cached: int
+    prompt_tokens: int
+    text: str
+
+
+def chat(cluster: Cluster, messages: list[dict[str, str]]) -> Reply:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
+    request = urllib.request.Request(
+        cluster.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        data: dict[str, Any] = json.loads(response.read())
+        engine = response.headers["x-smetric-engine"]
+        predicted = int(response.headers["x-smetric-predicted-hit-tokens"])
+    usage = data["usage"]
+    return Reply(
+        engine,
+        predicted,
+        (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+        usage["prompt_tokens"],
+        data["choices"][0]["message"]["content"],
+    )
+
+
+class Session:
+    """A conversation as an agent holds it: the whole history goes out on every turn."""
+
+    def __init__(self, name: str) -> None:
+        self.messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Task {name}: the test suite of {name} fails. " * 6},
+        ]
+        self.replies: list[Reply] = []
+
+    def turn(self, cluster: Cluster) -> Reply:
+        reply = chat(cluster, self.messages)
+        n = len(self.replies)
+        self.messages += [
+            {"role": "assistant", "content": reply.text},
+            {"role": "user", "content": f"Tool output {n}: 3 passed, 1 failed in step {n}. " * 4},
+        ]
+        self.replies.append(reply)
+        return reply
+
+
+def session_on(cluster: Cluster, engine: EngineProcess, name: str) -> Session:
+    """A new session whose first turn the router placed on ``engine``."""
+    for i in range(6):
+        session = Session(f"{name}-{i}")
+        if session.turn(cluster).engine == engine.url:
+            return session
+    pytest.fail(f"six new sessions and none was placed on {engine.url}")
+
+
+def counter_by_engine(cluster: Cluster, name: str) -> dict[str, float]:
+    return {e.url: metric(e.metrics(), name) for e in cluster.engines}

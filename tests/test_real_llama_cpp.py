@@ -1,0 +1,87 @@
+"""`smetric serve` in front of two real llama.cpp servers (SmolLM2-135M, GGUF). llama.cpp
+publishes no KV events, so the router routes on its approximate view (what it sent where),
+judged by what llama.cpp reports: ``cached_tokens`` per response and its prompt-cache
+counter per instance.
+
+llama.cpp keeps each slot's KV between requests and reuses the longest common prefix, at
+token granularity, and the router hashes bytes here (no tokenizer of the model is needed),
+so these check placement and hits, not predictions to the token. The server is built from
+source by ``scripts/real_engines/setup_llama_cpp.sh`` (see ``real_engines.find_or_install``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from real_engines import (
+    Cluster,
+    Session,
+    counter_by_engine,
+    find_or_install,
+    free_port,
+    running_cluster,
+    session_on,
+)
+
+from smetric.testing.engines import LlamaCppServer, find_llama_cpp, metric
+
+pytestmark = pytest.mark.real_engine
+
+CACHED_COUNTER = "llamacpp:prompt_tokens_cached_total"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    install = find_or_install(
+        find_llama_cpp, "setup_llama_cpp.sh", "llama.cpp's server", "about 11 minutes to build"
+    )
+    scratch = tmp_path_factory.mktemp("llama-cpp")
+    cores = os.cpu_count() or 1
+    engines = [
+        LlamaCppServer(free_port(), scratch, install=install, core=i % cores) for i in range(2)
+    ]
+    with running_cluster(engines, scratch, [a for e in engines for a in ("-e", e.url)]) as made:
+        yield made
+
+
+def test_follow_ups_stick_and_hit_on_the_approximate_view(cluster) -> None:
+    before = counter_by_engine(cluster, CACHED_COUNTER)
+    sessions = [Session(name) for name in ("alpha", "beta", "gamma", "delta")]
+    homes = [s.turn(cluster).engine for s in sessions]
+    assert sorted(homes.count(e.url) for e in cluster.engines) == [2, 2], homes
+    for _ in range(2):
+        for session, home in zip(sessions, homes, strict=True):
+            reply = session.turn(cluster)
+            assert reply.engine == home, f"follow-up left its cache: {reply}"
+            assert reply.predicted > 0  # the router remembers what it sent there
+            # llama.cpp reused the session's KV: most of the previous prompt, at least.
+            assert reply.cached >= session.replies[-2].prompt_tokens // 2, reply
+
+    replies = [r for s in sessions for r in s.replies]
+    after = counter_by_engine(cluster, CACHED_COUNTER)
+    for engine in cluster.engines:
+        served = sum(r.cached for r in replies if r.engine == engine.url)
+        assert after[engine.url] - before[engine.url] == served > 0
+
+
+def test_a_restarted_engine_is_forgotten(cluster) -> None:
+    restarted = cluster.engines[0]
+    session = session_on(cluster, restarted, "epsilon")
+    assert session.turn(cluster).cached > 0
+
+    restarted.stop()
+    cluster.wait_router_sees(restarted, healthy=False)
+    restarted.start()
+    restarted.wait_ready()
+    cluster.wait_router_sees(restarted, healthy=True)
+
+    # The approximate view cannot hear the restart; the health check did, and dropped it.
+    text = cluster.router_metrics()
+    assert metric(text, "smetric_engine_kv_view_blocks", engine=restarted.url) == 0
+    # So the session is placed afresh, and the router expects a hit exactly where one is.
+    reply = session.turn(cluster)
+    assert (reply.predicted > 0) == (reply.cached > 0), reply
+    reply = session.turn(cluster)
+    assert reply.predicted > 0 and reply.cached > 0, reply
