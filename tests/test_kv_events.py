@@ -22,23 +22,14 @@ from smetric.core.kv_events import (
     parse_sequence,
 )
 
+from conftest import block_stored
+
 BS = 4
 TOKENS = list(range(100, 124))  # six blocks of four
 
 
 def stored_map(hashes: list[Any], parent: Any, tokens: list[int], medium: Any = "GPU") -> dict:
-    """A BlockStored as recent vLLM encodes it, with fields this module ignores."""
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": BS,
-        "lora_id": None,
-        "medium": medium,
-        "lora_name": None,
-        "group_idx": 0,
-    }
+    return block_stored(hashes, parent, tokens, BS, medium)
 
 
 def stored_array(hashes: list[Any], parent: Any, tokens: list[int], medium: Any = "GPU") -> list:

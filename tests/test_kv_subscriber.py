@@ -22,6 +22,8 @@ from smetric.engine.server import KV_EVENTS
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 
+from conftest import block_stored, until_heard
+
 BS = 16
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}
 _TOKENIZER = ByteTokenizer()
@@ -86,7 +88,12 @@ def test_events_view_predicts_the_engines_hits_and_restarts_clear_it() -> None:
                 await settle(lambda: sub.tracker.last == publisher.seq - 1)
                 return reply
 
+            async def warm_up(attempt: int) -> None:
+                await post(client, "/v1/completions", {"prompt": f"hello {attempt} " * 8})
+
             async with TestClient(TestServer(app)) as client:
+                start = sub.counters.batches
+                await until_heard(warm_up, lambda: sub.counters.batches > start)
                 first = [SYSTEM, {"role": "user", "content": "List the files in src/."}]
                 body = {"messages": first, "max_tokens": 4}
                 one = await synced(body, "/v1/chat/completions")
@@ -114,6 +121,8 @@ def test_events_view_predicts_the_engines_hits_and_restarts_clear_it() -> None:
             app = create_app(config)
             publisher = app[KV_EVENTS]
             async with TestClient(TestServer(app)) as client:
+                start = sub.counters.batches
+                await until_heard(warm_up, lambda: sub.counters.batches > start)
                 fresh = {"prompt": "z" * 100, "max_tokens": 4}
                 await synced(fresh, "/v1/completions")
                 assert sub.counters.restarts == 1
@@ -124,23 +133,11 @@ def test_events_view_predicts_the_engines_hits_and_restarts_clear_it() -> None:
     asyncio.run(main())
 
 
-def _stored(tokens: list[int], hashes: list[int], parent: int | None) -> dict[str, Any]:
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": BS,
-        "medium": "GPU",
-    }
-
-
 def _batches() -> tuple[list[int], list[list[dict[str, Any]]]]:
     """Three batches storing one block each, chained, so a missed one orphans the next."""
     tokens = list(range(3 * BS))
-    return tokens, [
-        [_stored(tokens[i * BS : (i + 1) * BS], [i + 1], i if i else None)] for i in range(3)
-    ]
+    blocks = [tokens[i * BS : (i + 1) * BS] for i in range(3)]
+    return tokens, [[block_stored([i + 1], i or None, blocks[i], BS)] for i in range(3)]
 
 
 def _frames(seq: int, events: list[dict[str, Any]]) -> list[bytes]:

@@ -15,8 +15,11 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
+
+from conftest import until_heard
 
 
 def closed_port() -> int:
@@ -466,10 +469,16 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
         router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
 
         async def body(client: aiohttp.ClientSession, url: str) -> None:
-            await asyncio.sleep(0.3)  # let the subscriber's socket join
+            subscriber = subscribers[engines[0].url]
+
+            async def warm_up(attempt: int) -> None:
+                await chat(client, url, [{"role": "user", "content": f"warm-up {attempt} " * 9}])
+
+            await until_heard(warm_up, lambda: subscriber.counters.batches > 0)
+            heard = subscriber.counters.batches
             await chat(client, url, conversation(5, 0))
-            for _ in range(100):
-                if engines[0].events.size() > 0:
+            for _ in range(250):
+                if subscriber.counters.batches > heard:
                     break
                 await asyncio.sleep(0.02)
             payload = {"model": "m", "messages": conversation(5, 1), "max_tokens": 4}
@@ -529,17 +538,34 @@ def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
                 for i, (server, (pub, replay)) in enumerate(zip(servers, ports, strict=True))
             )
         )
-        replicas = []
+        replicas, listening = [], []
         for _ in range(2):
             engines, subscribers = engines_from([], yaml_file, 1000, 16)
             router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
             replica = TestServer(router.app(), host="127.0.0.1")
             await replica.start_server()
             replicas.append(replica)
+            listening += [
+                (subscriber, server.app[KV_EVENTS])
+                for subscriber, server in zip(subscribers.values(), servers, strict=True)
+            ]
         fronts = [f"http://127.0.0.1:{r.port}" for r in replicas]
-        await asyncio.sleep(0.5)  # subscribers join the publishers
+
+        def caught_up() -> bool:
+            """Every replica has applied every batch of every engine."""
+            return all(sub.tracker.last == pub.seq - 1 for sub, pub in listening)
+
         try:
             async with aiohttp.ClientSession() as client:
+
+                async def warm_up(attempt: int) -> None:
+                    body = {"prompt": f"warm-up {attempt} " * 9, "max_tokens": 1}
+                    for server in servers:
+                        url = f"http://127.0.0.1:{server.port}/v1/completions"
+                        async with client.post(url, json=body) as response:
+                            assert response.status == 200
+
+                await until_heard(warm_up, caught_up)
                 served = []
                 for turn in range(5):
                     front = fronts[turn % 2]  # alternate between the two replicas
@@ -547,7 +573,10 @@ def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
                     served.append(where)
                     if turn:
                         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-                    await asyncio.sleep(0.2)  # the engine's BlockStored reaches both
+                    for _ in range(250):  # the engine's BlockStored reaches both replicas
+                        if caught_up():
+                            break
+                        await asyncio.sleep(0.02)
             assert len(set(served)) == 1
         finally:
             for server in [*replicas, *servers]:
