@@ -33,6 +33,13 @@ def run(coro: Callable[[], Awaitable[Any]]) -> Any:
     return asyncio.run(coro())
 
 
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll rather than sleep a fixed time: health checks run late on a busy machine."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
 async def with_router(
     router: Router, body: Callable[[aiohttp.ClientSession, str], Awaitable[Any]]
 ) -> Any:
@@ -210,15 +217,13 @@ def test_engine_down_is_ejected_then_readmitted_with_a_fresh_view() -> None:
         victim = router.engines[0]
         port = engines[0].port
         await engines[0].close()
-        await asyncio.sleep(0.3)
-        assert victim.healthy is False
+        await eventually(lambda: victim.healthy is False)
         where, _ = await chat(client, url, conversation(1, 0))
         assert where == router.engines[1].url  # traffic avoids the ejected engine
         revived = TestServer(create_app(FAST), host="127.0.0.1", port=port)
         await revived.start_server()
         engines[0] = revived
-        await asyncio.sleep(0.3)
-        assert victim.healthy is True
+        await eventually(lambda: victim.healthy is True)
         assert victim.index.size == 0  # what it cached before the restart is forgotten
 
     run(lambda: with_cluster(2, body))
