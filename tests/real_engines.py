@@ -82,9 +82,12 @@ class Cluster:
     def wait_router_sees(self, engine: EngineProcess, healthy: bool, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            text = self.router_metrics()
-            if metric(text, "smetric_engine_healthy", engine=engine.url) == float(healthy):
-                return
+            assert self.router is None or self.router.poll() is None, self.router_tail()
+            status, text = http_get(self.url + "/metrics")  # 0 while the router starts
+            if status == 200:
+                seen = metric(text, "smetric_engine_healthy", engine=engine.url)
+                if seen == float(healthy):
+                    return
             time.sleep(0.2)
         raise AssertionError(f"router never saw {engine.url} healthy={healthy}")
 
