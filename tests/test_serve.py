@@ -356,6 +356,31 @@ def test_engine_metrics_size_the_index_and_raise_the_load() -> None:
         parse_vllm_metrics("this is { not prometheus", at=0.0)
 
 
+def test_a_restart_seen_in_the_scrape_drops_the_engine_s_view(caplog) -> None:
+    """An engine back up before any health check noticed it was gone: its scraped
+    process_start_time_seconds changed, so what the router remembered of it is dropped."""
+
+    async def body(client, url, router, engines) -> None:
+        router.settings.health_interval_s = 3600  # only the scrape can notice
+        victim = router.engines[0]
+        await router.scrape(victim)
+        for s in range(2):  # one session per engine
+            await chat(client, url, conversation(s, 0))
+        assert victim.index.size > 0
+        await router.scrape(victim)
+        assert victim.index.size > 0  # the same process: nothing forgotten
+        port = engines[0].port
+        await engines[0].close()
+        engines[0] = TestServer(create_app(FAST), host="127.0.0.1", port=port)
+        await engines[0].start_server()
+        await router.scrape(victim)
+        assert victim.healthy and victim.index.size == 0
+
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        run(lambda: with_cluster(2, body))
+    assert any('"engine_restarted"' in r.getMessage() for r in caplog.records)
+
+
 def test_anthropic_messages_pass_through_and_follow_ups_hit() -> None:
     def turn(n: int) -> dict:
         messages = [{"role": "user", "content": "refactor the parser " * 20}]

@@ -401,6 +401,9 @@ class _EngineCollector:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # As a real engine's process collector reports it: a router reads a change as a
+        # restart. One per app, since several mock engines may share a process.
+        self.started_at = time.time()
 
     def collect(self) -> Iterable[Metric]:
         engine = self.engine
@@ -434,6 +437,11 @@ class _EngineCollector:
         yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", counters.prompt_tokens)
         yield counter("vllm:generation_tokens", "Generated tokens.", counters.generation_tokens)
         yield counter("vllm:request_success", "Requests finished.", counters.finished_requests)
+        yield GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the engine since the Unix epoch.",
+            value=self.started_at,
+        )
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "KV cache configuration.",

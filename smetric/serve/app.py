@@ -323,6 +323,9 @@ class Router:
             report = parse_vllm_metrics(text, time.monotonic())
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return
+        if engine.restarted(report):
+            engine.forget()
+            log.warning(json.dumps({"event": "engine_restarted", "engine": engine.url}))
         if engine.adopt(report, self.settings.block_size):
             log.info(
                 json.dumps(

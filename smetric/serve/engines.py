@@ -78,6 +78,11 @@ class Engine:
             return float(self.inflight)
         return max(float(self.inflight), report.queued)
 
+    def restarted(self, report: EngineReport) -> bool:
+        """The engine process changed since the previous scrape (its start time did)."""
+        before = None if self.report is None else self.report.started_at
+        return before is not None and report.started_at not in (None, before)
+
     def adopt(self, report: EngineReport, block_size: int) -> bool:
         """Take a scrape; size the prefix index to the engine's real KV pool once known.
 

@@ -4,7 +4,10 @@ The router's own in-flight count is exact for the traffic it sent, but several r
 replicas, or clients that bypass the router, load engines too. A recent scrape of
 ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` covers that; a stale one is
 ignored rather than trusted. ``vllm:cache_config_info`` gives the engine's real KV pool,
-which bounds the router's prefix index better than a configured guess.
+which bounds the router's prefix index better than a configured guess. A change of
+``process_start_time_seconds`` (Prometheus' process collector, which a single vLLM API
+server exposes) means the engine restarted between two scrapes, perhaps faster than the
+health checks could notice, so its cache is gone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class EngineReport:
     kv_usage: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    # Unix time the engine's process started, when it says.
+    started_at: float | None = None
 
     @property
     def queued(self) -> float | None:
@@ -49,6 +54,7 @@ def parse_vllm_metrics(text: str, at: float) -> EngineReport:
         kv_usage=values.get("vllm:kv_cache_usage_perc"),
         num_gpu_blocks=blocks,
         block_size=block_size,
+        started_at=values.get("process_start_time_seconds"),
     )
 
 
