@@ -504,17 +504,27 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
             async def warm_up(attempt: int) -> None:
                 await chat(client, url, [{"role": "user", "content": f"warm-up {attempt} " * 9}])
 
+            publisher = engine_server.app[KV_EVENTS]
+
+            async def applied_since(heard: int) -> None:
+                """A new batch arrived, and every batch published so far is applied."""
+                await eventually(
+                    lambda: (
+                        subscriber.counters.batches > heard
+                        and subscriber.tracker.last == publisher.seq - 1
+                    )
+                )
+
             await until_heard(warm_up, lambda: subscriber.counters.batches > 0)
             heard = subscriber.counters.batches
             await chat(client, url, conversation(5, 0))
-            for _ in range(250):
-                if subscriber.counters.batches > heard:
-                    break
-                await asyncio.sleep(0.02)
+            await applied_since(heard)
+            heard = subscriber.counters.batches
             payload = {"model": "m", "messages": conversation(5, 1), "max_tokens": 4}
             async with client.post(url + "/v1/chat/completions", json=payload) as response:
                 data = await response.json()
                 header = int(response.headers["x-smetric-predicted-hit-tokens"])
+            await applied_since(heard)  # so that the view's size below is final
             async with client.get(url + "/metrics") as response:
                 text = await response.text()
             cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
