@@ -28,7 +28,7 @@ from router_overhead import LOCALHOST, free_port, processes
 from router_vs_sglang import Outcome, measure, report, routes_chat
 
 from smetric.replay import Replayer, ReplayOptions
-from smetric.testing.engines import BLOCK_SIZE, VLLMInstall, VLLMServer, find_vllm
+from smetric.testing.engines import BLOCK_SIZE, VLLMInstall, find_vllm, vllm_instances
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
 from smetric.trace.schema import Trace
 
@@ -38,18 +38,7 @@ POLICIES = ("smetric", "least_load", "cache_aware")
 async def run_one(
     policy: str, args: argparse.Namespace, trace: Trace, install: VLLMInstall, scratch: Path
 ) -> tuple[Outcome, Replayer]:
-    servers = [
-        VLLMServer(
-            free_port(),
-            scratch,
-            install=install,
-            events_port=free_port(),
-            replay_port=free_port(),
-            topic=f"kv-{i}",
-            core=i,
-        )
-        for i in range(2)
-    ]
+    servers = vllm_instances(install, scratch)
     config = scratch / f"engines-{policy}.yaml"
     config.write_text("engines:\n" + "".join(s.engines_yaml_entry() for s in servers))
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,14 @@ from typing import Any, TypeVar
 
 import pytest
 
-from smetric.testing.engines import MODEL_NAME, EngineProcess, http_get, metric, run_setup
+from smetric.testing.engines import (
+    MODEL_NAME,
+    EngineProcess,
+    free_port,
+    http_get,
+    metric,
+    run_setup,
+)
 
 T = TypeVar("T")
 
@@ -50,12 +56,6 @@ def find_or_install(find: Callable[[], T | None], script: str, what: str, cost: 
             "in ~/.cache/smetric/engines), or set SMETRIC_REAL_ENGINES=install"
         )
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
@@ -90,6 +90,14 @@ class Cluster:
                     return
             time.sleep(0.2)
         raise AssertionError(f"router never saw {engine.url} healthy={healthy}")
+
+    def restart(self, engine: EngineProcess) -> None:
+        """Stop the engine until the router ejects it, then start it until readmitted."""
+        engine.stop()
+        self.wait_router_sees(engine, healthy=False)
+        engine.start()
+        engine.wait_ready()
+        self.wait_router_sees(engine, healthy=True)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ source by ``scripts/real_engines/setup_llama_cpp.sh`` (see ``real_engines.find_o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -20,12 +19,11 @@ from real_engines import (
     Session,
     counter_by_engine,
     find_or_install,
-    free_port,
     running_cluster,
     session_on,
 )
 
-from smetric.testing.engines import LlamaCppServer, find_llama_cpp, metric
+from smetric.testing.engines import find_llama_cpp, llama_cpp_instances, metric
 
 pytestmark = pytest.mark.real_engine
 
@@ -38,10 +36,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         find_llama_cpp, "setup_llama_cpp.sh", "llama.cpp's server", "about 11 minutes to build"
     )
     scratch = tmp_path_factory.mktemp("llama-cpp")
-    cores = os.cpu_count() or 1
-    engines = [
-        LlamaCppServer(free_port(), scratch, install=install, core=i % cores) for i in range(2)
-    ]
+    engines = llama_cpp_instances(install, scratch)
     with running_cluster(engines, scratch, [a for e in engines for a in ("-e", e.url)]) as made:
         yield made
 
@@ -71,11 +66,7 @@ def test_a_restarted_engine_is_forgotten(cluster) -> None:
     session = session_on(cluster, restarted, "epsilon")
     assert session.turn(cluster).cached > 0
 
-    restarted.stop()
-    cluster.wait_router_sees(restarted, healthy=False)
-    restarted.start()
-    restarted.wait_ready()
-    cluster.wait_router_sees(restarted, healthy=True)
+    cluster.restart(restarted)
 
     # The approximate view cannot hear the restart; the health check did, and dropped it.
     text = cluster.router_metrics()

@@ -9,7 +9,6 @@ tokens a second on one core), so they share one cluster per module. vLLM is inst
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -18,12 +17,11 @@ from real_engines import (
     Session,
     counter_by_engine,
     find_or_install,
-    free_port,
     running_cluster,
     session_on,
 )
 
-from smetric.testing.engines import BLOCK_SIZE, VLLMServer, find_vllm, metric
+from smetric.testing.engines import BLOCK_SIZE, find_vllm, metric, vllm_instances
 
 pytestmark = pytest.mark.real_engine
 
@@ -32,19 +30,7 @@ pytestmark = pytest.mark.real_engine
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     install = find_or_install(find_vllm, "setup_vllm.sh", "vLLM (CPU build)", "about 7 minutes")
     scratch = tmp_path_factory.mktemp("vllm")
-    cores = os.cpu_count() or 1
-    engines = [
-        VLLMServer(
-            free_port(),
-            scratch,
-            install=install,
-            events_port=free_port(),
-            replay_port=free_port(),
-            topic=f"kv-{i}",
-            core=i % cores,
-        )
-        for i in range(2)
-    ]
+    engines = vllm_instances(install, scratch)
     config = scratch / "engines.yaml"
     config.write_text("engines:\n" + "".join(e.engines_yaml_entry() for e in engines))
     router_args = ["--config", str(config), "--block-size", str(BLOCK_SIZE)]
@@ -99,11 +85,7 @@ def test_after_an_instance_restarts_the_router_s_view_of_it_is_rebuilt(cluster) 
         cluster.router_metrics(), "smetric_kv_events_total", engine=restarted.url, kind="restarts"
     )
 
-    restarted.stop()
-    cluster.wait_router_sees(restarted, healthy=False)
-    restarted.start()
-    restarted.wait_ready()
-    cluster.wait_router_sees(restarted, healthy=True)
+    cluster.restart(restarted)
 
     # The new process holds nothing, and neither does the router's view of it: the session
     # is placed afresh (wherever its shared system prompt is), predicted as it hits.

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -68,6 +69,13 @@ def run_setup(script: str) -> None:
     done = subprocess.run([str(SCRIPTS / script)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{SCRIPTS / script} failed:\n{done.stderr[-3000:]}")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -271,3 +279,30 @@ class LlamaCppServer(EngineProcess):
             "--alias",
             MODEL_NAME,
         ]
+
+
+def vllm_instances(install: VLLMInstall, scratch: Path, count: int = 2) -> list[VLLMServer]:
+    """``count`` vLLM instances on free loopback ports, each on a core of its own while
+    there are cores, each publishing KV events under its own topic."""
+    cores = os.cpu_count() or 1
+    return [
+        VLLMServer(
+            free_port(),
+            scratch,
+            install=install,
+            events_port=free_port(),
+            replay_port=free_port(),
+            topic=f"kv-{i}",
+            core=i % cores,
+        )
+        for i in range(count)
+    ]
+
+
+def llama_cpp_instances(
+    install: LlamaCppInstall, scratch: Path, count: int = 2
+) -> list[LlamaCppServer]:
+    cores = os.cpu_count() or 1
+    return [
+        LlamaCppServer(free_port(), scratch, install=install, core=i % cores) for i in range(count)
+    ]
