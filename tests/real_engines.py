@@ -140,6 +140,7 @@ class Reply:
     cached: int
     prompt_tokens: int
     text: str
+    turn: int = 0
 
 
 def chat(cluster: Cluster, messages: list[dict[str, str]]) -> Reply:
@@ -175,7 +176,7 @@ class Session:
 
     def turn(self, cluster: Cluster) -> Reply:
         reply = chat(cluster, self.messages)
-        n = len(self.replies)
+        n = reply.turn = len(self.replies)
         self.messages += [
             {"role": "assistant", "content": reply.text},
             {"role": "user", "content": f"Tool output {n}: 3 passed, 1 failed in step {n}. " * 4},
@@ -195,3 +196,29 @@ def session_on(cluster: Cluster, engine: EngineProcess, name: str) -> Session:
 
 def counter_by_engine(cluster: Cluster, name: str) -> dict[str, float]:
     return {e.url: metric(e.metrics(), name) for e in cluster.engines}
+
+
+def sticky_sessions(cluster: Cluster, min_hit: Callable[[Reply], int]) -> list[Reply]:
+    """Four sessions of three turns: their first turns must spread two per instance (the
+    router balances them), and every follow-up must go back to its session's instance and
+    find at least ``min_hit(previous reply)`` tokens cached there. Returns every reply."""
+    sessions = [Session(name) for name in ("alpha", "beta", "gamma", "delta")]
+    homes = [s.turn(cluster).engine for s in sessions]
+    assert sorted(homes.count(e.url) for e in cluster.engines) == [2, 2], homes
+    for _ in range(2):
+        for session, home in zip(sessions, homes, strict=True):
+            reply = session.turn(cluster)
+            assert reply.engine == home, f"follow-up left its cache: {reply}"
+            assert reply.cached >= min_hit(session.replies[-2]), reply
+    return [r for s in sessions for r in s.replies]
+
+
+def assert_counted_where_routed(
+    cluster: Cluster, counter: str, before: dict[str, float], replies: list[Reply]
+) -> None:
+    """The engines' own cached-token counter grew, per instance, by exactly the cached
+    tokens of the replies the router sent there."""
+    after = counter_by_engine(cluster, counter)
+    for engine in cluster.engines:
+        served = sum(r.cached for r in replies if r.engine == engine.url)
+        assert after[engine.url] - before[engine.url] == served > 0, engine.url

@@ -16,11 +16,12 @@ from collections.abc import Iterator
 import pytest
 from real_engines import (
     Cluster,
-    Session,
+    assert_counted_where_routed,
     counter_by_engine,
     find_or_install,
     running_cluster,
     session_on,
+    sticky_sessions,
 )
 
 from smetric.testing.engines import find_llama_cpp, llama_cpp_instances, metric
@@ -43,22 +44,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def test_follow_ups_stick_and_hit_on_the_approximate_view(cluster) -> None:
     before = counter_by_engine(cluster, CACHED_COUNTER)
-    sessions = [Session(name) for name in ("alpha", "beta", "gamma", "delta")]
-    homes = [s.turn(cluster).engine for s in sessions]
-    assert sorted(homes.count(e.url) for e in cluster.engines) == [2, 2], homes
-    for _ in range(2):
-        for session, home in zip(sessions, homes, strict=True):
-            reply = session.turn(cluster)
-            assert reply.engine == home, f"follow-up left its cache: {reply}"
-            assert reply.predicted > 0  # the router remembers what it sent there
-            # llama.cpp reused the session's KV: most of the previous prompt, at least.
-            assert reply.cached >= session.replies[-2].prompt_tokens // 2, reply
-
-    replies = [r for s in sessions for r in s.replies]
-    after = counter_by_engine(cluster, CACHED_COUNTER)
-    for engine in cluster.engines:
-        served = sum(r.cached for r in replies if r.engine == engine.url)
-        assert after[engine.url] - before[engine.url] == served > 0
+    # llama.cpp reuses the session's KV: at least half of the previous prompt.
+    replies = sticky_sessions(cluster, lambda last: last.prompt_tokens // 2)
+    # The router remembers what it sent where, so it expects every follow-up's hit.
+    assert all(r.predicted > 0 for r in replies if r.turn > 0)
+    assert_counted_where_routed(cluster, CACHED_COUNTER, before, replies)
 
 
 def test_a_restarted_engine_is_forgotten(cluster) -> None:

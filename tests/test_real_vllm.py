@@ -14,11 +14,12 @@ from collections.abc import Iterator
 import pytest
 from real_engines import (
     Cluster,
-    Session,
+    assert_counted_where_routed,
     counter_by_engine,
     find_or_install,
     running_cluster,
     session_on,
+    sticky_sessions,
 )
 
 from smetric.testing.engines import BLOCK_SIZE, find_vllm, metric, vllm_instances
@@ -39,36 +40,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield made
 
 
-def hits_by_engine(cluster: Cluster) -> dict[str, float]:
-    return counter_by_engine(cluster, "vllm:prefix_cache_hits_total")
+HITS = "vllm:prefix_cache_hits_total"
 
 
 def test_follow_ups_hit_where_routed_and_the_router_predicts_vllm_s_hits(cluster) -> None:
-    before = hits_by_engine(cluster)
-    sessions = [Session(name) for name in ("alpha", "beta", "gamma", "delta")]
-    homes = [s.turn(cluster).engine for s in sessions]
-    # First turns go for balance: two sessions on each instance.
-    assert sorted(homes.count(e.url) for e in cluster.engines) == [2, 2], homes
-    for _ in range(2):
-        for session, home in zip(sessions, homes, strict=True):
-            reply = session.turn(cluster)
-            assert reply.engine == home, f"follow-up left its cache: {reply}"
-            # The previous prompt's whole blocks, at least, were cached on vLLM.
-            assert reply.cached >= (session.replies[-2].prompt_tokens // BLOCK_SIZE) * BLOCK_SIZE
-
-    replies = [r for s in sessions for r in s.replies]
+    before = counter_by_engine(cluster, HITS)
+    # Follow-ups find at least the previous prompt's whole blocks cached.
+    replies = sticky_sessions(cluster, lambda last: last.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE)
     # The router's prediction (its view built from vLLM's BlockStored events) is what vLLM
     # reports as cached, request by request. First turns share the system prompt, so they
     # hit too, on the instance that served an earlier first turn.
     assert [r.predicted for r in replies] == [r.cached for r in replies]
-    assert sum(s.replies[0].cached for s in sessions) > 0
-
-    # vLLM's own counters agree: each instance's prefix-cache hits are the cached tokens
-    # of the requests the router sent there.
-    after = hits_by_engine(cluster)
-    for engine in cluster.engines:
-        served_hits = sum(r.cached for r in replies if r.engine == engine.url)
-        assert after[engine.url] - before[engine.url] == served_hits > 0
+    assert sum(r.cached for r in replies if r.turn == 0) > 0
+    # vLLM's own counters agree with what it said per request, instance by instance.
+    assert_counted_where_routed(cluster, HITS, before, replies)
 
     text = cluster.router_metrics()
     for engine in cluster.engines:
