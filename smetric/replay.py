@@ -154,6 +154,13 @@ class Replayer:
             raise ValueError("time and token scales must be > 0")
         self.options = options
         self.base = options.url.rstrip("/")
+        if options.arrivals not in ("closed-loop", "recorded"):
+            raise ValueError(f"arrivals must be 'closed-loop' or 'recorded': {options.arrivals!r}")
+        if options.arrivals == "closed-loop" and options.sample != 1.0:
+            raise ValueError(
+                "--sample scales recorded arrivals (--arrivals recorded); "
+                "closed-loop load is set by --rate"
+            )
         horizon = options.duration_s * options.time_scale
         self.issuer: ClosedLoopIssuer | None = None
         if options.arrivals == "recorded":
@@ -162,25 +169,17 @@ class Replayer:
                 self.workload = replay_arrivals(sampled, limit_s=horizon)
             except ValueError as exc:
                 raise ReplayError(str(exc)) from exc
-        elif options.sample != 1.0:
-            raise ValueError(
-                "--sample scales recorded arrivals (--arrivals recorded); "
-                "closed-loop load is set by --rate"
-            )
-        elif options.arrivals == "closed-loop":
+        else:
             self.workload = compose_sessions(
                 trace, rate=options.rate / options.time_scale, duration_s=horizon, seed=options.seed
             )
             self.issuer = ClosedLoopIssuer(self.workload)
-        else:
-            raise ValueError(
-                f"arrivals must be 'closed-loop' or 'recorded', not {options.arrivals!r}"
-            )
         columns = ("session_id", "parent_id", "input_tokens", "output_tokens", "turn")
         self.rows = self.workload.requests.select(*columns).rows()
-        self.messages: dict[int, list[dict[str, str]]] = {}
-        # What each request sent, for open-loop follow-ups whose parent has not answered.
+        # What each request sent, and the endpoint's answer once it has one: a follow-up's
+        # history is its parent's messages plus that answer.
         self.sent: dict[int, list[dict[str, str]]] = {}
+        self.answers: dict[int, str] = {}
         self.records: dict[int, Measured] = {}
         self.engines: dict[str, int] = {}
         self.progress = Progress()
@@ -249,11 +248,13 @@ class Replayer:
 
     def _conversation(self, rid: int) -> list[dict[str, str]]:
         session, parent, tokens, _, turn = self.rows[rid]
-        history = None if parent is None else self.messages.get(parent)
-        if history is None and parent in self.sent:
-            # Open loop, the parent still running (or failed): an agent would have waited,
-            # a recorded arrival does not, so its answer is stood in for, at its length.
-            answer = filler(f"{session}/{parent}/answer", self._output(parent))
+        history = None
+        if parent in self.sent:
+            answer = self.answers.get(parent)
+            if answer is None:
+                # Open loop, the parent still running (or failed): an agent would have
+                # waited, a recorded arrival does not, so a stand-in of its length answers.
+                answer = filler(f"{session}/{parent}/answer", self._output(parent))
             history = [*self.sent[parent], {"role": "assistant", "content": answer}]
         return next_conversation(session, turn, tokens, history, self.options.token_scale)
 
@@ -293,7 +294,7 @@ class Replayer:
                 self.progress.failed += 1
                 return
         self.progress.completed += 1
-        self.messages[rid] = [*messages, {"role": "assistant", "content": answer}]
+        self.answers[rid] = answer
         if self.issuer is None:
             return  # open loop: every request is already scheduled at its arrival
         now_trace = record.finished_s * self.options.time_scale

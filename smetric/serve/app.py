@@ -360,8 +360,6 @@ class Router:
         for engine in self.engines:
             self.metrics.inflight.labels(engine.url).set(engine.inflight)
             self.metrics.view_blocks.labels(engine.url).set(engine.view_blocks())
-        for url, subscriber in self.subscribers.items():
-            self.metrics.exact.labels(url).set(1 if subscriber.exact else 0)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

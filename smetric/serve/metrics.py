@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from smetric.serve.kv_subscriber import KVEventSubscriber, SubscriberCounters
@@ -25,12 +25,6 @@ class RouterMetrics:
         self.healthy = Gauge(
             "smetric_engine_healthy",
             "1 while the engine passes health checks.",
-            ["engine"],
-            registry=self.registry,
-        )
-        self.exact = Gauge(
-            "smetric_engine_kv_view_exact",
-            "1 while the engine's KV-event view is exact, 0 when degraded (missed events).",
             ["engine"],
             registry=self.registry,
         )
@@ -80,17 +74,26 @@ class RouterMetrics:
 
 
 class SubscriberCollector(Collector):
-    """Exports each KV-event subscriber's running totals, read at scrape time.
+    """Exports each KV-event subscriber's state, read at scrape time.
 
-    The subscriber keeps plain integers (it is tested without Prometheus); this turns them
-    into one counter family, ``smetric_kv_events_total{engine, kind}``, so gaps, restarts
-    and unrecovered holes are visible beside the ``exact`` gauge.
+    The subscriber keeps plain values (it is tested without Prometheus); this turns them
+    into ``smetric_engine_kv_view_exact{engine}`` and one counter family,
+    ``smetric_kv_events_total{engine, kind}``, so gaps, restarts and unrecovered holes are
+    visible beside whether the view is still exact.
     """
 
     def __init__(self, subscribers: Mapping[str, KVEventSubscriber]) -> None:
         self.subscribers = subscribers
 
     def collect(self) -> Iterator[Metric]:
+        exact = GaugeMetricFamily(
+            "smetric_engine_kv_view_exact",
+            "1 while the engine's KV-event view is exact, 0 when degraded (missed events).",
+            labels=["engine"],
+        )
+        for url, subscriber in self.subscribers.items():
+            exact.add_metric([url], 1.0 if subscriber.exact else 0.0)
+        yield exact
         family = CounterMetricFamily(
             "smetric_kv_events",
             "KV-event stream totals per engine: batches, events, gaps, restarts, replayed, "
