@@ -4,7 +4,9 @@
 # Why a venv of its own: vLLM pins torch and transformers versions the project does not
 # need, and weighs about 3.4 GB; the tests only talk to it over HTTP and ZMQ, so it stays
 # outside the project's venv and outside the repository. Re-running is cheap: every step
-# is skipped when its result is already there (a stamp file marks a finished step).
+# is skipped when its result is already there (a stamp file marks a finished step). The
+# install counts as done (.verified) only once the model served one completion through
+# vLLM's API server (smoke_check.py), so a broken install fails here, not in the tests.
 #
 # Prints the two paths the tests need, as shell assignments:
 #   SMETRIC_VLLM_PYTHON=<python of the vLLM venv>
@@ -43,6 +45,16 @@ if [[ ! -f "$MODEL/.converted" ]]; then
     rm -rf "$MODEL"
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/python" "$HERE/convert_smollm2.py" "$MODEL" >&2
     touch "$MODEL/.converted"
+    rm -f "$VENV/.verified"
+fi
+if [[ ! -f "$VENV/.verified" ]]; then
+    echo "setup_vllm: smoke check (one completion from vLLM's API server, about 2 minutes)" >&2
+    if ! "$PYTHON" "$HERE/smoke_check.py" vllm "$VENV/bin/python" "$MODEL"; then
+        echo "setup_vllm: vLLM in $VENV cannot serve $MODEL on this machine (log above);" \
+            "the install is not marked done" >&2
+        exit 1
+    fi
+    touch "$VENV/.verified"
 fi
 echo "SMETRIC_VLLM_PYTHON=$VENV/bin/python"
 echo "SMETRIC_VLLM_MODEL=$MODEL"

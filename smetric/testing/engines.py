@@ -21,8 +21,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "real_engines"
 MODEL_NAME = "smollm2"
 BLOCK_SIZE = 32  # vLLM's CPU attention backend needs a multiple of 32
@@ -42,11 +40,16 @@ def cache_root() -> Path:
     return base / "smetric" / "engines"
 
 
+# Stamp files the setup scripts leave once an install has served a completion; a build or
+# install that never passed that smoke check is not taken for a finished one.
+VERIFIED = ".verified"
+
+
 def find_vllm() -> VLLMInstall | None:
-    """The finished install, or None (each step leaves a stamp file when it completes)."""
+    """The finished, smoke-checked install, or None."""
     root = cache_root()
     venv, model = root / "vllm-venv", root / "smollm2-135m-instruct"
-    if (venv / ".installed").exists() and (model / ".converted").exists():
+    if (venv / VERIFIED).exists() and (model / ".converted").exists():
         return VLLMInstall(venv / "bin" / "python", model)
     return None
 
@@ -58,9 +61,12 @@ class LlamaCppInstall:
 
 
 def find_llama_cpp() -> LlamaCppInstall | None:
+    """The finished, smoke-checked build, or None."""
     folder = cache_root() / "llama-cpp"
     server, model = folder / "llama-server", folder / "smollm2.gguf"
-    return LlamaCppInstall(server, model) if server.exists() and model.exists() else None
+    if (folder / VERIFIED).exists() and server.exists() and model.exists():
+        return LlamaCppInstall(server, model)
+    return None
 
 
 def run_setup(script: str) -> None:
@@ -92,6 +98,10 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of the samples of ``name`` (as exposed, ``_total`` included) whose labels
     include ``labels``, from Prometheus text; AssertionError when there is none."""
+    # Imported here so that the setup scripts' smoke check runs this module on a bare
+    # Python, before the project's venv exists.
+    from prometheus_client.parser import text_string_to_metric_families
+
     values = [
         sample.value
         for family in text_string_to_metric_families(text)
