@@ -21,7 +21,13 @@ from smetric.cli.app import (
 )
 from smetric.core.policy import POLICY_NAMES, make_policy
 from smetric.report.runs import run_file_name
-from smetric.sim.config import SimConfig, dump_yaml, load_yaml, parse_global_capacity
+from smetric.sim.config import (
+    SimConfig,
+    check_kv_load,
+    dump_yaml,
+    load_yaml,
+    parse_global_capacity,
+)
 from smetric.sim.parallel import Job, default_jobs, run_jobs
 from smetric.sim.run import RunResult
 
@@ -83,7 +89,26 @@ GlobalOpt = Annotated[
     ),
 ]
 BandwidthOpt = Annotated[
-    float | None, _opt("Each instance's link to the global tier, GB/s.", CLUSTER, min=0.001)
+    float | None,
+    _opt(
+        "Effective bandwidth of one RDMA NIC, GB/s [default: 21.7, 200 Gbps].", CLUSTER, min=0.001
+    ),
+]
+NicsOpt = Annotated[
+    int | None,
+    _opt(
+        "RDMA NICs per server, shared by its GPUs' global-tier traffic [default: 4].",
+        CLUSTER,
+        min=1,
+    ),
+]
+KvLoadOpt = Annotated[
+    str | None,
+    _opt(
+        "Global-tier loads: sync (before the forward pass, stretching the step; LMCache's "
+        "default) or async (the request waits, the batch runs on).",
+        CLUSTER,
+    ),
 ]
 RateOpt = Annotated[float | None, _opt("Session starts per second.", WORKLOAD, min=1e-6)]
 DurationOpt = Annotated[
@@ -132,7 +157,9 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
         "max_num_seqs": "max_num_seqs",
         "max_batched_tokens": "max_num_batched_tokens",
         "global_capacity": "global_capacity",
-        "global_bandwidth": "global_bandwidth_gb_s",
+        "nic_bandwidth": "nic_gb_s",
+        "nics_per_server": "nics_per_server",
+        "kv_load": "kv_load",
     }
     workload_keys = {
         "rate": "session_rate",
@@ -159,6 +186,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
     for spec in config.policies:
         make_policy(spec)  # fails early, with the valid names, on a typo
     parse_global_capacity(config.cluster.global_capacity)
+    check_kv_load(config.cluster.kv_load)
     return config
 
 
@@ -262,7 +290,9 @@ def simulate(
     max_num_seqs: MaxSeqsOpt = None,
     max_batched_tokens: BatchTokensOpt = None,
     global_capacity: GlobalOpt = None,
-    global_bandwidth: BandwidthOpt = None,
+    nic_bandwidth: BandwidthOpt = None,
+    nics_per_server: NicsOpt = None,
+    kv_load: KvLoadOpt = None,
     rate: RateOpt = None,
     duration: DurationOpt = None,
     open_loop: OpenLoopOpt = None,
