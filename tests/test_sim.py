@@ -129,7 +129,7 @@ def test_a_request_whose_local_prefix_is_evicted_while_queued_loads_it_globally(
     drive(inst)
     assert inst.pool.cache.match(np.array(blocks)) == 4
     assert inst.global_tier.match(np.array(blocks)) == 4
-    late = request(1, blocks + [9], prompt=80, output=1)
+    late = request(1, [*blocks, 9], prompt=80, output=1)
     inst.enqueue(late, 10.0)
     inst.pool.cache.evict(4)  # evicted while it waits
     assert drive(inst, 10.0) == [(1, pytest.approx(11.064))]
