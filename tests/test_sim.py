@@ -276,7 +276,7 @@ def test_sticky_policy_keeps_sessions_home_and_least_load_spreads_them() -> None
     config = small_config(3, 4096, "full", 0).override("workload", duration_s=3.0)
     sticky = simulate(trace, config, "smetric").summary
     spread = simulate(trace, config, "round_robin").summary
-    assert sticky["stickiness"] > 0.9
+    assert min(sticky["stickiness"].values()) > 0.9
     assert sticky["reuse"]["local"] > spread["reuse"]["local"]
     assert spread["reuse"]["global"] > sticky["reuse"]["global"]
 

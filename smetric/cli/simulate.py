@@ -214,7 +214,7 @@ def results_table(title: str, summaries: dict[str, dict]) -> Table:
         "TPOT ms\np50/p90",
         "hit %\nL/G",
         "imba-\nlance",
-        "sticky",
+        "sticky %\nagent/turn",
     )
     for header in headers:
         table.add_column(header, justify="right", min_width=8 if "TTFT" in header else None)
@@ -231,7 +231,7 @@ def results_table(title: str, summaries: dict[str, dict]) -> Table:
             f"{_num(tpot['p50'], 1000, 0)}/{_num(tpot['p90'], 1000, 0)}",
             f"{reuse['local'] * 100:.0f}/{reuse['global'] * 100:.0f}",
             f"{s['imbalance']['mean']:.2f}x",
-            "-" if sticky is None else f"{sticky:.0%}",
+            f"{_pct(sticky['agent'])}/{_pct(sticky['turn'])}",
         )
     return table
 
@@ -248,6 +248,10 @@ def branches_table(summaries: dict[str, dict]) -> Table:
             parts = (f"{name} {n / total:.0%}" for name, n in sorted(counts.items()))
             table.add_row(policy, " · ".join(parts))
     return table
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:.0f}"
 
 
 def _num(value: float | None, scale: float = 1.0, digits: int = 1) -> str:

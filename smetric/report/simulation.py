@@ -271,9 +271,10 @@ def _latency_figure(
 
 
 def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
-    """Figure 12: whether a policy keeps a session's follow-ups on its first instance."""
+    """Figure 12: whether a policy keeps a conversation's follow-ups on its first instance
+    (per agent: a sub-agent is a conversation of its own)."""
     policies = list(summaries)
-    shares = [summaries[p]["stickiness"] for p in policies]
+    shares = [summaries[p]["stickiness"]["agent"] for p in policies]
     fig = new_figure(8, _rows_height(len(policies)))
     ax = fig.add_subplot()
     bars = ax.barh(

@@ -52,6 +52,9 @@ class SimRequest:
     est_hit: int
     block_size: int
     arrival: float = 0.0
+    # The conversation (session's agent or sub-agent) and the previous turn's request id.
+    agent: str = ""
+    parent: int = -1
     instance: int = -1
     branch: str = ""
     rejected: bool = False

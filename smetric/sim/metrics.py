@@ -28,7 +28,9 @@ def request_table(requests: list[SimRequest], horizon_s: float) -> pl.DataFrame:
         {
             "request_id": [r.rid for r in issued],
             "session_id": [r.session for r in issued],
+            "agent_id": [r.agent for r in issued],
             "turn": [r.turn for r in issued],
+            "parent_id": [r.parent for r in issued],
             "instance": [r.instance for r in issued],
             "branch": [r.branch for r in issued],
             "rejected": [r.rejected for r in issued],
@@ -71,14 +73,41 @@ def _percentiles(values: np.ndarray) -> dict[str, float | None]:
     return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
 
 
-def stickiness(table: pl.DataFrame) -> float | None:
-    """Share of follow-ups served by the instance that served their session's first request."""
+def stickiness(table: pl.DataFrame) -> dict[str, float | None]:
+    """Share of follow-ups (turn > 0) served where a reference request was, three ways.
+
+    - ``session``: the instance of the session's first request. A sub-agent starts a
+      conversation of its own, so even a perfectly sticky policy scores below 1 here.
+    - ``agent``: the instance of the first request of the follow-up's own conversation
+      (the session's agent or sub-agent).
+    - ``turn``: the instance of the previous turn of the same conversation (the parent).
+
+    None where there are no follow-ups, or the table lacks the columns (a live replay
+    records no agents or parents).
+    """
     routed = table.filter(pl.col("instance") >= 0).sort("request_id")
-    first = routed.group_by("session_id").agg(pl.col("instance").first().alias("home"))
-    follow = routed.filter(pl.col("turn") > 0).join(first, on="session_id")
-    if follow.height == 0:
-        return None
-    return float((follow["instance"] == follow["home"]).mean())
+    follow = routed.filter(pl.col("turn") > 0)
+
+    def share(keys: list[str], home: pl.DataFrame, on: list[str]) -> float | None:
+        joined = follow.select(*keys, "instance").join(home, on=on)
+        if joined.height == 0:
+            return None
+        return float((joined["instance"] == joined["home"]).mean())
+
+    def first_of(keys: list[str]) -> pl.DataFrame:
+        return routed.group_by(keys).agg(pl.col("instance").first().alias("home"))
+
+    out: dict[str, float | None] = {
+        "session": share(["session_id"], first_of(["session_id"]), ["session_id"])
+    }
+    if "agent_id" in routed.columns and "parent_id" in routed.columns:
+        agents = ["session_id", "agent_id"]
+        out["agent"] = share(agents, first_of(agents), agents)
+        parents = routed.select(pl.col("request_id").alias("parent_id"), home="instance")
+        out["turn"] = share(["parent_id"], parents, ["parent_id"])
+    else:
+        out["agent"] = out["turn"] = None
+    return out
 
 
 def load_over_time(
