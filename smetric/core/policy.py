@@ -42,6 +42,10 @@ class ClusterView:
     load: Sequence[float]
     # Queued unprefilled prompt tokens (Dynamo's rule); may be the same sequence as load.
     prefill_tokens: Sequence[float]
+    # Prompt tokens of the requests in flight; None where the driver does not count them.
+    token_load: Sequence[float] | None = None
+    # How much of this request's prefix the global tier holds, in tokens; None: unknown.
+    global_hit_tokens: int | None = None
 
 
 class Decision(NamedTuple):
@@ -72,6 +76,7 @@ POLICY_NAMES: tuple[str, ...] = (
     "round_robin",
     "session_hash",
     "cache_aware",
+    "smetric_tokens",
 )
 
 

@@ -186,6 +186,8 @@ class Simulation:
             hit_tokens=hits,
             load=[float(i.inflight) for i in self.instances],
             prefill_tokens=[float(i.unprefilled) for i in self.instances],
+            token_load=[float(i.inflight_tokens) for i in self.instances],
+            global_hit_tokens=min(self.global_tier.match(req.blocks) * bs, req.prompt),
         )
 
     def kick(self, instance: Instance, now: float) -> None:

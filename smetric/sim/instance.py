@@ -108,8 +108,10 @@ class Instance:
     step_index: int = 0
     finish_heap: list[tuple[int, int, int, SimRequest]] = field(default_factory=list)
     block_heap: list[tuple[int, int, int, SimRequest]] = field(default_factory=list)
-    # Load as the router sees it: requests in flight, and prompt tokens not yet prefilled.
+    # Load as the router sees it: requests in flight, their prompt tokens, and prompt
+    # tokens not yet prefilled.
     inflight: int = 0
+    inflight_tokens: int = 0
     unprefilled: int = 0
     busy: bool = False
     busy_time: float = 0.0
@@ -132,6 +134,7 @@ class Instance:
         self._set_pending(req, req.prompt - known * req.block_size)
         self.waiting.append(req)
         self.inflight += 1
+        self.inflight_tokens += req.prompt
 
     def _set_pending(self, req: SimRequest, tokens: int) -> None:
         self.unprefilled += tokens - req.pending
@@ -360,6 +363,7 @@ class Instance:
         self._release(req, now)
         req.finished_at = now
         self.inflight -= 1
+        self.inflight_tokens -= req.prompt
 
     def _release(self, req: SimRequest, now: float) -> None:
         del self.running[req.rid]
