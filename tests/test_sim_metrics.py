@@ -106,3 +106,13 @@ def test_imbalance_windows() -> None:
     mean = (heat[0][0] + heat[1][0]) / 2
     assert summary["imbalance"]["series"][0] == pytest.approx(heat[0][0] / mean)
     assert not math.isnan(summary["imbalance"]["mean"])
+
+
+def test_warm_up_leaves_early_arrivals_and_their_time_out() -> None:
+    summary = summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0, warmup_s=1.0)
+    # Arrivals at 0 are left out: of a1 (missed) and b1 (met), b1's 2001 tokens over 9 s.
+    assert summary["tps_within_slo"] == pytest.approx(2001 / 9)
+    assert summary["requests"]["completed"] == 2
+    assert summary["requests"]["unfinished"] == 1
+    with pytest.raises(ValueError, match="warm-up"):
+        summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0, warmup_s=10.0)

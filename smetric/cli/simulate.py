@@ -132,6 +132,14 @@ SampleOpt = Annotated[
     ),
 ]
 SpeedOpt = Annotated[float | None, _opt("Open-loop replay speed-up.", WORKLOAD, min=1e-6)]
+WarmupOpt = Annotated[
+    float | None,
+    _opt(
+        "Seconds at the start left out of throughput and latency (sessions still ramping).",
+        WORKLOAD,
+        min=0.0,
+    ),
+]
 SeedOpt = Annotated[int | None, _opt("Seed for session starts and picks.", WORKLOAD)]
 TtftBaseOpt = Annotated[float | None, _opt("TTFT SLO constant, seconds.", SLO, min=0.0)]
 TtftPerTokenOpt = Annotated[float | None, _opt("TTFT SLO seconds per input token.", SLO, min=0.0)]
@@ -179,6 +187,13 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
     config = config.override("slo", **{v: flags.get(k) for k, v in slo_keys.items()})
     if trace is not None:
         config = config.override("workload", trace=trace)
+    if flags.get("warmup") is not None:
+        config = dataclasses.replace(config, warmup_s=flags["warmup"])
+    if config.warmup_s >= config.workload.duration_s:
+        raise ValueError(
+            f"--warmup {config.warmup_s:g} must be shorter than --duration "
+            f"{config.workload.duration_s:g}"
+        )
     policies = flags.get("policies")
     if policies:
         names = POLICY_NAMES if policies == "all" else _split_policies(policies)
@@ -303,6 +318,7 @@ def simulate(
     sample: SampleOpt = None,
     speed: SpeedOpt = None,
     seed: SeedOpt = None,
+    warmup: WarmupOpt = None,
     ttft_base: TtftBaseOpt = None,
     ttft_per_token: TtftPerTokenOpt = None,
     tpot: TpotOpt = None,

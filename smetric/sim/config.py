@@ -89,6 +89,8 @@ class SimConfig:
     policies: tuple[str, ...] = POLICY_NAMES
     # Width of the windows in which load imbalance is measured.
     window_s: float = 60.0
+    # Requests arriving before this are left out of throughput and latency (metrics.py).
+    warmup_s: float = 0.0
 
     def override(self, section: str, **values: Any) -> SimConfig:
         """A copy with fields of one section changed; None values leave a field as is."""
@@ -133,6 +135,7 @@ def from_dict(data: dict[str, Any], where: str = "config") -> SimConfig:
         slo=_section(SLOConfig, data.get("slo"), f"{where}: slo"),
         policies=tuple(policies),
         window_s=float(data.get("window_s", SimConfig().window_s)),
+        warmup_s=float(data.get("warmup_s", SimConfig().warmup_s)),
     )
 
 

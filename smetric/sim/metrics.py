@@ -4,7 +4,9 @@ A run measures what completes within its horizon (the period in which sessions s
 requests arrive): TPS within SLO counts the prompt and output tokens of the requests that
 completed by then and met both SLOs, divided by the horizon. Latency percentiles count
 every completed request, met or not. Requests still running at the horizon count in
-neither and are reported as such.
+neither and are reported as such. A warm-up (``warmup_s``) leaves out the requests that
+arrive before it from throughput, SLO attainment and latencies, and the time from the
+rate: closed-loop sessions last tens of minutes, so a run's first part is still ramping.
 """
 
 from __future__ import annotations
@@ -132,9 +134,17 @@ def load_over_time(
 
 
 def summarize(
-    table: pl.DataFrame, slo: SLOConfig, horizon_s: float, instances: int, window_s: float
+    table: pl.DataFrame,
+    slo: SLOConfig,
+    horizon_s: float,
+    instances: int,
+    window_s: float,
+    warmup_s: float = 0.0,
 ) -> dict:
-    done = table.filter(pl.col("completed"))
+    if not 0 <= warmup_s < horizon_s:
+        raise ValueError(f"warm-up {warmup_s:g} s must lie in [0, horizon {horizon_s:g} s)")
+    measured = horizon_s - warmup_s
+    done = table.filter(pl.col("completed") & (pl.col("arrival_s") >= warmup_s))
     met = done.filter(pl.col("met_slo"))
     tokens = pl.col("prompt_tokens") + pl.col("output_tokens")
     admitted = table.filter(pl.col("instance") >= 0)
@@ -148,17 +158,18 @@ def summarize(
     branches = admitted["branch"].value_counts().sort("branch").rows()
     return {
         "horizon_s": horizon_s,
+        "warmup_s": warmup_s,
         "window_s": window_s,
         "requests": {
             "issued": table.height,
             "completed": done.height,
             "met_slo": met.height,
             "rejected": int(table["rejected"].sum()),
-            "unfinished": int(admitted.height - done.height),
+            "unfinished": int(admitted.filter(~pl.col("completed")).height),
             "preemptions": int(table["preemptions"].sum()),
         },
-        "tps_within_slo": float(met.select(tokens.sum()).item() or 0) / horizon_s,
-        "tps": float(done.select(tokens.sum()).item() or 0) / horizon_s,
+        "tps_within_slo": float(met.select(tokens.sum()).item() or 0) / measured,
+        "tps": float(done.select(tokens.sum()).item() or 0) / measured,
         "slo_attainment": met.height / done.height if done.height else 0.0,
         "ttft_s": _percentiles(done["ttft_s"].to_numpy()),
         "tpot_s": _percentiles(done.filter(pl.col("output_tokens") > 1)["tpot_s"].to_numpy()),
