@@ -83,7 +83,28 @@ def routes(config: ClusterConfig) -> list[Route]:
     return [Route(Link(pcie_bytes_s), nics[i // per_server]) for i in range(config.instances)]
 
 
+def engine_model(config: ClusterConfig, shape: ClusterShape) -> tuple[StepTimeModel, EngineLimits]:
+    """The step-time model and engine limits every instance of the cluster shares."""
+    model = load_model(config.model)
+    hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
+    perf = StepTimeModel(
+        model,
+        hardware,
+        weight_dtype=config.weight_dtype or model.weight_dtype,
+        kv_dtype=config.kv_dtype,
+    )
+    limits = EngineLimits(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_bytes_per_token=shape.kv_bytes_per_token,
+    )
+    return perf, limits
+
+
 class Simulation:
+    # What the routed instances are (the disaggregated cluster's run prefills only).
+    instance_class: type[Instance] = Instance
+
     def __init__(
         self,
         config: ClusterConfig,
@@ -96,24 +117,12 @@ class Simulation:
         self.progress = progress
         block_size = workload.requests[0].block_size if workload.requests else 16
         self.shape = resolve_shape(config, block_size)
-        model = load_model(config.model)
-        hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
-        perf = StepTimeModel(
-            model,
-            hardware,
-            weight_dtype=config.weight_dtype or model.weight_dtype,
-            kv_dtype=config.kv_dtype,
-        )
-        limits = EngineLimits(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kv_bytes_per_token=self.shape.kv_bytes_per_token,
-        )
+        perf, limits = engine_model(config, self.shape)
         global_blocks = self.shape.global_capacity_blocks
         self.global_tier = GlobalTier(global_blocks)
         local_blocks = self.shape.kv_capacity_tokens // block_size
         self.instances = [
-            Instance(
+            self.instance_class(
                 index=i,
                 pool=LocalPool(local_blocks),
                 route=route,
@@ -124,6 +133,8 @@ class Simulation:
             )
             for i, route in enumerate(routes(config))
         ]
+        # The policy chooses among the first ``routed`` instances (all of them here).
+        self.routed = len(self.instances)
         self.events: list[tuple[float, int, int, int, int]] = []
         self.sequence = 0
         # A step's end event is valid only while its instance's plan is the same version.
@@ -170,7 +181,14 @@ class Simulation:
             RoutingRequest(req.turn, req.prompt, req.est_hit, req.session), self.view(req)
         )
         req.instance, req.branch = decision
-        instance = self.instances[decision.instance]
+        self.dispatch(self.instances[decision.instance], self.work(req), now)
+
+    def work(self, req: SimRequest) -> SimRequest:
+        """What the routed instance runs for a request: here the request itself."""
+        return req
+
+    def dispatch(self, instance: Instance, req: SimRequest, now: float) -> None:
+        """Queue a request on an instance and let the instance take it up now."""
         instance.enqueue(req, now)
         if not instance.busy:
             self.kick(instance, now)
@@ -181,12 +199,13 @@ class Simulation:
 
     def view(self, req: SimRequest) -> ClusterView:
         bs = req.block_size
-        hits = [min(i.pool.cache.match(req.blocks) * bs, req.prompt) for i in self.instances]
+        routed = self.instances[: self.routed]
+        hits = [min(i.pool.cache.match(req.blocks) * bs, req.prompt) for i in routed]
         return ClusterView(
             hit_tokens=hits,
-            load=[float(i.inflight) for i in self.instances],
-            prefill_tokens=[float(i.unprefilled) for i in self.instances],
-            token_load=[float(i.inflight_tokens) for i in self.instances],
+            load=[float(i.inflight) for i in routed],
+            prefill_tokens=[float(i.unprefilled) for i in routed],
+            token_load=[float(i.inflight_tokens) for i in routed],
             global_hit_tokens=min(self.global_tier.match(req.blocks) * bs, req.prompt),
         )
 

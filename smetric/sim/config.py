@@ -48,6 +48,15 @@ class ClusterConfig:
     # How an admitted request reads the global tier: "sync" loads before the forward pass
     # and stretches that step (LMCache's default), "async" holds the request, not the batch.
     kv_load: str = "sync"
+    # PD disaggregation (the paper's Figure 4c, sim/pd.py): prefill_instances > 0 replaces
+    # ``instances`` by that many prefill-only instances (they alone read the global tier)
+    # and decode_instances that decode with the KV pulled from them over the links. No
+    # decode instances is the paper's prefill-only evaluation: decode is not modelled and a
+    # session's next turn comes assumed_tpot_s per output token after its prefill.
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    decode_policy: str = "least_kv"
+    assumed_tpot_s: float = 0.03
 
 
 @dataclass(frozen=True)

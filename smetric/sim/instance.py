@@ -129,7 +129,7 @@ class Instance:
         Its unprefilled tokens, as the router's load counts them, assume the best hit the
         two tiers offer now.
         """
-        known = max(self.pool.cache.match(req.blocks), self.global_tier.match(req.blocks))
+        known = max(self.pool.cache.match(req.blocks), self._remote_blocks(req))
         req.target = req.prompt
         self._set_pending(req, req.prompt - known * req.block_size)
         self.waiting.append(req)
@@ -226,7 +226,7 @@ class Instance:
                     break
                 if external:
                     nbytes = external * req.block_size * self.limits.kv_bytes_per_token
-                    ready = self.route.transfer(now, nbytes)
+                    ready = self._load(req, now, nbytes)
                     if self.async_load:
                         req.loading, req.ready_at = True, ready
                         skipped.append(self.waiting.popleft())
@@ -240,6 +240,14 @@ class Instance:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
+    def _remote_blocks(self, req: SimRequest) -> int:
+        """Leading blocks of the request that a remote store holds (here the global tier)."""
+        return self.global_tier.match(req.blocks)
+
+    def _load(self, req: SimRequest, now: float, nbytes: float) -> float:
+        """Start reading ``nbytes`` of the request's remote blocks; returns when they land."""
+        return self.route.transfer(now, nbytes)
+
     def _allocate(self, req: SimRequest, now: float) -> int | None:
         """Pin the local hit and take private blocks for the rest of what must be in KV.
 
@@ -248,7 +256,7 @@ class Instance:
         """
         bs = req.block_size
         cached = self.pool.cache.match(req.blocks)
-        remote = self.global_tier.match(req.blocks)
+        remote = self._remote_blocks(req)
         # At least one token is always computed, to produce the next token.
         hit = min(max(cached, remote), (req.target - 1) // bs)
         pinned = min(cached, hit)

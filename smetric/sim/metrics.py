@@ -118,10 +118,7 @@ def load_over_time(
     """Mean in-flight tokens (prompt + output) per instance and window, as Figure 15(b)."""
     routed = table.filter(pl.col("instance") >= 0)
     end = routed["finished_s"].fill_null(horizon_s).clip(upper_bound=horizon_s).to_numpy()
-    edges = np.arange(0.0, horizon_s + window_s, window_s)
-    edges = edges[edges <= horizon_s + 1e-9]
-    if len(edges) < 2:
-        edges = np.array([0.0, horizon_s])
+    edges = window_edges(window_s, horizon_s)
     tokens = (routed["prompt_tokens"] + routed["output_tokens"]).to_numpy()
     return window_loads(
         routed["arrival_s"].to_numpy(),
@@ -131,6 +128,27 @@ def load_over_time(
         instances,
         edges,
     )
+
+
+def imbalance(loads: np.ndarray) -> dict:
+    """Max over mean load per window (instances x windows), over the windows with load."""
+    mean = loads.mean(axis=0)
+    busy = mean > 0
+    ratio = loads.max(axis=0)[busy] / mean[busy]
+    return {
+        "mean": float(ratio.mean()) if len(ratio) else math.nan,
+        "p50": float(np.percentile(ratio, 50)) if len(ratio) else math.nan,
+        "p90": float(np.percentile(ratio, 90)) if len(ratio) else math.nan,
+        "max": float(ratio.max()) if len(ratio) else math.nan,
+        "series": ratio.tolist(),
+    }
+
+
+def window_edges(window_s: float, horizon_s: float) -> np.ndarray:
+    """Edges of the load windows over the run: ``window_s`` wide, at least one window."""
+    edges = np.arange(0.0, horizon_s + window_s, window_s)
+    edges = edges[edges <= horizon_s + 1e-9]
+    return edges if len(edges) >= 2 else np.array([0.0, horizon_s])
 
 
 def summarize(
@@ -152,9 +170,6 @@ def summarize(
     local = int(admitted["local_hit_tokens"].sum())
     remote = int(admitted["global_hit_tokens"].sum())
     loads = load_over_time(table, instances, window_s, horizon_s)
-    mean = loads.mean(axis=0)
-    busy = mean > 0
-    imbalance = loads.max(axis=0)[busy] / mean[busy]
     branches = admitted["branch"].value_counts().sort("branch").rows()
     return {
         "horizon_s": horizon_s,
@@ -179,13 +194,7 @@ def summarize(
             "global": remote / prompt if prompt else 0.0,
             "miss": 1 - (local + remote) / prompt if prompt else 0.0,
         },
-        "imbalance": {
-            "mean": float(imbalance.mean()) if len(imbalance) else math.nan,
-            "p50": float(np.percentile(imbalance, 50)) if len(imbalance) else math.nan,
-            "p90": float(np.percentile(imbalance, 90)) if len(imbalance) else math.nan,
-            "max": float(imbalance.max()) if len(imbalance) else math.nan,
-            "series": imbalance.tolist(),
-        },
+        "imbalance": imbalance(loads),
         "load_heatmap": loads.tolist(),
         "stickiness": stickiness(table),
         "branches": {name: int(count) for name, count in branches},

@@ -30,6 +30,10 @@ def simulate(
     policy: str,
     progress: Callable[[float], None] | None = None,
 ) -> RunResult:
+    if config.cluster.prefill_instances:
+        from smetric.sim.pd import simulate_disaggregated
+
+        return simulate_disaggregated(trace, config, policy, progress)
     workload = build_workload(trace, config.workload)
     sim = Simulation(config.cluster, make_policy(policy), workload, progress)
     sim.run()

@@ -1,0 +1,378 @@
+"""PD disaggregation: prefill-only instances hand their KV to decode instances over links.
+
+The paper's Figure 4c. The router picks a prefill instance with the policy under test,
+whose load is then the instance's unprefilled prompt tokens (Figure 13, line 29), and a
+decode instance with a rule of its own (``DECODE_RULES``). Only prefill instances read
+and write the global tier. What each side does is what vLLM does with its NIXL
+connector behind the disaggregated proxy:
+
+- The proxy sends the prefill instance the request with ``max_tokens=1`` and
+  ``kv_transfer_params={"do_remote_decode": true}``: the prefill instance runs a copy of
+  the request that asks for one token (``work``).
+- When that request finishes, the connector's ``request_finished`` keeps its blocks
+  (``delay_free_blocks``) until the decode side has read them: here the prefill instance
+  keeps the prompt's blocks pinned until the pull lands (``PrefillInstance``).
+- The decode instance gets the original request with the returned parameters
+  (``do_remote_prefill``); its connector's ``get_num_new_matched_tokens`` reports the
+  prompt blocks its own prefix cache lacks as external and loads them asynchronously,
+  the request holding its blocks in ``WAITING_FOR_REMOTE_KVS`` while the batch runs on.
+  It then computes the rest of the prompt (vLLM recomputes at least the last token) and
+  decodes (``DecodeInstance``). The pull crosses the prefill server's NICs and the decode
+  server's NICs, the same ``Link`` queues the global tier's traffic uses.
+- A decode request preempted later recomputes on its decode instance, as vLLM does: the
+  prefill side has freed the blocks by then.
+
+With no decode instances the run is the paper's prefill-only evaluation: the first
+token comes when the prefill ends, and the session's next turn is released as if a
+decode had produced each output token in ``assumed_tpot_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from smetric.core.policies import RoundRobin
+from smetric.core.policy import ClusterView, Policy, make_policy
+from smetric.core.prefix_cache import Handle
+from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
+from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig
+from smetric.sim.instance import Instance, SimRequest
+from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
+from smetric.sim.metrics import (
+    _percentiles,
+    imbalance,
+    request_table,
+    summarize,
+    window_edges,
+    with_latencies,
+)
+from smetric.sim.workload import SimWorkload, build_workload
+from smetric.trace.analysis.balance import window_loads
+from smetric.trace.schema import Trace
+
+
+@dataclass(eq=False)
+class PrefillInstance(Instance):
+    """Runs prefills only; keeps a finished prompt's blocks until its decode has pulled them."""
+
+    hold_for_pull: bool = False
+    held: dict[int, Handle] = field(default_factory=dict)
+    # (when the pull lands, request id), earliest first.
+    pulls: list[tuple[float, int]] = field(default_factory=list)
+
+    def pulled(self, rid: int, at: float) -> None:
+        heapq.heappush(self.pulls, (at, rid))
+
+    def plan_step(self, now: float) -> float | None:
+        while self.pulls and self.pulls[0][0] <= now:
+            at, rid = heapq.heappop(self.pulls)
+            self.pool.cache.unlock(self.held.pop(rid), at)
+        return super().plan_step(now)
+
+    def _retire(self, req: SimRequest, now: float) -> None:
+        if self.hold_for_pull and req.handle is not None:
+            self.held[req.rid], req.handle = req.handle, None
+        super()._retire(req, now)
+
+
+@dataclass(eq=False)
+class DecodeInstance(Instance):
+    """Decodes requests whose prompt KV waits on a prefill instance, reached by ``sources``."""
+
+    sources: dict[int, Route] = field(default_factory=dict)
+    # Told (request id, when the pull lands) so that the prefill side can free the blocks.
+    on_pull: Callable[[int, float], None] | None = None
+
+    def _remote_blocks(self, req: SimRequest) -> int:
+        return len(req.blocks) if req.rid in self.sources else 0
+
+    def _load(self, req: SimRequest, now: float, nbytes: float) -> float:
+        ready = self.sources.pop(req.rid).transfer(now, nbytes)
+        self._pulled(req.rid, ready)
+        return ready
+
+    def _allocate(self, req: SimRequest, now: float) -> int | None:
+        external = super()._allocate(req, now)
+        if external == 0 and req.rid in self.sources:
+            del self.sources[req.rid]  # its own prefix cache held the prompt: nothing to pull
+            self._pulled(req.rid, now)
+        return external
+
+    def _pulled(self, rid: int, at: float) -> None:
+        if self.on_pull is not None:
+            self.on_pull(rid, at)
+
+
+def _kv_use(decoder: DecodeInstance) -> float:
+    """Share of the KV pool in use or claimed by the queue (cached free blocks excluded).
+
+    vLLM's ``kv_cache_usage`` counts only blocks running requests hold; the queue is added
+    so that a burst routed before the instance admits anything does not all land on it.
+    """
+    pool = decoder.pool
+    in_use = pool.private + pool.cache.locked
+    queued = sum(-(-r.prompt // r.block_size) for r in decoder.waiting if not r.loading)
+    return (in_use + queued) / pool.capacity
+
+
+DECODE_RULES: dict[str, Callable[[DecodeInstance], float] | None] = {
+    "least_kv": _kv_use,
+    "least_requests": lambda d: float(d.inflight),
+    "round_robin": None,
+}
+
+
+class DecodeRule:
+    """Picks a decode instance: the least of a measure (ties round-robin), or round-robin."""
+
+    def __init__(self, name: str) -> None:
+        if name not in DECODE_RULES:
+            raise ValueError(f"decode policy {name!r}: use one of {', '.join(DECODE_RULES)}")
+        self.name = name
+        self._measure = DECODE_RULES[name]
+        self._ties = RoundRobin()
+
+    def choose(self, decoders: list[DecodeInstance]) -> int:
+        if self._measure is None:
+            return self._ties.take(len(decoders))
+        return self._ties.argmin([self._measure(d) for d in decoders])
+
+
+@dataclass(slots=True)
+class Handoff:
+    """One request's way through the disaggregated cluster, beyond what its record holds."""
+
+    prefill_done: float
+    decode_instance: int = -1
+    transfer_tokens: int = 0
+
+
+class DisaggSimulation(Simulation):
+    """The event loop over prefill instances (routed by the policy) and decode instances."""
+
+    instance_class = PrefillInstance
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        policy: Policy,
+        workload: SimWorkload,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        prefill, decode = config.prefill_instances, config.decode_instances
+        super().__init__(dataclasses.replace(config, instances=prefill), policy, workload, progress)
+        self.decode_rule = DecodeRule(config.decode_policy)
+        self.assumed_tpot_s = config.assumed_tpot_s
+        perf, limits = engine_model(config, self.shape)
+        blocks = self.instances[0].pool.capacity
+        self.decoders = (
+            [
+                DecodeInstance(
+                    index=prefill + j,
+                    pool=LocalPool(blocks),
+                    route=route,
+                    global_tier=GlobalTier(0),
+                    perf=perf,
+                    limits=limits,
+                    async_load=True,
+                    on_pull=self._pulled,
+                )
+                for j, route in enumerate(routes(dataclasses.replace(config, instances=decode)))
+            ]
+            if decode
+            else []
+        )
+        for instance in self.instances:
+            instance.hold_for_pull = bool(self.decoders)
+        self.instances += self.decoders
+        self.plan_version += [0] * decode
+        self.handoffs: dict[int, Handoff] = {}
+
+    def view(self, req: SimRequest) -> ClusterView:
+        """Load is unprefilled prompt tokens under disaggregation (Figure 13, line 29)."""
+        view = super().view(req)
+        return dataclasses.replace(view, load=view.prefill_tokens)
+
+    def work(self, req: SimRequest) -> SimRequest:
+        """The proxy's prefill request: the same prompt, one token (``max_tokens=1``)."""
+        return SimRequest(
+            req.rid, req.session, req.turn, req.blocks, req.prompt, 1, req.est_hit,
+            req.block_size, arrival=req.arrival, instance=req.instance,
+        )  # fmt: skip
+
+    def completed(self, req: SimRequest, now: float) -> None:
+        client = self.workload.requests[req.rid]
+        if req is client:  # rejected at arrival
+            super().completed(req, now)
+        elif req.instance < self.routed:
+            self._prefilled(client, req, now)
+        else:
+            client.first_token_at, client.finished_at = req.first_token_at, now
+            client.preemptions += req.preemptions
+            self.handoffs[req.rid].transfer_tokens = req.global_hit
+            super().completed(client, now)
+
+    def _prefilled(self, client: SimRequest, req: SimRequest, now: float) -> None:
+        client.local_hit, client.global_hit = req.local_hit, req.global_hit
+        client.preemptions += req.preemptions
+        handoff = self.handoffs[req.rid] = Handoff(now)
+        if not self.decoders:
+            client.first_token_at = client.finished_at = now
+            super().completed(client, now + client.output * self.assumed_tpot_s)
+            return
+        decoder = self.decoders[self.decode_rule.choose(self.decoders)]
+        handoff.decode_instance = decoder.index - self.routed
+        # The pull crosses the prefill server's NICs, then the decode server's.
+        decoder.sources[req.rid] = Route(self.instances[req.instance].route.nic, decoder.route.nic)
+        decode = SimRequest(
+            client.rid, client.session, client.turn, client.blocks, client.prompt,
+            client.output, 0, client.block_size, arrival=client.arrival,
+            instance=decoder.index,
+        )  # fmt: skip
+        self.dispatch(decoder, decode, now)
+
+    def _pulled(self, rid: int, at: float) -> None:
+        source = self.workload.requests[rid].instance
+        self.instances[source].pulled(rid, at)  # type: ignore[attr-defined]
+        self.push(at, WAKE, source)  # so an idle prefill instance frees the blocks
+
+    def nic_links(self) -> tuple[list[Link], list[Link]]:
+        """The distinct NIC links of the prefill servers and of the decode servers."""
+
+        def distinct(instances: list) -> list[Link]:
+            return list({id(i.route.nic): i.route.nic for i in instances}.values())
+
+        return distinct(self.instances[: self.routed]), distinct(self.decoders)
+
+
+def handoff_table(sim: DisaggSimulation) -> pl.DataFrame:
+    rids = sorted(sim.handoffs)
+    return pl.DataFrame(
+        {
+            "request_id": rids,
+            "prefill_done_s": [sim.handoffs[r].prefill_done for r in rids],
+            "decode_instance": [sim.handoffs[r].decode_instance for r in rids],
+            "transfer_tokens": [sim.handoffs[r].transfer_tokens for r in rids],
+        },
+        schema={
+            "request_id": pl.Int64,
+            "prefill_done_s": pl.Float64,
+            "decode_instance": pl.Int64,
+            "transfer_tokens": pl.Int64,
+        },
+    )
+
+
+def with_prefill_latency(table: pl.DataFrame, slo: SLOConfig, horizon_s: float) -> pl.DataFrame:
+    """The prefill stage's TTFT (arrival to its KV produced) and whether it met the SLO."""
+    ttft = pl.col("prefill_done_s") - pl.col("arrival_s")
+    limit = slo.ttft_base_s + slo.ttft_per_token_s * pl.col("prompt_tokens")
+    done = pl.col("prefill_done_s").is_not_null() & (pl.col("prefill_done_s") <= horizon_s)
+    return table.with_columns(prefill_ttft_s=ttft).with_columns(
+        prefill_met_slo=(done & (pl.col("prefill_ttft_s") <= limit)).fill_null(False)
+    )
+
+
+def prefill_loads(table: pl.DataFrame, instances: int, window_s: float, horizon_s: float):
+    """Mean in-flight prefill tokens per prefill instance and window (Figure 21b): each
+    request's tokens to compute, from its arrival until its prefill ends."""
+    routed = table.filter(pl.col("instance") >= 0)
+    end = routed["prefill_done_s"].fill_null(horizon_s).clip(upper_bound=horizon_s).to_numpy()
+    computed = routed["prompt_tokens"] - routed["local_hit_tokens"] - routed["global_hit_tokens"]
+    return window_loads(
+        routed["arrival_s"].to_numpy(),
+        end,
+        computed.to_numpy(),
+        routed["instance"].to_numpy(),
+        instances,
+        window_edges(window_s, horizon_s),
+    )
+
+
+def pd_summary(table: pl.DataFrame, config: SimConfig, sim: DisaggSimulation, horizon: float):
+    """The colocated summary with disaggregation's meaning, plus a ``pd`` section.
+
+    ``tps_within_slo`` counts prompt tokens (the paper's prefill TPS within SLO): of the
+    requests that met the TTFT SLO (prefill-only) or both SLOs (full P/D, the client's
+    TTFT, after the transfer and the decode's first step). Load and imbalance are the
+    prefill instances' in-flight prefill tokens.
+    """
+    cluster = config.cluster
+    n = cluster.prefill_instances
+    summary = summarize(table, config.slo, horizon, n, config.window_s, config.warmup_s)
+    measured = horizon - config.warmup_s
+    after = table.filter(pl.col("arrival_s") >= config.warmup_s)
+    done = after.filter(pl.col("completed"))
+    met = done.filter(pl.col("met_slo"))
+    prefilled = after.filter(pl.col("prefill_met_slo"))
+    loads = prefill_loads(table, n, config.window_s, horizon)
+    full = cluster.decode_instances > 0
+    summary["tps_within_slo"] = float(met["prompt_tokens"].sum()) / measured
+    summary["tps"] = float(done["prompt_tokens"].sum()) / measured
+    summary["load_heatmap"] = loads.tolist()
+    summary["imbalance"] = imbalance(loads)
+    if not full:
+        summary["tpot_s"] = _percentiles(np.array([]))
+    prefill_nics, decode_nics = sim.nic_links()
+    transfer = float(table["transfer_tokens"].fill_null(0).sum()) * sim.shape.kv_bytes_per_token
+
+    def utilisation(links: list[Link]) -> dict[str, float | None]:
+        shares = [link.bytes_moved / (link.bytes_per_s * horizon) for link in links]
+        if not shares:
+            return {"mean": None, "max": None}
+        return {"mean": float(np.mean(shares)), "max": float(np.max(shares))}
+
+    prefill_ttft = after.filter(pl.col("prefill_done_s") <= horizon)["prefill_ttft_s"]
+    decoded = table.filter(pl.col("decode_instance") >= 0)
+    per_decoder = decoded["decode_instance"].value_counts().sort("decode_instance")
+    summary["pd"] = {
+        "mode": "full" if full else "prefill-only",
+        "prefill_instances": n,
+        "decode_instances": cluster.decode_instances,
+        "decode_policy": cluster.decode_policy if full else None,
+        "prefill_tps_within_slo": float(prefilled["prompt_tokens"].sum()) / measured,
+        "prefill_ttft_s": _percentiles(prefill_ttft.to_numpy()),
+        "end_to_end_tps_within_slo": (
+            float((met["prompt_tokens"] + met["output_tokens"]).sum()) / measured if full else None
+        ),
+        "transfer_bytes": transfer,
+        "transfers": decoded.height,
+        "requests_per_decoder": per_decoder["count"].to_list() if full else [],
+        "nic_utilisation": {
+            "prefill": utilisation(prefill_nics),
+            "decode": utilisation(decode_nics),
+        },
+    }
+    return summary
+
+
+def simulate_disaggregated(
+    trace: Trace,
+    config: SimConfig,
+    policy: str,
+    progress: Callable[[float], None] | None = None,
+):
+    """One disaggregated run: ``run.simulate``'s result for a PD cluster."""
+    from smetric.sim.run import RunResult
+
+    if config.cluster.decode_instances < 0:
+        raise ValueError("decode_instances must not be negative")
+    workload = build_workload(trace, config.workload)
+    sim = DisaggSimulation(config.cluster, make_policy(policy), workload, progress)
+    sim.run()
+    horizon = workload.horizon_s
+    table = request_table(workload.requests, horizon).join(
+        handoff_table(sim), on="request_id", how="left"
+    )
+    table = with_prefill_latency(with_latencies(table, config.slo, horizon), config.slo, horizon)
+    summary = pd_summary(table, config, sim, horizon)
+    prefill = sim.instances[: sim.routed]
+    summary["global_tier_bytes"] = sum(i.route.bytes_moved for i in prefill)
+    summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
+    return RunResult(policy, table, summary, sim.shape)
