@@ -147,3 +147,30 @@ def test_sweep_reports_max_tps_per_provisioning(tmp_path: Path) -> None:
             ]
             assert best["tps"] == max(runs)
     assert (tmp_path / "max_tps.png").exists()
+
+
+def test_simulate_disaggregated_by_flags_equals_yaml_and_reports_the_pd_section(
+    tmp_path: Path,
+) -> None:
+    pd = ["--prefill-instances", "2", "--decode-instances", "1", "--decode-policy", "round_robin"]
+    by_flags = runner.invoke(app, ["simulate", "-p", "smetric", *SMALL, *pd, "-o", str(tmp_path)])
+    assert by_flags.exit_code == 0, by_flags.output
+    assert "PD disaggregation" in by_flags.output and "2 prefill + 1 decode" in by_flags.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    pd_section = summary["policies"]["smetric"]["pd"]
+    assert (pd_section["mode"], pd_section["decode_policy"]) == ("full", "round_robin")
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "cluster: {instances: 2, prefill_instances: 2, decode_instances: 1,"
+        " decode_policy: round_robin}\n"
+        "workload: {duration_s: 60, session_rate: 0.1}\npolicies: [smetric]\n"
+    )
+    by_yaml = runner.invoke(
+        app, ["simulate", "-c", str(config), "-j", "1", "-o", str(tmp_path / "y")]
+    )
+    assert by_yaml.exit_code == 0, by_yaml.output
+    assert json.loads((tmp_path / "y" / "summary.json").read_text()) == summary
+    lonely = runner.invoke(app, ["simulate", "--decode-instances", "2", "-o", str(tmp_path)])
+    assert lonely.exit_code == 2 and "need prefill instances" in lonely.output
+    rule = runner.invoke(app, ["simulate", *pd[:4], "--decode-policy", "x", "-o", str(tmp_path)])
+    assert rule.exit_code == 2 and "decode policy" in rule.output

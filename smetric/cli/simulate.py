@@ -23,6 +23,7 @@ from smetric.core.policy import POLICY_NAMES, make_policy
 from smetric.report.runs import run_file_name
 from smetric.sim.config import (
     SimConfig,
+    check_disaggregation,
     check_kv_load,
     dump_yaml,
     load_yaml,
@@ -110,6 +111,28 @@ KvLoadOpt = Annotated[
         CLUSTER,
     ),
 ]
+PrefillOpt = Annotated[
+    int | None,
+    _opt(
+        "PD disaggregation: prefill-only instances, routed by the policy on unprefilled "
+        "tokens; replaces --instances [default: 0, colocated].",
+        CLUSTER,
+        min=0,
+    ),
+]
+DecodeOpt = Annotated[
+    int | None,
+    _opt(
+        "PD disaggregation: decode instances the prefills hand their KV to over the NICs; "
+        "0 is the paper's prefill-only evaluation (decode not modelled).",
+        CLUSTER,
+        min=0,
+    ),
+]
+DecodePolicyOpt = Annotated[
+    str | None,
+    _opt("How the decode instance is chosen: least_kv, least_requests, round_robin.", CLUSTER),
+]
 RateOpt = Annotated[float | None, _opt("Session starts per second.", WORKLOAD, min=1e-6)]
 DurationOpt = Annotated[
     float | None, _opt("Seconds of arrivals; what completes by then counts.", WORKLOAD, min=1.0)
@@ -168,6 +191,9 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
         "nic_bandwidth": "nic_gb_s",
         "nics_per_server": "nics_per_server",
         "kv_load": "kv_load",
+        "prefill_instances": "prefill_instances",
+        "decode_instances": "decode_instances",
+        "decode_policy": "decode_policy",
     }
     workload_keys = {
         "rate": "session_rate",
@@ -202,6 +228,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
         make_policy(spec)  # fails early, with the valid names, on a typo
     parse_global_capacity(config.cluster.global_capacity)
     check_kv_load(config.cluster.kv_load)
+    check_disaggregation(config.cluster)
     return config
 
 
@@ -265,6 +292,33 @@ def branches_table(summaries: dict[str, dict]) -> Table:
     return table
 
 
+def disaggregation_table(summaries: dict[str, dict]) -> Table:
+    """What disaggregation adds per policy: the prefill stage, the KV pulls, the decode."""
+    table = Table(title="PD disaggregation", title_style="bold", box=box.SIMPLE_HEAD)
+    table.add_column("policy", no_wrap=True)
+    for header in (
+        "prefill TPS\n@TTFT SLO",
+        "prefill TTFT s\np50/p90/p99",
+        "KV pulled\nGB",
+        "NIC use %\nP/D max",
+        "end-to-end\nTPS@SLO",
+    ):
+        table.add_column(header, justify="right")
+    for policy, s in summaries.items():
+        pd, ttft = s["pd"], s["pd"]["prefill_ttft_s"]
+        nics = pd["nic_utilisation"]
+        e2e = pd["end_to_end_tps_within_slo"]
+        table.add_row(
+            policy,
+            f"{pd['prefill_tps_within_slo']:,.0f}",
+            f"{_num(ttft['p50'])}/{_num(ttft['p90'])}/{_num(ttft['p99'])}",
+            f"{pd['transfer_bytes'] / 1e9:,.1f}",
+            f"{_num(nics['prefill']['max'], 100, 0)}/{_num(nics['decode']['max'], 100, 0)}",
+            "-" if e2e is None else f"{e2e:,.0f}",
+        )
+    return table
+
+
 def _pct(share: float | None) -> str:
     return "-" if share is None else f"{share * 100:.0f}"
 
@@ -312,6 +366,9 @@ def simulate(
     nic_bandwidth: BandwidthOpt = None,
     nics_per_server: NicsOpt = None,
     kv_load: KvLoadOpt = None,
+    prefill_instances: PrefillOpt = None,
+    decode_instances: DecodeOpt = None,
+    decode_policy: DecodePolicyOpt = None,
     rate: RateOpt = None,
     duration: DurationOpt = None,
     open_loop: OpenLoopOpt = None,
@@ -354,20 +411,34 @@ def simulate(
     branches = branches_table(summaries)
     if branches.row_count:
         console.print(branches)
+    if config.cluster.prefill_instances:
+        console.print(disaggregation_table(summaries))
     first = next(iter(ordered.values())).summary["requests"]
     console.print(
-        f"TPS@SLO: prompt + output tokens/s of requests that met both SLOs · "
+        f"TPS@SLO: {_tps_meaning(config)} · "
         f"{first['rejected']} requests longer than max_model_len "
         f"({shape.max_model_len:,}) rejected"
     )
     console.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet, {plots} plots)")
 
 
+def _tps_meaning(config: SimConfig) -> str:
+    cluster = config.cluster
+    if not cluster.prefill_instances:
+        return "prompt + output tokens/s of requests that met both SLOs"
+    if not cluster.decode_instances:
+        return "prompt tokens/s of requests that met the TTFT SLO (prefill only)"
+    return "prompt tokens/s of requests that met both SLOs (TTFT after the KV pull)"
+
+
 def _title(config: SimConfig, shape: Any) -> str:
     c, w = config.cluster, config.workload
     load = "open loop" if w.open_loop else f"{w.session_rate:g} sessions/s"
+    size = f"{c.instances}"
+    if c.prefill_instances:
+        size = f"{c.prefill_instances} prefill + {c.decode_instances} decode"
     return (
-        f"{c.instances} x {c.gpus_per_instance}x{c.hardware} · {c.model} · "
+        f"{size} x {c.gpus_per_instance}x{c.hardware} · {c.model} · "
         f"KV {shape.kv_capacity_tokens:,} tokens/instance · global {c.global_capacity} · "
         f"{load} for {w.duration_s:g} s"
     )
@@ -440,9 +511,12 @@ def sweep(
     ] = "none,1x,full",
     policies: PoliciesOpt = None,
     instances: InstancesOpt = None,
+    prefill_instances: PrefillOpt = None,
+    decode_instances: DecodeOpt = None,
     model: ModelOpt = None,
     hardware: HardwareOpt = None,
     duration: DurationOpt = None,
+    warmup: WarmupOpt = None,
     seed: SeedOpt = None,
     out: OutOpt = None,
     jobs: JobsOpt = None,
@@ -464,9 +538,12 @@ def sweep(
             source,
             policies=policies,
             instances=instances,
+            prefill_instances=prefill_instances,
+            decode_instances=decode_instances,
             model=model,
             hardware=hardware,
             duration=duration,
+            warmup=warmup,
             seed=seed,
         )
         runs = [

@@ -163,6 +163,19 @@ def dump_yaml(config: SimConfig, path: Path) -> None:
 
 
 KV_LOAD_MODES = ("sync", "async")
+DECODE_POLICIES = ("least_kv", "least_requests", "round_robin")
+
+
+def check_disaggregation(cluster: ClusterConfig) -> None:
+    """Decode instances need prefill instances to feed them, and a known decode rule."""
+    if cluster.prefill_instances < 0 or cluster.decode_instances < 0:
+        raise ValueError("prefill and decode instance counts must not be negative")
+    if cluster.decode_instances and not cluster.prefill_instances:
+        raise ValueError("decode instances need prefill instances (--prefill-instances N)")
+    if cluster.decode_policy not in DECODE_POLICIES:
+        raise ValueError(
+            f"decode policy {cluster.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
+        )
 
 
 def check_kv_load(mode: str) -> str:
