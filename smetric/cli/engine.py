@@ -29,6 +29,17 @@ def engine(
     speed: Annotated[
         float, typer.Option(help="Multiplier on every step's modelled duration (1 = real).")
     ] = 1.0,
+    role: Annotated[
+        str,
+        typer.Option(
+            help="Disaggregated serving: prefill (holds a finished prompt's KV for a decode "
+            "engine, answers kv_transfer_params), decode (pulls it over the link model "
+            "first), or both.",
+        ),
+    ] = EngineConfig.role,
+    kv_link_gb_s: Annotated[
+        float, typer.Option(help="Bandwidth a decode engine pulls KV at, GB/s.", min=0.001)
+    ] = EngineConfig.kv_link_gb_s,
     kv_events_endpoint: Annotated[
         str | None,
         typer.Option(help="Publish vLLM KV events: ZMQ endpoint to connect to (tcp://host:port)."),
@@ -56,6 +67,8 @@ def engine(
             max_num_seqs=max_num_seqs,
             default_max_tokens=default_max_tokens,
             speed=speed,
+            role=role,
+            kv_link_gb_s=kv_link_gb_s,
             kv_events_endpoint=kv_events_endpoint,
             kv_events_topic=kv_events_topic,
             kv_events_replay_endpoint=kv_events_replay_endpoint,

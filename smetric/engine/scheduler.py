@@ -79,6 +79,12 @@ class EngineConfig:
     max_num_seqs: int = 256
     default_max_tokens: int = 16
     speed: float = 1.0
+    # Disaggregated serving (engine/disagg.py): what the engine may do for a proxy, the link
+    # a decode engine pulls prompt blocks over (one 200 Gbps RDMA NIC by default), and how
+    # long a prefill engine keeps finished prompts' blocks for a decode to pull.
+    role: str = "both"
+    kv_link_gb_s: float = 21.7
+    kv_lease_s: float = 30.0
     # KV events as vLLM's ``--kv-events-config`` publishes them: the engine connects its PUB
     # socket to a ``tcp://host:port`` endpoint and binds a ROUTER on the replay endpoint,
     # which resends any of the last ``kv_events_buffer_steps`` batches.
@@ -104,6 +110,8 @@ class EngineConfig:
             raise ValueError(
                 f"default_max_tokens must be at least 1, got {self.default_max_tokens}"
             )
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.speed < 0:
             raise ValueError(f"speed must be >= 0, got {self.speed}")
 
@@ -183,6 +191,22 @@ class Engine:
         """Queue a request; the caller has checked it fits ``max_model_len``."""
         self.waiting.append(request)
         self._wake.set()
+
+    def adopt(self, token_ids: np.ndarray, blocks: np.ndarray, n: int, now: float) -> Handle | None:
+        """Cache ``n`` prompt blocks read from another engine (a remote prefill), pinned by
+        the returned handle; None when the pool has no room, so the request computes them."""
+        cached = self.pool.cache.size
+        reserved = self.pool.reserve(n)
+        if self.kv_sink is not None and self.pool.cache.size < cached:
+            self._report_removed()
+        if not reserved:
+            return None
+        present = self.pool.cache.match(blocks[:n])
+        handle = self.pool.publish(blocks[:n], None, n, now)
+        if self.kv_sink is not None and present < n:
+            self._report_stored(EngineRequest(token_ids, blocks[:n], 1), present)
+        self._flush_kv_events()
+        return handle
 
     def cancel(self, request: EngineRequest) -> None:
         """Drop a request whose client went away, freeing its blocks at once."""

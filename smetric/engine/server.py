@@ -37,6 +37,7 @@ from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import Api, RequestError, analyze_request
 from smetric.core.kv_events import REPLAY_END
 from smetric.engine.anthropic import MessagesReply, messages_usage
+from smetric.engine.disagg import KV_TRANSFER_PARAMS, PULL_PATH, TRANSFERS, KVTransfers, handle_pull
 from smetric.engine.scheduler import END, Engine, EngineConfig, EngineRequest, filler_token
 
 ENGINE = web.AppKey("engine", Engine)
@@ -61,6 +62,9 @@ def create_app(config: EngineConfig) -> web.Application:
         app[KV_EVENTS] = publisher
         app.cleanup_ctx.append(publisher.serve)
     app.cleanup_ctx.append(_engine_loop)
+    app[TRANSFERS] = KVTransfers(engine, config.role, config.kv_link_gb_s * 1e9, config.kv_lease_s)
+    app.cleanup_ctx.append(app[TRANSFERS].session)
+    app.router.add_post(PULL_PATH, handle_pull)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/messages", _messages)
@@ -170,6 +174,9 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         body = await _json_body(request)
         facts = analyze_request(body, api, _TOKENIZER, config.block_size)
         max_tokens, stream, include_usage = _sampling(body, api, config.default_max_tokens)
+        params = body.get(KV_TRANSFER_PARAMS) if isinstance(body, dict) else None
+        transfers = request.app[TRANSFERS]
+        transfers.check(params)
         if facts.prompt_tokens == 0:
             raise RequestError("the prompt must not be empty")
         if facts.prompt_tokens + max_tokens > config.max_model_len:
@@ -179,6 +186,11 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             )
     except RequestError as error:
         return _error(str(error))
+    # A remote prefill's blocks are read before the request is scheduled, as vLLM's
+    # connector loads them; they stay pinned until the request is done with them.
+    pulled = (
+        await transfers.pull(facts, params) if params and params.get("do_remote_prefill") else None
+    )
     job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
     engine.submit(job)
     reply = _Reply(api, config.served_model_name)
@@ -190,9 +202,14 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         count = 0
         while await job.tokens.get() is not END:
             count += 1
-        return web.json_response(reply.full(count, _usage(job)))
+        answer = reply.full(count, _usage(job))
+        if params and params.get("do_remote_decode"):
+            answer[KV_TRANSFER_PARAMS] = transfers.hold(job, request.url.host, request.url.port)
+        return web.json_response(answer)
     finally:
         engine.cancel(job)
+        if pulled is not None:
+            engine.pool.cache.unlock(pulled, asyncio.get_running_loop().time())
 
 
 async def _stream(

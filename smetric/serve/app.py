@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -36,6 +36,9 @@ from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.scrape import parse_vllm_metrics
 from smetric.serve.tokenizers import analyze_with_engine
+
+if TYPE_CHECKING:
+    from smetric.serve.disagg import Disaggregation
 
 log = logging.getLogger("smetric.serve")
 
@@ -82,6 +85,8 @@ class Router:
     engine_tokenizer: bool = False
     # KV-event subscribers of the engines that have an events view, by engine URL.
     subscribers: dict[str, KVEventSubscriber] = field(default_factory=dict)
+    # Prefill and decode roles of the engines, when they serve disaggregated (disagg.py).
+    disagg: Disaggregation | None = None
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -90,6 +95,8 @@ class Router:
         self.metrics = RouterMetrics(self.policy.name, [e.url for e in self.engines])
         self.metrics.registry.register(SubscriberCollector(self.subscribers))
         self.client: aiohttp.ClientSession | None = None
+        if self.disagg is not None:
+            self.disagg.register(self)
 
     # -- application --------------------------------------------------------------------
 
@@ -165,6 +172,9 @@ class Router:
             return error_response(400, str(exc))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             return error_response(502, f"tokenising with the engine failed: {exc}", "server_error")
+        if self.disagg is not None:
+            headers = self._upstream_headers(request)
+            return await self.disagg.serve(self, request, path, body, facts, headers)
         started = time.perf_counter()
         tried: set[str] = set()
         while True:
@@ -232,11 +242,15 @@ class Router:
         self, engine: Engine, path: str, raw: bytes, request: web.Request
     ) -> aiohttp.ClientResponse:
         assert self.client is not None
+        headers = self._upstream_headers(request)
+        return await self.client.post(engine.url + path, data=raw, headers=headers)
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         for name in ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta"):
             if name in request.headers and not self.settings.api_keys:
                 headers[name] = request.headers[name]
-        return await self.client.post(engine.url + path, data=raw, headers=headers)
+        return headers
 
     async def _relay(
         self,

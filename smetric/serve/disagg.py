@@ -1,0 +1,334 @@
+"""``smetric serve`` in front of a disaggregated cluster: prefill engines and decode engines.
+
+It speaks the protocol of vLLM's disaggregated serving proxy (the toy proxy in vLLM's
+``examples/online_serving/disaggregated_serving`` and its NIXL integration tests):
+
+1. The client's request goes to a prefill engine with ``max_tokens`` (and
+   ``max_completion_tokens``) 1, not streamed, and ``kv_transfer_params`` saying
+   ``do_remote_decode: true`` (the remote fields empty). The engine prefills, keeps the
+   prompt's blocks, and answers with ``kv_transfer_params`` for the decode side
+   (``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
+   ``remote_port``, ...). Its one generated token is dropped.
+2. The original request, with those parameters added, goes to a decode engine, which
+   reads the blocks from the prefill engine and generates; its response streams back.
+
+The prefill engine is chosen by the policy under test, on a view whose load is each
+prefill engine's unprefilled prompt tokens in flight (the prompt minus the predicted hit,
+Figure 13 line 29), so the same policy code as the simulator's disaggregated mode runs
+here. The decode engine is chosen by ``decode_policy``: ``least_kv`` takes the engine's
+scraped ``kv_cache_usage`` where fresh (else its requests in flight), ``least_requests``
+the requests in flight, ``round_robin`` turns.
+
+Failures. A prefill engine that cannot be reached, fails with a 5xx or stalls past
+``prefill_timeout_s`` is left out and the prefill is tried on another, so a client sees
+an error only when every prefill engine failed. A decode engine that cannot be reached is
+ejected and the same parameters go to another decode engine: the prefill engine still
+holds the blocks (vLLM keeps them until read or until its lease runs out), so nothing is
+prefilled twice. With no decode engine left the client gets a 503 in OpenAI's error shape.
+A decode that sends nothing within ``decode_first_byte_s``, or stalls mid-stream past
+``decode_idle_s``, ends with a 504 or an error event and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import Counter
+
+from smetric.core.conversation import RequestFacts
+from smetric.core.policies import RoundRobin
+from smetric.core.policy import ClusterView
+from smetric.serve.app import Router, error_response
+from smetric.serve.engines import Engine
+
+log = logging.getLogger("smetric.serve")
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+DECODE_POLICIES = ("least_kv", "least_requests", "round_robin")
+PREFILL_HEADER = "x-smetric-prefill-engine"
+DECODE_HEADER = "x-smetric-decode-engine"
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg: one token, not streamed, asking the engine to keep the KV."""
+    out = {k: v for k, v in body.items() if k != "stream_options"}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out[KV_TRANSFER_PARAMS] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return out
+
+
+@dataclass
+class DisaggSettings:
+    decode_policy: str = "least_kv"
+    prefill_timeout_s: float = 300.0
+    decode_first_byte_s: float = 300.0
+    decode_idle_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(
+                f"decode policy {self.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
+            )
+
+
+class _Failed(Exception):
+    """This engine failed this leg; ``status`` when it answered with an error."""
+
+    def __init__(self, reason: str, status: int | None = None, body: bytes = b"") -> None:
+        super().__init__(reason)
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class Disaggregation:
+    """Which of the router's engines prefill and which decode, and how each is chosen."""
+
+    prefill_urls: frozenset[str]
+    decode_urls: frozenset[str]
+    settings: DisaggSettings = field(default_factory=DisaggSettings)
+    # Unprefilled prompt tokens in flight on each prefill engine: the policy's load.
+    pending: dict[str, float] = field(default_factory=dict)
+    _turns: RoundRobin = field(default_factory=RoundRobin)
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("a disaggregated cluster needs prefill and decode engines")
+        if self.prefill_urls & self.decode_urls:
+            raise ValueError("an engine cannot be both a prefill and a decode engine")
+
+    def register(self, router: Router) -> None:
+        registry = router.metrics.registry
+        self.routed = Counter(
+            "smetric_pd_routed",
+            "Requests sent to each engine, by leg (prefill or decode).",
+            ["leg", "engine"],
+            registry=registry,
+        )
+        self.failed = Counter(
+            "smetric_pd_failed",
+            "Legs that failed on an engine and were tried elsewhere or answered with an error.",
+            ["leg", "engine"],
+            registry=registry,
+        )
+
+    # -- choosing -------------------------------------------------------------------------
+
+    def choose_prefill(
+        self, router: Router, facts: RequestFacts, engines: list[Engine]
+    ) -> tuple[Engine, int]:
+        bs = router.settings.block_size
+        hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
+        loads = [self.pending.get(e.url, 0.0) for e in engines]
+        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
+        decision = router.policy.route(facts.routing_request(), view)
+        router.metrics.decisions.labels(decision.branch).inc()
+        engine = engines[decision.instance]
+        log.info(
+            json.dumps(
+                {
+                    "event": "route_prefill",
+                    "engine": engine.url,
+                    "branch": decision.branch,
+                    "turn": facts.turn,
+                    "prompt_tokens": facts.prompt_tokens,
+                    "predicted_hit_tokens": hits[decision.instance],
+                    "unprefilled_tokens": loads,
+                }
+            )
+        )
+        return engine, hits[decision.instance]
+
+    def choose_decode(self, router: Router, engines: list[Engine]) -> Engine:
+        rule = self.settings.decode_policy
+        if rule == "round_robin":
+            return engines[self._turns.take(len(engines))]
+        now = time.monotonic()
+
+        def measure(engine: Engine) -> float:
+            report = engine.report
+            fresh = report is not None and now - report.at <= router.settings.staleness_s
+            if rule == "least_kv" and fresh and report.kv_usage is not None:
+                return report.kv_usage
+            return float(engine.inflight)
+
+        engine = engines[self._turns.argmin([measure(e) for e in engines])]
+        log.info(json.dumps({"event": "route_decode", "engine": engine.url, "rule": rule}))
+        return engine
+
+    # -- the two legs -----------------------------------------------------------------------
+
+    async def serve(
+        self,
+        router: Router,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        facts: RequestFacts,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        prefills = [e for e in router.engines if e.url in self.prefill_urls]
+        tried: set[str] = set()
+        while True:
+            candidates = [e for e in prefills if e.healthy and e.url not in tried]
+            if not candidates:
+                return error_response(
+                    503, "no prefill engine could prefill the request", "server_error"
+                )
+            prefill, predicted = self.choose_prefill(router, facts, candidates)
+            tried.add(prefill.url)
+            try:
+                params = await self._prefill(router, prefill, path, body, facts, predicted, headers)
+                break
+            except _Failed as failure:
+                self.failed.labels("prefill", prefill.url).inc()
+                router.metrics.retries.inc()
+                if failure.status is not None and failure.status < 500:
+                    return _passthrough(failure.status, failure.body)  # the request's fault
+                log.warning(json.dumps({"event": "prefill_failed", "engine": prefill.url,
+                                        "reason": str(failure)}))  # fmt: skip
+        decodes = [e for e in router.engines if e.url in self.decode_urls]
+        tried.clear()
+        payload = json.dumps({**body, KV_TRANSFER_PARAMS: params}).encode()
+        while True:
+            candidates = [e for e in decodes if e.healthy and e.url not in tried]
+            if not candidates:
+                return error_response(
+                    503, "no decode engine reachable after the prefill", "server_error"
+                )
+            decode = self.choose_decode(router, candidates)
+            tried.add(decode.url)
+            self.routed.labels("decode", decode.url).inc()
+            decode.inflight += 1
+            try:
+                return await self._decode(router, request, decode, prefill, path, payload, headers)
+            except _Failed as failure:
+                self.failed.labels("decode", decode.url).inc()
+                router.metrics.retries.inc()
+                router._eject(decode, str(failure))
+            finally:
+                decode.inflight -= 1
+
+    async def _prefill(
+        self,
+        router: Router,
+        engine: Engine,
+        path: str,
+        body: dict[str, Any],
+        facts: RequestFacts,
+        predicted: int,
+        headers: dict[str, str],
+    ) -> dict[str, Any]:
+        """Run the prefill leg; the decode side's ``kv_transfer_params``."""
+        assert router.client is not None
+        unprefilled = float(facts.prompt_tokens - predicted)
+        self.pending[engine.url] = self.pending.get(engine.url, 0.0) + unprefilled
+        engine.inflight += 1
+        self.routed.labels("prefill", engine.url).inc()
+        timeout = aiohttp.ClientTimeout(
+            total=self.settings.prefill_timeout_s, sock_connect=router.settings.connect_timeout_s
+        )
+        try:
+            async with router.client.post(
+                engine.url + path, json=prefill_request(body), headers=headers, timeout=timeout
+            ) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    raise _Failed(f"prefill answered {response.status}", response.status, raw)
+        except TimeoutError as exc:  # aiohttp's socket timeouts are connection errors too
+            raise _Failed(f"prefill stalled past {self.settings.prefill_timeout_s:g} s") from exc
+        except aiohttp.ClientConnectionError as exc:
+            router._eject(engine, f"prefill connect failed: {exc!r}")
+            raise _Failed(f"connect failed: {exc!r}") from exc
+        finally:
+            engine.inflight -= 1
+            self.pending[engine.url] -= unprefilled
+        try:
+            params = json.loads(raw).get(KV_TRANSFER_PARAMS)
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            raise _Failed(
+                "the prefill engine returned no kv_transfer_params (is it disaggregated?)"
+            )
+        engine.remember(facts.blocks)
+        router.metrics.predicted.labels(engine.url).inc(predicted)
+        return params
+
+    async def _decode(
+        self,
+        router: Router,
+        request: web.Request,
+        engine: Engine,
+        prefill: Engine,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Send the decode leg and relay its answer; ``_Failed`` only before the client
+        got anything."""
+        assert router.client is not None
+        timeout = aiohttp.ClientTimeout(
+            sock_connect=router.settings.connect_timeout_s,
+            sock_read=self.settings.decode_first_byte_s,
+        )
+        try:
+            upstream = await router.client.post(
+                engine.url + path, data=payload, headers=headers, timeout=timeout
+            )
+        except aiohttp.ConnectionTimeoutError as exc:  # never reached it: try another
+            raise _Failed(f"decode connect timed out: {exc!r}") from exc
+        except TimeoutError:  # before ClientConnectionError: aiohttp's timeouts are both
+            return error_response(
+                504, f"decode engine {engine.url} sent nothing in time", "server_error"
+            )
+        except aiohttp.ClientConnectionError as exc:
+            raise _Failed(f"decode connect failed: {exc!r}") from exc
+        with contextlib.closing(upstream):
+            response = web.StreamResponse(status=upstream.status)
+            response.content_type = upstream.content_type or "application/json"
+            response.headers[PREFILL_HEADER] = prefill.url
+            response.headers[DECODE_HEADER] = engine.url
+            await response.prepare(request)
+            try:
+                while True:
+                    chunk = await asyncio.wait_for(
+                        upstream.content.readany(), self.settings.decode_idle_s
+                    )
+                    if not chunk:
+                        break
+                    await response.write(chunk)
+            except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                log.warning(json.dumps({"event": "decode_broke", "engine": engine.url}))
+                message = {
+                    "error": {"message": "decode engine stalled or lost", "type": "server_error"}
+                }
+                if response.content_type == "text/event-stream":
+                    with contextlib.suppress(ConnectionResetError):
+                        await response.write(f"data: {json.dumps(message)}\n\n".encode())
+                return response
+            with contextlib.suppress(ConnectionResetError):
+                await response.write_eof()
+            return response
+
+
+def _passthrough(status: int, raw: bytes) -> web.Response:
+    return web.Response(body=raw, status=status, content_type="application/json")

@@ -1,0 +1,195 @@
+"""The router in front of a disaggregated mock cluster, over real HTTP on loopback: the
+prefill leg, the decode leg pulling the prompt's KV, and each failure the router handles."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from test_serve import closed_port, conversation
+
+from smetric.engine.disagg import KV_TRANSFER_PARAMS, TRANSFERS
+from smetric.engine.scheduler import EngineConfig
+from smetric.engine.server import create_app
+from smetric.serve.app import Router, RouterSettings
+from smetric.serve.disagg import DECODE_HEADER, PREFILL_HEADER, Disaggregation, DisaggSettings
+from smetric.serve.engines import Engine
+
+FAST = {"speed": 0.001, "kv_blocks": 2048}
+
+
+async def stalling_app() -> web.Application:
+    """An engine that accepts requests and never answers."""
+
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", hang)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def with_pd(
+    body: Callable[[aiohttp.ClientSession, str, Router, dict[str, TestServer]], Awaitable[Any]],
+    prefill: int = 2,
+    decode: int = 2,
+    dead_prefill: int = 0,
+    dead_decode: int = 0,
+    stalling_prefill: int = 0,
+    stalling_decode: int = 0,
+    decode_config: dict[str, Any] | None = None,
+    settings: DisaggSettings | None = None,
+) -> Any:
+    """Mock prefill and decode engines (dead or stalling ones listed first) behind a router."""
+    servers: dict[str, TestServer] = {}
+
+    async def start(app: web.Application) -> str:
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        url = f"http://127.0.0.1:{server.port}"
+        servers[url] = server
+        return url
+
+    prefills = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_prefill)]
+    prefills += [await start(await stalling_app()) for _ in range(stalling_prefill)]
+    for _ in range(prefill):
+        prefills.append(await start(create_app(EngineConfig(role="prefill", **FAST))))
+    decodes = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_decode)]
+    decodes += [await start(await stalling_app()) for _ in range(stalling_decode)]
+    config = {**FAST, **(decode_config or {})}
+    for _ in range(decode):
+        decodes.append(await start(create_app(EngineConfig(role="decode", **config))))
+    router = Router(
+        [Engine(u, 2048) for u in prefills + decodes],
+        RouterSettings(health_interval_s=60),
+        disagg=Disaggregation(
+            frozenset(prefills), frozenset(decodes), settings or DisaggSettings()
+        ),
+    )
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as client:
+            return await body(client, f"http://127.0.0.1:{server.port}", router, servers)
+    finally:
+        await server.close()
+        for engine in servers.values():
+            await engine.close()
+
+
+async def ask(
+    client: aiohttp.ClientSession, url: str, messages: list[dict], status: int = 200, **extra: Any
+) -> tuple[aiohttp.ClientResponse, Any]:
+    payload = {"model": "m", "messages": messages, "max_tokens": 4, **extra}
+    async with client.post(url + "/v1/chat/completions", json=payload) as response:
+        data = await (response.text() if extra.get("stream") else response.json())
+        assert response.status == status, data
+        return response, data
+
+
+def test_prefill_then_decode_with_the_prompt_pulled_and_counted_as_cached() -> None:
+    async def body(client, url, router, servers) -> None:
+        messages = conversation(0, 0)
+        response, data = await ask(client, url, messages)
+        prefill, decode = response.headers[PREFILL_HEADER], response.headers[DECODE_HEADER]
+        assert prefill in router.disagg.prefill_urls and decode in router.disagg.decode_urls
+        assert data["usage"]["completion_tokens"] == 4  # the decode's, not the prefill's 1
+        prompt = data["usage"]["prompt_tokens"]
+        # Every full block but the one holding the last token came over from the prefill.
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
+        assert KV_TRANSFER_PARAMS not in data
+        # The prefill engine held the blocks only until the decode engine pulled them.
+        assert servers[prefill].app[TRANSFERS].held == {}
+        # A follow-up goes to the prefill engine that holds its history.
+        messages += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "and?"}]
+        again, _ = await ask(client, url, messages)
+        assert again.headers[PREFILL_HEADER] == prefill
+        _, text = await ask(client, url, messages, stream=True)
+        assert text.rstrip().endswith("data: [DONE]") and text.count('"content"') >= 4
+        metrics = await (await client.get(url + "/metrics")).text()
+        assert f'smetric_pd_routed_total{{engine="{prefill}",leg="prefill"}}' in metrics
+        assert 'leg="decode"' in metrics
+        assert all(e.inflight == 0 for e in router.engines)
+        assert all(v == 0 for v in router.disagg.pending.values())
+
+    asyncio.run(with_pd(body))
+
+
+def test_the_pull_takes_the_link_models_time() -> None:
+    # 100 kB/s: a 16-token block of Qwen3-30B's KV (1.5 MB) takes 15.7 s, x speed 0.01.
+    slow = {"kv_link_gb_s": 0.0001, "speed": 0.01}
+
+    async def body(client, url, router, servers) -> None:
+        messages = conversation(1, 0)
+        started = time.monotonic()
+        _, data = await ask(client, url, messages)
+        cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 16 * 10
+        pull_s = cached * 98_304 / 1e5 * 0.01
+        assert time.monotonic() - started >= pull_s
+
+    asyncio.run(with_pd(body, prefill=1, decode=1, decode_config=slow))
+
+
+def test_a_dead_or_stalling_prefill_engine_is_skipped() -> None:
+    async def body(client, url, router, servers) -> None:
+        for session in range(4):
+            response, _ = await ask(client, url, conversation(session, 0))
+            assert response.headers[PREFILL_HEADER] in servers  # a live one
+        dead = router.engines[0]
+        assert dead.healthy is False
+
+    settings = DisaggSettings(prefill_timeout_s=0.5)
+    asyncio.run(with_pd(body, prefill=1, dead_prefill=1, stalling_prefill=1, settings=settings))
+
+
+def test_a_dead_decode_engine_sends_the_decode_to_another_and_none_left_is_a_503() -> None:
+    async def body(client, url, router, servers) -> None:
+        response, data = await ask(client, url, conversation(2, 0))
+        assert response.headers[DECODE_HEADER] in servers
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # pulled, not redone
+
+    asyncio.run(with_pd(body, decode=1, dead_decode=2))
+
+    async def none_left(client, url, router, servers) -> None:
+        _, error = await ask(client, url, conversation(3, 0), status=503)
+        assert "no decode engine" in error["error"]["message"]
+
+    asyncio.run(with_pd(none_left, decode=0, dead_decode=1))
+
+
+def test_a_stalling_decode_engine_answers_504() -> None:
+    async def body(client, url, router, servers) -> None:
+        _, error = await ask(client, url, conversation(4, 0), status=504)
+        assert "sent nothing in time" in error["error"]["message"]
+        assert all(e.inflight == 0 for e in router.engines)
+
+    settings = DisaggSettings(decode_first_byte_s=0.3)
+    asyncio.run(with_pd(body, decode=0, stalling_decode=1, settings=settings))
+
+
+def test_engines_refuse_a_leg_their_role_cannot_serve() -> None:
+    async def body(client, url, router, servers) -> None:
+        decode = next(u for u in servers if u in router.disagg.decode_urls)
+        prefill = next(u for u in servers if u in router.disagg.prefill_urls)
+        wrong = [
+            (decode, {"do_remote_decode": True}, "decode engine"),
+            (prefill, {"do_remote_prefill": True}, "prefill engine"),
+        ]
+        for engine, params, message in wrong:
+            payload = {"messages": conversation(5, 0), KV_TRANSFER_PARAMS: params}
+            async with client.post(engine + "/v1/chat/completions", json=payload) as response:
+                assert response.status == 400
+                assert message in (await response.json())["error"]["message"]
+
+    asyncio.run(with_pd(body, prefill=1, decode=1))
