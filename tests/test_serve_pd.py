@@ -4,6 +4,8 @@ prefill leg, the decode leg pulling the prompt's KV, and each failure the router
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_serve import closed_port, conversation
+from test_serve import closed_port, conversation, wait_healthy
 
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, TRANSFERS
 from smetric.engine.scheduler import EngineConfig
@@ -193,3 +195,53 @@ def test_engines_refuse_a_leg_their_role_cannot_serve() -> None:
                 assert message in (await response.json())["error"]["message"]
 
     asyncio.run(with_pd(body, prefill=1, decode=1))
+
+
+def test_processes_engine_roles_and_serve_from_yaml(tmp_path) -> None:
+    """``smetric engine --role`` and ``smetric serve`` with prefill_engines/decode_engines in
+    YAML, as separate processes; the decode engine is killed and the next request still
+    finds the other."""
+    ports = [closed_port() for _ in range(4)]
+    roles = ["prefill", "decode", "decode"]
+    command = [sys.executable, "-m", "smetric"]
+    processes = [
+        subprocess.Popen(
+            [*command, "engine", "--port", str(port), "--role", role, "--speed", "0.001"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for port, role in zip(ports, roles, strict=False)
+    ]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    config = tmp_path / "pd.yaml"
+    config.write_text(f"prefill_engines: [{urls[0]}]\ndecode_engines: [{urls[1]}, {urls[2]}]\n")
+    router = subprocess.Popen(
+        [*command, "serve", "-c", str(config), "--port", str(ports[3]),
+         "--decode-policy", "round_robin", "--health-interval", "0.2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    processes.append(router)
+    try:
+
+        async def scenario() -> None:
+            for url in urls:
+                await wait_healthy(url)
+            async with aiohttp.ClientSession() as client:
+                seen = set()
+                for session in range(2):
+                    response, data = await ask(client, urls[3], conversation(session, 0))
+                    seen.add(response.headers[DECODE_HEADER])
+                    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                assert seen == set(urls[1:3])  # round-robin over both decode engines
+                processes[1].kill()
+                processes[1].wait()
+                for session in range(2, 4):
+                    response, _ = await ask(client, urls[3], conversation(session, 0))
+                    assert response.headers[DECODE_HEADER] == urls[2]
+
+        asyncio.run(scenario())
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()

@@ -14,6 +14,7 @@ from smetric.cli.app import app, console, user_errors
 from smetric.core.kv_events import EventIndex
 from smetric.core.policy import POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
+from smetric.serve.disagg import DECODE_POLICIES, DisaggSettings, disaggregation_from
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.tokenizers import make_tokenizer
@@ -103,6 +104,26 @@ def serve(
     staleness: Annotated[
         float, typer.Option(help="Ignore a scrape older than this many seconds.", min=0.0)
     ] = 5.0,
+    prefill_engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--prefill-engine",
+            help="Disaggregated serving: a prefill engine's URL (repeatable; YAML "
+            "prefill_engines:). The policy picks one per request on unprefilled tokens.",
+        ),
+    ] = None,
+    decode_engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--decode-engine",
+            help="Disaggregated serving: a decode engine's URL (repeatable; YAML "
+            "decode_engines:); gets the request with the prefill's kv_transfer_params.",
+        ),
+    ] = None,
+    decode_policy: Annotated[
+        str,
+        typer.Option(help=f"How the decode engine is chosen: {', '.join(DECODE_POLICIES)}."),
+    ] = "least_kv",
     tokenizer: Annotated[
         str,
         typer.Option(
@@ -118,7 +139,20 @@ def serve(
     that engine is overloaded or has evicted it. One JSON log line per decision.
     """
     with user_errors():
-        engines, subscribers = engines_from(engine or [], config, kv_blocks, block_size)
+        disaggregated = disaggregation_from(
+            prefill_engine or [],
+            decode_engine or [],
+            config,
+            kv_blocks,
+            DisaggSettings(decode_policy=decode_policy),
+        )
+        disagg = None
+        if disaggregated is None:
+            engines, subscribers = engines_from(engine or [], config, kv_blocks, block_size)
+        elif engine:
+            raise ValueError("give --engine for a colocated cluster, or prefill and decode engines")
+        else:
+            (engines, disagg), subscribers = disaggregated, {}
         by_engine = tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
         router = Router(
@@ -135,10 +169,14 @@ def serve(
             template=template,
             engine_tokenizer=by_engine,
             subscribers=subscribers,
+            disagg=disagg,
         )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    shape = f"{len(engines)} engines"
+    if disagg is not None:
+        shape = f"{len(disagg.prefill_urls)} prefill + {len(disagg.decode_urls)} decode engines"
     console.print(
-        f"smetric serve: {policy} over {len(engines)} engines on http://{host}:{port}",
+        f"smetric serve: {policy} over {shape} on http://{host}:{port}",
         highlight=False,
     )
     # A client that goes away cancels its handler, so its request stops counting at once.

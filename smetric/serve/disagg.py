@@ -37,9 +37,11 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 from aiohttp import web
 from prometheus_client import Counter
 
@@ -332,3 +334,48 @@ class Disaggregation:
 
 def _passthrough(status: int, raw: bytes) -> web.Response:
     return web.Response(body=raw, status=status, content_type="application/json")
+
+
+def disaggregation_from(
+    prefill: list[str],
+    decode: list[str],
+    config: Path | None,
+    kv_blocks: int,
+    settings: DisaggSettings,
+) -> tuple[list[Engine], Disaggregation] | None:
+    """Engines and roles from ``--prefill-engine``/``--decode-engine`` flags and/or the YAML
+    keys ``prefill_engines:`` and ``decode_engines:`` (URLs or ``{url, kv_blocks}``);
+    None when neither names any, i.e. the cluster is colocated."""
+    roles = {"prefill_engines": list(prefill), "decode_engines": list(decode)}
+    sized: dict[str, int] = {}
+    if config is not None:
+        try:
+            data = yaml.safe_load(config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{config}: cannot read YAML: {exc}") from exc
+        for key, urls in roles.items():
+            entries = data.get(key, []) if isinstance(data, dict) else []
+            if not isinstance(entries, list):
+                raise ValueError(f"{config}: {key} must be a list of URLs or {{url, kv_blocks}}")
+            for entry in entries:
+                if isinstance(entry, dict) and isinstance(entry.get("url"), str):
+                    sized[entry["url"].rstrip("/")] = int(entry.get("kv_blocks", kv_blocks))
+                    entry = entry["url"]
+                if not isinstance(entry, str):
+                    raise ValueError(f"{config}: each of {key} is a URL or {{url, kv_blocks}}")
+                urls.append(entry)
+    if not any(roles.values()):
+        return None
+    prefills, decodes = (
+        [Engine(u, kv_blocks) for u in roles[k]] for k in ("prefill_engines", "decode_engines")
+    )
+    engines = prefills + decodes
+    for engine in engines:
+        engine.kv_blocks = sized.get(engine.url, kv_blocks)
+        engine.forget()  # the prefix index sized to its engine
+        if not engine.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine {engine.url!r} must be an http(s):// URL")
+    disagg = Disaggregation(
+        frozenset(e.url for e in prefills), frozenset(e.url for e in decodes), settings
+    )
+    return engines, disagg
