@@ -41,6 +41,24 @@ async def stalling_app() -> web.Application:
     return app
 
 
+async def keyless_prefill_app() -> web.Application:
+    """A prefill engine whose connector is keyed by the prompt (vLLM's ExampleConnector,
+    LMCache): it answers the one token and no ``kv_transfer_params``."""
+
+    async def complete(request: web.Request) -> web.Response:
+        body = await request.json()
+        assert body["max_tokens"] == 1 and body[KV_TRANSFER_PARAMS]["do_remote_decode"]
+        return web.json_response({"choices": [{"message": {"content": "x"}}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_get("/health", health)
+    return app
+
+
 async def with_pd(
     body: Callable[[aiohttp.ClientSession, str, Router, dict[str, TestServer]], Awaitable[Any]],
     prefill: int = 2,
@@ -49,6 +67,7 @@ async def with_pd(
     dead_decode: int = 0,
     stalling_prefill: int = 0,
     stalling_decode: int = 0,
+    keyless_prefill: int = 0,
     decode_config: dict[str, Any] | None = None,
     settings: DisaggSettings | None = None,
 ) -> Any:
@@ -64,6 +83,7 @@ async def with_pd(
 
     prefills = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_prefill)]
     prefills += [await start(await stalling_app()) for _ in range(stalling_prefill)]
+    prefills += [await start(await keyless_prefill_app()) for _ in range(keyless_prefill)]
     for _ in range(prefill):
         prefills.append(await start(create_app(EngineConfig(role="prefill", **FAST))))
     decodes = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_decode)]
@@ -125,6 +145,15 @@ def test_prefill_then_decode_with_the_prompt_pulled_and_counted_as_cached() -> N
         assert all(v == 0 for v in router.disagg.pending.values())
 
     asyncio.run(with_pd(body))
+
+
+def test_a_prefill_without_transfer_params_sends_the_plain_request_to_the_decode() -> None:
+    async def body(client, url, router, servers) -> None:
+        _, data = await ask(client, url, conversation(6, 0))
+        assert data["usage"]["completion_tokens"] == 4
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing pulled
+
+    asyncio.run(with_pd(body, prefill=0, keyless_prefill=1, decode=1))
 
 
 def test_the_pull_takes_the_link_models_time() -> None:

@@ -209,7 +209,8 @@ class Disaggregation:
                                         "reason": str(failure)}))  # fmt: skip
         decodes = [e for e in router.engines if e.url in self.decode_urls]
         tried.clear()
-        payload = json.dumps({**body, KV_TRANSFER_PARAMS: params}).encode()
+        sent = body if params is None else {**body, KV_TRANSFER_PARAMS: params}
+        payload = json.dumps(sent).encode()
         while True:
             candidates = [e for e in decodes if e.healthy and e.url not in tried]
             if not candidates:
@@ -238,8 +239,8 @@ class Disaggregation:
         facts: RequestFacts,
         predicted: int,
         headers: dict[str, str],
-    ) -> dict[str, Any]:
-        """Run the prefill leg; the decode side's ``kv_transfer_params``."""
+    ) -> dict[str, Any] | None:
+        """Run the prefill leg; the decode side's ``kv_transfer_params``, if it gave any."""
         assert router.client is not None
         unprefilled = float(facts.prompt_tokens - predicted)
         self.pending[engine.url] = self.pending.get(engine.url, 0.0) + unprefilled
@@ -268,9 +269,9 @@ class Disaggregation:
         except (ValueError, AttributeError):
             params = None
         if not isinstance(params, dict):
-            raise _Failed(
-                "the prefill engine returned no kv_transfer_params (is it disaggregated?)"
-            )
+            # Connectors keyed by the prompt (vLLM's ExampleConnector, LMCache) return none:
+            # the decode engine finds the KV on its own.
+            params = None
         engine.remember(facts.blocks)
         router.metrics.predicted.labels(engine.url).inc(predicted)
         return params
