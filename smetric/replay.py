@@ -27,8 +27,15 @@ import polars as pl
 
 from smetric.report.runs import run_file_name
 from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
+from smetric.serve.disagg import (
+    DECODE_HEADER,
+    PREFILL_CACHED_HEADER,
+    PREFILL_HEADER,
+    PREFILL_SECONDS_HEADER,
+)
 from smetric.sim.config import SimConfig, SLOConfig
 from smetric.sim.metrics import summarize, with_latencies
+from smetric.sim.pd import disaggregated_summary, with_prefill_latency
 from smetric.sim.workload import sample_sessions
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals
 from smetric.trace.schema import Trace
@@ -128,6 +135,11 @@ class Measured:
     cached_tokens: int = 0
     # What an SMetric router expected the engine to have cached (its response header).
     predicted_hit_tokens: int | None = None
+    # Behind a disaggregating SMetric router: the decode engine, how long the prefill leg
+    # took and what the prefill engine found cached (its response headers).
+    decode_engine: str | None = None
+    prefill_s: float | None = None
+    prefill_cached_tokens: int = 0
 
 
 @dataclass
@@ -182,6 +194,7 @@ class Replayer:
         self.answers: dict[int, str] = {}
         self.records: dict[int, Measured] = {}
         self.engines: dict[str, int] = {}
+        self.decoders: dict[str, int] = {}
         self.progress = Progress()
         self.tasks: set[asyncio.Task] = set()
         self.model: str | None = options.model
@@ -311,9 +324,11 @@ class Replayer:
                 await reply.read()
                 return None
             record.engine = engine
+            if PREFILL_HEADER in reply.headers:
+                self._disaggregated(record, reply.headers)
             if PREDICTED_HIT_HEADER in reply.headers:
                 record.predicted_hit_tokens = int(reply.headers[PREDICTED_HIT_HEADER])
-            self.engines.setdefault(engine, len(self.engines))
+            self.engines.setdefault(record.engine, len(self.engines))
             parts: list[str] = []
             usage: dict[str, Any] = {}
             async for line in reply.content:
@@ -339,13 +354,24 @@ class Replayer:
         record.cached_tokens = details.get("cached_tokens") or 0
         return "".join(parts)
 
+    def _disaggregated(self, record: Measured, headers: Any) -> None:
+        """The prefill engine is where the request was routed; the decode engine apart."""
+        record.engine = headers[PREFILL_HEADER]
+        record.decode_engine = headers.get(DECODE_HEADER)
+        if record.decode_engine is not None:
+            self.decoders.setdefault(record.decode_engine, len(self.decoders))
+        if PREFILL_SECONDS_HEADER in headers:
+            record.prefill_s = float(headers[PREFILL_SECONDS_HEADER])
+        record.prefill_cached_tokens = int(headers.get(PREFILL_CACHED_HEADER, 0))
+
     def table(self) -> pl.DataFrame:
         """What was measured, in the simulator's columns, for requests sent by the horizon."""
         sent = sorted(
             (r for r in self.records.values() if r.arrival_s <= self.horizon_s),
             key=lambda r: r.request_id,
         )
-        return pl.DataFrame(
+        disaggregated = bool(self.decoders)
+        table = pl.DataFrame(
             {
                 "request_id": [r.request_id for r in sent],
                 "session_id": [r.session_id for r in sent],
@@ -359,11 +385,28 @@ class Replayer:
                 "prompt_tokens": [r.prompt_tokens for r in sent],
                 "output_tokens": [r.output_tokens for r in sent],
                 "est_hit_tokens": [0 for _ in sent],
-                "local_hit_tokens": [r.cached_tokens for r in sent],
+                "local_hit_tokens": [
+                    r.prefill_cached_tokens if disaggregated else r.cached_tokens for r in sent
+                ],
                 "global_hit_tokens": [0 for _ in sent],
                 "preemptions": [0 for _ in sent],
             },
             schema=REQUEST_SCHEMA,
+        )
+        if not disaggregated:
+            return table
+        # The prefill's end as the router saw it; the decode's reported hit is the pull.
+        return table.with_columns(
+            prefill_done_s=pl.Series(
+                [None if r.prefill_s is None else r.arrival_s + r.prefill_s for r in sent],
+                dtype=pl.Float64,
+            ),
+            decode_instance=pl.Series(
+                [self.decoders.get(r.decode_engine or "", -1) for r in sent], dtype=pl.Int64
+            ),
+            transfer_tokens=pl.Series(
+                [r.cached_tokens if r.decode_engine else 0 for r in sent], dtype=pl.Int64
+            ),
         )
 
     def results(self, slo: SLOConfig | None = None) -> tuple[pl.DataFrame, dict]:
@@ -376,6 +419,10 @@ class Replayer:
         horizon = max(self.horizon_s, 1e-9)
         table = with_latencies(self.table(), slo, horizon)
         window = SimConfig().window_s / self.options.time_scale
+        if self.decoders:
+            table = with_prefill_latency(table, slo, horizon)
+            instances = max(len(self.engines), 1)
+            return table, disaggregated_summary(table, slo, horizon, instances, True, window)
         summary = summarize(table, slo, horizon, max(len(self.engines), 1), window)
         return table, summary
 
@@ -388,6 +435,7 @@ class Replayer:
             "endpoint": self.base,
             "model": self.model,
             "engines": list(self.engines),
+            "decode_engines": list(self.decoders),
             "options": {k: v for k, v in vars(self.options).items() if k != "url"},
             "policies": {"replay": summary},
         }

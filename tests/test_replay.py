@@ -142,3 +142,57 @@ def test_report_of_a_folder_that_is_not_a_result_is_a_clear_error(tmp_path: Path
     assert result.exit_code == 2
     assert "summary.json (not a" in result.output
     assert "Traceback" not in result.output
+
+
+def test_replay_against_a_disaggregated_router_measures_prefill_tps_and_ttft(
+    tmp_path: Path,
+) -> None:
+    from smetric.serve.disagg import Disaggregation
+
+    async def scenario() -> Replayer:
+        roles = ["prefill", "prefill", "decode"]
+        engines = [
+            TestServer(create_app(EngineConfig(speed=0.0001, role=r)), host="127.0.0.1")
+            for r in roles
+        ]
+        for server in engines:
+            await server.start_server()
+        urls = [f"http://127.0.0.1:{s.port}" for s in engines]
+        router = Router(
+            [Engine(u, 4096) for u in urls],
+            RouterSettings(health_interval_s=60),
+            disagg=Disaggregation(frozenset(urls[:2]), frozenset(urls[2:])),
+        )
+        front = TestServer(router.app(), host="127.0.0.1")
+        await front.start_server()
+        try:
+            options = ReplayOptions(
+                url=f"http://127.0.0.1:{front.port}",
+                rate=4.0,
+                duration_s=3.0,
+                time_scale=20.0,
+                token_scale=100.0,
+            )
+            replayer = Replayer(load_trace("sample:weka"), options)
+            await replayer.run()
+            replayer.write(tmp_path)
+            return replayer
+        finally:
+            await front.close()
+            for server in engines:
+                await server.close()
+
+    asyncio.run(scenario())
+    table = pl.read_parquet(tmp_path / "requests-replay.parquet")
+    done = table.filter(pl.col("completed"))
+    assert done.height > 5
+    assert (done["prefill_ttft_s"] <= done["ttft_s"]).all()  # the decode's first token comes after
+    assert set(done["instance"]) == {0, 1} and set(done["decode_instance"]) == {0}
+    assert (done["transfer_tokens"] > 0).all()  # the decode engine pulled every prompt
+    follow = done.filter(pl.col("turn") > 0)
+    assert follow["local_hit_tokens"].sum() > 0  # the prefill engines' own hits
+    summary = json.loads((tmp_path / "summary.json").read_text())["policies"]["replay"]
+    assert summary["pd"]["mode"] == "full"
+    assert summary["pd"]["prefill_tps_within_slo"] > 0
+    met = done.filter(pl.col("met_slo"))
+    assert summary["tps_within_slo"] == pytest.approx(met["prompt_tokens"].sum() / 3.0)

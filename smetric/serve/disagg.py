@@ -56,6 +56,10 @@ log = logging.getLogger("smetric.serve")
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 DECODE_POLICIES = ("least_kv", "least_requests", "round_robin")
 PREFILL_HEADER = "x-smetric-prefill-engine"
+# How long the prefill leg took as the router saw it, and the prompt tokens the prefill
+# engine found cached: what ``smetric replay`` measures prefill TTFT and reuse with.
+PREFILL_SECONDS_HEADER = "x-smetric-prefill-seconds"
+PREFILL_CACHED_HEADER = "x-smetric-prefill-cached-tokens"
 DECODE_HEADER = "x-smetric-decode-engine"
 
 
@@ -89,6 +93,16 @@ class DisaggSettings:
             raise ValueError(
                 f"decode policy {self.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
             )
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A finished prefill leg: where, what it hands the decode, what it hit, how long."""
+
+    engine: Engine
+    params: dict[str, Any] | None
+    cached_tokens: int | None
+    seconds: float
 
 
 class _Failed(Exception):
@@ -198,7 +212,9 @@ class Disaggregation:
             prefill, predicted = self.choose_prefill(router, facts, candidates)
             tried.add(prefill.url)
             try:
-                params = await self._prefill(router, prefill, path, body, facts, predicted, headers)
+                prefilled = await self._prefill(
+                    router, prefill, path, body, facts, predicted, headers
+                )
                 break
             except _Failed as failure:
                 self.failed.labels("prefill", prefill.url).inc()
@@ -209,6 +225,7 @@ class Disaggregation:
                                         "reason": str(failure)}))  # fmt: skip
         decodes = [e for e in router.engines if e.url in self.decode_urls]
         tried.clear()
+        params = prefilled.params
         sent = body if params is None else {**body, KV_TRANSFER_PARAMS: params}
         payload = json.dumps(sent).encode()
         while True:
@@ -222,7 +239,9 @@ class Disaggregation:
             self.routed.labels("decode", decode.url).inc()
             decode.inflight += 1
             try:
-                return await self._decode(router, request, decode, prefill, path, payload, headers)
+                return await self._decode(
+                    router, request, decode, prefilled, path, payload, headers
+                )
             except _Failed as failure:
                 self.failed.labels("decode", decode.url).inc()
                 router.metrics.retries.inc()
@@ -239,9 +258,10 @@ class Disaggregation:
         facts: RequestFacts,
         predicted: int,
         headers: dict[str, str],
-    ) -> dict[str, Any] | None:
-        """Run the prefill leg; the decode side's ``kv_transfer_params``, if it gave any."""
+    ) -> Prefilled:
+        """Run the prefill leg."""
         assert router.client is not None
+        started = time.monotonic()
         unprefilled = float(facts.prompt_tokens - predicted)
         self.pending[engine.url] = self.pending.get(engine.url, 0.0) + unprefilled
         engine.inflight += 1
@@ -265,23 +285,30 @@ class Disaggregation:
             engine.inflight -= 1
             self.pending[engine.url] -= unprefilled
         try:
-            params = json.loads(raw).get(KV_TRANSFER_PARAMS)
-        except (ValueError, AttributeError):
-            params = None
-        if not isinstance(params, dict):
-            # Connectors keyed by the prompt (vLLM's ExampleConnector, LMCache) return none:
-            # the decode engine finds the KV on its own.
-            params = None
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        answer = answer if isinstance(answer, dict) else {}
+        params = answer.get(KV_TRANSFER_PARAMS)
+        # Connectors keyed by the prompt (vLLM's ExampleConnector, LMCache) return none: the
+        # decode engine finds the KV on its own.
+        usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         engine.remember(facts.blocks)
         router.metrics.predicted.labels(engine.url).inc(predicted)
-        return params
+        return Prefilled(
+            engine,
+            params if isinstance(params, dict) else None,
+            cached if isinstance(cached, int) else None,
+            time.monotonic() - started,
+        )
 
     async def _decode(
         self,
         router: Router,
         request: web.Request,
         engine: Engine,
-        prefill: Engine,
+        prefilled: Prefilled,
         path: str,
         payload: bytes,
         headers: dict[str, str],
@@ -308,7 +335,10 @@ class Disaggregation:
         with contextlib.closing(upstream):
             response = web.StreamResponse(status=upstream.status)
             response.content_type = upstream.content_type or "application/json"
-            response.headers[PREFILL_HEADER] = prefill.url
+            response.headers[PREFILL_HEADER] = prefilled.engine.url
+            response.headers[PREFILL_SECONDS_HEADER] = f"{prefilled.seconds:.6f}"
+            if prefilled.cached_tokens is not None:
+                response.headers[PREFILL_CACHED_HEADER] = str(prefilled.cached_tokens)
             response.headers[DECODE_HEADER] = engine.url
             await response.prepare(request)
             try:

@@ -295,32 +295,67 @@ def prefill_loads(table: pl.DataFrame, instances: int, window_s: float, horizon_
     )
 
 
-def pd_summary(table: pl.DataFrame, config: SimConfig, sim: DisaggSimulation, horizon: float):
-    """The colocated summary with disaggregation's meaning, plus a ``pd`` section.
+def disaggregated_summary(
+    table: pl.DataFrame,
+    slo: SLOConfig,
+    horizon: float,
+    prefill_instances: int,
+    full: bool,
+    window_s: float,
+    warmup_s: float = 0.0,
+) -> dict:
+    """The colocated summary with disaggregation's meaning, plus a ``pd`` section, from a
+    per-request table with the prefill columns (simulated or measured by ``replay``).
 
     ``tps_within_slo`` counts prompt tokens (the paper's prefill TPS within SLO): of the
     requests that met the TTFT SLO (prefill-only) or both SLOs (full P/D, the client's
     TTFT, after the transfer and the decode's first step). Load and imbalance are the
     prefill instances' in-flight prefill tokens.
     """
-    cluster = config.cluster
-    n = cluster.prefill_instances
-    summary = summarize(table, config.slo, horizon, n, config.window_s, config.warmup_s)
-    measured = horizon - config.warmup_s
-    after = table.filter(pl.col("arrival_s") >= config.warmup_s)
+    summary = summarize(table, slo, horizon, prefill_instances, window_s, warmup_s)
+    measured = horizon - warmup_s
+    after = table.filter(pl.col("arrival_s") >= warmup_s)
     done = after.filter(pl.col("completed"))
     met = done.filter(pl.col("met_slo"))
     prefilled = after.filter(pl.col("prefill_met_slo"))
-    loads = prefill_loads(table, n, config.window_s, horizon)
-    full = cluster.decode_instances > 0
+    loads = prefill_loads(table, prefill_instances, window_s, horizon)
     summary["tps_within_slo"] = float(met["prompt_tokens"].sum()) / measured
     summary["tps"] = float(done["prompt_tokens"].sum()) / measured
     summary["load_heatmap"] = loads.tolist()
     summary["imbalance"] = imbalance(loads)
     if not full:
         summary["tpot_s"] = _percentiles(np.array([]))
-    prefill_nics, decode_nics = sim.nic_links()
-    transfer = float(table["transfer_tokens"].fill_null(0).sum()) * sim.shape.kv_bytes_per_token
+    prefill_ttft = after.filter(pl.col("prefill_done_s") <= horizon)["prefill_ttft_s"]
+    decoded = table.filter(pl.col("decode_instance") >= 0)
+    per_decoder = decoded["decode_instance"].value_counts().sort("decode_instance")
+    summary["pd"] = {
+        "mode": "full" if full else "prefill-only",
+        "prefill_instances": prefill_instances,
+        "prefill_tps_within_slo": float(prefilled["prompt_tokens"].sum()) / measured,
+        "prefill_ttft_s": _percentiles(prefill_ttft.to_numpy()),
+        "end_to_end_tps_within_slo": (
+            float((met["prompt_tokens"] + met["output_tokens"]).sum()) / measured if full else None
+        ),
+        "transfer_tokens": int(table["transfer_tokens"].fill_null(0).sum()),
+        "transfers": decoded.height,
+        "requests_per_decoder": per_decoder["count"].to_list() if full else [],
+    }
+    return summary
+
+
+def pd_summary(table: pl.DataFrame, config: SimConfig, sim: DisaggSimulation, horizon: float):
+    """``disaggregated_summary`` plus what only the simulator sees: bytes on the links."""
+    cluster = config.cluster
+    full = cluster.decode_instances > 0
+    summary = disaggregated_summary(
+        table,
+        config.slo,
+        horizon,
+        cluster.prefill_instances,
+        full,
+        config.window_s,
+        config.warmup_s,
+    )
 
     def utilisation(links: list[Link]) -> dict[str, float | None]:
         shares = [link.bytes_moved / (link.bytes_per_s * horizon) for link in links]
@@ -328,27 +363,16 @@ def pd_summary(table: pl.DataFrame, config: SimConfig, sim: DisaggSimulation, ho
             return {"mean": None, "max": None}
         return {"mean": float(np.mean(shares)), "max": float(np.max(shares))}
 
-    prefill_ttft = after.filter(pl.col("prefill_done_s") <= horizon)["prefill_ttft_s"]
-    decoded = table.filter(pl.col("decode_instance") >= 0)
-    per_decoder = decoded["decode_instance"].value_counts().sort("decode_instance")
-    summary["pd"] = {
-        "mode": "full" if full else "prefill-only",
-        "prefill_instances": n,
-        "decode_instances": cluster.decode_instances,
-        "decode_policy": cluster.decode_policy if full else None,
-        "prefill_tps_within_slo": float(prefilled["prompt_tokens"].sum()) / measured,
-        "prefill_ttft_s": _percentiles(prefill_ttft.to_numpy()),
-        "end_to_end_tps_within_slo": (
-            float((met["prompt_tokens"] + met["output_tokens"]).sum()) / measured if full else None
-        ),
-        "transfer_bytes": transfer,
-        "transfers": decoded.height,
-        "requests_per_decoder": per_decoder["count"].to_list() if full else [],
-        "nic_utilisation": {
+    prefill_nics, decode_nics = sim.nic_links()
+    summary["pd"].update(
+        decode_instances=cluster.decode_instances,
+        decode_policy=cluster.decode_policy if full else None,
+        transfer_bytes=summary["pd"]["transfer_tokens"] * sim.shape.kv_bytes_per_token,
+        nic_utilisation={
             "prefill": utilisation(prefill_nics),
             "decode": utilisation(decode_nics),
         },
-    }
+    )
     return summary
 
 
