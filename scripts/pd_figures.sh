@@ -7,13 +7,13 @@
 #   sweep/tps_vs_rate.png           Fig. 21a  prefill TPS within SLO vs offered rate
 #   full/heatmaps.png               Fig. 21b  in-flight prefill-token load per instance
 #   full/latency.png                Fig. 23   TTFT CDFs (full global tier)
-# Usage: scripts/pd_figures.sh [OUT]   (default smetric-out/pd-figures; about 10 minutes)
+# Usage: scripts/pd_figures.sh [OUT]   (default smetric-out/pd-figures; about 15 minutes on 2 cores)
 set -euo pipefail
 OUT=${1:-smetric-out/pd-figures}
 SMETRIC=${SMETRIC:-smetric}
 POLICIES=${POLICIES:-smetric,linear,lmetric,prefill_tokens,smetric_tokens}
 COMMON=(sample:weka --prefill-instances 16 --decode-instances 0 --duration 600 --warmup 120)
-"$SMETRIC" sweep "${COMMON[@]}" -p "$POLICIES" --rates 0.3,0.4,0.5,0.6,0.7,0.8 \
+"$SMETRIC" sweep "${COMMON[@]}" -p "$POLICIES" --rates 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
     --globals none,1x,1.6x,full -o "$OUT/sweep"
 # Figures 21b and 23 at the rate where the best baseline peaks under the full global tier.
 RATE=$(python3 -c '

@@ -94,7 +94,8 @@ def _tps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     ax.bar_label(behind, labels=labels, padding=4, fontsize=9)
     ax.set_xlim(0, max(total.max(initial=0.0), 1.0) * 1.6)  # room for the labels
     _policy_axis(ax, policies)
-    ax.set_xlabel("Tokens per second (prompt + output)")
+    disaggregated = any("pd" in summary for summary in summaries.values())
+    ax.set_xlabel(f"Tokens per second ({'prompt' if disaggregated else 'prompt + output'})")
     ax.set_title("TPS within SLO and total TPS")
     _key(
         fig,
@@ -177,6 +178,13 @@ def _cdf_axis(ax: Axes, xlabel: str) -> None:
     ax.legend(loc="upper left", fontsize=8)  # the empty corner of a rising CDF
 
 
+def _load_name(summaries: Summaries) -> str:
+    """What load means: prefill tokens under disaggregation (Figure 21b), else tokens."""
+    if any("pd" in summary for summary in summaries.values()):
+        return "in-flight prefill tokens"
+    return "in-flight tokens"
+
+
 def _mean_imbalance(imbalance: Section) -> str:
     """The paper's load-imbalance figure of merit; a run with no busy window has none."""
     mean = imbalance["mean"]
@@ -193,7 +201,7 @@ def _imbalance_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure
         imbalance = summary["imbalance"]
         _cdf(ax, imbalance["series"], colors[policy], f"{policy} ({_mean_imbalance(imbalance)})")
     ax.axvline(1, color="grey", lw=0.8)
-    _cdf_axis(ax, "Per-window imbalance (max / mean in-flight tokens; 1.0x = balanced)")
+    _cdf_axis(ax, f"Per-window imbalance (max / mean {_load_name(summaries)}; 1.0x = balanced)")
     ax.set_title("Distribution of per-window load imbalance")
     return fig
 
@@ -226,8 +234,9 @@ def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
         ax.set_ylabel("Instance")
     for ax in axes[len(summaries) :]:
         ax.set_visible(False)
-    fig.colorbar(scale, ax=axes.tolist(), label="In-flight tokens / policy's p99", pad=0.01)
-    fig.suptitle("In-flight tokens per instance (load imbalance in brackets)", weight="bold")
+    load = _load_name(summaries)
+    fig.colorbar(scale, ax=axes.tolist(), label=f"{load.capitalize()} / policy's p99", pad=0.01)
+    fig.suptitle(f"{load.capitalize()} per instance (load imbalance in brackets)", weight="bold")
     return fig
 
 

@@ -259,6 +259,50 @@ class VLLMServer(EngineProcess):
 
 
 @dataclass
+class VLLMDisaggServer(VLLMServer):
+    """One side of a disaggregated vLLM pair on the CPU build.
+
+    The CPU build has no NIXL or Mooncake package, but vLLM's ``ExampleConnector`` runs on
+    it: the prefill side (``kv_producer``) writes each prompt's KV, layer by layer, to
+    safetensors files under ``storage`` keyed by the prompt's tokens, and the decode side
+    (``kv_consumer``) finds them there and injects them into its paged KV cache. It returns
+    no ``kv_transfer_params``, so the router sends the decode the plain request.
+    """
+
+    role: str = "kv_producer"
+    storage: Path | None = None
+
+    def command(self) -> list[str]:
+        config = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": self.role,
+            "kv_connector_extra_config": {"shared_storage_path": str(self.storage)},
+        }
+        return [*super().command(), "--kv-transfer-config", json.dumps(config)]
+
+
+def vllm_pd_pair(install: VLLMInstall, scratch: Path) -> list[VLLMDisaggServer]:
+    """A prefill and a decode vLLM instance sharing a KV store under ``scratch``."""
+    cores = os.cpu_count() or 1
+    storage = scratch / "kv-store"
+    storage.mkdir(parents=True, exist_ok=True)
+    return [
+        VLLMDisaggServer(
+            free_port(),
+            scratch,
+            install=install,
+            events_port=free_port(),
+            replay_port=free_port(),
+            topic=f"kv-{role}",
+            core=i % cores,
+            role=role,
+            storage=storage,
+        )
+        for i, role in enumerate(("kv_producer", "kv_consumer"))
+    ]
+
+
+@dataclass
 class LlamaCppServer(EngineProcess):
     """One ``llama-server`` on one core, with ``slots`` parallel sequences whose KV it keeps
     between requests (its prefix cache) and its Prometheus ``/metrics``."""
