@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean
+.PHONY: run test lint setup clean pd-figures
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(BIN)/smetric simulate
+
+# The paper's PD-disaggregation figures (21, 22, 23) on the embedded WEKA sample.
+pd-figures: $(STAMP)
+	SMETRIC=$(BIN)/smetric scripts/pd_figures.sh smetric-out/pd-figures
 
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts

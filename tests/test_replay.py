@@ -19,17 +19,28 @@ from smetric.cli import replay as replay_command  # noqa: F401  (registers the c
 from smetric.engine import EngineConfig, create_app
 from smetric.replay import REQUEST_SCHEMA, Replayer, ReplayOptions
 from smetric.serve.app import Router, RouterSettings
+from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.trace.load import load_trace
 
 
-async def replay_through_router(out: Path, trace: str = "sample:weka", **options: Any) -> Replayer:
-    engines = [TestServer(create_app(EngineConfig(speed=0.0001)), host="127.0.0.1") for _ in "ab"]
+async def replay_through_router(
+    out: Path, trace: str = "sample:weka", roles: tuple[str, ...] = ("both", "both"), **options: Any
+) -> Replayer:
+    """Mock engines of these roles behind a router (disaggregated if any decodes)."""
+    engines = [
+        TestServer(create_app(EngineConfig(speed=0.0001, role=role)), host="127.0.0.1")
+        for role in roles
+    ]
     for server in engines:
         await server.start_server()
+    urls = [f"http://127.0.0.1:{s.port}" for s in engines]
+    by_role = {
+        r: frozenset(u for u, role in zip(urls, roles, strict=True) if role == r) for r in roles
+    }
+    disagg = Disaggregation(by_role["prefill"], by_role["decode"]) if "decode" in roles else None
     router = Router(
-        [Engine(f"http://127.0.0.1:{s.port}", 4096) for s in engines],
-        RouterSettings(health_interval_s=60),
+        [Engine(u, 4096) for u in urls], RouterSettings(health_interval_s=60), disagg=disagg
     )
     front = TestServer(router.app(), host="127.0.0.1")
     await front.start_server()
@@ -147,42 +158,7 @@ def test_report_of_a_folder_that_is_not_a_result_is_a_clear_error(tmp_path: Path
 def test_replay_against_a_disaggregated_router_measures_prefill_tps_and_ttft(
     tmp_path: Path,
 ) -> None:
-    from smetric.serve.disagg import Disaggregation
-
-    async def scenario() -> Replayer:
-        roles = ["prefill", "prefill", "decode"]
-        engines = [
-            TestServer(create_app(EngineConfig(speed=0.0001, role=r)), host="127.0.0.1")
-            for r in roles
-        ]
-        for server in engines:
-            await server.start_server()
-        urls = [f"http://127.0.0.1:{s.port}" for s in engines]
-        router = Router(
-            [Engine(u, 4096) for u in urls],
-            RouterSettings(health_interval_s=60),
-            disagg=Disaggregation(frozenset(urls[:2]), frozenset(urls[2:])),
-        )
-        front = TestServer(router.app(), host="127.0.0.1")
-        await front.start_server()
-        try:
-            options = ReplayOptions(
-                url=f"http://127.0.0.1:{front.port}",
-                rate=4.0,
-                duration_s=3.0,
-                time_scale=20.0,
-                token_scale=100.0,
-            )
-            replayer = Replayer(load_trace("sample:weka"), options)
-            await replayer.run()
-            replayer.write(tmp_path)
-            return replayer
-        finally:
-            await front.close()
-            for server in engines:
-                await server.close()
-
-    asyncio.run(scenario())
+    asyncio.run(replay_through_router(tmp_path, roles=("prefill", "prefill", "decode")))
     table = pl.read_parquet(tmp_path / "requests-replay.parquet")
     done = table.filter(pl.col("completed"))
     assert done.height > 5

@@ -25,6 +25,18 @@ from smetric.serve.engines import Engine
 FAST = {"speed": 0.001, "kv_blocks": 2048}
 
 
+def fake_engine(complete) -> web.Application:
+    """An engine that answers health checks and completes chats with ``complete``."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_get("/health", health)
+    return app
+
+
 async def stalling_app() -> web.Application:
     """An engine that accepts requests and never answers."""
 
@@ -32,13 +44,7 @@ async def stalling_app() -> web.Application:
         await asyncio.sleep(3600)
         return web.Response()
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", hang)
-    app.router.add_get("/health", health)
-    return app
+    return fake_engine(hang)
 
 
 async def keyless_prefill_app() -> web.Application:
@@ -50,13 +56,7 @@ async def keyless_prefill_app() -> web.Application:
         assert body["max_tokens"] == 1 and body[KV_TRANSFER_PARAMS]["do_remote_decode"]
         return web.json_response({"choices": [{"message": {"content": "x"}}]})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", complete)
-    app.router.add_get("/health", health)
-    return app
+    return fake_engine(complete)
 
 
 async def with_pd(

@@ -150,21 +150,25 @@ class Recorder:
         return Decision(min(range(len(view.load)), key=view.load.__getitem__), "only")
 
 
+def first_turns(sessions: int, blocks: int, output: int):
+    """``sessions`` one-turn sessions of ``blocks`` distinct blocks each."""
+    row = {"turn": 0, "parent_id": None, "output_tokens": output, "block_size": 16}
+    return make_trace(
+        [
+            {
+                **row,
+                "session_id": f"s{i}",
+                "block_ids": list(range(100 * i, 100 * i + blocks)),
+                "input_tokens": 16 * blocks,
+            }
+            for i in range(sessions)
+        ]
+    )
+
+
 def test_the_policys_load_is_unprefilled_prompt_tokens_on_prefill_instances_only() -> None:
-    rows = [
-        {
-            "session_id": f"s{i}",
-            "turn": 0,
-            "parent_id": None,
-            "block_ids": list(range(100 * i, 100 * i + 20)),
-            "input_tokens": 320,
-            "output_tokens": 4,
-            "block_size": 16,
-        }
-        for i in range(6)
-    ]
     config = pd_config(2, 3).override("workload", session_rate=100.0, duration_s=0.06)
-    workload = build_workload(make_trace(rows), config.workload)
+    workload = build_workload(first_turns(6, 20, 4), config.workload)
     recorder = Recorder()
     DisaggSimulation(config.cluster, recorder, workload).run()
     assert all(len(v.load) == 2 for v in recorder.views)
@@ -173,23 +177,12 @@ def test_the_policys_load_is_unprefilled_prompt_tokens_on_prefill_instances_only
 
 
 def test_decode_rules_spread_a_burst_over_the_decode_instances() -> None:
-    rows = [
-        {
-            "session_id": f"s{i}",
-            "turn": 0,
-            "parent_id": None,
-            "block_ids": list(range(100 * i, 100 * i + 4)),
-            "input_tokens": 64,
-            "output_tokens": 50,
-            "block_size": 16,
-        }
-        for i in range(6)
-    ]
+    trace = first_turns(6, 4, 50)
     for rule in DECODE_RULES:
         config = pd_config(1, 3, decode_policy=rule, kv_capacity_tokens=4096)
         config = config.override("workload", session_rate=100.0, duration_s=0.06)
-        sim = run_to_completion(make_trace(rows), config, "least_load")
+        sim = run_to_completion(trace, config, "least_load")
         used = sorted(h.decode_instance for h in sim.handoffs.values())
         assert used == [0, 0, 1, 1, 2, 2], rule
     with pytest.raises(ValueError, match="decode policy"):
-        run_to_completion(make_trace(rows), pd_config(1, 1, decode_policy="nope"), "smetric")
+        run_to_completion(trace, pd_config(1, 1, decode_policy="nope"), "smetric")

@@ -213,11 +213,16 @@ class Router:
         engine = next((e for e in self.engines if e.healthy), self.engines[0])
         return await analyze_with_engine(body, api, self.client, engine.url, bs, self.template)
 
-    def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
+    def route(
+        self, facts: RequestFacts, engines: list[Engine], loads: list[float] | None = None
+    ) -> tuple[Engine, int]:
+        """The policy's pick among ``engines`` and its predicted hit; ``loads`` replaces
+        the in-flight requests as load (disaggregated prefills: unprefilled tokens)."""
         bs = self.settings.block_size
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
-        now = time.monotonic()
-        loads = [e.load(now, self.settings.staleness_s) for e in engines]
+        if loads is None:
+            now = time.monotonic()
+            loads = [e.load(now, self.settings.staleness_s) for e in engines]
         view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]

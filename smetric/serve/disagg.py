@@ -47,7 +47,6 @@ from prometheus_client import Counter
 
 from smetric.core.conversation import RequestFacts
 from smetric.core.policies import RoundRobin
-from smetric.core.policy import ClusterView
 from smetric.serve.app import Router, error_response
 from smetric.serve.engines import Engine
 
@@ -151,27 +150,8 @@ class Disaggregation:
     def choose_prefill(
         self, router: Router, facts: RequestFacts, engines: list[Engine]
     ) -> tuple[Engine, int]:
-        bs = router.settings.block_size
-        hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
-        loads = [self.pending.get(e.url, 0.0) for e in engines]
-        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
-        decision = router.policy.route(facts.routing_request(), view)
-        router.metrics.decisions.labels(decision.branch).inc()
-        engine = engines[decision.instance]
-        log.info(
-            json.dumps(
-                {
-                    "event": "route_prefill",
-                    "engine": engine.url,
-                    "branch": decision.branch,
-                    "turn": facts.turn,
-                    "prompt_tokens": facts.prompt_tokens,
-                    "predicted_hit_tokens": hits[decision.instance],
-                    "unprefilled_tokens": loads,
-                }
-            )
-        )
-        return engine, hits[decision.instance]
+        """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29)."""
+        return router.route(facts, engines, [self.pending.get(e.url, 0.0) for e in engines])
 
     def choose_decode(self, router: Router, engines: list[Engine]) -> Engine:
         rule = self.settings.decode_policy
