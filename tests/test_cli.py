@@ -170,6 +170,12 @@ def test_simulate_disaggregated_by_flags_equals_yaml_and_reports_the_pd_section(
     )
     assert by_yaml.exit_code == 0, by_yaml.output
     assert json.loads((tmp_path / "y" / "summary.json").read_text()) == summary
+    only = ["simulate", "-p", "smetric", *SMALL, *pd[:2], "-o", str(tmp_path / "only")]
+    prefill_only = runner.invoke(app, only)  # the paper's prefill-only evaluation
+    assert prefill_only.exit_code == 0, prefill_only.output
+    only_summary = json.loads((tmp_path / "only" / "summary.json").read_text())
+    assert only_summary["policies"]["smetric"]["pd"]["mode"] == "prefill-only"
+    assert (tmp_path / "only" / "latency.png").exists()
     lonely = runner.invoke(app, ["simulate", "--decode-instances", "2", "-o", str(tmp_path)])
     assert lonely.exit_code == 2 and "need prefill instances" in lonely.output
     rule = runner.invoke(app, ["simulate", *pd[:4], "--decode-policy", "x", "-o", str(tmp_path)])

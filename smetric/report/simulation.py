@@ -260,15 +260,19 @@ def _latency_figure(
 ) -> Figure:
     """Figure 17: TTFT and TPOT of every completed request, met SLO or not, as the paper
     counts them. TPOT needs a second output token, so single-token replies are left out."""
-    fig = new_figure(11, 4.4)
-    axes = dict(zip(LATENCIES, fig.subplots(1, 2), strict=True))
+    # Prefill-only disaggregated runs (Figure 23) have no decode, so no TPOT to plot.
+    decoding = any(s.get("pd", {}).get("mode") != "prefill-only" for s in summaries.values())
+    metrics = list(LATENCIES) if decoding else ["ttft_s"]
+    fig = new_figure(11 if decoding else 6, 4.4)
+    axes = dict(zip(metrics, fig.subplots(1, len(metrics), squeeze=False)[0], strict=True))
     for policy, summary in summaries.items():
         done = tables[policy].filter(pl.col("completed"))
         samples = {
             "ttft_s": done["ttft_s"],
             "tpot_s": done.filter(pl.col("output_tokens") > 1)["tpot_s"],
         }
-        for metric, sample in samples.items():
+        for metric in metrics:
+            sample = samples[metric]
             positive = [v for v in sample.to_list() if v is not None and v > 0]  # log axis
             label = _latency_label(policy, summary[metric])
             _cdf(axes[metric], positive, colors[policy], label)
