@@ -22,8 +22,9 @@ from smetric.cli.simulate import (
     SourceArg,
     WarmupOpt,
     build_config,
+    global_levels,
 )
-from smetric.sim.config import SimConfig, check_kv_load, dump_yaml, parse_global_capacity
+from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
 from smetric.sim.knee import Knee, KneeSettings, search_knees
 from smetric.sim.parallel import default_jobs
 
@@ -126,9 +127,7 @@ def knee(
     from smetric.report.simulation import write_knee_png
 
     with user_errors():
-        levels = [g.strip() for g in provisionings.split(",") if g.strip()]
-        for level in levels:
-            parse_global_capacity(level)
+        levels = global_levels(provisionings)
         modes = [check_kv_load(m.strip()) for m in kv_loads.split(",") if m.strip()]
         base = build_config(
             config_path,
