@@ -174,11 +174,13 @@ class Router:
             engine, predicted = self.route(facts, candidates)
             tried.add(engine.url)
             engine.inflight += 1
+            engine.inflight_tokens += facts.prompt_tokens
             try:
                 upstream = await self._send(engine, path, raw, request)
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 # Nothing reached the client yet: eject the engine, try another.
                 engine.inflight -= 1
+                engine.inflight_tokens -= facts.prompt_tokens
                 self._eject(engine, f"connect failed: {exc!r}")
                 self.metrics.retries.inc()
                 continue
@@ -186,6 +188,7 @@ class Router:
                 return await self._relay(request, engine, upstream, facts, predicted)
             finally:
                 engine.inflight -= 1
+                engine.inflight_tokens -= facts.prompt_tokens
                 upstream.release()
                 self.metrics.latency.labels(api).observe(time.perf_counter() - started)
 
@@ -208,7 +211,9 @@ class Router:
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
         now = time.monotonic()
         loads = [e.load(now, self.settings.staleness_s) for e in engines]
-        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
+        # The router does not see the global tier: global_hit_tokens stays unknown (None).
+        tokens = [float(e.inflight_tokens) for e in engines]
+        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads, token_load=tokens)
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
         self.metrics.decisions.labels(decision.branch).inc()

@@ -29,6 +29,8 @@ class Engine:
     healthy: bool = True
     # Requests routed here whose response has not ended: the load the policy sees.
     inflight: int = 0
+    # Their prompt tokens: the load ``smetric_tokens`` sees.
+    inflight_tokens: int = 0
     index: PrefixCache = field(init=False)
     # The engine's latest /metrics, when the router scrapes them.
     report: EngineReport | None = None
