@@ -191,3 +191,4 @@ def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path
             assert knee["mean"] == max(probes.values())
             assert len(knee["seeds"]) == 2
     assert (tmp_path / "knee.png").stat().st_size > 0
+    assert "vs best baseline" in (tmp_path / "knee.md").read_text()
