@@ -22,6 +22,13 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.unprefilled = Gauge(
+            "smetric_engine_unprefilled_tokens",
+            "Prompt tokens routed to the engine, less their predicted hits, not yet past "
+            "their first token (the prefill_tokens policy's load).",
+            ["engine"],
+            registry=self.registry,
+        )
         self.healthy = Gauge(
             "smetric_engine_healthy",
             "1 while the engine passes health checks.",
@@ -71,6 +78,7 @@ class RouterMetrics:
         for url in engines:
             self.healthy.labels(url).set(1)
             self.inflight.labels(url).set(0)
+            self.unprefilled.labels(url).set(0)
 
 
 class SubscriberCollector(Collector):

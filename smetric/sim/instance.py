@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from smetric.core.policy import reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
 from smetric.sim.kv import GlobalTier, Link, LocalPool
 from smetric.sim.perf import StepTimeModel
@@ -113,7 +114,7 @@ class Instance:
             req.ready_at = self.link.transfer(now, nbytes)
             req.fetched_blocks = remote
         req.target = req.prompt
-        self._set_pending(req, req.prompt - max(local, remote) * bs)
+        self._set_pending(req, req.prompt - reusable_hit_tokens(max(local, remote), req.prompt, bs))
         self.waiting.append(req)
         self.inflight += 1
 
