@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,14 +14,17 @@ import msgspec
 import numpy as np
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry, generate_latest
 
 from smetric.core.blocks import ByteTokenizer, chain_hashes
 from smetric.core.conversation import Api, analyze_request
 from smetric.core.kv_events import EventIndex
 from smetric.engine import EngineConfig, KVEventPublisher, create_app
 from smetric.engine.server import KV_EVENTS
+from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.metrics import SubscriberCollector
 
 from conftest import block_stored, until_heard
 
@@ -47,9 +51,9 @@ async def settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
 
 @contextlib.asynccontextmanager
 async def subscriber(
-    index: EventIndex, endpoint: str, topic: str, replay: str | None
+    index: EventIndex, endpoint: str, topic: str, replay: str | None, **options: Any
 ) -> AsyncIterator[KVEventSubscriber]:
-    sub = KVEventSubscriber(index, endpoint, topic, replay)
+    sub = KVEventSubscriber(index, endpoint, topic, replay, **options)
     await sub.start()
     try:
         yield sub
@@ -205,3 +209,193 @@ def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart(c
     # Each change of state is logged once, as a JSON line the operator can grep.
     events = [json.loads(r.getMessage())["event"] for r in caplog.records]
     assert events == ["kv_view_degraded", "kv_events_restart", "kv_view_degraded"]
+
+
+@contextlib.asynccontextmanager
+async def publishing(config: EngineConfig) -> AsyncIterator[KVEventPublisher]:
+    """The mock engine's publisher alone, its sockets open (its replay answering)."""
+    publisher = KVEventPublisher(config)
+    async with contextlib.asynccontextmanager(publisher.serve)(web.Application()):
+        yield publisher
+
+
+def exported(sub: KVEventSubscriber, kind: str) -> float:
+    """A stream total as ``/metrics`` shows it."""
+    registry = CollectorRegistry()
+    registry.register(SubscriberCollector({"e": sub}))
+    line = f'smetric_kv_events_total{{engine="e",kind="{kind}"}} '
+    text = generate_latest(registry).decode()
+    return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
+
+
+def test_an_orphaned_block_degrades_the_view_until_a_resync_rebuilds_it() -> None:
+    """A view that lost events (here: joined when the replay could not answer) learns it
+    from the first orphan, says so in /metrics, and is rebuilt from the engine's replay
+    buffer as soon as that answers."""
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody listens: all dropped
+        kv_events_replay_endpoint=replay,
+    )
+    tokens, batches = _batches()
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        index = EventIndex(BS)
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        options = {"replay_timeout_s": 0.2, "resync_backoff_s": 0.0}
+        async with subscriber(index, endpoint, "kv", replay, **options) as sub:
+            await sub.receive(_frames(1, batches[1]))  # the replay socket is not up yet
+            assert not sub.exact and index.size() == 0
+            assert exported(sub, "orphaned") == 1
+            async with publishing(config) as publisher:
+                for events in batches:
+                    publisher.publish(events)
+                await sub.receive(_frames(2, batches[2]))
+                assert sub.exact and index.match(keys) == 3
+                assert exported(sub, "resyncs") == 1
+                assert exported(sub, "orphaned") == 2
+
+    asyncio.run(main())
+
+
+def test_a_restart_is_cleared_once_whether_the_stream_or_a_scrape_shows_it_first() -> None:
+    tokens, batches = _batches()
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        index = EventIndex(BS)
+        async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", None) as sub:
+            before = time.monotonic()
+            for seq in (5, 6):  # an old process's last batches
+                await sub.receive(_frames(seq, batches[seq - 5]))
+            await sub.receive(_frames(0, batches[0]))  # the new process, first in the stream
+            await sub.engine_restarted(since=before)  # ...then in a scrape: nothing to drop
+            assert index.match(keys) == 1 and sub.exact and sub.counters.restarts == 1
+
+            # The scrape first: the view goes, and the next batch asks the replay from 0.
+            await sub.engine_restarted(since=time.monotonic())
+            assert index.size() == 0 and sub.counters.restarts == 2
+            assert sub.tracker.last is None
+
+    asyncio.run(main())
+
+
+def test_a_token_id_out_of_range_is_left_out_and_the_stream_goes_on() -> None:
+    """Once a ValueError in chain_hashes that killed the subscriber for good (and was
+    raised again at shutdown); now the event is counted and the rest still applied."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        kv_events_endpoint=endpoint, kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}"
+    )
+    tokens = list(range(2 * BS))
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            index = EventIndex(BS)
+            replay = config.kv_events_replay_endpoint
+            async with subscriber(index, endpoint, "kv", replay) as sub:
+
+                async def warm_up(attempt: int) -> None:
+                    publisher.publish([])
+
+                await until_heard(warm_up, lambda: sub.counters.batches > 0)
+                assert sub.exact
+                bad = block_stored([9], None, [1 << 32] * BS, BS)
+                publisher.publish([bad, block_stored([1], None, tokens[:BS], BS)])
+                publisher.publish([block_stored([2], 1, tokens[BS:], BS)])
+                await settle(lambda: index.match(keys) == 2)
+                assert sub.counters.invalid_events >= 1 and not sub.exact
+            # Closing raised the subscriber's error again before; now it returns.
+
+    asyncio.run(main())
+
+
+class FailingOnce(EventIndex):
+    """An index whose first ``apply`` fails as an unforeseen bug would."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.failed = False
+
+    def apply(self, events: Any) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("an unforeseen bug")
+        super().apply(events)
+
+
+def test_a_failing_subscriber_is_restarted_and_its_view_resynced(caplog) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay)
+    tokens = list(range(BS))
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            index = FailingOnce(BS)
+            async with subscriber(index, endpoint, "kv", replay, resync_backoff_s=0.0) as sub:
+
+                async def warm_up(attempt: int) -> None:
+                    publisher.publish([])
+
+                await until_heard(warm_up, lambda: sub.counters.failures > 0)
+                assert not sub.exact and exported(sub, "failures") == 1
+                publisher.publish([block_stored([1], None, tokens, BS)])
+                await settle(lambda: index.match(chain_hashes(tokens, BS)) == 1 and sub.exact)
+                assert sub.counters.resyncs == 1 and sub.counters.failures == 1
+
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        asyncio.run(main())
+    events = [json.loads(r.getMessage())["event"] for r in caplog.records]
+    assert events[:3] == ["kv_subscriber_failed", "kv_view_degraded", "kv_view_resynced"]
+
+
+def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
+    """A transient ejection (the engine kept its cache) once cleared the view, so the next
+    turn's hit was predicted 0 and its BlockStored dropped as orphaned."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        speed=0.001,
+        kv_events_endpoint=endpoint,
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    )
+
+    async def main() -> None:
+        app = create_app(config)
+        publisher = app[KV_EVENTS]
+        async with TestClient(TestServer(app)) as engine_client:
+            url = str(engine_client.make_url("")).rstrip("/")
+            engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
+            sub = KVEventSubscriber(
+                engine.events, endpoint, "kv", config.kv_events_replay_endpoint, name=url
+            )
+            router = Router(
+                [engine], RouterSettings(health_interval_s=0.05), subscribers={url: sub}
+            )
+            async with TestClient(TestServer(router.app())) as client:
+
+                async def warm_up(attempt: int) -> None:
+                    await post(engine_client, "/v1/completions", {"prompt": f"hi {attempt} " * 8})
+
+                await until_heard(warm_up, lambda: sub.counters.batches > 0)
+                first = [SYSTEM, {"role": "user", "content": "List the files in src/."}]
+                one = await post(client, "/v1/chat/completions", {"messages": first})
+                await settle(lambda: sub.tracker.last == publisher.seq - 1)
+                held = engine.events.size()
+                assert held > 0
+
+                router._eject(engine, "a transient error")
+                await settle(lambda: engine.healthy)  # the next health check re-admits it
+                assert engine.events.size() == held and sub.exact
+
+                answer = {"role": "assistant", "content": one["choices"][0]["message"]["content"]}
+                body = {"messages": [*first, answer, {"role": "user", "content": "Go on."}]}
+                response = await client.post("/v1/chat/completions", json=body)
+                predicted = int(response.headers["x-smetric-predicted-hit-tokens"])
+                assert cached(await response.json()) == predicted > 0
+                await settle(lambda: sub.tracker.last == publisher.seq - 1)
+                assert sub.counters.orphaned == 0 and sub.exact
+
+    asyncio.run(main())

@@ -317,9 +317,10 @@ class Router:
         except (TimeoutError, aiohttp.ClientError):
             ok = False
         if ok and not engine.healthy:
-            # It may have restarted: what the router remembered of its cache is stale.
-            engine.forget()
+            engine.readmit()
             log.info(json.dumps({"event": "readmit", "engine": engine.url}))
+            if self.settings.scrape_interval_s > 0:
+                await self.scrape(engine)  # a restart, if any, shows in its start time
         elif not ok:
             self._eject(engine, "health check failed")
         engine.healthy = ok
@@ -340,9 +341,12 @@ class Router:
             report = parse_vllm_metrics(text, time.monotonic())
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return
-        if engine.restarted(report):
+        previous = engine.report
+        if previous is not None and engine.restarted(report):
             engine.forget()
             log.warning(json.dumps({"event": "engine_restarted", "engine": engine.url}))
+            if engine.url in self.subscribers:
+                await self.subscribers[engine.url].engine_restarted(since=previous.at)
         if engine.adopt(report, self.settings.block_size):
             log.info(
                 json.dumps(

@@ -69,10 +69,19 @@ class Engine:
             self.index.insert(blocks, time.monotonic())
 
     def forget(self) -> None:
-        """An engine that went away lost its cache."""
+        """The engine restarted (its scraped start time changed): drop the approximate
+        index. The events view is its subscriber's to reset, since it may already hold
+        what the new process published."""
         self.index = PrefixCache(self.kv_blocks)
-        if self.events is not None:
-            self.events.clear()
+
+    def readmit(self) -> None:
+        """Back after failed health checks, which say nothing of its cache: a network
+        blip leaves it whole, a restart empties it. Only evidence of a restart clears a
+        view, so the events view is kept (its stream shows a restart itself), and so is
+        the approximate index when scrapes can tell (the engine reports its start time);
+        without that evidence either way the index is dropped, as a guess it always is."""
+        if self.report is None or self.report.started_at is None:
+            self.index = PrefixCache(self.kv_blocks)
 
     def load(self, now: float, staleness_s: float) -> float:
         """In-flight requests, raised to what the engine reports queued if that is fresh."""
