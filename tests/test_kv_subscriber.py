@@ -6,16 +6,20 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import msgspec
 import numpy as np
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 
+from smetric.cli.serve import engines_from
 from smetric.core.blocks import ByteTokenizer, chain_hashes
 from smetric.core.conversation import Api, analyze_request
 from smetric.core.kv_events import EventIndex
@@ -399,3 +403,74 @@ def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
                 assert sub.counters.orphaned == 0 and sub.exact
 
     asyncio.run(main())
+
+
+def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) -> None:
+    """The README's recipe for several routers on one engine, with the real CLI: the
+    engine binds ``tcp://*:PORT`` as vLLM does, both routers connect (``bind: false``),
+    and a turn served through one router is predicted by the other from events alone."""
+    pub, replay, port = free_port(), free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "smetric", "engine", "--port", str(port)),
+            *("--speed", "0.001", "--kv-events-endpoint", f"tcp://*:{pub}"),
+            *("--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    config = tmp_path / "engines.yaml"
+    config.write_text(
+        f"engines:\n  - url: {url}\n    kv_events: {{endpoint: 'tcp://127.0.0.1:{pub}', "
+        f"topic: kv, replay_endpoint: 'tcp://127.0.0.1:{replay}', bind: false}}\n"
+    )
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as direct:
+            for _ in range(300):
+                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with direct.get(url + "/health") as response:
+                        if response.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+            routers = []
+            for _ in range(2):
+                engines, subscribers = engines_from([], config, 1000, BS)
+                settings = RouterSettings(health_interval_s=60)
+                routers.append(Router(engines, settings, subscribers=subscribers))
+            clients = [TestClient(TestServer(r.app())) for r in routers]
+            for client in clients:
+                await client.start_server()
+            try:
+                subs = [next(iter(r.subscribers.values())) for r in routers]
+
+                async def warm_up(attempt: int) -> None:
+                    body = {"prompt": f"warm-up {attempt} " * 8, "max_tokens": 1}
+                    async with direct.post(url + "/v1/completions", json=body) as response:
+                        assert response.status == 200
+
+                await until_heard(warm_up, lambda: all(s.counters.batches for s in subs))
+                first = [SYSTEM, {"role": "user", "content": "Read README.md."}]
+                one = await post(clients[0], "/v1/chat/completions", {"messages": first})
+                reply = {"role": "assistant", "content": one["choices"][0]["message"]["content"]}
+                body = {"messages": [*first, reply, {"role": "user", "content": "Next."}]}
+                facts = analyze_request(body, "chat", _TOKENIZER, BS)
+                engine = routers[1].engines[0]
+                await settle(
+                    lambda: engine.predicted_hit(facts.blocks, BS, facts.prompt_tokens) > 0
+                )
+                response = await clients[1].post("/v1/chat/completions", json=body)
+                predicted = int(response.headers["x-smetric-predicted-hit-tokens"])
+                assert cached(await response.json()) == predicted > 0
+                assert all(s.exact for s in subs)
+            finally:
+                for client in clients:
+                    await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

@@ -85,9 +85,10 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv"
     kv_events_replay_endpoint: str | None = None
-    # Bind the PUB socket instead (vLLM does for ``tcp://*:port``), so that several
-    # subscribers, e.g. router replicas, connect to one engine.
-    kv_events_bind: bool = False
+    # Bind the PUB socket instead, so that several subscribers, e.g. router replicas,
+    # connect to one engine; None decides from the endpoint as vLLM does
+    # (``publisher_binds``).
+    kv_events_bind: bool | None = None
     kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:
