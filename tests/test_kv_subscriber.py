@@ -153,18 +153,30 @@ def _frames(seq: int, events: list[dict[str, Any]]) -> list[bytes]:
     return [b"kv", seq.to_bytes(8, "big"), payload]
 
 
-def test_a_gap_is_filled_from_replay_in_order() -> None:
-    replay = f"tcp://127.0.0.1:{free_port()}"
-    config = EngineConfig(
-        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody listens: all dropped
-        kv_events_replay_endpoint=replay,
+@contextlib.asynccontextmanager
+async def publishing(config: EngineConfig) -> AsyncIterator[KVEventPublisher]:
+    """The mock engine's publisher alone, its sockets open (its replay answering)."""
+    publisher = KVEventPublisher(config)
+    async with contextlib.asynccontextmanager(publisher.serve)(web.Application()):
+        yield publisher
+
+
+def replay_only() -> EngineConfig:
+    """A publisher nobody subscribes to: all it sends is dropped, only its replay answers."""
+    return EngineConfig(
+        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
     )
+
+
+def test_a_gap_is_filled_from_replay_in_order() -> None:
+    config = replay_only()
+    replay = config.kv_events_replay_endpoint
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)
 
     async def main() -> None:
-        publisher = KVEventPublisher(config)
-        async with contextlib.asynccontextmanager(publisher.serve)(web.Application()):
+        async with publishing(config) as publisher:
             for events in batches:
                 publisher.publish(events)
             index = EventIndex(BS)
@@ -215,14 +227,6 @@ def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart(c
     assert events == ["kv_view_degraded", "kv_events_restart", "kv_view_degraded"]
 
 
-@contextlib.asynccontextmanager
-async def publishing(config: EngineConfig) -> AsyncIterator[KVEventPublisher]:
-    """The mock engine's publisher alone, its sockets open (its replay answering)."""
-    publisher = KVEventPublisher(config)
-    async with contextlib.asynccontextmanager(publisher.serve)(web.Application()):
-        yield publisher
-
-
 def exported(sub: KVEventSubscriber, kind: str) -> float:
     """A stream total as ``/metrics`` shows it."""
     registry = CollectorRegistry()
@@ -236,11 +240,8 @@ def test_an_orphaned_block_degrades_the_view_until_a_resync_rebuilds_it() -> Non
     """A view that lost events (here: joined when the replay could not answer) learns it
     from the first orphan, says so in /metrics, and is rebuilt from the engine's replay
     buffer as soon as that answers."""
-    replay = f"tcp://127.0.0.1:{free_port()}"
-    config = EngineConfig(
-        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody listens: all dropped
-        kv_events_replay_endpoint=replay,
-    )
+    config = replay_only()
+    replay = config.kv_events_replay_endpoint
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)
 

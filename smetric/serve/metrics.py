@@ -96,7 +96,7 @@ class SubscriberCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         exact = GaugeMetricFamily(
             "smetric_engine_kv_view_exact",
-            "1 while the engine's KV-event view is exact, 0 when degraded (missed events).",
+            "1 while the engine's KV-event view is exact, 0 when degraded (lost events).",
             labels=["engine"],
         )
         for url, subscriber in self.subscribers.items():
@@ -105,7 +105,8 @@ class SubscriberCollector(Collector):
         family = CounterMetricFamily(
             "smetric_kv_events",
             "KV-event stream totals per engine: batches, events, gaps, restarts, replayed, "
-            "duplicates, unrecovered holes, decode errors, skipped events.",
+            "duplicates, unrecovered holes, decode errors, skipped, invalid, orphaned and "
+            "mismatched events, resyncs, subscriber failures.",
             labels=["engine", "kind"],
         )
         for url, subscriber in self.subscribers.items():
