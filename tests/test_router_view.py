@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import analyze_request
 from smetric.core.policy import make_policy
+from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.sim.cluster import Simulation
@@ -256,3 +257,41 @@ def test_router_and_simulator_cap_a_full_prompt_hit_alike() -> None:
     assert sim.view(request).hit_tokens == [predicted]
     instance.enqueue(request, 0.0)
     assert instance.unprefilled == prompt - predicted
+
+
+def test_readmission_keeps_the_prefix_index_unless_the_engine_restarted() -> None:
+    """With scrapes the router can tell a blip from a restart: a re-admitted engine whose
+    start time did not change keeps its index; one that restarted loses it."""
+    fast = EngineConfig(speed=0.0001, default_max_tokens=4)
+
+    async def scenario() -> None:
+        server = TestServer(create_app(fast), host="127.0.0.1")
+        await server.start_server()
+        engine = Engine(f"http://127.0.0.1:{server.port}", 1000)
+        settings = RouterSettings(health_interval_s=0.05, scrape_interval_s=0.05)
+        router = Router([engine], settings)
+        front = TestServer(router.app(), host="127.0.0.1")
+        await front.start_server()
+        try:
+            async with aiohttp.ClientSession() as client:
+                url = f"http://127.0.0.1:{front.port}"
+                await eventually(lambda: engine.report is not None)
+                await chat(client, url, conversation(0))
+                held = engine.index.size
+                assert held > 0
+                router._eject(engine, "a transient error")
+                await eventually(lambda: engine.healthy)
+                assert engine.index.size == held  # the same process: nothing forgotten
+
+                port = server.port
+                await server.close()
+                await eventually(lambda: not engine.healthy)
+                server = TestServer(create_app(fast), host="127.0.0.1", port=port)
+                await server.start_server()
+                await eventually(lambda: engine.healthy)
+                assert engine.index.size == 0  # a new process: its cache is gone
+        finally:
+            await front.close()
+            await server.close()
+
+    asyncio.run(scenario())
