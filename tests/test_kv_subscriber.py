@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import subprocess
@@ -475,3 +476,30 @@ def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) ->
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_a_view_the_replay_cannot_rebuild_waits_for_a_restart(caplog) -> None:
+    """Joining after the engine's buffer moved past batch 0, the view cannot be rebuilt:
+    one try says so, and no more replays are asked for until the engine restarts."""
+    config = dataclasses.replace(replay_only(), kv_events_buffer_steps=2)
+    _, batches = _batches()
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            for events in batches:
+                publisher.publish(events)  # the buffer keeps batches 1 and 2
+            index = EventIndex(BS)
+            replay = config.kv_events_replay_endpoint
+            async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", replay) as sub:
+                await sub.receive(_frames(2, batches[2]))
+                assert not sub.exact and sub.counters.resyncs == 0
+                replayed = sub.counters.replayed
+                await sub.receive(_frames(3, []))
+                assert sub.counters.replayed == replayed  # no futile replay asked for
+                await sub.receive(_frames(0, batches[0]))  # the engine restarted
+                assert sub.exact and index.size() == 1
+
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        asyncio.run(main())
+    events = [json.loads(r.getMessage())["event"] for r in caplog.records]
+    assert events == ["kv_view_degraded", "kv_view_unresyncable", "kv_events_restart"]

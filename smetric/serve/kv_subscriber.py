@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,14 @@ from smetric.core.kv_events import (
 log = logging.getLogger("smetric.serve")
 # Longest wait between resyncs, or between restarts of a failing subscriber.
 _MAX_BACKOFF_S = 60.0
+
+
+class _HistoryGone(Exception):
+    """The engine's replay buffer starts after the batch asked for."""
+
+    def __init__(self, oldest: int) -> None:
+        super().__init__(f"the replay starts at batch {oldest}")
+        self.oldest = oldest
 
 
 @dataclass
@@ -228,6 +237,7 @@ class KVEventSubscriber:
         self._restart_seen_at = time.monotonic()
         self.index.clear()
         self.exact = True
+        self._resync_at = 0.0
         self._resync_wait_s = self.resync_backoff_s
         self._log("kv_events_restart", last_seq=last_seq, seq=seq)
 
@@ -261,12 +271,21 @@ class KVEventSubscriber:
     async def _resync(self) -> None:
         """Rebuild the view from the engine's history: batches 0 to the last one seen are
         replayed into a fresh index, which replaces the view only if none was missing or
-        lost; otherwise the degraded view stays and the next try waits twice as long."""
+        lost; otherwise the degraded view stays and the next try waits twice as long, or
+        for a restart if the engine's buffer no longer reaches batch 0."""
         last = self.tracker.last
         if self.replay_endpoint is None or last is None:
             return
         rebuilt = EventIndex(self.index.block_size)
-        if await self._replay(range(0, last + 1), rebuilt):
+        try:
+            whole = await self._replay(range(0, last + 1), rebuilt, whole=True)
+        except _HistoryGone as gone:
+            # The engine's buffer starts later and only moves on: no rebuild can be whole
+            # before the engine restarts.
+            self._resync_at = math.inf
+            self._log("kv_view_unresyncable", oldest_batch=gone.oldest)
+            return
+        if whole:
             self.index.take(rebuilt)
             self.exact = True
             self.counters.resyncs += 1
@@ -285,9 +304,10 @@ class KVEventSubscriber:
     def _log(self, event: str, **fields: object) -> None:
         log.warning(json.dumps({"event": event, "engine": self.name, **fields}))
 
-    async def _replay(self, missing: range, index: EventIndex) -> bool:
+    async def _replay(self, missing: range, index: EventIndex, *, whole: bool = False) -> bool:
         """Apply ``missing`` from the replay socket to ``index`` in order; True when no
-        batch or event was lacking.
+        batch or event was lacking. A hole is skipped over, unless ``whole`` (a rebuild,
+        useless unless complete) stops at the first one.
 
         A fresh DEALER per request, so that a late answer to an abandoned request can never
         be read as the answer to the next one.
@@ -313,6 +333,10 @@ class KVEventSubscriber:
                         self.counters.duplicates += 1
                         continue
                     if seq > expected:
+                        if whole and expected == missing.start:
+                            raise _HistoryGone(seq)
+                        if whole:
+                            return False
                         complete = False
                     complete = self._apply(frames[-1], index) and complete
                     self.counters.replayed += 1
