@@ -50,12 +50,17 @@ class ClusterView:
     instance_ids: Sequence[int] | None = None
 
 
+def reusable_hit_blocks(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """The leading prompt blocks an instance can take from its cache, given how many it
+    holds: never the whole prompt, because vLLM computes at least the last prompt token
+    to produce the first output token. The router's prediction, the simulator's view and
+    scheduler, and the mock engine all cap a hit this way, so they agree."""
+    return min(matched_blocks, max(prompt_tokens - 1, 0) // block_size)
+
+
 def reusable_hit_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
-    """The prompt tokens an instance can take from its cache, given the leading blocks of
-    the prompt it holds: whole blocks only, and never the whole prompt, because vLLM
-    computes at least the last prompt token to produce the first output token. Both
-    drivers cap a hit this way, so their views agree."""
-    return min(matched_blocks, max(prompt_tokens - 1, 0) // block_size) * block_size
+    """``reusable_hit_blocks`` in tokens: the hit a policy sees."""
+    return reusable_hit_blocks(matched_blocks, prompt_tokens, block_size) * block_size
 
 
 class Decision(NamedTuple):

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from smetric.core.policy import reusable_hit_blocks
 from smetric.core.prefix_cache import Handle
 from smetric.sim.kv import LocalPool
 from smetric.sim.perf import StepTimeModel, load_hardware, load_model
@@ -246,7 +247,7 @@ class Engine:
         output token), so a fully cached prompt still gives up its last block.
         """
         bs = self.config.block_size
-        hit = min(self.pool.cache.match(req.blocks), (req.prompt_tokens - 1) // bs)
+        hit = reusable_hit_blocks(self.pool.cache.match(req.blocks), req.prompt_tokens, bs)
         handle = self.pool.cache.lock(req.blocks, hit) if hit else None
         private = -(-(req.prompt_tokens + req.max_tokens) // bs) - hit
         cached = self.pool.cache.size

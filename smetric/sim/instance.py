@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from smetric.core.policy import reusable_hit_tokens
+from smetric.core.policy import reusable_hit_blocks, reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
 from smetric.sim.kv import GlobalTier, Link, LocalPool
 from smetric.sim.perf import StepTimeModel
@@ -206,7 +206,7 @@ class Instance:
         bs = req.block_size
         cached = self.pool.cache.match(req.blocks)
         # At least one token is always computed, to produce the next token.
-        hit = min(max(cached, req.fetched_blocks), (req.target - 1) // bs)
+        hit = reusable_hit_blocks(max(cached, req.fetched_blocks), req.target, bs)
         pinned = min(cached, hit)
         handle = self.pool.cache.lock(req.blocks, pinned) if pinned else None
         private = -(-req.target // bs) - pinned
