@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -503,3 +503,58 @@ def test_a_view_the_replay_cannot_rebuild_waits_for_a_restart(caplog) -> None:
         asyncio.run(main())
     events = [json.loads(r.getMessage())["event"] for r in caplog.records]
     assert events == ["kv_view_degraded", "kv_view_unresyncable", "kv_events_restart"]
+
+
+def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_show_it() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        speed=0.001,
+        kv_events_endpoint=endpoint,
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    )
+    port = free_port()
+
+    async def engine_process() -> TestClient:
+        client = TestClient(TestServer(create_app(config), host="127.0.0.1", port=port))
+        await client.start_server()
+        return client
+
+    def warm_up(process: TestClient) -> Callable[[int], Awaitable[None]]:
+        async def send(attempt: int) -> None:
+            body = {"prompt": f"hi {attempt} " * 8, "max_tokens": 1}
+            await post(process, "/v1/completions", body)
+
+        return send
+
+    async def main() -> None:
+        url = f"http://127.0.0.1:{port}"
+        engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
+        sub = KVEventSubscriber(
+            engine.events, endpoint, "kv", config.kv_events_replay_endpoint, name=url
+        )
+        router = Router([engine], RouterSettings(health_interval_s=60), subscribers={url: sub})
+        async with TestClient(TestServer(router.app())) as client:
+            for restart_in_stream_first in (False, True):
+                process = await engine_process()
+                heard = sub.counters.batches
+                await until_heard(warm_up(process), lambda h=heard: sub.counters.batches > h)
+                await router.scrape(engine)
+                await post(client, "/v1/completions", {"prompt": "p" * 200, "max_tokens": 1})
+                await settle(lambda: engine.events.size() >= 200 // BS)
+                await process.close()
+                process = await engine_process()  # a new process, same addresses
+                restarts = sub.counters.restarts
+                if restart_in_stream_first:
+                    await until_heard(
+                        warm_up(process), lambda r=restarts: sub.counters.restarts > r
+                    )
+                held = engine.events.size()
+                await router.scrape(engine)
+                assert sub.counters.restarts == restarts + 1  # counted once either way
+                if restart_in_stream_first:
+                    assert engine.events.size() == held > 0  # the new process's blocks stay
+                else:
+                    assert engine.events.size() == 0  # the old process's blocks go
+                await process.close()
+
+    asyncio.run(main())
