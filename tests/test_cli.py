@@ -180,3 +180,48 @@ def test_simulate_disaggregated_by_flags_equals_yaml_and_reports_the_pd_section(
     assert lonely.exit_code == 2 and "need prefill instances" in lonely.output
     rule = runner.invoke(app, ["simulate", *pd[:4], "--decode-policy", "x", "-o", str(tmp_path)])
     assert rule.exit_code == 2 and "decode policy" in rule.output
+
+
+def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path) -> None:
+    args = [
+        "knee",
+        "-p",
+        "smetric_tokens,least_load,linear:lam=0.5",
+        "--globals",
+        "full",
+        "--kv-loads",
+        "sync,async",
+        "--instances",
+        "2",
+        "--duration",
+        "120",
+        "--warmup",
+        "20",
+        "--seeds",
+        "2",
+        "--start",
+        "0.05",
+        "--precision",
+        "1.5",
+        "-j",
+        "1",
+        "-o",
+        str(tmp_path),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "Max TPS within SLO" in result.output
+    summary = json.loads((tmp_path / "knee.json").read_text())
+    assert [(c["global"], c["kv_load"]) for c in summary["cells"]] == [
+        ("full", "sync"),
+        ("full", "async"),
+    ]
+    for cell in summary["cells"]:
+        assert cell["best_baseline"] in ("least_load", "linear:lam=0.5")
+        for knee in cell["knees"].values():
+            probes = {float(load): tps for load, tps in knee["probes"].items()}
+            # The knee is the best probe, and the probes bracket it unless it is at an end.
+            assert knee["mean"] == max(probes.values())
+            assert len(knee["seeds"]) == 2
+    assert (tmp_path / "knee.png").stat().st_size > 0
+    assert "vs best baseline" in (tmp_path / "knee.md").read_text()

@@ -142,7 +142,7 @@ def test_prefill_then_decode_with_the_prompt_pulled_and_counted_as_cached() -> N
         assert f'smetric_pd_routed_total{{engine="{prefill}",leg="prefill"}}' in metrics
         assert 'leg="decode"' in metrics
         assert all(e.inflight == 0 for e in router.engines)
-        assert all(v == 0 for v in router.disagg.pending.values())
+        assert all(e.unprefilled == 0 and e.inflight_tokens == 0 for e in router.engines)
 
     asyncio.run(with_pd(body))
 

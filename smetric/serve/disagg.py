@@ -48,7 +48,7 @@ from prometheus_client import Counter
 from smetric.core.conversation import RequestFacts
 from smetric.core.policies import RoundRobin
 from smetric.serve.app import Router, error_response
-from smetric.serve.engines import Engine
+from smetric.serve.engines import Engine, QueuedPrefill
 
 log = logging.getLogger("smetric.serve")
 
@@ -120,8 +120,6 @@ class Disaggregation:
     prefill_urls: frozenset[str]
     decode_urls: frozenset[str]
     settings: DisaggSettings = field(default_factory=DisaggSettings)
-    # Unprefilled prompt tokens in flight on each prefill engine: the policy's load.
-    pending: dict[str, float] = field(default_factory=dict)
     _turns: RoundRobin = field(default_factory=RoundRobin)
 
     def __post_init__(self) -> None:
@@ -151,7 +149,7 @@ class Disaggregation:
         self, router: Router, facts: RequestFacts, engines: list[Engine]
     ) -> tuple[Engine, int]:
         """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29)."""
-        return router.route(facts, engines, [self.pending.get(e.url, 0.0) for e in engines])
+        return router.route(facts, engines, [float(e.unprefilled) for e in engines])
 
     def choose_decode(self, router: Router, engines: list[Engine]) -> Engine:
         rule = self.settings.decode_policy
@@ -242,9 +240,9 @@ class Disaggregation:
         """Run the prefill leg."""
         assert router.client is not None
         started = time.monotonic()
-        unprefilled = float(facts.prompt_tokens - predicted)
-        self.pending[engine.url] = self.pending.get(engine.url, 0.0) + unprefilled
+        queued = QueuedPrefill(engine, facts.prompt_tokens - predicted)
         engine.inflight += 1
+        engine.inflight_tokens += facts.prompt_tokens
         self.routed.labels("prefill", engine.url).inc()
         timeout = aiohttp.ClientTimeout(
             total=self.settings.prefill_timeout_s, sock_connect=router.settings.connect_timeout_s
@@ -263,7 +261,8 @@ class Disaggregation:
             raise _Failed(f"connect failed: {exc!r}") from exc
         finally:
             engine.inflight -= 1
-            self.pending[engine.url] -= unprefilled
+            engine.inflight_tokens -= facts.prompt_tokens
+            queued.done()
         try:
             answer = json.loads(raw)
         except ValueError:
