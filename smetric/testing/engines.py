@@ -198,6 +198,8 @@ class VLLMServer(EngineProcess):
     replay_port: int
     topic: str
     core: int
+    # vLLM's ``--kv-transfer-config``, for one side of a disaggregated pair.
+    kv_transfer: dict[str, object] | None = None
 
     def engines_yaml_entry(self) -> str:
         """This engine in ``smetric serve --config``, on its KV-event view."""
@@ -238,6 +240,7 @@ class VLLMServer(EngineProcess):
             "2048",
             "--kv-events-config",
             json.dumps(events),
+            *(["--kv-transfer-config", json.dumps(self.kv_transfer)] if self.kv_transfer else []),
         ]
 
     def environment(self) -> dict[str, str]:
@@ -258,48 +261,25 @@ class VLLMServer(EngineProcess):
         return env
 
 
-@dataclass
-class VLLMDisaggServer(VLLMServer):
-    """One side of a disaggregated vLLM pair on the CPU build.
+def vllm_pd_pair(install: VLLMInstall, scratch: Path) -> list[VLLMServer]:
+    """A prefill and a decode vLLM instance sharing a KV store under ``scratch``.
 
     The CPU build has no NIXL or Mooncake package, but vLLM's ``ExampleConnector`` runs on
     it: the prefill side (``kv_producer``) writes each prompt's KV, layer by layer, to
-    safetensors files under ``storage`` keyed by the prompt's tokens, and the decode side
-    (``kv_consumer``) finds them there and injects them into its paged KV cache. It returns
-    no ``kv_transfer_params``, so the router sends the decode the plain request.
+    safetensors files keyed by the prompt's tokens, and the decode side (``kv_consumer``)
+    finds them there and injects them into its paged KV cache. It returns no
+    ``kv_transfer_params``, so the router sends the decode the plain request.
     """
-
-    role: str = "kv_producer"
-    storage: Path | None = None
-
-    def command(self) -> list[str]:
-        config = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": self.role,
-            "kv_connector_extra_config": {"shared_storage_path": str(self.storage)},
-        }
-        return [*super().command(), "--kv-transfer-config", json.dumps(config)]
-
-
-def vllm_pd_pair(install: VLLMInstall, scratch: Path) -> list[VLLMDisaggServer]:
-    """A prefill and a decode vLLM instance sharing a KV store under ``scratch``."""
-    cores = os.cpu_count() or 1
     storage = scratch / "kv-store"
     storage.mkdir(parents=True, exist_ok=True)
-    return [
-        VLLMDisaggServer(
-            free_port(),
-            scratch,
-            install=install,
-            events_port=free_port(),
-            replay_port=free_port(),
-            topic=f"kv-{role}",
-            core=i % cores,
-            role=role,
-            storage=storage,
-        )
-        for i, role in enumerate(("kv_producer", "kv_consumer"))
-    ]
+    pair = vllm_instances(install, scratch)
+    for engine, role in zip(pair, ("kv_producer", "kv_consumer"), strict=True):
+        engine.kv_transfer = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+    return pair
 
 
 @dataclass
