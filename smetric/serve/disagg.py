@@ -153,8 +153,6 @@ class Disaggregation:
 
     def choose_decode(self, router: Router, engines: list[Engine]) -> Engine:
         rule = self.settings.decode_policy
-        if rule == "round_robin":
-            return engines[self._turns.take(len(engines))]
         now = time.monotonic()
 
         def measure(engine: Engine) -> float:
@@ -164,7 +162,10 @@ class Disaggregation:
                 return report.kv_usage
             return float(engine.inflight)
 
-        engine = engines[self._turns.argmin([measure(e) for e in engines])]
+        if rule == "round_robin":
+            engine = engines[self._turns.take(len(engines))]
+        else:
+            engine = engines[self._turns.argmin([measure(e) for e in engines])]
         log.info(json.dumps({"event": "route_decode", "engine": engine.url, "rule": rule}))
         return engine
 
