@@ -257,6 +257,14 @@ def test_processes_engine_roles_and_serve_from_yaml(tmp_path) -> None:
             for url in urls:
                 await wait_healthy(url)
             async with aiohttp.ClientSession() as client:
+                # The router may have checked an engine before it listened: wait until it
+                # has seen all three healthy.
+                async with asyncio.timeout(30):
+                    while True:
+                        async with client.get(urls[3] + "/health") as response:
+                            if (await response.json())["healthy_engines"] == 3:
+                                break
+                        await asyncio.sleep(0.1)
                 seen = set()
                 for session in range(2):
                     response, data = await ask(client, urls[3], conversation(session, 0))
