@@ -282,3 +282,31 @@ def test_processes_engine_roles_and_serve_from_yaml(tmp_path) -> None:
         for process in processes:
             process.kill()
             process.wait()
+
+
+def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> None:
+    from smetric.serve.scrape import EngineReport
+
+    busy_kv, busy_requests = Engine("http://127.0.0.1:1", 64), Engine("http://127.0.0.1:2", 64)
+    busy_kv.report = EngineReport(at=time.monotonic(), kv_usage=0.9)
+    busy_requests.report = EngineReport(at=time.monotonic(), kv_usage=0.1)
+    busy_requests.inflight = 3
+    engines = [busy_kv, busy_requests]
+    router = Router(
+        engines,
+        disagg=Disaggregation(frozenset({"http://x:1"}), frozenset(e.url for e in engines)),
+    )
+
+    def pick(rule: str) -> Engine:
+        disagg = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls,
+                                DisaggSettings(decode_policy=rule))  # fmt: skip
+        return disagg.choose_decode(router, engines)
+
+    assert pick("least_kv") is busy_requests  # 10 % of its KV in use against 90 %
+    assert pick("least_requests") is busy_kv
+    busy_kv.report = EngineReport(at=time.monotonic() - 60, kv_usage=0.9)  # stale
+    busy_requests.report = None
+    assert pick("least_kv") is busy_kv  # no fresh scrape: requests in flight decide
+    turns = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls,
+                           DisaggSettings(decode_policy="round_robin"))  # fmt: skip
+    assert [turns.choose_decode(router, engines) for _ in range(4)] == engines * 2
