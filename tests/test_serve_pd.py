@@ -141,6 +141,7 @@ def test_prefill_then_decode_with_the_prompt_pulled_and_counted_as_cached() -> N
         metrics = await (await client.get(url + "/metrics")).text()
         assert f'smetric_pd_routed_total{{engine="{prefill}",leg="prefill"}}' in metrics
         assert 'leg="decode"' in metrics
+        assert 'smetric_request_seconds_count{api="chat"} 3.0' in metrics
         assert all(e.inflight == 0 for e in router.engines)
         assert all(e.unprefilled == 0 and e.inflight_tokens == 0 for e in router.engines)
 

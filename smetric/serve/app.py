@@ -176,7 +176,7 @@ class Router:
             return error_response(502, f"tokenising with the engine failed: {exc}", "server_error")
         if self.disagg is not None:
             headers = self._upstream_headers(request)
-            return await self.disagg.serve(self, request, path, body, facts, headers)
+            return await self.disagg.serve(self, request, path, api, body, facts, headers)
         started = time.perf_counter()
         tried: set[str] = set()
         while True:

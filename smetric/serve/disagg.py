@@ -176,6 +176,23 @@ class Disaggregation:
         router: Router,
         request: web.Request,
         path: str,
+        api: str,
+        body: dict[str, Any],
+        facts: RequestFacts,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Both legs, timed in the router's latency histogram like a colocated request."""
+        started = time.perf_counter()
+        try:
+            return await self._legs(router, request, path, body, facts, headers)
+        finally:
+            router.metrics.latency.labels(api).observe(time.perf_counter() - started)
+
+    async def _legs(
+        self,
+        router: Router,
+        request: web.Request,
+        path: str,
         body: dict[str, Any],
         facts: RequestFacts,
         headers: dict[str, str],
