@@ -336,6 +336,12 @@ def write_simulation_pngs(
     )
 
 
+def _tokens_unit(sweep: Section) -> str:
+    """Disaggregated runs count prompt tokens (the paper's prefill TPS), others all."""
+    disaggregated = any("pd" in run["summary"] for run in sweep["runs"])
+    return "prompt tok/s" if disaggregated else "tok/s"
+
+
 def _run_index(sweep: Section) -> dict[tuple[str, str, float], Section]:
     return {(run["global"], run["policy"], run["rate"]): run["summary"] for run in sweep["runs"]}
 
@@ -358,7 +364,7 @@ def _max_tps_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     ax.set_xticks(x, provisionings)
     ax.grid(axis="x", visible=False)
     ax.set_xlabel("Global-tier provisioning")
-    ax.set_ylabel("Max TPS within SLO (tok/s)")
+    ax.set_ylabel(f"Max TPS within SLO ({_tokens_unit(sweep)})")
     ax.set_title("Maximum TPS within SLO over the offered-rate sweep")
     _policy_legend(fig, colors)
     return fig
@@ -376,7 +382,7 @@ def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
             ax.plot(rates, tps, color=colors[policy], marker="o", ms=4, lw=1.8)
         ax.set_title(f"Global tier: {level}")
         ax.set_xlabel("Offered rate (sessions/s)")
-    return _tps_panels(fig, axes[0], "TPS within SLO (tok/s)", colors)
+    return _tps_panels(fig, axes[0], f"TPS within SLO ({_tokens_unit(sweep)})", colors)
 
 
 def _tps_panels(fig: Figure, first: Axes, ylabel: str, colors: Mapping[str, str]) -> Figure:
