@@ -14,12 +14,14 @@ from rich.table import Table
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
 from smetric.cli.simulate import (
     ConfigOpt,
+    DecodeOpt,
     DurationOpt,
     HardwareOpt,
     InstancesOpt,
     JobsOpt,
     OutOpt,
     PoliciesOpt,
+    PrefillOpt,
     SourceArg,
     WarmupOpt,
     build_config,
@@ -128,6 +130,8 @@ def knee(
         str, typer.Option(help="The policy compared with the best baseline.")
     ] = "smetric_tokens",
     instances: InstancesOpt = None,
+    prefill_instances: PrefillOpt = None,
+    decode_instances: DecodeOpt = None,
     hardware: HardwareOpt = None,
     duration: DurationOpt = None,
     warmup: WarmupOpt = None,
@@ -152,6 +156,8 @@ def knee(
             source,
             policies=policies,
             instances=instances,
+            prefill_instances=prefill_instances,
+            decode_instances=decode_instances,
             hardware=hardware,
             duration=duration,
             warmup=warmup,
