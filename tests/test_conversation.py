@@ -511,8 +511,11 @@ def test_a_broken_template_fails_when_loaded() -> None:
         ChatTemplate("{% if %}")
 
 
-def test_render_chat_offsets_without_a_request() -> None:
-    text, end = render_chat([user("a"), assistant("b"), user("c")], system="s", tools=[1])
+def test_render_chat_segments_without_a_request() -> None:
+    rendering = render_chat([user("a"), assistant("b"), user("c")], system="s", tools=[1])
+    text, end = rendering.text, rendering.history_end()
     assert text[:end] == "<|tools|>\n[1]\n<|system|>\ns\n<|user|>\na\n<|assistant|>\nb\n"
     assert text[end:] == "<|user|>\nc\n<|assistant|>\n"
-    assert render_chat([user("a")]) == ("<|user|>\na\n<|assistant|>\n", 0)
+    assert rendering.segments[2:4] == ["<|user|>\na\n", "<|assistant|>\nb\n"]
+    first = render_chat([user("a")])
+    assert (first.text, first.history_end()) == ("<|user|>\na\n<|assistant|>\n", 0)

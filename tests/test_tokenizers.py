@@ -82,7 +82,8 @@ def test_load_reads_tokenizer_and_template(qwen_dir: Path) -> None:
     assert tokenizer.name == "qwen"
     assert template is not None
     assert (template.bos_token, template.eos_token) == ("", "<|im_end|>")
-    text, history_end = template.render(TURN_1)
+    rendering = template.render(TURN_1)
+    text, history_end = rendering.text, rendering.history_end()
     assert history_end == 0
     assert text.endswith("<|im_start|>assistant\n")
     # The template's special tokens encode as single ids.
@@ -125,12 +126,12 @@ def test_named_templates_and_jinja_file(tmp_path: Path) -> None:
     folder = write_tokenizer(tmp_path / "named", {"chat_template": named, "bos_token": "<s>"})
     _, template = load_hf_tokenizer(folder)
     assert template is not None
-    assert template.render([{"role": "user", "content": "x"}])[0] == "<s>default"
+    assert template.render([{"role": "user", "content": "x"}]).text == "<s>default"
     # chat_template.jinja takes precedence over the config, as in transformers.
     (folder / "chat_template.jinja").write_text("from file")
     _, template = load_hf_tokenizer(folder)
     assert template is not None
-    assert template.render([{"role": "user", "content": "x"}])[0] == "from file"
+    assert template.render([{"role": "user", "content": "x"}]).text == "from file"
 
 
 def test_no_config_means_no_template(tmp_path: Path) -> None:
