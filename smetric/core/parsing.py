@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 # A message as the renderers take it: OpenAI-shaped, ``role`` and ``content`` strings (parts
 # already flattened to text), optionally ``tool_calls`` and whatever other keys the client
 # sent, which chat templates may read.
@@ -95,3 +97,17 @@ def digest(data: str | bytes) -> str:
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def decode_body(raw: bytes) -> object:
+    """A request body's JSON, by msgspec, which decodes agent-sized bodies about twice as
+    fast as ``json``. What msgspec refuses but ``json`` accepts (lone surrogates, ``NaN``)
+    goes through ``json``, so the router accepts exactly the bodies it always did."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        pass
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"body is not valid JSON: {exc}") from None
