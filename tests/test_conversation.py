@@ -126,7 +126,7 @@ def test_chat_tool_calls_and_tool_messages_are_history() -> None:
         ]
     }
     facts = analyze(body)
-    calls = '[{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]'
+    calls = '[{"id":"c1","type":"function","function":{"name":"ls","arguments":"{}"}}]'
     history = (
         "<|user|>\nlist files\n"
         f"<|assistant|>\n\n{calls}\n"
@@ -186,7 +186,7 @@ def test_messages_api_turn_and_history_with_tool_blocks() -> None:
     history = (
         "<|system|>\nBe brief.\n"
         "<|user|>\nread a\n"
-        '<|assistant|>\nReading.\n{"name": "read", "input": {"path": "a"}}\n'
+        '<|assistant|>\nReading.\n{"name":"read","input":{"path":"a"}}\n'
         "<|user|>\nA!\n"
         "<|assistant|>\nA says A!\n"
     )

@@ -83,9 +83,10 @@ _ROOT = _Node(_EMPTY_TOKENS, _EMPTY_BLOCKS, 0, None, _EMPTY_TOKENS, 0)
 
 @dataclass(frozen=True, slots=True)
 class PromptBlocks:
-    """A prompt's int64 token ids and block ids, and the token count after each segment."""
+    """A prompt's tokens (uint32, one array per segment), its block ids, and the token
+    count after each segment."""
 
-    token_ids: np.ndarray
+    token_parts: list[np.ndarray]
     blocks: np.ndarray
     ends: list[int]
 
@@ -163,9 +164,7 @@ def hash_segments(
     if memo is not None:
         memo._keep(segments, nodes, known)
     if not nodes:
-        return PromptBlocks(_EMPTY_BLOCKS.copy(), _EMPTY_BLOCKS.copy(), [])
+        return PromptBlocks([_EMPTY_TOKENS], _EMPTY_BLOCKS.copy(), [0])
     return PromptBlocks(
-        np.concatenate([n.tokens for n in nodes]).astype(np.int64),
-        np.concatenate([n.blocks for n in nodes]),
-        [n.end for n in nodes],
+        [n.tokens for n in nodes], np.concatenate([n.blocks for n in nodes]), [n.end for n in nodes]
     )

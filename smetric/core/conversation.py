@@ -71,9 +71,18 @@ class RequestFacts:
     prompt_tokens: int
     est_hit_tokens: int
     session_key: str
-    token_ids: np.ndarray
     # One chained id per full block of ``token_ids``.
     blocks: np.ndarray
+    # The prompt's tokens in pieces (one per rendered segment), joined only when asked for:
+    # routing needs the blocks, only an engine needs the tokens.
+    token_parts: Sequence[np.ndarray]
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The prompt's token ids, int64."""
+        if len(self.token_parts) == 1:
+            return self.token_parts[0].astype(np.int64)
+        return np.concatenate(self.token_parts).astype(np.int64)
 
     def routing_request(self) -> RoutingRequest:
         """The subset a policy sees."""
@@ -147,11 +156,11 @@ def analyze_request(
     prompt = hash_segments(rendering.segments, tokenizer, block_size, memo)
     return RequestFacts(
         turn=sum(message["role"] == "assistant" for message in messages),
-        prompt_tokens=len(prompt.token_ids),
+        prompt_tokens=prompt.ends[-1],
         est_hit_tokens=prompt.ends[rendering.history - 1] if rendering.history else 0,
         session_key=_session_key(messages, system),
-        token_ids=prompt.token_ids,
         blocks=prompt.blocks,
+        token_parts=prompt.token_parts,
     )
 
 
@@ -331,7 +340,7 @@ def _completion_facts(
     prompt = completion_prompt(body)
     if isinstance(prompt, str):
         hashed = hash_segments([prompt], tokenizer, block_size, memo)
-        token_ids, blocks = hashed.token_ids, hashed.blocks
+        token_ids, blocks = hashed.token_parts[0].astype(np.int64), hashed.blocks
     else:
         token_ids = np.array(prompt, dtype=np.int64)
         blocks = chain_hashes(token_ids, block_size)
@@ -340,8 +349,8 @@ def _completion_facts(
         prompt_tokens=len(token_ids),
         est_hit_tokens=0,
         session_key=digest(token_ids.astype("<u4").tobytes()),
-        token_ids=token_ids,
         blocks=blocks,
+        token_parts=(token_ids,),
     )
 
 

@@ -20,6 +20,9 @@ import msgspec
 Message = Mapping[str, Any]
 
 
+_ENCODERS = {False: msgspec.json.Encoder(), True: msgspec.json.Encoder(order="sorted")}
+
+
 class RequestError(ValueError):
     """A request body the router cannot analyse; the message says why, for a 400 reply."""
 
@@ -85,7 +88,18 @@ def placeholder(part_type: str, part: object) -> str:
 
 
 def to_json(value: object, *, sort_keys: bool = False) -> str:
-    """Compact JSON of client data; nesting too deep to serialise is the client's error."""
+    """Compact JSON of client data, by msgspec (an agent's history holds dozens of tool calls
+    to serialise per request); nesting too deep to serialise is the client's error.
+
+    Text msgspec cannot encode (lone surrogates) goes through ``json``: a different but
+    equally deterministic text, which is all rendering needs.
+    """
+    try:
+        return _ENCODERS[sort_keys].encode(value).decode()
+    except UnicodeEncodeError:
+        pass
+    except RecursionError as error:
+        raise RequestError(f"cannot serialise part of the request: {error}") from None
     try:
         return json.dumps(value, ensure_ascii=False, sort_keys=sort_keys)
     except (RecursionError, ValueError) as error:

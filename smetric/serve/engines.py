@@ -13,6 +13,7 @@ the router's block ids, so the router must hash prompts with the engine's block 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,17 +28,37 @@ class Engine:
     url: str
     kv_blocks: int
     healthy: bool = True
-    # Requests routed here whose response has not ended: the load the policy sees.
-    inflight: int = 0
     index: PrefixCache = field(init=False)
     # The engine's latest /metrics, when the router scrapes them.
     report: EngineReport | None = None
     # The engine's own account of its cache, from its KV events; replaces ``index``.
     events: EventIndex | None = None
 
+    # Called with the blocks of every prompt ``remember`` records (other workers learn them).
+    on_remember: Callable[[np.ndarray], None] | None = None
+
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
         self.index = PrefixCache(self.kv_blocks)
+        # In-flight requests here per router worker, this worker's in row ``_row``: one row
+        # of its own until ``share_load`` maps in a column that every worker writes.
+        self._inflight = np.zeros(1, dtype=np.int64)
+        self._row = 0
+
+    @property
+    def inflight(self) -> int:
+        """Requests this worker routed here whose response has not ended."""
+        return int(self._inflight[self._row])
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._inflight[self._row] = value
+
+    def share_load(self, column: np.ndarray, row: int) -> None:
+        """Count in-flight requests in ``column[row]`` of memory all workers share, so the
+        load is every worker's requests (each writes only its own row: no locks)."""
+        column[row] = self.inflight
+        self._inflight, self._row = column, row
 
     def predicted_hit(self, blocks: np.ndarray, block_size: int, prompt_tokens: int) -> int:
         """Tokens this engine should find cached: whole blocks, never the whole prompt."""
@@ -64,6 +85,8 @@ class Engine:
         """
         if self.events is None:
             self.index.insert(blocks, time.monotonic())
+            if self.on_remember is not None:
+                self.on_remember(blocks)
 
     def forget(self) -> None:
         """An engine that went away lost its cache."""
@@ -72,11 +95,13 @@ class Engine:
             self.events.clear()
 
     def load(self, now: float, staleness_s: float) -> float:
-        """In-flight requests, raised to what the engine reports queued if that is fresh."""
+        """In-flight requests (of every worker), raised to what the engine reports queued if
+        that is fresh."""
+        inflight = float(self._inflight.sum())
         report = self.report
         if report is None or now - report.at > staleness_s or report.queued is None:
-            return float(self.inflight)
-        return max(float(self.inflight), report.queued)
+            return inflight
+        return max(inflight, report.queued)
 
     def restarted(self, report: EngineReport) -> bool:
         """The engine process changed since the previous scrape (its start time did)."""
