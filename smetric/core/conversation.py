@@ -284,15 +284,20 @@ def _content_ends(text: str, messages: Sequence[Message]) -> list[int]:
 
     Templates put a message's closing markup (usually a special token) right after its
     content, so these are cuts a tokeniser makes anyway. A content the template changed
-    (older reasoning dropped, say) is looked for only a bounded distance ahead, and is
-    simply not a cut when missing.
+    (older reasoning dropped, say) must start a bounded distance ahead, and is simply not
+    a cut when missing.
     """
     ends, cursor = [], 0
     for message in messages:
         content = message["content"]
         if not content:
             continue
-        at = text.find(content, cursor, cursor + len(content) + _MARKUP_WINDOW)
+        # Find a short probe (memchr-fast), then compare the whole content in place: a
+        # find of the whole content preprocesses all of it on every call.
+        probe, limit = content[:64], cursor + _MARKUP_WINDOW + 64
+        at = text.find(probe, cursor, limit)
+        while at >= 0 and not text.startswith(content, at):
+            at = text.find(probe, at + 1, limit)
         if at >= 0:
             cursor = at + len(content)
             ends.append(cursor)
