@@ -13,10 +13,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
+from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import RequestError, analyze_request
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.tokenizers import (
+    EngineTokens,
     HFTokenizer,
     analyze_with_engine,
     load_hf_tokenizer,
@@ -195,3 +197,37 @@ def test_analyze_with_engine_matches_engine_count() -> None:
                 await analyze_with_engine({"messages": []}, "chat", client, url, BS)
 
     asyncio.run(main())
+
+
+def test_analyze_with_engine_and_a_memo_sends_only_new_segments() -> None:
+    sent: list[str] = []
+
+    async def count(session: object, context: object, params: Any) -> None:
+        sent.append(str(params.url))
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_start.append(count)
+
+    async def main() -> None:
+        async with (
+            TestServer(create_app(EngineConfig(speed=0.0001)), host="127.0.0.1") as server,
+            aiohttp.ClientSession(trace_configs=[trace]) as client,
+        ):
+            url = str(server.make_url("/"))
+            memo = BlockMemo(EngineTokens(), BS)
+            first = await analyze_with_engine(
+                {"messages": TURN_1}, "chat", client, url, BS, None, memo
+            )
+            assert first.blocks.size and len(sent) == len(TURN_1) + 1  # and the generation prompt
+            sent.clear()
+            second = await analyze_with_engine(
+                {"messages": TURN_2}, "chat", client, url, BS, None, memo
+            )
+            plain = await analyze_with_engine({"messages": TURN_2}, "chat", client, url, BS)
+            np.testing.assert_array_equal(second.blocks, plain.blocks)
+            assert second.prompt_tokens == plain.prompt_tokens
+            assert second.est_hit_tokens == plain.est_hit_tokens
+
+    asyncio.run(main())
+    # TURN_2 adds an assistant answer and a user message; the rest came from the memo.
+    assert len(sent) == 3 + (len(TURN_2) + 1)

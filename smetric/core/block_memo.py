@@ -113,6 +113,10 @@ class BlockMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def held(self, segments: Sequence[str]) -> int:
+        """How many leading ``segments`` the memo holds (they need no encoding)."""
+        return len(self._known(segments))
+
     def _known(self, segments: Sequence[str]) -> list[_Node]:
         """The entries of the longest run of leading segments held."""
         found: list[_Node] = []

@@ -38,7 +38,7 @@ from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.scrape import parse_vllm_metrics
-from smetric.serve.tokenizers import analyze_with_engine
+from smetric.serve.tokenizers import EngineTokens, analyze_with_engine
 
 log = logging.getLogger("smetric.serve")
 
@@ -96,7 +96,8 @@ class Router:
         self.metrics.registry.register(SubscriberCollector(self.subscribers))
         self.client: aiohttp.ClientSession | None = None
         # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
-        self.memo = BlockMemo(self.tokenizer, self.settings.block_size, self.settings.memo_bytes)
+        memo_tokenizer = EngineTokens() if self.engine_tokenizer else self.tokenizer
+        self.memo = BlockMemo(memo_tokenizer, self.settings.block_size, self.settings.memo_bytes)
 
     # -- application --------------------------------------------------------------------
 
@@ -207,7 +208,11 @@ class Router:
             return analyze_request(*args)
         assert self.client is not None
         engine = next((e for e in self.engines if e.healthy), self.engines[0])
-        return await analyze_with_engine(body, api, self.client, engine.url, bs, self.template)
+        # A router switched to engine tokenisation after it was made has no memo for it.
+        memo = self.memo if isinstance(self.memo.tokenizer, EngineTokens) else None
+        return await analyze_with_engine(
+            body, api, self.client, engine.url, bs, self.template, memo
+        )
 
     def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
         bs = self.settings.block_size
