@@ -1,6 +1,6 @@
 """Router throughput and latency with tiny and agent-sized bodies, against sglang-router.
 
-    python benchmarks/router_throughput.py [--duration 4] [--history-kb 390]
+    python benchmarks/router_throughput.py [--duration 4] [--rounds 3] [--history-kb 390]
 
 Two trivial engines (``trivial_engine.py``: they read the body and answer at once) sit
 behind each router, and ``wrk`` drives every target in turn from one process, in one run:
@@ -8,9 +8,11 @@ directly to an engine, through sglang-router's ``cache_aware`` policy, and throu
 ``smetric serve`` with 1 and with 2 workers. Two bodies: *tiny* (one short user message)
 and *long*, an agent's history (``agent_bodies``, ~390 KB, ~100 k tokens) plus a new user
 turn per request, as a session's next call would be. Each cell is ``--duration`` seconds at
-1 and at 32 connections, after a one-second warm-up of the same body.
+1 and at 32 connections, after a one-second warm-up of each body; rounds interleave the
+targets and each cell reports its median over them.
 
-Prints requests/s and mean latency per cell, then smetric over sglang-router. Needs
+Prints requests/s and mean latency per cell, then smetric (1 and 2 workers) over
+sglang-router: throughput ratio and latency ratio. Needs
 ``wrk`` (``apt-get install wrk``) and ``pip install sglang-router``; without them it says
 so and exits 0.
 """
@@ -28,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from agentic_bodies import agent_messages, chat_body
 from router_overhead import LOCALHOST, Processes, free_port, processes, wait_ready
 from router_vs_sglang import routes_chat, sglang_available, start_sglang_router
@@ -74,6 +77,11 @@ def write_script(folder: Path, name: str, messages: list[dict]) -> Path:
     return script
 
 
+def median_cell(cells: list[tuple[float, float]]) -> tuple[float, float]:
+    """The median requests/s and the median mean latency over rounds."""
+    return float(np.median([c[0] for c in cells])), float(np.median([c[1] for c in cells]))
+
+
 def wrk(url: str, script: Path, connections: int, seconds: int) -> tuple[float, float]:
     """Requests/s and mean latency in ms of one wrk run; non-2xx replies fail the run."""
     args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), url]
@@ -100,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=int, default=4)
     parser.add_argument("--history-kb", type=int, default=390)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if not sglang_available() or shutil.which("wrk") is None:
         print("needs wrk (apt-get install wrk) and sglang-router (pip install sglang-router)")
