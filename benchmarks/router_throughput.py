@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,20 +51,47 @@ end
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
-def start_trivial_engine(procs: Processes) -> str:
+@dataclass(frozen=True)
+class Target:
+    url: str
+    pid: int  # the process whose CPU time (its children's included) the target costs
+
+
+@dataclass(frozen=True)
+class Cell:
+    rps: float
+    latency_ms: float
+    cpu_us: float  # the target's CPU time per request: robust to other load on the machine
+
+
+def start_trivial_engine(procs: Processes) -> Target:
     port = free_port()
-    procs.start([sys.executable, str(HERE / "trivial_engine.py"), str(port)])
-    return f"http://{LOCALHOST}:{port}"
+    proc = procs.start([sys.executable, str(HERE / "trivial_engine.py"), str(port)])
+    return Target(f"http://{LOCALHOST}:{port}", proc.pid)
 
 
-def start_smetric(procs: Processes, engines: list[str], workers: int) -> str:
+def start_smetric(procs: Processes, engines: list[str], workers: int) -> Target:
     port = free_port()
     args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--workers"]
     args += [str(workers), "--log-level", "warning"]
     for url in engines:
         args += ["-e", url]
-    procs.start(args)
-    return f"http://{LOCALHOST}:{port}"
+    return Target(f"http://{LOCALHOST}:{port}", procs.start(args).pid)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of ``pid`` and its live children (forked workers)."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def write_script(folder: Path, name: str, messages: list[dict]) -> Path:
@@ -77,31 +106,36 @@ def write_script(folder: Path, name: str, messages: list[dict]) -> Path:
     return script
 
 
-def median_cell(cells: list[tuple[float, float]]) -> tuple[float, float]:
-    """The median requests/s and the median mean latency over rounds."""
-    return float(np.median([c[0] for c in cells])), float(np.median([c[1] for c in cells]))
+def median_cell(cells: list[Cell]) -> Cell:
+    """Each number's median over rounds."""
+    return Cell(*(float(np.median(values)) for values in zip(*map(astuple, cells), strict=True)))
 
 
-def wrk(url: str, script: Path, connections: int, seconds: int) -> tuple[float, float]:
-    """Requests/s and mean latency in ms of one wrk run; non-2xx replies fail the run."""
-    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), url]
+def wrk(target: Target, script: Path, connections: int, seconds: int) -> Cell:
+    """One wrk run against ``target``; non-2xx replies fail the run."""
+    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), target.url]
+    cpu = cpu_seconds(target.pid)
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    cpu = cpu_seconds(target.pid) - cpu
     if "Non-2xx" in out or "Socket errors" in out:
-        raise RuntimeError(f"{url}: errors under load:\n{out}")
+        raise RuntimeError(f"{target.url}: errors under load:\n{out}")
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
     value, unit = re.search(r"Latency\s+([\d.]+)(us|ms|s)", out).groups()
-    return rps, float(value) * UNITS[unit]
+    return Cell(rps, float(value) * UNITS[unit], cpu / max(requests, 1) * 1e6)
 
 
-async def targets(procs: Processes) -> dict[str, str]:
+async def targets(procs: Processes) -> dict[str, Target]:
     engines = [start_trivial_engine(procs) for _ in range(2)]
-    await wait_ready(engines)
-    urls = {"direct": engines[0], "sglang": start_sglang_router(procs, engines)}
+    urls = [e.url for e in engines]
+    await wait_ready(urls)
+    sglang = start_sglang_router(procs, urls)
+    found = {"direct": engines[0], "sglang": Target(sglang, procs.procs[-1].pid)}
     for workers in (1, 2):
-        urls[f"smetric x{workers}"] = start_smetric(procs, engines, workers)
-    for url in urls.values():
-        await routes_chat(url)
-    return urls
+        found[f"smetric x{workers}"] = start_smetric(procs, urls, workers)
+    for target in found.values():
+        await routes_chat(target.url)
+    return found
 
 
 def main() -> None:
@@ -121,26 +155,44 @@ def main() -> None:
         bodies["long"] = write_script(folder, "long", history)
         size = (folder / "long.prefix").stat().st_size // 1000
         urls = asyncio.run(targets(procs))
-        results: dict[tuple[str, int, str], tuple[float, float]] = {}
-        for body, script in bodies.items():
-            for name, url in urls.items():
+        for script in bodies.values():
+            for url in urls.values():
                 wrk(url, script, 32, 1)  # warm-up: connections, caches, the memo
+        # Rounds interleave the targets, so that a burst of other load hits them all alike.
+        runs: dict[tuple[str, int, str], list[Cell]] = {}
+        for _ in range(args.rounds):
+            for body, script in bodies.items():
                 for connections in (1, 32):
-                    results[body, connections, name] = wrk(url, script, connections, args.duration)
-    print(f"\n2 trivial engines; wrk -t1, {args.duration:.0f} s per cell; long = {size} KB")
+                    for name, url in urls.items():
+                        cell = wrk(url, script, connections, args.duration)
+                        runs.setdefault((body, connections, name), []).append(cell)
+    results = {key: median_cell(cells) for key, cells in runs.items()}
     print(
-        f"{'body':<6}{'c':>4}" + "".join(f"{n:>24}" for n in urls) + f"{'smetric x1 / sglang':>24}"
+        f"\n2 trivial engines; wrk -t1, {args.duration} s per cell, median of {args.rounds} "
+        f"rounds; long = {size} KB; req/s and mean latency per cell; smetric over sglang: "
+        "req/s ratio and latency ratio"
+    )
+    print(
+        f"{'body':<6}{'c':>4}"
+        + "".join(f"{n:>21}" for n in urls)
+        + "".join(f"{n + ' / sglang':>20}" for n in ("x1", "x2"))
     )
     for body in bodies:
         for connections in (1, 32):
             row = [results[body, connections, n] for n in urls]
-            cells = "".join(f"{rps:>10.0f} req/s {ms:>6.2f} ms" for rps, ms in row)
-            ours, theirs = (
-                results[body, connections, "smetric x1"],
-                results[body, connections, "sglang"],
-            )
-            ratio = f"{ours[0] / theirs[0]:>8.2f}x {ours[1] / theirs[1]:>6.2f}x lat"
-            print(f"{body:<6}{connections:>4}{cells}{ratio:>24}")
+            cells = "".join(f"{c.rps:>9.0f} {c.latency_ms:>8.2f} ms" for c in row)
+            theirs = results[body, connections, "sglang"]
+            ratios = ""
+            for workers in (1, 2):
+                ours = results[body, connections, f"smetric x{workers}"]
+                ratios += (
+                    f"{ours.rps / theirs.rps:>12.2f}x {ours.latency_ms / theirs.latency_ms:>5.2f}x"
+                )
+            print(f"{body:<6}{connections:>4}{cells}{ratios}")
+    print("\nCPU time per request of each target (its processes, at 32 connections), us")
+    print(f"{'body':<6}" + "".join(f"{n:>14}" for n in urls))
+    for body in bodies:
+        print(f"{body:<6}" + "".join(f"{results[body, 32, n].cpu_us:>14.0f}" for n in urls))
     print(f"total time {time.perf_counter() - t0:.1f} s")
 
 

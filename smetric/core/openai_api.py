@@ -21,14 +21,15 @@ def chat_messages(body: dict[str, Any]) -> list[Message]:
     """OpenAI chat messages with content flattened to text; other keys kept for templates."""
     messages: list[Message] = []
     for i, message in enumerate(message_list(body)):
-        where = f"messages[{i}]"
         tool_calls = message.get("tool_calls")
         if tool_calls is not None and not (
             isinstance(tool_calls, list) and all(isinstance(call, dict) for call in tool_calls)
         ):
-            raise RequestError(f"{where}.tool_calls must be a list of objects")
+            raise RequestError(f"messages[{i}].tool_calls must be a list of objects")
         content = message.get("content")
-        messages.append({**message, "content": openai_content(content, f"{where}.content")})
+        if not isinstance(content, str):  # text is already what renderers take: no copy
+            message = {**message, "content": openai_content(content, f"messages[{i}].content")}
+        messages.append(message)
     return messages
 
 
