@@ -25,6 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,30 +38,19 @@ _ENTRY_OVERHEAD = 400
 _ids = itertools.count(1)
 
 
-class _Node:
+class _Node(NamedTuple):
     """What a run of leading segments ends with: its last segment's tokens and new blocks,
     the running token count, and the chain state the next segment continues from."""
 
-    __slots__ = ("blocks", "end", "id", "last", "nbytes", "tail", "tokens")
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        blocks: np.ndarray,
-        end: int,
-        last: int | None,
-        tail: np.ndarray,
-        text_bytes: int,
-    ) -> None:
-        # Unique for the process and never reused, so a key naming an evicted parent can
-        # never be matched by a new entry.
-        self.id = next(_ids)
-        self.tokens = tokens
-        self.blocks = blocks
-        self.end = end
-        self.last = last  # id of the last full block so far, None before the first
-        self.tail = tail  # tokens after the last full block, fewer than a block
-        self.nbytes = tokens.nbytes + blocks.nbytes + tail.nbytes + text_bytes + _ENTRY_OVERHEAD
+    # Unique for the process and never reused, so a key naming an evicted parent can never
+    # be matched by a new entry.
+    id: int
+    tokens: np.ndarray
+    blocks: np.ndarray
+    end: int
+    last: int | None  # id of the last full block so far, None before the first
+    tail: np.ndarray  # tokens after the last full block, fewer than a block
+    nbytes: int
 
     def extend(self, text: str, tokenizer: Tokenizer, block_size: int) -> _Node:
         """The node for this node's segments followed by ``text``."""
@@ -68,7 +58,7 @@ class _Node:
         data = np.concatenate((self.tail, tokens)) if len(self.tail) else tokens
         blocks = chain_hashes(data, block_size, parent=self.last)
         last = int(blocks[-1]) if len(blocks) else self.last
-        return _Node(
+        return _node(
             tokens.astype(np.uint32),
             blocks,
             self.end + len(tokens),
@@ -78,7 +68,19 @@ class _Node:
         )
 
 
-_ROOT = _Node(_EMPTY_TOKENS, _EMPTY_BLOCKS, 0, None, _EMPTY_TOKENS, 0)
+def _node(
+    tokens: np.ndarray,
+    blocks: np.ndarray,
+    end: int,
+    last: int | None,
+    tail: np.ndarray,
+    text_bytes: int,
+) -> _Node:
+    nbytes = tokens.nbytes + blocks.nbytes + tail.nbytes + text_bytes + _ENTRY_OVERHEAD
+    return _Node(next(_ids), tokens, blocks, end, last, tail, nbytes)
+
+
+_ROOT = _node(_EMPTY_TOKENS, _EMPTY_BLOCKS, 0, None, _EMPTY_TOKENS, 0)
 
 
 @dataclass(frozen=True, slots=True)

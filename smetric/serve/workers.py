@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import mmap
 import os
@@ -60,6 +61,10 @@ def serve(router: Router, host: str, port: int, workers: int = 1) -> None:
 
 
 def _run(app: web.Application, host: str, port: int, reuse_port: bool) -> None:
+    # What exists by now (modules, the configuration) lives as long as the process: left
+    # out of the collector's full passes, which otherwise cost milliseconds every few
+    # hundred requests (the p99 of a decision).
+    gc.freeze()
     # A client that goes away cancels its handler, so its request stops counting at once.
     web.run_app(
         app,
