@@ -19,19 +19,22 @@ the body of each request:
 - **blocks**: the chained block ids of the rendered prompt (``core/blocks``), to look the
   request up in per-engine prefix indexes.
 
-Three request shapes are understood: OpenAI chat (``messages`` with roles, string or
-part-list content, ``tool_calls``, ``role: tool``), Anthropic Messages (``system`` plus
-user/assistant ``messages`` whose content may hold ``text``, ``tool_use``, ``tool_result``
-and other blocks) and OpenAI completions (``prompt`` as text or token ids; no structure, so
-turn 0 and no expected hit). Any malformed body raises ``RequestError`` and nothing else,
-so the router can answer 400 without guarding against surprises.
+Three request shapes are understood, each parsed in its own module: OpenAI chat
+(``core/openai_api``: ``messages`` with roles, string or part-list content, ``tool_calls``,
+``role: tool``), Anthropic Messages (``core/anthropic_api``: ``system`` plus user/assistant
+``messages`` whose content may hold ``text``, ``tool_use``, ``tool_result`` and other
+blocks) and OpenAI completions (``prompt`` as text or token ids; no structure, so turn 0
+and no expected hit). Any malformed body raises ``RequestError`` (``core/parsing``) and
+nothing else, so the router can answer 400 without guarding against surprises.
 
 Rendering matters because blocks are only comparable when every turn of a session renders
 its shared prefix identically. The default ``render_chat`` template is generic, but it has
 the property the router needs: a request's full prompt (ending in the generation prompt) is
 a text prefix of the next turn's history, so a follow-up's blocks start with all of the
 previous request's full blocks. ``ChatTemplate`` renders a model's own Jinja template
-instead, for token counts that match the engine's.
+instead, for token counts that match the engine's. Either way the rendering comes cut at
+message boundaries into segments tokenised one by one, which is what lets the router's
+memo (``core/block_memo``) skip the history a follow-up re-sends.
 """
 
 from __future__ import annotations
