@@ -34,7 +34,7 @@ from smetric.core.conversation import (
 )
 from smetric.core.parsing import decode_body
 from smetric.core.policy import ClusterView, make_policy
-from smetric.serve.engines import Engine
+from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.scrape import parse_vllm_metrics
@@ -98,6 +98,8 @@ class Router:
         # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
         memo_tokenizer = EngineTokens() if self.engine_tokenizer else self.tokenizer
         self.memo = BlockMemo(memo_tokenizer, self.settings.block_size, self.settings.memo_bytes)
+        # Each engine's number in the configuration, stable while others come and go.
+        self._numbers = {e.url: i for i, e in enumerate(self.engines)}
 
     # -- application --------------------------------------------------------------------
 
@@ -182,24 +184,30 @@ class Router:
             engine, predicted = self.route(facts, candidates)
             tried.add(engine.url)
             engine.inflight += 1
+            prefill = QueuedPrefill(engine, facts.prompt_tokens - predicted)
             try:
-                upstream = await self._send(engine, path, raw, request)
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                # Nothing reached the client yet: eject the engine, try another.
-                engine.inflight -= 1
-                self._eject(engine, f"connect failed: {exc!r}")
-                self.metrics.retries.inc()
-                continue
-            try:
-                return await self._relay(request, engine, upstream, facts, predicted)
+                try:
+                    upstream = await self._send(engine, path, raw, request)
+                except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                    # Nothing reached the client yet: eject the engine, try another.
+                    engine.inflight -= 1
+                    self._eject(engine, f"connect failed: {exc!r}")
+                    self.metrics.retries.inc()
+                    continue
+                try:
+                    return await self._relay(request, engine, upstream, facts, predicted, prefill)
+                finally:
+                    engine.inflight -= 1
+                    upstream.release()
+                    self.metrics.latency.labels(api).observe(time.perf_counter() - started)
             finally:
-                engine.inflight -= 1
-                upstream.release()
-                self.metrics.latency.labels(api).observe(time.perf_counter() - started)
+                prefill.done()
 
     async def analyze(self, body: dict, api: Api, large: bool = False) -> RequestFacts:
-        """Facts for routing; a large prompt is rendered, tokenised and hashed in a worker
-        thread (about 20 ms at 128 k tokens) so other requests keep streaming meanwhile."""
+        """Facts for routing. A large body is analysed in a worker thread: a follow-up costs
+        about a millisecond there (the memo holds its history), but a new 128 k-token prompt
+        takes a few ms with the byte tokenizer and far more with a model's, which releases
+        the GIL while it encodes, so other requests keep streaming meanwhile."""
         bs = self.settings.block_size
         if not self.engine_tokenizer:
             args = (body, api, self.tokenizer, bs, self.template, self.memo)
@@ -219,7 +227,12 @@ class Router:
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
         now = time.monotonic()
         loads = [e.load(now, self.settings.staleness_s) for e in engines]
-        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
+        view = ClusterView(
+            hit_tokens=hits,
+            load=loads,
+            prefill_tokens=[float(e.unprefilled) for e in engines],
+            instance_ids=[self._numbers[e.url] for e in engines],
+        )
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
         self.metrics.decisions.labels(decision.branch).inc()
@@ -257,8 +270,13 @@ class Router:
         upstream: aiohttp.ClientResponse,
         facts: RequestFacts,
         predicted: int,
+        prefill: QueuedPrefill,
     ) -> web.StreamResponse:
-        """Pass the engine's response through as it arrives; end cleanly if it breaks."""
+        """Pass the engine's response through as it arrives; end cleanly if it breaks.
+
+        The first chunk of a body means the prompt was prefilled (vLLM streams nothing
+        before the first token), so the request stops counting as unprefilled then.
+        """
         response = web.StreamResponse(status=upstream.status)
         response.content_type = upstream.content_type or "application/json"
         response.headers[ENGINE_HEADER] = engine.url
@@ -270,6 +288,7 @@ class Router:
         usage = _UsageTap()
         try:
             async for chunk in upstream.content.iter_any():
+                prefill.done()
                 usage.feed(chunk)
                 await response.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
@@ -312,9 +331,10 @@ class Router:
         except (TimeoutError, aiohttp.ClientError):
             ok = False
         if ok and not engine.healthy:
-            # It may have restarted: what the router remembered of its cache is stale.
-            engine.forget()
+            engine.readmit()
             log.info(json.dumps({"event": "readmit", "engine": engine.url}))
+            if self.settings.scrape_interval_s > 0:
+                await self.scrape(engine)  # a restart, if any, shows in its start time
         elif not ok:
             self._eject(engine, "health check failed")
         engine.healthy = ok
@@ -335,9 +355,12 @@ class Router:
             report = parse_vllm_metrics(text, time.monotonic())
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return
-        if engine.restarted(report):
+        previous = engine.report
+        if previous is not None and engine.restarted(report):
             engine.forget()
             log.warning(json.dumps({"event": "engine_restarted", "engine": engine.url}))
+            if engine.url in self.subscribers:
+                await self.subscribers[engine.url].engine_restarted(since=previous.at)
         if engine.adopt(report, self.settings.block_size):
             log.info(
                 json.dumps(
@@ -371,6 +394,7 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         for engine in self.engines:
             self.metrics.inflight.labels(engine.url).set(engine.inflight)
+            self.metrics.unprefilled.labels(engine.url).set(engine.unprefilled)
             self.metrics.view_blocks.labels(engine.url).set(engine.view_blocks())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
