@@ -31,23 +31,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_in_flight_counts_are_summed_over_workers_in_shared_memory() -> None:
-    shared = mmap.mmap(-1, 8 * 2)
-    column = np.frombuffer(shared, dtype=np.int64)
+def test_load_is_summed_over_workers_in_shared_memory() -> None:
+    shared = mmap.mmap(-1, 8 * 2 * 2)
+    table = np.frombuffer(shared, dtype=np.int64).reshape(2, 2)
     engine = Engine("http://127.0.0.1:1", 16)
-    engine.inflight = 1
-    engine.share_load(column, 0)  # what was counted before moves along
+    engine.inflight = 1  # counted before the table is shared: moves along
     pid = os.fork()
     if pid == 0:  # another worker's view of the same engine counts in its own row only
         other = Engine("http://127.0.0.1:1", 16)
-        other.share_load(column, 1)
+        other.share_load(table, 1)
         other.inflight += 3
+        other.unprefilled += 500
         os._exit(0)
     os.waitpid(pid, 0)
-    assert engine.inflight == 1
+    engine.share_load(table, 0)
+    engine.unprefilled += 20
+    assert (engine.inflight, engine.unprefilled) == (1, 20)
     assert engine.load(time.monotonic(), 5.0) == 4.0
+    assert engine.total_unprefilled() == 520
     engine.inflight -= 1
-    assert column.tolist() == [0, 3]
+    assert table.tolist() == [[0, 20], [3, 500]]
 
 
 class HoldingEngine:

@@ -230,7 +230,7 @@ class Router:
         view = ClusterView(
             hit_tokens=hits,
             load=loads,
-            prefill_tokens=[float(e.unprefilled) for e in engines],
+            prefill_tokens=[float(e.total_unprefilled()) for e in engines],
             instance_ids=[self._numbers[e.url] for e in engines],
         )
         decision = self.policy.route(facts.routing_request(), view)

@@ -23,16 +23,14 @@ from smetric.core.policy import reusable_hit_tokens
 from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.scrape import EngineReport
 
+_INFLIGHT, _UNPREFILLED = 0, 1
+
 
 @dataclass
 class Engine:
     url: str
     kv_blocks: int
     healthy: bool = True
-    # Prompt tokens routed here and not yet prefilled (each request's prompt less its
-    # predicted hit, until its first token or its end): Dynamo's ``prefill_tokens`` load.
-    # This worker's only: with several workers, each sees its own.
-    unprefilled: int = 0
     index: PrefixCache = field(init=False)
     # The engine's latest /metrics, when the router scrapes them.
     report: EngineReport | None = None
@@ -45,25 +43,41 @@ class Engine:
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
         self.index = PrefixCache(self.kv_blocks)
-        # In-flight requests here per router worker, this worker's in row ``_row``: one row
-        # of its own until ``share_load`` maps in a column that every worker writes.
-        self._inflight = np.zeros(1, dtype=np.int64)
+        # Load counted here per router worker: a row per worker, this worker's is ``_row``,
+        # columns ``_INFLIGHT`` and ``_UNPREFILLED``. One row of its own until
+        # ``share_load`` maps in a table that every worker writes.
+        self._load = np.zeros((1, 2), dtype=np.int64)
         self._row = 0
 
     @property
     def inflight(self) -> int:
         """Requests this worker routed here whose response has not ended."""
-        return int(self._inflight[self._row])
+        return int(self._load[self._row, _INFLIGHT])
 
     @inflight.setter
     def inflight(self, value: int) -> None:
-        self._inflight[self._row] = value
+        self._load[self._row, _INFLIGHT] = value
 
-    def share_load(self, column: np.ndarray, row: int) -> None:
-        """Count in-flight requests in ``column[row]`` of memory all workers share, so the
-        load is every worker's requests (each writes only its own row: no locks)."""
-        column[row] = self.inflight
-        self._inflight, self._row = column, row
+    @property
+    def unprefilled(self) -> int:
+        """Prompt tokens this worker routed here, not yet prefilled (each request's prompt
+        less its predicted hit, until its first token or its end)."""
+        return int(self._load[self._row, _UNPREFILLED])
+
+    @unprefilled.setter
+    def unprefilled(self, value: int) -> None:
+        self._load[self._row, _UNPREFILLED] = value
+
+    def total_unprefilled(self) -> int:
+        """Every worker's unprefilled tokens here: Dynamo's ``prefill_tokens`` load."""
+        return int(self._load[:, _UNPREFILLED].sum())
+
+    def share_load(self, table: np.ndarray, row: int) -> None:
+        """Count load in ``table[row]`` (``(workers, 2)`` int64, in memory all workers
+        share), so the load routed on is every worker's: each writes only its own row, so
+        no locks are needed."""
+        table[row] = self._load[self._row]
+        self._load, self._row = table, row
 
     def predicted_hit(self, blocks: np.ndarray, block_size: int, prompt_tokens: int) -> int:
         """Tokens this engine should find cached: whole blocks, never the whole prompt."""
@@ -110,7 +124,7 @@ class Engine:
     def load(self, now: float, staleness_s: float) -> float:
         """In-flight requests (of every worker), raised to what the engine reports queued if
         that is fresh."""
-        inflight = float(self._inflight.sum())
+        inflight = float(self._load[:, _INFLIGHT].sum())
         report = self.report
         if report is None or now - report.at > staleness_s or report.queued is None:
             return inflight

@@ -6,9 +6,10 @@ port with ``SO_REUSEPORT``, so the kernel spreads connections over them, and eac
 stateless replica (DESIGN.md): what they must agree on is load and the KV view, not
 sessions.
 
-- **Load.** Every engine's in-flight count lives in an anonymous shared mapping made
-  before the fork, one row per worker (``Engine.share_load``): a worker writes only its
-  row, and the load it routes on is the column's sum, so all workers see every request.
+- **Load.** Every engine's in-flight requests and unprefilled tokens live in an anonymous
+  shared mapping made before the fork, one row per worker (``Engine.share_load``): a
+  worker writes only its row, and the load it routes on is the sum over rows, so all
+  workers see every request.
 - **KV view.** With KV events each worker subscribes to the engines itself. The router's
   own index learns only what its worker routed, so every worker sends the blocks it
   records to its peers over Unix datagram sockets (``PeerViews``) and inserts theirs: a
@@ -145,8 +146,8 @@ def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
             "let the engines bind (tcp://*:port) and give 'bind: false'"
         )
     engines = router.engines
-    shared = mmap.mmap(-1, 8 * workers * len(engines))  # MAP_SHARED: survives the fork
-    load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines))
+    shared = mmap.mmap(-1, 8 * 2 * workers * len(engines))  # MAP_SHARED: survives the fork
+    load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), 2)
     peers = PeerViews(workers)
     children = []
     for worker in range(workers):
