@@ -384,4 +384,4 @@ def _session_key(messages: Sequence[Message], system: str | None) -> str:
         opening.append([message["role"], _message_body(message)])
         if message["role"] == "user":
             break
-    return digest(json.dumps(opening))
+    return digest(to_json(opening))
