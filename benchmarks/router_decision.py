@@ -13,7 +13,8 @@ turn by turn as the router decides it:
   memo holds the history, and one engine's index holds the previous prompt);
 - *uncached*: the same follow-ups with the memo off, which is what every request cost
   before the memo (with the faster hash already);
-- *new*: tokenising only the messages a follow-up adds, which no cache can spare.
+- *new*: tokenising only the messages a follow-up adds, which no cache can spare;
+- *route*: matching the follow-up against every engine's index and choosing (p50).
 
 Prints p50 and p99 in milliseconds, the target being follow-ups p99 <= 2 ms and cold
 <= 10 ms at 128 k tokens. Times are the deciding thread's CPU time unless ``--clock wall``:
@@ -92,13 +93,16 @@ def run(
         gc.freeze()  # as ``smetric serve`` does once started
         cold = [decide(router, raws[-1], BlockMemo(tokenizer, 16), clock)[0] for _ in range(10)]
         memo = BlockMemo(tokenizer, 16)
-        warm, uncached, fresh, size = [], [], [], 0
+        warm, uncached, fresh, matching, size = [], [], [], [], 0
         for i, raw in enumerate(raws):
             seconds, facts = decide(router, raw, memo, clock)
             if i >= len(raws) - FOLLOW_UPS:
                 warm.append(seconds)
                 uncached.append(decide(router, raw, None, clock)[0])
                 fresh.append(encode_seconds(tokenizer, turns[i][len(turns[i - 1]) :], clock))
+                started = clock()
+                router.route(facts, router.engines)
+                matching.append(clock() - started)
             router.engines[i % 2].remember(facts.blocks)
             size = facts.prompt_tokens
         row = [np.percentile(x, q) * 1e3 for x in (cold, warm, uncached) for q in (50, 99)]
@@ -106,6 +110,7 @@ def run(
             f"{label:<10} {size:>8,} {len(raws[-1]) / 1e3:>7.0f}"
             + "".join(f"{v:>9.2f}" for v in row)
             + f"{row[4] / row[2]:>9.1f}{np.percentile(fresh, 50) * 1e3:>9.2f}"
+            + f"{np.percentile(matching, 50) * 1e3:>9.2f}"
         )
 
 
@@ -123,7 +128,7 @@ def main() -> None:
     print(
         f"{'tokenizer':<10} {'tokens':>8} {'KB':>7}"
         + "".join(f"{h:>9}" for h in ("cold p50", "cold p99", "foll p50", "foll p99"))
-        + "".join(f"{h:>9}" for h in ("unc p50", "unc p99", "unc/foll", "new p50"))
+        + "".join(f"{h:>9}" for h in ("unc p50", "unc p99", "unc/foll", "new p50", "route"))
     )
     run("bytes", ByteTokenizer(), None, args.engines, clock)
     for spec in specs:
