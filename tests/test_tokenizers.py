@@ -112,6 +112,18 @@ def test_follow_up_blocks_extend_previous_prompt(qwen_dir: Path) -> None:
     assert second.session_key == first.session_key
 
 
+def test_segments_cut_at_special_tokens_tokenise_as_the_whole_prompt(qwen_dir: Path) -> None:
+    """Cuts fall where the template puts special tokens, which the tokenizer splits at
+    anyway: tokenising segment by segment (what makes the memo possible) gives exactly the
+    tokens of the whole rendered prompt, as the engine tokenises it."""
+    tokenizer, template = load_hf_tokenizer(qwen_dir)
+    assert template is not None
+    facts = analyze_request({"messages": TURN_2}, "chat", tokenizer, BS, template)
+    whole = tokenizer.encode(template.render(TURN_2).text)
+    assert facts.token_ids.tolist() == whole
+    assert len(template.render(TURN_2).segments) > 3
+
+
 def test_est_hit_counts_history_rendering(qwen_dir: Path) -> None:
     tokenizer, template = load_hf_tokenizer(qwen_dir)
     facts = analyze_request({"messages": TURN_2}, "chat", tokenizer, BS, template)
