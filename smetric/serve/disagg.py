@@ -149,7 +149,7 @@ class Disaggregation:
         self, router: Router, facts: RequestFacts, engines: list[Engine]
     ) -> tuple[Engine, int]:
         """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29)."""
-        return router.route(facts, engines, [float(e.unprefilled) for e in engines])
+        return router.route(facts, engines, [float(e.total_unprefilled()) for e in engines])
 
     def choose_decode(self, router: Router, engines: list[Engine]) -> Engine:
         rule = self.settings.decode_policy
