@@ -54,7 +54,7 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "smetric_connect_retries",
-            "Requests re-routed because an engine refused the connection.",
+            "Requests re-routed because an engine failed before the client got any byte.",
             registry=self.registry,
         )
         self.latency = Histogram(
