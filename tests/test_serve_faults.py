@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import CHAT, FAST, conversation, eventually, run
@@ -355,3 +356,20 @@ def test_a_configured_prompt_cap_wins() -> None:
             await assert_openai_error(response, 400)
 
     run(lambda: with_mixed([], 1, body, max_prompt_tokens=1000))
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+def test_the_config_s_router_section_is_checked(tmp_path) -> None:
+    from smetric.cli.serve import router_options
+
+    config = tmp_path / "router.yaml"
+    config.write_text("engines: [http://127.0.0.1:1]\nrouter: {idle_timeout_s: 5, retries: 0}\n")
+    assert router_options(config) == {"idle_timeout_s": 5, "retries": 0}
+    settings = RouterSettings(**router_options(config))
+    assert (settings.idle_timeout_s, settings.retries) == (5, 0)
+    for bad in ("{idle_timeout: 5}", "{retries: -1}", "{retries: 1.5}", "{open_metrics: 1}"):
+        config.write_text(f"router: {bad}\n")
+        with pytest.raises(ValueError, match="router"):
+            router_options(config)
