@@ -9,6 +9,7 @@ import gzip
 import json
 import socket
 import struct
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -241,6 +242,18 @@ def test_hostile_bodies_get_json_4xx_never_a_traceback() -> None:
             url + "/v1/chat/completions", data=bomb, headers={"Content-Encoding": "gzip"}
         ) as response:
             await assert_openai_error(response, 413)
+        async with client.post(
+            url + "/v1/chat/completions", data=b"xyz", headers={"Content-Encoding": "br"}
+        ) as response:
+            await assert_openai_error(response, 415)
+        for encoding in ("gzip", "deflate"):  # a well-formed compressed body is fine
+            packed = (gzip.compress if encoding == "gzip" else zlib.compress)(
+                json.dumps(CHAT).encode()
+            )
+            async with client.post(
+                url + "/v1/chat/completions", data=packed, headers={"Content-Encoding": encoding}
+            ) as response:
+                assert response.status == 200, await response.text()
 
     run(lambda: with_mixed([], 1, body, max_body_bytes=1 << 20))
 

@@ -40,7 +40,7 @@ from smetric.serve.auth import require_key
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error, error_body, error_response, errors_as_json
 from smetric.serve.kv_subscriber import KVEventSubscriber
-from smetric.serve.limits import BoundedTokenizer
+from smetric.serve.limits import BodyError, BoundedTokenizer, decoded_body
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.outliers import OutlierDetector
 from smetric.serve.scrape import parse_vllm_metrics
@@ -128,6 +128,7 @@ class Router:
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
             middlewares=[errors_as_json, require_key(self.settings.api_keys, open_paths)],
+            handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
         for path, api in _ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
@@ -163,7 +164,14 @@ class Router:
         return handle
 
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
-        raw = await request.read()
+        try:
+            raw = decoded_body(
+                await request.read(),
+                request.headers.get("Content-Encoding", ""),
+                self.settings.max_body_bytes,
+            )
+        except BodyError as exc:
+            return error_response(exc.status, str(exc))
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, huge ints

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("smetric.serve")
 
@@ -50,7 +49,7 @@ def engine_error(status: int, body: bytes) -> web.Response:
 
 @web.middleware
 async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own errors (413, 404, 405, a body that fails to decompress) and anything
+    """aiohttp's own errors (413, 404, 405, a body cut short) and anything
     unexpected answer in OpenAI's shape; an unexpected one is logged with its traceback
     here, never sent to the client."""
     try:
@@ -61,10 +60,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         if exc.status < 400:
             raise
         return error_response(exc.status, exc.reason)
-    except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. invalid gzip
-        response = error_response(400, f"cannot read the request body: {exc.__class__.__name__}")
-        response.force_close()  # the rest of the body cannot be read either
-        return response
+    except web.RequestPayloadError as exc:  # e.g. a chunked body cut short
+        return error_response(400, f"cannot read the request body: {exc}")
     except ConnectionResetError:
         raise  # the client went away: nobody to answer
     except Exception:
