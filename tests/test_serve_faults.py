@@ -51,7 +51,8 @@ async def with_mixed(
     await site.start()
     port = runner.addresses[0][1]
     try:
-        async with asyncio.timeout(30), aiohttp.ClientSession() as client:
+        unlimited = aiohttp.TCPConnector(limit=0)
+        async with asyncio.timeout(30), aiohttp.ClientSession(connector=unlimited) as client:
             return await body(client, f"http://127.0.0.1:{port}", router, fakes)
     finally:
         await runner.cleanup()
@@ -153,6 +154,29 @@ def test_a_stream_that_goes_silent_ends_with_an_error_event() -> None:
         await eventually(no_load_left(router))
 
     run(lambda: with_mixed(["stall_mid_stream"], 0, body))
+
+
+def test_more_concurrent_streams_than_a_connection_pool_holds_all_start() -> None:
+    """No hidden cap on connections to the engines: the 101st stream is not queued in the
+    router past its first-byte timeout (and blamed on the engine)."""
+    slow = EngineConfig(speed=1.0, default_max_tokens=8)
+
+    async def body(client, url, router, fakes) -> None:
+        payload = {"messages": conversation(2, 0), "max_tokens": 50_000, "stream": True}
+        streams = [await client.post(url + "/v1/chat/completions", json=payload)]
+        streams += await asyncio.gather(
+            *(client.post(url + "/v1/chat/completions", json=payload) for _ in range(109))
+        )
+        try:
+            assert [r.status for r in streams] == [200] * 110
+            assert router.engines[0].inflight == 110
+        finally:
+            for response in streams:
+                response.close()
+        await eventually(no_load_left(router))
+
+    timeouts = {"first_byte_timeout_s": 2, "idle_timeout_s": 30}
+    run(lambda: with_mixed([], 1, body, engine_config=slow, **timeouts))
 
 
 # -- finding 3: client resets are not engine faults ---------------------------------------

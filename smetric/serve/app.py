@@ -140,7 +140,11 @@ class Router:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
-        self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        # No cap on connections (aiohttp's default is 100): a hidden queue in the router
+        # would hold requests past their first-byte timeout and blame healthy engines.
+        self.client = aiohttp.ClientSession(
+            timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
+        )
         for subscriber in self.subscribers.values():
             await subscriber.start()
         tasks = [asyncio.create_task(self._check_health_forever())]

@@ -418,6 +418,7 @@ async def kv_event_fault(suite: Suite, fault: str) -> None:
             else:  # the engine restarts: a new process, its batches numbered from 0 again
                 await suite.restart(suite.mocks[0])
                 await publisher.send(publisher.stored(), seq=0)
+            await asyncio.sleep(0.3)  # the fault's own batches are in before counting
             before = await batches_heard(client, url)
             for _ in range(5):
                 await publisher.send(publisher.stored())
