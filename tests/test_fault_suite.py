@@ -13,13 +13,13 @@ def test_the_router_keeps_its_promises_under_faults() -> None:
     scale = Scale.quick()
     rows = asyncio.run(run_suite(scale))
     print(table(rows))
-    assert len(rows) == 10
+    assert len(rows) == 11
     for row in rows:
         assert row.outcomes["hung"] == 0, row
         assert row.outcomes["unclean"] == 0, row
         assert row.inflight_after == 0, row
         assert row.wrongly_ejected == 0, row
-    killed, stalled, failing, garbage, timing_out, resetting, *kv, hostile = rows
+    killed, stalled, failing, garbage, timing_out, resetting, *kv, hostile, huge = rows
     # The kill cut some streams (clean error events), and the others completed.
     assert killed.outcomes["clean_error"] > 0 and killed.outcomes["completed"] > 0
     # One bad engine of four: every request still completes, retried elsewhere.
@@ -30,3 +30,4 @@ def test_the_router_keeps_its_promises_under_faults() -> None:
     for row in kv:
         assert row.outcomes["completed"] == row.requests, row
     assert hostile.outcomes["clean_error"] == hostile.requests >= 40
+    assert huge.outcomes["clean_error"] == scale.huge_prompts

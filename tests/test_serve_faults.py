@@ -376,10 +376,16 @@ def test_prompts_longer_than_the_engines_take_are_refused_before_tokenising() ->
 
     async def body(client, url, router, fakes) -> None:
         await eventually(lambda: router.max_prompt_tokens() == 1024)
-        long = {"messages": [{"role": "user", "content": "many words " * 200_000}]}
+        # Over 16 characters a token: refused before it is tokenised...
+        long = {"messages": [{"role": "user", "content": "many words " * 2_000}]}
         async with client.post(url + "/v1/chat/completions", json=long) as response:
             error = await assert_openai_error(response, 400)
         assert "1024" in error["message"]
+        # ...and over 64 bytes a token, before it is even parsed.
+        huge = {"messages": [{"role": "user", "content": "many words " * 200_000}]}
+        async with client.post(url + "/v1/chat/completions", json=huge) as response:
+            error = await assert_openai_error(response, 413)
+        assert str(1024 * 64) in error["message"]
         async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
             assert response.status == 200
 

@@ -40,7 +40,7 @@ from smetric.serve.auth import require_key
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error, error_body, error_response, errors_as_json
 from smetric.serve.kv_subscriber import KVEventSubscriber
-from smetric.serve.limits import BodyError, BoundedTokenizer, decoded_body
+from smetric.serve.limits import BYTES_PER_TOKEN, BodyError, BoundedTokenizer, decoded_body
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.outliers import OutlierDetector
 from smetric.serve.scrape import parse_vllm_metrics
@@ -168,11 +168,12 @@ class Router:
         return handle
 
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
+        limit = self.body_limit()
         try:
+            if (request.content_length or 0) > limit:  # refused unread: it costs nothing
+                raise BodyError(413, f"request body too large: over {limit} bytes")
             raw = decoded_body(
-                await request.read(),
-                request.headers.get("Content-Encoding", ""),
-                self.settings.max_body_bytes,
+                await request.read(), request.headers.get("Content-Encoding", ""), limit
             )
         except BodyError as exc:
             return error_response(exc.status, str(exc))
@@ -215,6 +216,13 @@ class Router:
     def max_prompt_tokens(self) -> int:
         """The configured cap, else the longest context an engine reported (0: none yet)."""
         return self.settings.max_prompt_tokens or max(self.context_lengths.values(), default=0)
+
+    def body_limit(self) -> int:
+        """Bytes a body may have: the configured limit, lowered to what the longest prompt
+        the engines take could need."""
+        tokens = self.max_prompt_tokens()
+        limit = self.settings.max_body_bytes
+        return limit if tokens == 0 else min(limit, tokens * BYTES_PER_TOKEN)
 
     def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
         bs = self.settings.block_size

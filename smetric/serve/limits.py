@@ -1,5 +1,5 @@
 """Bounds on what one request body may cost the router: its size once decompressed, and
-the prompt it makes the router tokenise.
+the prompt it makes the router parse and tokenise.
 
 A compressed body is inflated here rather than by aiohttp, whose errors for a broken or
 unknown encoding come from below the application as plain-text pages; inflating stops
@@ -34,20 +34,26 @@ def decoded_body(raw: bytes, encoding: str, max_bytes: int) -> bytes:
     """The body as sent before its ``Content-Encoding`` (gzip or deflate, or none)."""
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
-        return raw
-    if encoding not in ("gzip", "x-gzip", "deflate"):
+        body = raw
+    elif encoding in ("gzip", "x-gzip", "deflate"):
+        inflater = zlib.decompressobj(_GZIP_OR_ZLIB)
+        try:
+            body = inflater.decompress(raw, max_bytes + 1)
+        except zlib.error as exc:
+            raise BodyError(400, f"the body is not valid {encoding}: {exc}") from None
+        if len(body) <= max_bytes and not inflater.eof:
+            raise BodyError(400, f"the {encoding} body is cut short")
+    else:
         raise BodyError(415, f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
-    inflater = zlib.decompressobj(_GZIP_OR_ZLIB)
-    try:
-        body = inflater.decompress(raw, max_bytes + 1)
-    except zlib.error as exc:
-        raise BodyError(400, f"the body is not valid {encoding}: {exc}") from None
     if len(body) > max_bytes:
-        raise BodyError(413, "request body too large")
-    if not inflater.eof:
-        raise BodyError(400, f"the {encoding} body is cut short")
+        raise BodyError(413, f"request body too large: over {max_bytes} bytes")
     return body
 
+
+# Bytes of request body one prompt token may take, at most: 16 characters (below) of up to
+# 4 bytes, with room for JSON's escapes and the rest of the body. A body over this many
+# bytes per token of the cap is refused before it is even parsed.
+BYTES_PER_TOKEN = 64
 
 # Characters one token covers, at most, in any tokenizer the router meets: BPE averages
 # about 4 on English, and long runs of spaces or symbols reach 16 in common vocabularies;

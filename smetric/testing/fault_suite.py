@@ -36,6 +36,7 @@ from smetric.testing.engines import EngineProcess, free_port, metric
 from smetric.testing.faulty import Fault, FaultyEngine
 
 OUTCOMES = ("completed", "clean_error", "aborted", "unclean", "hung")
+JSON = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -45,13 +46,21 @@ class Scale:
     streams: int = 200  # concurrent streams when an engine is SIGKILLed
     requests: int = 200  # requests per misbehaving-engine scenario
     aborts: int = 50  # clients that give up or reset, per scenario
+    huge_prompts: int = 6  # 25 MB chat bodies sent at once
     deadline_s: float = 60.0  # a request not ended by then is hung
     # The router's first-byte and idle timeouts: what a stalled engine costs a request.
     engine_timeout_s: float = 5.0
 
     @classmethod
     def quick(cls) -> Scale:
-        return cls(streams=24, requests=24, aborts=8, deadline_s=30.0, engine_timeout_s=2.0)
+        return cls(
+            streams=24,
+            requests=24,
+            aborts=8,
+            huge_prompts=2,
+            deadline_s=30.0,
+            engine_timeout_s=2.0,
+        )
 
 
 @dataclass
@@ -78,10 +87,12 @@ class SmetricProcess(EngineProcess):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "smetric", *self.args, "--port", str(self.port)]
 
-    def rss_mb(self) -> float:
+    def rss_mb(self, peak: bool = False) -> float:
+        """Resident memory now, or its high-water mark since the process started."""
         assert self.process is not None
+        field = "VmHWM:" if peak else "VmRSS:"
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
         return float("nan")
 
@@ -446,7 +457,6 @@ async def kv_event_fault(suite: Suite, fault: str) -> None:
 
 def malformed_bodies() -> list[tuple[bytes, dict[str, str]]]:
     """Bodies no client should send, each with the headers that go with it."""
-    plain = {"Content-Type": "application/json"}
     deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     cases: list[bytes] = [
         b"",
@@ -490,10 +500,10 @@ def malformed_bodies() -> list[tuple[bytes, dict[str, str]]]:
         b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e999}',
         b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000000}',
     ]
-    pairs = [(body, plain) for body in cases]
-    pairs.append((b"\x1f\x8b not gzip at all", {**plain, "Content-Encoding": "gzip"}))
-    pairs.append((b"garbage", {**plain, "Content-Encoding": "br"}))
-    pairs.append((b"x" * (40 << 20), plain))  # over the 32 MiB body limit
+    pairs = [(body, JSON) for body in cases]
+    pairs.append((b"\x1f\x8b not gzip at all", {**JSON, "Content-Encoding": "gzip"}))
+    pairs.append((b"garbage", {**JSON, "Content-Encoding": "br"}))
+    pairs.append((b"x" * (40 << 20), JSON))  # over the 32 MiB body limit
     return pairs
 
 
@@ -517,6 +527,31 @@ async def hostile_bodies(suite: Suite) -> None:
         row.note = "each must get a JSON 4xx"
 
 
+async def huge_prompts(suite: Suite) -> None:
+    """25 MB chats, longer than any engine's context: refused before they are tokenised."""
+    urls = [m.url for m in suite.mocks]
+    text = "agents resend the whole conversation on every call " * 500_000
+    body = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+    async with suite.router(urls) as router:
+
+        async def load(client: aiohttp.ClientSession, url: str) -> list[str]:
+            async with client.get(url + "/v1/models") as response:  # learns max_model_len
+                await response.read()
+            return list(
+                await asyncio.gather(
+                    *(
+                        send(client, url, suite.scale.deadline_s, data=body, headers=JSON)
+                        for _ in range(suite.scale.huge_prompts)
+                    )
+                )
+            )
+
+        row = await suite.scenario(
+            f"{suite.scale.huge_prompts} prompts of 25 MB at once", router, load, urls
+        )
+        row.note = f"peak RSS {router.rss_mb(peak=True):.0f} MB"
+
+
 async def run_suite(scale: Scale, mocks: int = 4) -> list[Row]:
     """Every scenario in turn on one set of mock engines; a fresh router for each."""
     with tempfile.TemporaryDirectory(prefix="smetric-faults-") as scratch:
@@ -532,6 +567,7 @@ async def run_suite(scale: Scale, mocks: int = 4) -> list[Row]:
             for fault in ("gap", "garbage", "restart"):
                 await kv_event_fault(suite, fault)
             await hostile_bodies(suite)
+            await huge_prompts(suite)
         finally:
             for mock in suite.mocks:
                 mock.stop()
