@@ -70,6 +70,15 @@ async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> 
     return error
 
 
+async def first_turn(client: aiohttp.ClientSession, url: str, session: int) -> str:
+    """Session ``session``'s first chat turn, which must succeed; the engine that served it."""
+    payload = {**CHAT, "messages": conversation(session, 0)}
+    async with client.post(url + "/v1/chat/completions", json=payload) as response:
+        assert response.status == 200, await response.text()
+        assert (await response.json())["choices"]
+        return response.headers["x-smetric-engine"]
+
+
 def no_load_left(router: Router) -> Callable[[], bool]:
     return lambda: all(e.inflight == 0 for e in router.engines)
 
@@ -118,11 +127,7 @@ def test_a_non_http_reply_leaves_no_load_and_a_json_502() -> None:
 def test_a_stalled_engine_times_out_and_the_request_is_retried_elsewhere() -> None:
     async def body(client, url, router, fakes) -> None:
         for s in range(4):  # round robin: half of them go to the stalled engine first
-            async with client.post(
-                url + "/v1/chat/completions", json={**CHAT, "messages": conversation(s, 0)}
-            ) as response:
-                assert response.status == 200, await response.text()
-                assert response.headers["x-smetric-engine"] == router.engines[1].url
+            assert await first_turn(client, url, s) == router.engines[1].url
         assert fakes[0].generations >= 1
         await eventually(no_load_left(router))
 
@@ -214,12 +219,8 @@ def test_client_resets_mid_stream_never_eject_an_engine() -> None:
 
 def test_an_engine_failing_every_request_is_ejected_and_its_requests_retried() -> None:
     async def body(client, url, router, fakes) -> None:
-        results = []
         for s in range(30):
-            payload = {**CHAT, "messages": conversation(s, 0)}
-            async with client.post(url + "/v1/chat/completions", json=payload) as response:
-                results.append(response.status)
-        assert results == [200] * 30
+            await first_turn(client, url, s)
         bad = router.engines[0]
         assert not bad.healthy  # ejected although its /health answers 200...
         await asyncio.sleep(0.3)  # ...and kept out by the backoff, past several checks
@@ -234,10 +235,7 @@ def test_an_engine_failing_every_request_is_ejected_and_its_requests_retried() -
 def test_an_ejected_engine_is_readmitted_after_its_backoff() -> None:
     async def body(client, url, router, fakes) -> None:
         for s in range(20):
-            async with client.post(
-                url + "/v1/chat/completions", json={**CHAT, "messages": conversation(s, 0)}
-            ) as response:
-                assert response.status == 200
+            await first_turn(client, url, s)
             if not router.engines[0].healthy:
                 break
         assert fakes[0].generations == 3
@@ -304,11 +302,7 @@ def test_a_truncated_json_reply_is_never_passed_on_as_a_200() -> None:
 
     async def beside_a_good_one(client, url, router, fakes) -> None:
         for s in range(2):
-            async with client.post(
-                url + "/v1/chat/completions", json={**CHAT, "messages": conversation(s, 0)}
-            ) as response:
-                assert response.status == 200
-                assert (await response.json())["choices"]
+            await first_turn(client, url, s)
 
     run(lambda: with_mixed(["truncated_json"], 0, alone))
     run(lambda: with_mixed(["truncated_json"], 1, beside_a_good_one, policy="round_robin"))

@@ -324,46 +324,39 @@ async def misbehaving_engine(suite: Suite, fault: Fault, title: str) -> None:
         await fake.close()
 
 
-async def clients_abort_before_headers(suite: Suite) -> None:
-    scale = suite.scale
+async def give_up_before_headers(client: aiohttp.ClientSession, url: str, i: int) -> str:
+    quick = aiohttp.ClientTimeout(total=0.3)
+    body = chat(i, max_tokens=500)  # seconds of decoding before any header
+    try:
+        async with client.post(url + "/v1/chat/completions", json=body, timeout=quick) as response:
+            return await judge(response)
+    except TimeoutError:
+        return "aborted"
+
+
+async def reset_mid_stream(client: aiohttp.ClientSession, url: str, i: int) -> str:
+    body = chat(i, stream=True, max_tokens=500)
+    async with client.post(url + "/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            return await judge(response)
+        await response.content.readline()
+        _reset(response)
+        return "aborted"
+
+
+async def clients_hang_up(
+    suite: Suite,
+    title: str,
+    hang_up: Callable[[aiohttp.ClientSession, str, int], Awaitable[str]],
+) -> None:
     urls = [m.url for m in suite.mocks]
     async with suite.router(urls) as router:
 
         async def load(client: aiohttp.ClientSession, url: str) -> list[str]:
-            async def give_up(i: int) -> str:
-                quick = aiohttp.ClientTimeout(total=0.3)
-                body = chat(i, max_tokens=500)  # seconds of decoding before any header
-                try:
-                    async with client.post(
-                        url + "/v1/chat/completions", json=body, timeout=quick
-                    ) as response:
-                        return await judge(response)
-                except TimeoutError:
-                    return "aborted"
+            clients = (hang_up(client, url, i) for i in range(suite.scale.aborts))
+            return list(await asyncio.gather(*clients))
 
-            return list(await asyncio.gather(*(give_up(i) for i in range(scale.aborts))))
-
-        await suite.scenario("clients time out before the headers", router, load, urls)
-
-
-async def clients_reset_mid_stream(suite: Suite) -> None:
-    scale = suite.scale
-    urls = [m.url for m in suite.mocks]
-    async with suite.router(urls) as router:
-
-        async def load(client: aiohttp.ClientSession, url: str) -> list[str]:
-            async def reset(i: int) -> str:
-                body = chat(i, stream=True, max_tokens=500)
-                async with client.post(url + "/v1/chat/completions", json=body) as response:
-                    if response.status != 200:
-                        return await judge(response)
-                    await response.content.readline()
-                    _reset(response)
-                    return "aborted"
-
-            return list(await asyncio.gather(*(reset(i) for i in range(scale.aborts))))
-
-        await suite.scenario("clients reset mid-stream", router, load, urls)
+        await suite.scenario(title, router, load, urls)
 
 
 class _Publisher:
@@ -562,8 +555,10 @@ async def run_suite(scale: Scale, mocks: int = 4) -> list[Row]:
             await misbehaving_engine(suite, "stall", "stalled engine (1 of 4)")
             await misbehaving_engine(suite, "http_500", "engine answering 500 (1 of 4)")
             await misbehaving_engine(suite, "garbage", "engine answering garbage (1 of 4)")
-            await clients_abort_before_headers(suite)
-            await clients_reset_mid_stream(suite)
+            await clients_hang_up(
+                suite, "clients time out before the headers", give_up_before_headers
+            )
+            await clients_hang_up(suite, "clients reset mid-stream", reset_mid_stream)
             for fault in ("gap", "garbage", "restart"):
                 await kv_event_fault(suite, fault)
             await hostile_bodies(suite)
