@@ -120,6 +120,8 @@ class Router:
         self._analysis_slots = asyncio.Semaphore(settings.analysis_threads)
         # The longest context each engine's /v1/models reported (0: it reports none).
         self.context_lengths: dict[str, int] = {}
+        # Each engine's number in the configuration, stable while others come and go.
+        self._numbers = {e.url: i for i, e in enumerate(self.engines)}
 
     # -- application --------------------------------------------------------------------
 
@@ -229,7 +231,12 @@ class Router:
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
         now = time.monotonic()
         loads = [e.load(now, self.settings.staleness_s) for e in engines]
-        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
+        view = ClusterView(
+            hit_tokens=hits,
+            load=loads,
+            prefill_tokens=[float(e.unprefilled) for e in engines],
+            instance_ids=[self._numbers[e.url] for e in engines],
+        )
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
         self.metrics.decisions.labels(decision.branch).inc()
@@ -265,7 +272,8 @@ class Router:
                 return failure
             engine, predicted = self.route(facts, candidates)
             tried.add(engine.url)
-            async with Attempt(engine, self.client, self.timeouts) as attempt:
+            unprefilled = facts.prompt_tokens - predicted
+            async with Attempt(engine, self.client, self.timeouts, unprefilled) as attempt:
                 try:
                     await attempt.send(path, raw, headers)
                     return await self._answer(request, attempt, facts, predicted)
@@ -405,9 +413,10 @@ class Router:
         if ok and not engine.healthy and not self.outliers.may_readmit(engine.url, now):
             return  # answering /health, but failing requests: out until its backoff ends
         if ok and not engine.healthy:
-            # It may have restarted: what the router remembered of its cache is stale.
-            engine.forget()
+            engine.readmit()
             log.info(json.dumps({"event": "readmit", "engine": engine.url}))
+            if self.settings.scrape_interval_s > 0:
+                await self.scrape(engine)  # a restart, if any, shows in its start time
         elif not ok:
             self._eject(engine, "health check failed")
         engine.healthy = ok
@@ -428,9 +437,12 @@ class Router:
             report = parse_vllm_metrics(text, time.monotonic())
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return
-        if engine.restarted(report):
+        previous = engine.report
+        if previous is not None and engine.restarted(report):
             engine.forget()
             log.warning(json.dumps({"event": "engine_restarted", "engine": engine.url}))
+            if engine.url in self.subscribers:
+                await self.subscribers[engine.url].engine_restarted(since=previous.at)
         if engine.adopt(report, self.settings.block_size):
             log.info(
                 json.dumps(
@@ -476,6 +488,7 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         for engine in self.engines:
             self.metrics.inflight.labels(engine.url).set(engine.inflight)
+            self.metrics.unprefilled.labels(engine.url).set(engine.unprefilled)
             self.metrics.view_blocks.labels(engine.url).set(engine.view_blocks())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -3,8 +3,10 @@
 Load must come down on every exit path: the engine answered, broke, stalled or sent
 garbage, or the client gave up while the router waited (which cancels the handler, often
 before the engine's headers: vLLM sends a non-streaming reply's headers only at its end).
-``Attempt`` raises ``engine.inflight`` when entered and lowers it when left, however it is
-left, and closes the engine's response with it so a stream nobody reads stops on the engine.
+``Attempt`` raises ``engine.inflight`` and the engine's unprefilled tokens when entered,
+gives the tokens back at the first chunk of the body (the prompt is prefilled by then), and
+lowers both when left, however it is left; it closes the engine's response with it, so a
+stream nobody reads stops on the engine.
 
 Reads from the engine raise ``EngineFault`` and nothing else, and nothing here writes to
 the client, so a caller can tell an engine that failed from a client that hung up (both
@@ -19,7 +21,7 @@ from types import TracebackType
 
 import aiohttp
 
-from smetric.serve.engines import Engine
+from smetric.serve.engines import Engine, QueuedPrefill
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,23 @@ class Attempt:
     """Sends one request to ``engine`` and reads its reply, counted as in flight there
     from ``async with`` to its end."""
 
-    def __init__(self, engine: Engine, client: aiohttp.ClientSession, timeouts: Timeouts) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        client: aiohttp.ClientSession,
+        timeouts: Timeouts,
+        unprefilled_tokens: int,
+    ) -> None:
         self.engine = engine
         self.client = client
         self.timeouts = timeouts
+        self.unprefilled_tokens = unprefilled_tokens
         self.response: aiohttp.ClientResponse | None = None
+        self.prefill: QueuedPrefill | None = None
 
     async def __aenter__(self) -> Attempt:
         self.engine.inflight += 1
+        self.prefill = QueuedPrefill(self.engine, self.unprefilled_tokens)
         return self
 
     async def __aexit__(
@@ -80,6 +91,8 @@ class Attempt:
         tb: TracebackType | None,
     ) -> None:
         self.engine.inflight -= 1
+        assert self.prefill is not None
+        self.prefill.done()
         if self.response is not None:
             # Back to the pool if fully read; otherwise the connection closes, which is how
             # an engine learns that nobody wants the rest (vLLM then aborts the request).
@@ -111,11 +124,14 @@ class Attempt:
         wait = self.timeouts.idle_s if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout(wait):
-                return await self.response.content.readany()
+                chunk = await self.response.content.readany()
         except TimeoutError:
             raise EngineFault(f"silent for {wait:g} s", timeout=True) from None
         except aiohttp.ClientError as exc:
             raise EngineFault(f"response cut short: {exc!r}", lost=True) from None
+        if chunk and self.prefill is not None:
+            self.prefill.done()
+        return chunk
 
     async def read_all(self) -> bytes:
         parts = []

@@ -13,7 +13,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smetric.core.policy import ClusterView, Policy, RoutingRequest
+from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
 from smetric.sim.config import ClusterConfig, parse_global_capacity
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.kv import GlobalTier, Link, LocalPool
@@ -168,7 +168,10 @@ class Simulation:
 
     def view(self, req: SimRequest) -> ClusterView:
         bs = req.block_size
-        hits = [min(i.pool.cache.match(req.blocks) * bs, req.prompt) for i in self.instances]
+        hits = [
+            reusable_hit_tokens(i.pool.cache.match(req.blocks), req.prompt, bs)
+            for i in self.instances
+        ]
         return ClusterView(
             hit_tokens=hits,
             load=[float(i.inflight) for i in self.instances],

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from smetric.core.policy import reusable_hit_blocks, reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
 from smetric.sim.kv import GlobalTier, Link, LocalPool
 from smetric.sim.perf import StepTimeModel
@@ -113,7 +114,7 @@ class Instance:
             req.ready_at = self.link.transfer(now, nbytes)
             req.fetched_blocks = remote
         req.target = req.prompt
-        self._set_pending(req, req.prompt - max(local, remote) * bs)
+        self._set_pending(req, req.prompt - reusable_hit_tokens(max(local, remote), req.prompt, bs))
         self.waiting.append(req)
         self.inflight += 1
 
@@ -205,7 +206,7 @@ class Instance:
         bs = req.block_size
         cached = self.pool.cache.match(req.blocks)
         # At least one token is always computed, to produce the next token.
-        hit = min(max(cached, req.fetched_blocks), (req.target - 1) // bs)
+        hit = reusable_hit_blocks(max(cached, req.fetched_blocks), req.target, bs)
         pinned = min(cached, hit)
         handle = self.pool.cache.lock(req.blocks, pinned) if pinned else None
         private = -(-req.target // bs) - pinned
