@@ -170,13 +170,8 @@ class Router:
         return handle
 
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
-        limit = self.body_limit()
         try:
-            if (request.content_length or 0) > limit:  # refused unread: it costs nothing
-                raise BodyError(413, f"request body too large: over {limit} bytes")
-            raw = decoded_body(
-                await request.read(), request.headers.get("Content-Encoding", ""), limit
-            )
+            raw = await self._read_body(request)
         except BodyError as exc:
             return error_response(exc.status, str(exc))
         try:
@@ -196,6 +191,15 @@ class Router:
             return await self._forward(request, path, raw, facts)
         finally:
             self.metrics.latency.labels(api).observe(time.perf_counter() - started)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body, inflated; one over ``body_limit()`` is refused unread when its
+        Content-Length says so, so it costs nothing."""
+        limit = self.body_limit()
+        if (request.content_length or 0) > limit:
+            raise BodyError(413, f"request body too large: over {limit} bytes")
+        encoding = request.headers.get("Content-Encoding", "")
+        return decoded_body(await request.read(), encoding, limit)
 
     async def analyze(self, body: dict, api: Api, large: bool = False) -> RequestFacts:
         """Facts for routing; a large prompt is rendered, tokenised and hashed in a worker
@@ -291,7 +295,8 @@ class Router:
                     self.metrics.retries.inc()
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
+        # Uncompressed replies: the router reads them (errors, usage) and passes them on.
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         for name in ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta"):
             if name in request.headers and not self.settings.api_keys:
                 headers[name] = request.headers[name]
