@@ -227,6 +227,12 @@ def test_an_engine_failing_every_request_is_ejected_and_its_requests_retried() -
         assert not bad.healthy
         assert fakes[0].generations == 3  # the failures it took to eject it
         assert all(e.healthy for e in router.engines[1:])
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        kind = "status" if fakes[0].fault == "http_500" else "protocol"
+        labels = f'engine="{bad.url}",kind="{kind}"'
+        assert f"smetric_engine_failures_total{{{labels}}} 3.0" in text
+        assert "smetric_retries_total 3.0" in text
 
     for fault in ("http_500", "garbage"):
         run(lambda fault=fault: with_mixed([fault], 2, body, policy="least_load"))

@@ -384,6 +384,7 @@ class Router:
         log.warning(
             json.dumps({"event": "engine_failed", "engine": engine.url, "reason": str(fault)})
         )
+        self.metrics.failures.labels(engine.url, fault.kind).inc()
         if fault.lost:
             self._eject(engine, str(fault))
             return

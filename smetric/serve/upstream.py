@@ -60,6 +60,14 @@ class EngineFault(Exception):
         self.status = status
         self.body = body
 
+    @property
+    def kind(self) -> str:
+        if self.lost:
+            return "lost"
+        if self.timeout:
+            return "timeout"
+        return "protocol" if self.status is None else "status"
+
 
 class Attempt:
     """Sends one request to ``engine`` and reads its reply, counted as in flight there
