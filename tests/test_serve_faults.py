@@ -416,3 +416,17 @@ def test_the_config_s_router_section_is_checked(tmp_path) -> None:
         config.write_text(f"router: {bad}\n")
         with pytest.raises(ValueError, match="router"):
             router_options(config)
+
+
+def test_backoff_doubles_per_ejection_not_per_failed_request() -> None:
+    from smetric.serve.outliers import OutlierDetector
+
+    outliers = OutlierDetector(threshold=3, backoff_s=5.0, max_backoff_s=12.0)
+    assert [outliers.failed("e", 0.0) for _ in range(3)] == [None, None, 5.0]
+    # Requests that were in flight when it was ejected fail too: the same incident.
+    assert [outliers.failed("e", 1.0) for _ in range(50)] == [None] * 50
+    assert not outliers.may_readmit("e", 4.9) and outliers.may_readmit("e", 5.0)
+    assert [outliers.failed("e", 6.0) for _ in range(3)] == [None, None, 10.0]
+    assert [outliers.failed("e", 17.0) for _ in range(3)] == [None, None, 12.0]  # capped
+    outliers.succeeded("e")  # a success forgives everything
+    assert [outliers.failed("e", 30.0) for _ in range(3)] == [None, None, 5.0]

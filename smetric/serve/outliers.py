@@ -33,8 +33,14 @@ class OutlierDetector:
         return self._records.setdefault(engine, _Record())
 
     def failed(self, engine: str, now: float) -> float | None:
-        """Count a failure; the backoff in seconds when this one ejects the engine."""
+        """Count a failure; the backoff in seconds when this one ejects the engine.
+
+        Failures while the engine is out are of requests sent before it was ejected: one
+        incident, which must not stretch the backoff once per request it cut.
+        """
         record = self._record(engine)
+        if now < record.until:
+            return None
         record.failures += 1
         if record.failures < self.threshold:
             return None
