@@ -9,6 +9,8 @@ import gzip
 import json
 import socket
 import struct
+import threading
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import CHAT, FAST, conversation, eventually, run
 
+from smetric.core.blocks import ByteTokenizer
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
@@ -70,9 +73,12 @@ async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> 
     return error
 
 
-async def first_turn(client: aiohttp.ClientSession, url: str, session: int) -> str:
-    """Session ``session``'s first chat turn, which must succeed; the engine that served it."""
-    payload = {**CHAT, "messages": conversation(session, 0)}
+async def first_turn(
+    client: aiohttp.ClientSession, url: str, session: int, messages: list[dict] | None = None
+) -> str:
+    """Session ``session``'s first chat turn (or ``messages``), which must succeed; the
+    engine that served it."""
+    payload = {**CHAT, "messages": messages or conversation(session, 0)}
     async with client.post(url + "/v1/chat/completions", json=payload) as response:
         assert response.status == 200, await response.text()
         assert (await response.json())["choices"]
@@ -430,3 +436,37 @@ def test_backoff_doubles_per_ejection_not_per_failed_request() -> None:
     assert [outliers.failed("e", 17.0) for _ in range(3)] == [None, None, 12.0]  # capped
     outliers.succeeded("e")  # a success forgives everything
     assert [outliers.failed("e", 30.0) for _ in range(3)] == [None, None, 5.0]
+
+
+def test_large_prompts_are_analysed_a_few_at_a_time() -> None:
+    """Each large prompt holds its tokens while analysed in a worker thread: at most
+    ``analysis_threads`` at once, however many arrive together."""
+
+    class Overlap:
+        """The byte tokenizer, noting how many threads were inside it at once."""
+
+        name = "bytes"
+
+        def __init__(self) -> None:
+            self.inside = self.most = 0
+            self.lock = threading.Lock()
+
+        def encode(self, text: str) -> list[int]:
+            with self.lock:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+            time.sleep(0.05)  # long enough for concurrent analyses to overlap
+            with self.lock:
+                self.inside -= 1
+            return ByteTokenizer().encode(text)
+
+    tokenizer = Overlap()
+
+    async def body(client, url, router, fakes) -> None:
+        router.tokenizer = tokenizer
+        big = [{"role": "user", "content": "long context " * 6000}]  # 78 KB: off the loop
+        await asyncio.gather(*(first_turn(client, url, 0, big) for _ in range(6)))
+        assert tokenizer.most == 2
+
+    roomy = EngineConfig(speed=0.0001, kv_blocks=8192, default_max_tokens=4)  # 128 k
+    run(lambda: with_mixed([], 1, body, engine_config=roomy, analysis_threads=2))
