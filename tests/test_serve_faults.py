@@ -27,8 +27,10 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.faulty import Fault, FaultyEngine
 
-# A router that gives up on a silent engine quickly, so the tests stay short.
-QUICK = {"first_byte_timeout_s": 0.5, "idle_timeout_s": 0.5, "health_interval_s": 0.05}
+# Timeouts a busy machine never reaches with a mock engine, and quick health checks...
+QUICK = {"first_byte_timeout_s": 10, "idle_timeout_s": 10, "health_interval_s": 0.05}
+# ...and a router that gives up on a silent engine quickly, so those tests stay short.
+IMPATIENT = {"first_byte_timeout_s": 0.5, "idle_timeout_s": 0.5}
 
 
 async def with_mixed(
@@ -137,7 +139,7 @@ def test_a_stalled_engine_times_out_and_the_request_is_retried_elsewhere() -> No
         assert fakes[0].generations >= 1
         await eventually(no_load_left(router))
 
-    run(lambda: with_mixed(["stall"], 1, body, policy="round_robin"))
+    run(lambda: with_mixed(["stall"], 1, body, policy="round_robin", **IMPATIENT))
 
 
 def test_with_only_a_stalled_engine_the_client_gets_a_clean_504() -> None:
@@ -149,7 +151,7 @@ def test_with_only_a_stalled_engine_the_client_gets_a_clean_504() -> None:
             assert (await response.json())["data"] == []
         await eventually(no_load_left(router))
 
-    run(lambda: with_mixed(["stall"], 0, body))
+    run(lambda: with_mixed(["stall"], 0, body, **IMPATIENT))
 
 
 def test_a_stream_that_goes_silent_ends_with_an_error_event() -> None:
@@ -164,7 +166,7 @@ def test_a_stream_that_goes_silent_ends_with_an_error_event() -> None:
         assert "[DONE]" not in text
         await eventually(no_load_left(router))
 
-    run(lambda: with_mixed(["stall_mid_stream"], 0, body))
+    run(lambda: with_mixed(["stall_mid_stream"], 0, body, **IMPATIENT))
 
 
 def test_more_concurrent_streams_than_a_connection_pool_holds_all_start() -> None:
@@ -186,7 +188,7 @@ def test_more_concurrent_streams_than_a_connection_pool_holds_all_start() -> Non
                 response.close()
         await eventually(no_load_left(router))
 
-    timeouts = {"first_byte_timeout_s": 2, "idle_timeout_s": 30}
+    timeouts = {"first_byte_timeout_s": 5, "idle_timeout_s": 30}
     run(lambda: with_mixed([], 1, body, engine_config=slow, **timeouts))
 
 

@@ -59,7 +59,7 @@ class Scale:
             aborts=8,
             huge_prompts=2,
             deadline_s=30.0,
-            engine_timeout_s=2.0,
+            engine_timeout_s=3.0,
         )
 
 
