@@ -558,3 +558,17 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
                 await process.close()
 
     asyncio.run(main())
+
+
+def test_blocks_of_another_size_degrade_the_view_and_are_exported() -> None:
+    """An engine hashing 32-token blocks for a router hashing 16: nothing it stores can be
+    keyed, so a view that stayed "exact" while empty now says it is not."""
+
+    async def main() -> None:
+        index = EventIndex(BS)
+        async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", None) as sub:
+            await sub.receive(_frames(0, [block_stored([1], None, list(range(2 * BS)), 2 * BS)]))
+            assert not sub.exact and index.size() == 0
+            assert exported(sub, "mismatched") == 1
+
+    asyncio.run(main())
