@@ -472,3 +472,14 @@ def test_large_prompts_are_analysed_a_few_at_a_time() -> None:
 
     roomy = EngineConfig(speed=0.0001, kv_blocks=8192, default_max_tokens=4)  # 128 k
     run(lambda: with_mixed([], 1, body, engine_config=roomy, analysis_threads=2))
+
+
+def test_an_unreachable_engine_answers_503_even_before_a_health_check() -> None:
+    async def body(client, url, router, fakes) -> None:
+        await fakes[0].close()  # nothing listens there any more
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
+            error = await assert_openai_error(response, 503)
+        assert "connect failed" in error["message"]
+        assert not router.engines[0].healthy
+
+    run(lambda: with_mixed(["http_500"], 0, body, health_interval_s=60))

@@ -285,8 +285,8 @@ class Router:
                     self._engine_failed(engine, fault)
                     if fault.status is not None:
                         failure = engine_error(fault.status, fault.body)
-                    else:
-                        status = 504 if fault.timeout else 502
+                    else:  # unreachable 503, silent 504, broken 502 (as Envoy answers)
+                        status = 503 if fault.refused else 504 if fault.timeout else 502
                         failure = error_response(status, f"engine {engine.url} failed: {fault}")
                     if not fault.refused:
                         if retries == 0:
