@@ -350,17 +350,15 @@ class Router:
                 usage.feed(chunk)
                 await response.write(chunk)
                 chunk = await attempt.read()
+            self._count_cached(engine, usage)  # before the client can see the end and ask
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
             log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
-            return response
         except EngineFault as fault:
             self._engine_failed(engine, fault)
             message = error_body(502, f"engine connection lost: {fault}")
             with contextlib.suppress(ConnectionResetError):
                 await response.write(f"data: {json.dumps(message)}\n\n".encode())
-            return response
-        self._count_cached(engine, usage)
         return response
 
     def _served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
