@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
+from smetric.testing.faulty import FaultyEngine
 
 EXAMPLES = int(os.environ.get("SMETRIC_FUZZ_EXAMPLES", "300"))
 KEY = "fuzz-key"
@@ -34,11 +35,13 @@ KEY = "fuzz-key"
 
 @dataclass
 class Cluster:
-    """A mock engine and two routers (open, and with ``KEY``) on a loop in a thread."""
+    """A mock engine, an engine answering garbage, and three routers on a loop in a
+    thread: ``open`` and ``keyed`` (needing ``KEY``) in front of the mock engine, and
+    ``beside_garbage`` in front of both engines, so retries and ejections are fuzzed too."""
 
     loop: asyncio.AbstractEventLoop
-    router_ports: dict[bool, int]
-    routers: dict[bool, Router]
+    router_ports: dict[str, int]
+    routers: dict[str, Router]
 
 
 class _Errors(logging.Handler):
@@ -72,17 +75,24 @@ def cluster() -> Iterator[Cluster]:
     config = EngineConfig(speed=0.0001, kv_blocks=4096, default_max_tokens=4)
     engine_runner, engine_port = call(_serve(create_app(config)))
     url = f"http://127.0.0.1:{engine_port}"
+    garbage = call(FaultyEngine("garbage").start())
+    setups = {
+        "open": ([url], frozenset()),
+        "keyed": ([url], frozenset({KEY})),
+        "beside_garbage": ([garbage.url, url], frozenset()),
+    }
     routers, runners, ports = {}, [], {}
-    for keyed in (False, True):
-        keys = frozenset({KEY}) if keyed else frozenset()
-        routers[keyed] = Router([Engine(url, 4096)], RouterSettings(api_keys=keys))
-        runner, ports[keyed] = call(_serve(routers[keyed].app()))
+    for name, (urls, keys) in setups.items():
+        engines = [Engine(u, 4096) for u in urls]
+        routers[name] = Router(engines, RouterSettings(api_keys=keys, eject_backoff_s=0.2))
+        runner, ports[name] = call(_serve(routers[name].app()))
         runners.append(runner)
     try:
         yield Cluster(loop, ports, routers)
     finally:
         for runner in [*runners, engine_runner]:
             call(runner.cleanup())
+        call(garbage.close())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
@@ -176,7 +186,7 @@ headers = st.dictionaries(
     path=st.sampled_from(PATHS),
     headers=headers,
     body=bodies,
-    keyed=st.booleans(),
+    router=st.sampled_from(["open", "keyed", "beside_garbage"]),
 )
 def test_no_request_makes_the_router_fail(
     cluster: Cluster,
@@ -185,9 +195,9 @@ def test_no_request_makes_the_router_fail(
     path: str,
     headers: dict[str, str],
     body: bytes,
-    keyed: bool,
+    router: str,
 ) -> None:
-    connection = http.client.HTTPConnection("127.0.0.1", cluster.router_ports[keyed], timeout=20)
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.router_ports[router], timeout=20)
     try:
         connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
@@ -204,15 +214,17 @@ def test_no_request_makes_the_router_fail(
 
 
 def test_the_router_is_healthy_after_the_fuzzing(cluster: Cluster) -> None:
-    """Runs after the fuzz (tests run in file order): every engine still in, none loaded."""
+    """Runs after the fuzz (tests run in file order): the mock engine still in everywhere,
+    nothing left in flight."""
     chat = {"messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2}
-    for keyed, port in cluster.router_ports.items():
+    for name, port in cluster.router_ports.items():
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-        auth = {"Authorization": f"Bearer {KEY}"} if keyed else {}
+        auth = {"Authorization": f"Bearer {KEY}"} if name == "keyed" else {}
         connection.request("POST", "/v1/chat/completions", body=_encode(chat), headers=auth)
         response = connection.getresponse()
         assert response.status == 200, response.read()[:300]
         response.read()
         connection.close()
-        router = cluster.routers[keyed]
-        assert all(e.healthy and e.inflight == 0 for e in router.engines)
+        router = cluster.routers[name]
+        assert router.engines[-1].healthy
+        assert all(e.inflight == 0 and e.unprefilled == 0 for e in router.engines)
