@@ -25,6 +25,7 @@ from smetric.core.blocks import ByteTokenizer
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
+from smetric.testing.engines import metric
 from smetric.testing.faulty import Fault, FaultyEngine
 
 # Timeouts a busy machine never reaches with a mock engine, and quick health checks...
@@ -216,6 +217,11 @@ def test_client_resets_mid_stream_never_eject_an_engine() -> None:
         await eventually(no_load_left(router))
         await asyncio.sleep(0.2)  # writes to the gone clients have failed by now
         assert all(e.healthy for e in router.engines)
+        # The router hung up on the engines too, so they stopped generating.
+        for engine in router.engines:
+            async with client.get(engine.url + "/metrics") as response:
+                text = await response.text()
+            assert metric(text, "vllm:num_requests_running") == 0
 
     # Without handler cancellation (as under gunicorn), the router's next write to the
     # client is what finds it gone.
