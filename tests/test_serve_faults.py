@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import CHAT, FAST, conversation, eventually, run
 
-from smetric.core.blocks import ByteTokenizer
+from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
@@ -40,6 +40,7 @@ async def with_mixed(
     body: Callable[..., Awaitable[Any]],
     engine_config: EngineConfig = FAST,
     handler_cancellation: bool = True,
+    tokenizer: Tokenizer | None = None,
     **settings: Any,
 ) -> Any:
     """Faulty engines first, then ``healthy`` mock engines, behind one router;
@@ -49,7 +50,11 @@ async def with_mixed(
     for mock in mocks:
         await mock.start_server()
     urls = [f.url for f in fakes] + [f"http://127.0.0.1:{m.port}" for m in mocks]
-    router = Router([Engine(u, 1000) for u in urls], RouterSettings(**{**QUICK, **settings}))
+    router = Router(
+        [Engine(u, 1000) for u in urls],
+        RouterSettings(**{**QUICK, **settings}),
+        tokenizer=tokenizer or ByteTokenizer(),
+    )
     # Not a TestServer: it always cancels handlers of clients that went away.
     runner = web.AppRunner(router.app(), handler_cancellation=handler_cancellation)
     await runner.setup()
@@ -471,13 +476,16 @@ def test_large_prompts_are_analysed_a_few_at_a_time() -> None:
     tokenizer = Overlap()
 
     async def body(client, url, router, fakes) -> None:
-        router.tokenizer = tokenizer
         big = [{"role": "user", "content": "long context " * 6000}]  # 78 KB: off the loop
         await asyncio.gather(*(first_turn(client, url, 0, big) for _ in range(6)))
         assert tokenizer.most == 2
 
     roomy = EngineConfig(speed=0.0001, kv_blocks=8192, default_max_tokens=4)  # 128 k
-    run(lambda: with_mixed([], 1, body, engine_config=roomy, analysis_threads=2))
+    run(
+        lambda: with_mixed(
+            [], 1, body, engine_config=roomy, tokenizer=tokenizer, analysis_threads=2
+        )
+    )
 
 
 def test_an_unreachable_engine_answers_503_even_before_a_health_check() -> None:

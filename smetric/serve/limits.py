@@ -14,6 +14,7 @@ rendered prompt is checked against the longest the engines take before it is tok
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 from smetric.core.blocks import Tokenizer
 from smetric.core.conversation import RequestError
@@ -61,21 +62,22 @@ BYTES_PER_TOKEN = 64
 CHARS_PER_TOKEN = 16
 
 
-class BoundedTokenizer:
-    """``tokenizer`` for one request, refusing once the texts it was given to encode
-    (a prompt is encoded in two parts: history, then the fresh turn) cannot fit in
-    ``max_tokens``."""
+class CappedTokenizer:
+    """``tokenizer``, refusing a text (one message, or one prompt) that cannot fit in the
+    engines' context of ``max_tokens()`` tokens (0: no cap known yet) before encoding it.
 
-    def __init__(self, tokenizer: Tokenizer, max_tokens: int) -> None:
+    Per text rather than per request, since prompts are encoded message by message (and
+    the memo spares the ones seen before); the request's whole size is bounded by its
+    body's, ``BYTES_PER_TOKEN`` a token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: Callable[[], int]) -> None:
         self.tokenizer = tokenizer
         self.name = tokenizer.name
         self.max_tokens = max_tokens
-        self.chars_left = max_tokens * CHARS_PER_TOKEN
 
     def encode(self, text: str) -> list[int]:
-        self.chars_left -= len(text)
-        if self.chars_left < 0:
-            raise RequestError(
-                f"the prompt is longer than the engines' context of {self.max_tokens} tokens"
-            )
+        limit = self.max_tokens()
+        if limit and len(text) > limit * CHARS_PER_TOKEN:
+            raise RequestError(f"the prompt is longer than the engines' context of {limit} tokens")
         return self.tokenizer.encode(text)
