@@ -97,7 +97,7 @@ def make_summary(
             "series": series,
         },
         "load_heatmap": heat.tolist(),
-        "stickiness": stickiness,
+        "stickiness": {"session": stickiness, "agent": stickiness, "turn": stickiness},
         "branches": {"stick": 10, "balance": 5},
         "global_tier_bytes": 1e9,
         "busy_fraction": [0.5] * 8,

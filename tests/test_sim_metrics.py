@@ -24,7 +24,9 @@ def records() -> pl.DataFrame:
         {
             "request_id": list(range(len(rows))),
             "session_id": [r[0] for r in rows],
+            "agent_id": ["main"] * len(rows),
             "turn": [r[1] for r in rows],
+            "parent_id": [None, 0, None, 2, 3],
             "instance": [r[2] for r in rows],
             "branch": ["x"] * len(rows),
             "rejected": [False] * len(rows),
@@ -61,7 +63,28 @@ def test_reuse_split_and_stickiness() -> None:
     assert summary["reuse"]["global"] == pytest.approx(1000 / prompt)
     assert summary["reuse"]["miss"] == pytest.approx(1 - 2900 / prompt)
     # Session a's follow-up stays on 0; b's two follow-ups: one on 0 (away), one home on 1.
-    assert stickiness(table) == pytest.approx(2 / 3)
+    shares = stickiness(table)
+    assert shares["session"] == shares["agent"] == pytest.approx(2 / 3)
+    # Turn to turn: a1 follows a0 on 0 (same); b1 left b0's 1 for 0, b2 left b1's 0 for 1.
+    assert shares["turn"] == pytest.approx(1 / 3)
+
+
+def test_stickiness_counts_a_sub_agent_as_its_own_conversation() -> None:
+    # Session s: main agent on instance 0 (turns 0, 1), a sub-agent started on 1 and
+    # staying there (turns 0, 1, 2).
+    table = pl.DataFrame(
+        {
+            "request_id": [0, 1, 2, 3, 4],
+            "session_id": ["s"] * 5,
+            "agent_id": ["main", "main", "sub", "sub", "sub"],
+            "turn": [0, 1, 0, 1, 2],
+            "parent_id": [None, 0, None, 2, 3],
+            "instance": [0, 0, 1, 1, 1],
+        }
+    )
+    shares = stickiness(table)
+    assert shares["session"] == pytest.approx(1 / 3)  # only main's follow-up is on 0
+    assert shares["agent"] == shares["turn"] == 1.0
 
 
 def test_latency_percentiles_count_completed_requests() -> None:
@@ -83,3 +106,13 @@ def test_imbalance_windows() -> None:
     mean = (heat[0][0] + heat[1][0]) / 2
     assert summary["imbalance"]["series"][0] == pytest.approx(heat[0][0] / mean)
     assert not math.isnan(summary["imbalance"]["mean"])
+
+
+def test_warm_up_leaves_early_arrivals_and_their_time_out() -> None:
+    summary = summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0, warmup_s=1.0)
+    # Arrivals at 0 are left out: of a1 (missed) and b1 (met), b1's 2001 tokens over 9 s.
+    assert summary["tps_within_slo"] == pytest.approx(2001 / 9)
+    assert summary["requests"]["completed"] == 2
+    assert summary["requests"]["unfinished"] == 1
+    with pytest.raises(ValueError, match="warm-up"):
+        summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0, warmup_s=10.0)

@@ -1,6 +1,17 @@
 """The ``smetric`` command line: a thin shell over the trace layer, simulator and reports."""
 
-from smetric.cli import analyze, demo, engine, replay, report, serve, simulate, trace
+from smetric.cli import analyze, demo, engine, knee, replay, report, serve, simulate, trace
 from smetric.cli.app import app
 
-__all__ = ["analyze", "app", "demo", "engine", "replay", "report", "serve", "simulate", "trace"]
+__all__ = [
+    "analyze",
+    "app",
+    "demo",
+    "engine",
+    "knee",
+    "replay",
+    "report",
+    "serve",
+    "simulate",
+    "trace",
+]

@@ -21,7 +21,13 @@ from smetric.cli.app import (
 )
 from smetric.core.policy import POLICY_NAMES, make_policy
 from smetric.report.runs import run_file_name
-from smetric.sim.config import SimConfig, dump_yaml, load_yaml, parse_global_capacity
+from smetric.sim.config import (
+    SimConfig,
+    check_kv_load,
+    dump_yaml,
+    load_yaml,
+    parse_global_capacity,
+)
 from smetric.sim.parallel import Job, default_jobs, run_jobs
 from smetric.sim.run import RunResult
 
@@ -83,7 +89,24 @@ GlobalOpt = Annotated[
     ),
 ]
 BandwidthOpt = Annotated[
-    float | None, _opt("Each instance's link to the global tier, GB/s.", CLUSTER, min=0.001)
+    float | None,
+    _opt("Effective bandwidth of one RDMA NIC, GB/s (21.7: one 200 Gbps NIC).", CLUSTER, min=0.001),
+]
+NicsOpt = Annotated[
+    int | None,
+    _opt(
+        "RDMA NICs per server, shared by its 8 GPUs' global-tier traffic (4).",
+        CLUSTER,
+        min=1,
+    ),
+]
+KvLoadOpt = Annotated[
+    str | None,
+    _opt(
+        "Global-tier loads: sync (before the forward pass, stretching the step; LMCache's "
+        "default) or async (the request waits, the batch runs on).",
+        CLUSTER,
+    ),
 ]
 RateOpt = Annotated[float | None, _opt("Session starts per second.", WORKLOAD, min=1e-6)]
 DurationOpt = Annotated[
@@ -107,6 +130,14 @@ SampleOpt = Annotated[
     ),
 ]
 SpeedOpt = Annotated[float | None, _opt("Open-loop replay speed-up.", WORKLOAD, min=1e-6)]
+WarmupOpt = Annotated[
+    float | None,
+    _opt(
+        "Seconds at the start left out of throughput and latency (sessions still ramping).",
+        WORKLOAD,
+        min=0.0,
+    ),
+]
 SeedOpt = Annotated[int | None, _opt("Seed for session starts and picks.", WORKLOAD)]
 TtftBaseOpt = Annotated[float | None, _opt("TTFT SLO constant, seconds.", SLO, min=0.0)]
 TtftPerTokenOpt = Annotated[float | None, _opt("TTFT SLO seconds per input token.", SLO, min=0.0)]
@@ -132,7 +163,9 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
         "max_num_seqs": "max_num_seqs",
         "max_batched_tokens": "max_num_batched_tokens",
         "global_capacity": "global_capacity",
-        "global_bandwidth": "global_bandwidth_gb_s",
+        "nic_bandwidth": "nic_gb_s",
+        "nics_per_server": "nics_per_server",
+        "kv_load": "kv_load",
     }
     workload_keys = {
         "rate": "session_rate",
@@ -152,6 +185,13 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
     config = config.override("slo", **{v: flags.get(k) for k, v in slo_keys.items()})
     if trace is not None:
         config = config.override("workload", trace=trace)
+    if flags.get("warmup") is not None:
+        config = dataclasses.replace(config, warmup_s=flags["warmup"])
+    if config.warmup_s >= config.workload.duration_s:
+        raise ValueError(
+            f"--warmup {config.warmup_s:g} must be shorter than --duration "
+            f"{config.workload.duration_s:g}"
+        )
     policies = flags.get("policies")
     if policies:
         names = POLICY_NAMES if policies == "all" else _split_policies(policies)
@@ -159,6 +199,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
     for spec in config.policies:
         make_policy(spec)  # fails early, with the valid names, on a typo
     parse_global_capacity(config.cluster.global_capacity)
+    check_kv_load(config.cluster.kv_load)
     return config
 
 
@@ -186,7 +227,7 @@ def results_table(title: str, summaries: dict[str, dict]) -> Table:
         "TPOT ms\np50/p90",
         "hit %\nL/G",
         "imba-\nlance",
-        "sticky",
+        "sticky %\nagent/turn",
     )
     for header in headers:
         table.add_column(header, justify="right", min_width=8 if "TTFT" in header else None)
@@ -203,7 +244,7 @@ def results_table(title: str, summaries: dict[str, dict]) -> Table:
             f"{_num(tpot['p50'], 1000, 0)}/{_num(tpot['p90'], 1000, 0)}",
             f"{reuse['local'] * 100:.0f}/{reuse['global'] * 100:.0f}",
             f"{s['imbalance']['mean']:.2f}x",
-            "-" if sticky is None else f"{sticky:.0%}",
+            f"{_pct(sticky['agent'])}/{_pct(sticky['turn'])}",
         )
     return table
 
@@ -220,6 +261,10 @@ def branches_table(summaries: dict[str, dict]) -> Table:
             parts = (f"{name} {n / total:.0%}" for name, n in sorted(counts.items()))
             table.add_row(policy, " · ".join(parts))
     return table
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:.0f}"
 
 
 def _num(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -262,13 +307,16 @@ def simulate(
     max_num_seqs: MaxSeqsOpt = None,
     max_batched_tokens: BatchTokensOpt = None,
     global_capacity: GlobalOpt = None,
-    global_bandwidth: BandwidthOpt = None,
+    nic_bandwidth: BandwidthOpt = None,
+    nics_per_server: NicsOpt = None,
+    kv_load: KvLoadOpt = None,
     rate: RateOpt = None,
     duration: DurationOpt = None,
     open_loop: OpenLoopOpt = None,
     sample: SampleOpt = None,
     speed: SpeedOpt = None,
     seed: SeedOpt = None,
+    warmup: WarmupOpt = None,
     ttft_base: TtftBaseOpt = None,
     ttft_per_token: TtftPerTokenOpt = None,
     tpot: TpotOpt = None,
@@ -331,6 +379,14 @@ def _floats(text: str, what: str) -> list[float]:
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"{what}: expected positive numbers, got {text!r}")
     return values
+
+
+def global_levels(text: str) -> list[str]:
+    """'none,1x,full' -> the checked global-tier capacities."""
+    levels = [g.strip() for g in text.split(",") if g.strip()]
+    for level in levels:
+        parse_global_capacity(level)
+    return levels
 
 
 def sweep_summary(
@@ -406,9 +462,7 @@ def sweep(
 
     with user_errors():
         rate_values = _floats(rates, "--rates")
-        levels = [g.strip() for g in provisionings.split(",") if g.strip()]
-        for level in levels:
-            parse_global_capacity(level)
+        levels = global_levels(provisionings)
         base = build_config(
             config_path,
             source,

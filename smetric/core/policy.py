@@ -48,6 +48,10 @@ class ClusterView:
     # i is instance i. Session hashing keys on it, so an instance leaving the view moves
     # only its own sessions.
     instance_ids: Sequence[int] | None = None
+    # Prompt tokens of the requests in flight; None where the driver does not count them.
+    token_load: Sequence[float] | None = None
+    # How much of this request's prefix the global tier holds, in tokens; None: unknown.
+    global_hit_tokens: int | None = None
 
 
 def reusable_hit_blocks(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -91,6 +95,7 @@ POLICY_NAMES: tuple[str, ...] = (
     "round_robin",
     "session_hash",
     "cache_aware",
+    "smetric_tokens",
 )
 
 

@@ -271,9 +271,10 @@ def _latency_figure(
 
 
 def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
-    """Figure 12: whether a policy keeps a session's follow-ups on its first instance."""
+    """Figure 12: whether a policy keeps a conversation's follow-ups on its first instance
+    (per agent: a sub-agent is a conversation of its own)."""
     policies = list(summaries)
-    shares = [summaries[p]["stickiness"] for p in policies]
+    shares = [summaries[p]["stickiness"]["agent"] for p in policies]
     fig = new_figure(8, _rows_height(len(policies)))
     ax = fig.add_subplot()
     bars = ax.barh(
@@ -362,8 +363,13 @@ def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
             ax.plot(rates, tps, color=colors[policy], marker="o", ms=4, lw=1.8)
         ax.set_title(f"Global tier: {level}")
         ax.set_xlabel("Offered rate (sessions/s)")
-    axes[0].set_ylabel("TPS within SLO (tok/s)")
-    axes[0].set_ylim(bottom=0)
+    return _tps_panels(fig, axes[0], "TPS within SLO (tok/s)", colors)
+
+
+def _tps_panels(fig: Figure, first: Axes, ylabel: str, colors: Mapping[str, str]) -> Figure:
+    """Finish a row of TPS-vs-load panels that share their y axis from zero."""
+    first.set_ylabel(ylabel)
+    first.set_ylim(bottom=0)
     _policy_legend(fig, colors)
     return fig
 
@@ -400,3 +406,28 @@ def write_sweep_pngs(sweep: dict, out: Path) -> dict[str, Path]:
         },
         out,
     )
+
+
+def _knee_figure(summary: Section, colors: Mapping[str, str]) -> Figure:
+    """Every probe of each policy's knee search, one panel per cell: the curve each knee
+    sits on, so a reader can see how sharp it is and how much the search explored."""
+    cells = summary["cells"]
+    fig = new_figure(min(4.0 * len(cells), 16), 4.4)
+    axes = fig.subplots(1, len(cells), sharey=True, squeeze=False).ravel()
+    for ax, cell in zip(axes, cells, strict=True):
+        for policy, knee in cell["knees"].items():
+            probes = sorted((float(load), tps) for load, tps in knee["probes"].items())
+            ax.plot(*zip(*probes, strict=True), color=colors[policy], marker="o", ms=3, lw=1.5)
+            ax.plot([knee["load"]], [knee["mean"]], color=colors[policy], marker="*", ms=11)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"Global tier: {cell['global']}, {cell['kv_load']} load")
+        ax.set_xlabel("Offered load (log)")
+    return _tps_panels(fig, axes[0], "TPS within SLO, mean over seeds (tok/s)", colors)
+
+
+def write_knee_png(summary: dict, path: Path) -> Path:
+    """The knee searches' probes (``smetric knee``), policies in the summary's order."""
+    colors = policy_colors(summary["policies"])
+    return _save({path.stem: partial(_knee_figure, summary, colors)}, path.parent)[path.stem]

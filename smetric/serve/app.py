@@ -253,6 +253,8 @@ class Router:
             load=loads,
             prefill_tokens=[float(e.total_unprefilled()) for e in engines],
             instance_ids=[self._numbers[e.url] for e in engines],
+            # The router does not see the global tier: global_hit_tokens stays unknown.
+            token_load=[float(e.total_inflight_tokens()) for e in engines],
         )
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
@@ -291,7 +293,9 @@ class Router:
             engine, predicted = self.route(facts, candidates)
             tried.add(engine.url)
             unprefilled = facts.prompt_tokens - predicted
-            async with Attempt(engine, self.client, self.timeouts, unprefilled) as attempt:
+            async with Attempt(
+                engine, self.client, self.timeouts, facts.prompt_tokens, unprefilled
+            ) as attempt:
                 try:
                     await attempt.send(path, raw, headers)
                     return await self._answer(request, attempt, facts, predicted)

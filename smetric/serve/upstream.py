@@ -3,9 +3,9 @@
 Load must come down on every exit path: the engine answered, broke, stalled or sent
 garbage, or the client gave up while the router waited (which cancels the handler, often
 before the engine's headers: vLLM sends a non-streaming reply's headers only at its end).
-``Attempt`` raises ``engine.inflight`` and the engine's unprefilled tokens when entered,
-gives the tokens back at the first chunk of the body (the prompt is prefilled by then), and
-lowers both when left, however it is left; it closes the engine's response with it, so a
+``Attempt`` raises ``engine.inflight``, its in-flight prompt tokens and its unprefilled
+tokens when entered, gives the unprefilled tokens back at the first chunk of the body (the
+prompt is prefilled by then), and lowers the rest when left, however it is left; it closes the engine's response with it, so a
 stream nobody reads stops on the engine.
 
 Reads from the engine raise ``EngineFault`` and nothing else, and nothing here writes to
@@ -78,17 +78,20 @@ class Attempt:
         engine: Engine,
         client: aiohttp.ClientSession,
         timeouts: Timeouts,
+        prompt_tokens: int,
         unprefilled_tokens: int,
     ) -> None:
         self.engine = engine
         self.client = client
         self.timeouts = timeouts
+        self.prompt_tokens = prompt_tokens
         self.unprefilled_tokens = unprefilled_tokens
         self.response: aiohttp.ClientResponse | None = None
         self.prefill: QueuedPrefill | None = None
 
     async def __aenter__(self) -> Attempt:
         self.engine.inflight += 1
+        self.engine.inflight_tokens += self.prompt_tokens
         self.prefill = QueuedPrefill(self.engine, self.unprefilled_tokens)
         return self
 
@@ -99,6 +102,7 @@ class Attempt:
         tb: TracebackType | None,
     ) -> None:
         self.engine.inflight -= 1
+        self.engine.inflight_tokens -= self.prompt_tokens
         assert self.prefill is not None
         self.prefill.done()
         if self.response is not None:

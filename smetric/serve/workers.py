@@ -35,7 +35,7 @@ import numpy as np
 from aiohttp import web
 
 from smetric.serve.app import Router
-from smetric.serve.engines import Engine
+from smetric.serve.engines import LOAD_COLUMNS, Engine
 
 log = logging.getLogger("smetric.serve")
 
@@ -146,8 +146,8 @@ def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
             "let the engines bind (tcp://*:port) and give 'bind: false'"
         )
     engines = router.engines
-    shared = mmap.mmap(-1, 8 * 2 * workers * len(engines))  # MAP_SHARED: survives the fork
-    load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), 2)
+    shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * workers * len(engines))  # MAP_SHARED: survives fork
+    load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), LOAD_COLUMNS)
     peers = PeerViews(workers)
     children = []
     for worker in range(workers):

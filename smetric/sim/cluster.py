@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
-from smetric.sim.config import ClusterConfig, parse_global_capacity
+from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
-from smetric.sim.kv import GlobalTier, Link, LocalPool
+from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.perf import (
     StepTimeModel,
     kv_bytes_per_token,
@@ -71,6 +71,18 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
     )
 
 
+def routes(config: ClusterConfig) -> list[Route]:
+    """Each instance's route to the global tier: its own PCIe lanes, its server's NICs.
+
+    Instances fill servers in index order, ``gpus_per_server // gpus_per_instance`` each.
+    """
+    per_server = max(1, config.gpus_per_server // config.gpus_per_instance)
+    servers = -(-config.instances // per_server)
+    nics = [Link(config.nics_per_server * config.nic_gb_s * 1e9) for _ in range(servers)]
+    pcie_bytes_s = config.gpus_per_instance * config.pcie_gb_s * 1e9
+    return [Route(Link(pcie_bytes_s), nics[i // per_server]) for i in range(config.instances)]
+
+
 class Simulation:
     def __init__(
         self,
@@ -104,12 +116,13 @@ class Simulation:
             Instance(
                 index=i,
                 pool=LocalPool(local_blocks),
-                link=Link(config.global_bandwidth_gb_s * 1e9),
+                route=route,
                 global_tier=self.global_tier,
                 perf=perf,
                 limits=limits,
+                async_load=check_kv_load(config.kv_load) == "async",
             )
-            for i in range(config.instances)
+            for i, route in enumerate(routes(config))
         ]
         self.events: list[tuple[float, int, int, int, int]] = []
         self.sequence = 0
@@ -176,6 +189,10 @@ class Simulation:
             hit_tokens=hits,
             load=[float(i.inflight) for i in self.instances],
             prefill_tokens=[float(i.unprefilled) for i in self.instances],
+            token_load=[float(i.inflight_tokens) for i in self.instances],
+            global_hit_tokens=reusable_hit_tokens(
+                self.global_tier.match(req.blocks), req.prompt, bs
+            ),
         )
 
     def kick(self, instance: Instance, now: float) -> None:

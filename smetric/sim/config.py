@@ -36,9 +36,18 @@ class ClusterConfig:
     max_num_batched_tokens: int = 8192
     # "none", "full" (never evicts) or a multiple of the cluster's total local capacity.
     global_capacity: str = "full"
-    # Each instance's link to the global tier: one 200 Gbps RDMA NIC, about 21.7 GB/s
-    # effective (perf-anchors.md).
-    global_bandwidth_gb_s: float = 21.7
+    # Links to the global tier (kv.Route). The paper's testbed: servers of 8 H20 GPUs with
+    # 200 Gbps RDMA NICs (about 21.7 GB/s effective each, perf-anchors.md); the paper does
+    # not say how many NICs a server has, so the default is Mooncake's reference setup of
+    # four (87 GB/s per server, Mooncake README). The GPUs of a server share its NICs;
+    # each GPU also has its own PCIe Gen5 x16 lane to host memory (~50 GB/s measured).
+    gpus_per_server: int = 8
+    nics_per_server: int = 4
+    nic_gb_s: float = 21.7
+    pcie_gb_s: float = 50.0
+    # How an admitted request reads the global tier: "sync" loads before the forward pass
+    # and stretches that step (LMCache's default), "async" holds the request, not the batch.
+    kv_load: str = "sync"
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ class SimConfig:
     policies: tuple[str, ...] = POLICY_NAMES
     # Width of the windows in which load imbalance is measured.
     window_s: float = 60.0
+    # Requests arriving before this are left out of throughput and latency (metrics.py).
+    warmup_s: float = 0.0
 
     def override(self, section: str, **values: Any) -> SimConfig:
         """A copy with fields of one section changed; None values leave a field as is."""
@@ -124,6 +135,7 @@ def from_dict(data: dict[str, Any], where: str = "config") -> SimConfig:
         slo=_section(SLOConfig, data.get("slo"), f"{where}: slo"),
         policies=tuple(policies),
         window_s=float(data.get("window_s", SimConfig().window_s)),
+        warmup_s=float(data.get("warmup_s", SimConfig().warmup_s)),
     )
 
 
@@ -139,6 +151,15 @@ def load_yaml(path: Path) -> SimConfig:
 
 def dump_yaml(config: SimConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+KV_LOAD_MODES = ("sync", "async")
+
+
+def check_kv_load(mode: str) -> str:
+    if mode not in KV_LOAD_MODES:
+        raise ValueError(f"kv_load {mode!r}: use one of {', '.join(KV_LOAD_MODES)}")
+    return mode
 
 
 def parse_global_capacity(text: str) -> float | None:

@@ -7,6 +7,18 @@ the queue, as in vLLM). A decode that needs a block when none is free preempts t
 recently admitted request, which later recomputes. The step's duration comes from the
 step-time model.
 
+The global tier is read the way vLLM's scheduler reads an external KV store through its
+KV connector (LMCache in the paper's testbed). When the scheduler admits a waiting
+request (``Scheduler.schedule``), it takes the local prefix hit (``get_computed_blocks``)
+and asks the connector how many further tokens the store holds
+(``KVConnectorBase_V1.get_num_new_matched_tokens``), so a request that waited, or was
+preempted and comes back, finds what the tiers hold at that moment. The connector then
+loads them either synchronously, before the forward pass that first computes the
+request (``start_load_kv`` / ``wait_for_layer_load``), which stretches that whole step,
+or asynchronously (the connector answers ``load_kv_async``): the request holds its
+blocks in ``WAITING_FOR_REMOTE_KVS`` and joins the batch once the load lands, while the
+batch runs on. LMCache loads synchronously unless ``enable_async_loading`` is set.
+
 Per-step work follows what changed, not the batch size: decode progress is implicit in
 the step counter, and heaps keyed by step index say when a sequence finishes or needs
 its next KV block.
@@ -23,7 +35,7 @@ import numpy as np
 
 from smetric.core.policy import reusable_hit_blocks, reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
-from smetric.sim.kv import GlobalTier, Link, LocalPool
+from smetric.sim.kv import GlobalTier, LocalPool, Route
 from smetric.sim.perf import StepTimeModel
 
 # Longest run of decode-only steps planned at once, so that progress stays visible.
@@ -41,12 +53,15 @@ class SimRequest:
     est_hit: int
     block_size: int
     arrival: float = 0.0
+    # The conversation (session's agent or sub-agent) and the previous turn's request id.
+    agent: str = ""
+    parent: int = -1
     instance: int = -1
     branch: str = ""
     rejected: bool = False
-    # Global-tier fetch started at routing: when it lands and how many blocks it brings.
+    # Asynchronous global-tier load under way: it holds its blocks until ``ready_at``.
+    loading: bool = False
     ready_at: float = 0.0
-    fetched_blocks: int = 0
     local_hit: int = 0
     global_hit: int = 0
     # Tokens that must be in KV before the next token (the prompt, plus the output kept
@@ -79,10 +94,12 @@ class EngineLimits:
 class Instance:
     index: int
     pool: LocalPool
-    link: Link
+    route: Route
     global_tier: GlobalTier
     perf: StepTimeModel
     limits: EngineLimits
+    # Global-tier loads: False stretches the admitting step, True holds only the request.
+    async_load: bool = False
     waiting: deque[SimRequest] = field(default_factory=deque)
     running: dict[int, SimRequest] = field(default_factory=dict)
     prefilling: list[SimRequest] = field(default_factory=list)
@@ -92,8 +109,10 @@ class Instance:
     step_index: int = 0
     finish_heap: list[tuple[int, int, int, SimRequest]] = field(default_factory=list)
     block_heap: list[tuple[int, int, int, SimRequest]] = field(default_factory=list)
-    # Load as the router sees it: requests in flight, and prompt tokens not yet prefilled.
+    # Load as the router sees it: requests in flight, their prompt tokens, and prompt
+    # tokens not yet prefilled.
     inflight: int = 0
+    inflight_tokens: int = 0
     unprefilled: int = 0
     busy: bool = False
     busy_time: float = 0.0
@@ -102,21 +121,21 @@ class Instance:
     run_start: float = 0.0
     run_steps: int = 0
     run_step_s: float = 0.0
+    # When the synchronous loads of the step being planned have landed.
+    load_until: float = 0.0
 
     def enqueue(self, req: SimRequest, now: float) -> None:
-        """Accept a routed request; start fetching the prefix the global tier adds."""
-        bs = req.block_size
-        local = self.pool.cache.match(req.blocks)
-        remote = self.global_tier.match(req.blocks)
-        req.ready_at = now
-        if remote > local:
-            nbytes = (remote - local) * bs * self.limits.kv_bytes_per_token
-            req.ready_at = self.link.transfer(now, nbytes)
-            req.fetched_blocks = remote
+        """Accept a routed request. Nothing is fetched yet: the tiers are read at admission.
+
+        Its unprefilled tokens, as the router's load counts them, assume the best hit the
+        two tiers offer now.
+        """
+        known = max(self.pool.cache.match(req.blocks), self.global_tier.match(req.blocks))
         req.target = req.prompt
-        self._set_pending(req, req.prompt - reusable_hit_tokens(max(local, remote), req.prompt, bs))
+        self._set_pending(req, req.prompt - reusable_hit_tokens(known, req.prompt, req.block_size))
         self.waiting.append(req)
         self.inflight += 1
+        self.inflight_tokens += req.prompt
 
     def _set_pending(self, req: SimRequest, tokens: int) -> None:
         self.unprefilled += tokens - req.pending
@@ -132,6 +151,7 @@ class Instance:
         cut short if a request arrives meanwhile (``interrupt``).
         """
         budget = self.limits.max_num_batched_tokens - self.decode_seqs
+        self.load_until = now
         chunks: list[tuple[SimRequest, int]] = []
         for req in self.prefilling:
             if budget <= 0:
@@ -146,7 +166,8 @@ class Instance:
             prefill = sum(n for _, n in chunks)
             attn2 = sum(n * (req.done + n / 2) for req, n in chunks)
             step = self.perf.step_time(prefill, attn2, self.decode_seqs, self.decode_context)
-            return self._plan_run(now, 1, step)
+            # Synchronous loads finish before the forward pass starts.
+            return self._plan_run(now, 1, self.load_until - now + step)
         if self.decode_seqs == 0:
             return None
         steps = self._quiet_steps(now)
@@ -164,7 +185,9 @@ class Instance:
         upcoming = [heap[0][0] for heap in (self.finish_heap, self.block_heap) if heap]
         steps = min(upcoming, default=self.step_index + MAX_RUN_STEPS) - self.step_index
         steps = max(1, min(steps, MAX_RUN_STEPS))
-        landing = min((r.ready_at for r in self.waiting if r.ready_at > now), default=None)
+        landing = min(
+            (r.ready_at for r in self.waiting if r.loading and r.ready_at > now), default=None
+        )
         if landing is not None:
             step = self.perf.step_time(0, 0.0, self.decode_seqs, self.decode_context)
             steps = max(1, min(steps, math.ceil((landing - now) / step)))
@@ -181,18 +204,35 @@ class Instance:
         return self.run_start + steps * self.run_step_s
 
     def next_ready(self) -> float | None:
-        """When the earliest waiting fetch lands (to wake an idle instance)."""
-        return min((r.ready_at for r in self.waiting), default=None)
+        """When the earliest asynchronous load lands (to wake an idle instance)."""
+        return min((r.ready_at for r in self.waiting if r.loading), default=None)
 
     def _admit(self, now: float, budget: int, chunks: list[tuple[SimRequest, int]]) -> None:
+        """Admit waiting requests in order; start the global-tier loads they need.
+
+        A request whose asynchronous load is under way is passed over without blocking the
+        queue, as vLLM skips one in ``WAITING_FOR_REMOTE_KVS``.
+        """
         skipped: list[SimRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
-            if req.ready_at > now:
-                skipped.append(self.waiting.popleft())
-                continue
-            if not self._allocate(req, now):
-                break
+            if req.loading:
+                if req.ready_at > now:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                req.loading = False  # landed: its blocks were allocated when it started
+            else:
+                external = self._allocate(req, now)
+                if external is None:
+                    break
+                if external:
+                    nbytes = external * req.block_size * self.limits.kv_bytes_per_token
+                    ready = self.route.transfer(now, nbytes)
+                    if self.async_load:
+                        req.loading, req.ready_at = True, ready
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    self.load_until = max(self.load_until, ready)
             self.waiting.popleft()
             self.running[req.rid] = req
             self.prefilling.append(req)
@@ -201,29 +241,33 @@ class Instance:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-    def _allocate(self, req: SimRequest, now: float) -> bool:
-        """Pin the cached prefix, take private blocks for the rest of what must be in KV."""
+    def _allocate(self, req: SimRequest, now: float) -> int | None:
+        """Pin the local hit and take private blocks for the rest of what must be in KV.
+
+        Returns how many blocks past the local hit the global tier supplies (0 or more),
+        or None when the blocks do not fit. Both tiers are looked up here, at admission.
+        """
         bs = req.block_size
         cached = self.pool.cache.match(req.blocks)
+        remote = self.global_tier.match(req.blocks)
         # At least one token is always computed, to produce the next token.
-        hit = reusable_hit_blocks(max(cached, req.fetched_blocks), req.target, bs)
+        hit = reusable_hit_blocks(max(cached, remote), req.target, bs)
         pinned = min(cached, hit)
         handle = self.pool.cache.lock(req.blocks, pinned) if pinned else None
         private = -(-req.target // bs) - pinned
         if not self.pool.reserve(private):
             if handle is not None:
                 self.pool.cache.unlock(handle, now)
-            return False
+            return None
         if req.preemptions == 0:
             req.local_hit = pinned * bs
             req.global_hit = (hit - pinned) * bs
         req.handle = handle
         req.pinned_blocks = pinned
         req.private_blocks = private
-        req.fetched_blocks = 0
         req.done = hit * bs
         self._set_pending(req, req.target - req.done)
-        return True
+        return hit - pinned
 
     # -- step completion ----------------------------------------------------------------
 
@@ -256,7 +300,7 @@ class Instance:
         req.pinned_blocks = len(req.blocks)
         new = self.global_tier.write(req.blocks, now)
         if new:
-            self.link.transfer(now, new * req.block_size * self.limits.kv_bytes_per_token)
+            self.route.transfer(now, new * req.block_size * self.limits.kv_bytes_per_token)
         if math.isnan(req.first_token_at):
             req.first_token_at = now
             req.generated = 1
@@ -320,6 +364,7 @@ class Instance:
         self._release(req, now)
         req.finished_at = now
         self.inflight -= 1
+        self.inflight_tokens -= req.prompt
 
     def _release(self, req: SimRequest, now: float) -> None:
         del self.running[req.rid]

@@ -5,9 +5,11 @@ in the instance's prefix tree (shared, reusable, evictable unless a running requ
 them), and *private* blocks a running request is still filling (its uncached prompt and its
 output). Both come out of one fixed budget of GPU blocks.
 
-The global tier is one cluster-wide prefix store in CPU memory. Each instance reaches it
-over its own link (a GPU's RDMA NIC or PCIe lane), which its fetches and its writes of
-completed prefills share first come, first served.
+The global tier is one cluster-wide prefix store in CPU memory (Mooncake's store behind
+LMCache in the paper's testbed). A transfer between an instance and the tier crosses two
+links: the GPU's own PCIe lane to host memory and its server's RDMA NICs, which every GPU
+of the server shares (``Route``). Fetches and writes of completed prefills queue on each
+link first come, first served.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class GlobalTier:
 
 
 class Link:
-    """One instance's link to the global tier: transfers queue first come, first served."""
+    """One link (a PCIe lane, or a server's NICs together): transfers queue first come,
+    first served."""
 
     def __init__(self, bytes_per_s: float) -> None:
         self.bytes_per_s = bytes_per_s
@@ -85,3 +88,24 @@ class Link:
         self.busy_until = start + nbytes / self.bytes_per_s
         self.bytes_moved += nbytes
         return self.busy_until
+
+
+class Route:
+    """An instance's way to the global tier: its private PCIe lane, then its server's NICs.
+
+    The data streams through both links at once (cut-through), so a transfer is done when
+    the slower of its two queues has carried it. ``bytes_moved`` counts what this instance
+    moved, read off its private lane.
+    """
+
+    def __init__(self, pcie: Link, nic: Link) -> None:
+        self.pcie = pcie
+        self.nic = nic
+
+    @property
+    def bytes_moved(self) -> float:
+        return self.pcie.bytes_moved
+
+    def transfer(self, now: float, nbytes: float) -> float:
+        """When a transfer of ``nbytes`` issued at ``now`` completes."""
+        return max(self.pcie.transfer(now, nbytes), self.nic.transfer(now, nbytes))

@@ -4,7 +4,9 @@ A run measures what completes within its horizon (the period in which sessions s
 requests arrive): TPS within SLO counts the prompt and output tokens of the requests that
 completed by then and met both SLOs, divided by the horizon. Latency percentiles count
 every completed request, met or not. Requests still running at the horizon count in
-neither and are reported as such.
+neither and are reported as such. A warm-up (``warmup_s``) leaves out the requests that
+arrive before it from throughput, SLO attainment and latencies, and the time from the
+rate: closed-loop sessions last tens of minutes, so a run's first part is still ramping.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ def request_table(requests: list[SimRequest], horizon_s: float) -> pl.DataFrame:
         {
             "request_id": [r.rid for r in issued],
             "session_id": [r.session for r in issued],
+            "agent_id": [r.agent for r in issued],
             "turn": [r.turn for r in issued],
+            "parent_id": [r.parent for r in issued],
             "instance": [r.instance for r in issued],
             "branch": [r.branch for r in issued],
             "rejected": [r.rejected for r in issued],
@@ -71,14 +75,41 @@ def _percentiles(values: np.ndarray) -> dict[str, float | None]:
     return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
 
 
-def stickiness(table: pl.DataFrame) -> float | None:
-    """Share of follow-ups served by the instance that served their session's first request."""
+def stickiness(table: pl.DataFrame) -> dict[str, float | None]:
+    """Share of follow-ups (turn > 0) served where a reference request was, three ways.
+
+    - ``session``: the instance of the session's first request. A sub-agent starts a
+      conversation of its own, so even a perfectly sticky policy scores below 1 here.
+    - ``agent``: the instance of the first request of the follow-up's own conversation
+      (the session's agent or sub-agent).
+    - ``turn``: the instance of the previous turn of the same conversation (the parent).
+
+    None where there are no follow-ups, or the table lacks the columns (a live replay
+    records no agents or parents).
+    """
     routed = table.filter(pl.col("instance") >= 0).sort("request_id")
-    first = routed.group_by("session_id").agg(pl.col("instance").first().alias("home"))
-    follow = routed.filter(pl.col("turn") > 0).join(first, on="session_id")
-    if follow.height == 0:
-        return None
-    return float((follow["instance"] == follow["home"]).mean())
+    follow = routed.filter(pl.col("turn") > 0)
+
+    def share(keys: list[str], home: pl.DataFrame, on: list[str]) -> float | None:
+        joined = follow.select(*keys, "instance").join(home, on=on)
+        if joined.height == 0:
+            return None
+        return float((joined["instance"] == joined["home"]).mean())
+
+    def first_of(keys: list[str]) -> pl.DataFrame:
+        return routed.group_by(keys).agg(pl.col("instance").first().alias("home"))
+
+    out: dict[str, float | None] = {
+        "session": share(["session_id"], first_of(["session_id"]), ["session_id"])
+    }
+    if "agent_id" in routed.columns and "parent_id" in routed.columns:
+        agents = ["session_id", "agent_id"]
+        out["agent"] = share(agents, first_of(agents), agents)
+        parents = routed.select(pl.col("request_id").alias("parent_id"), home="instance")
+        out["turn"] = share(["parent_id"], parents, ["parent_id"])
+    else:
+        out["agent"] = out["turn"] = None
+    return out
 
 
 def load_over_time(
@@ -103,9 +134,17 @@ def load_over_time(
 
 
 def summarize(
-    table: pl.DataFrame, slo: SLOConfig, horizon_s: float, instances: int, window_s: float
+    table: pl.DataFrame,
+    slo: SLOConfig,
+    horizon_s: float,
+    instances: int,
+    window_s: float,
+    warmup_s: float = 0.0,
 ) -> dict:
-    done = table.filter(pl.col("completed"))
+    if not 0 <= warmup_s < horizon_s:
+        raise ValueError(f"warm-up {warmup_s:g} s must lie in [0, horizon {horizon_s:g} s)")
+    measured = horizon_s - warmup_s
+    done = table.filter(pl.col("completed") & (pl.col("arrival_s") >= warmup_s))
     met = done.filter(pl.col("met_slo"))
     tokens = pl.col("prompt_tokens") + pl.col("output_tokens")
     admitted = table.filter(pl.col("instance") >= 0)
@@ -119,17 +158,18 @@ def summarize(
     branches = admitted["branch"].value_counts().sort("branch").rows()
     return {
         "horizon_s": horizon_s,
+        "warmup_s": warmup_s,
         "window_s": window_s,
         "requests": {
             "issued": table.height,
             "completed": done.height,
             "met_slo": met.height,
             "rejected": int(table["rejected"].sum()),
-            "unfinished": int(admitted.height - done.height),
+            "unfinished": int(admitted.filter(~pl.col("completed")).height),
             "preemptions": int(table["preemptions"].sum()),
         },
-        "tps_within_slo": float(met.select(tokens.sum()).item() or 0) / horizon_s,
-        "tps": float(done.select(tokens.sum()).item() or 0) / horizon_s,
+        "tps_within_slo": float(met.select(tokens.sum()).item() or 0) / measured,
+        "tps": float(done.select(tokens.sum()).item() or 0) / measured,
         "slo_attainment": met.height / done.height if done.height else 0.0,
         "ttft_s": _percentiles(done["ttft_s"].to_numpy()),
         "tpot_s": _percentiles(done.filter(pl.col("output_tokens") > 1)["tpot_s"].to_numpy()),

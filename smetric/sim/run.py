@@ -35,7 +35,9 @@ def simulate(
     sim.run()
     horizon = workload.horizon_s
     table = with_latencies(request_table(workload.requests, horizon), config.slo, horizon)
-    summary = summarize(table, config.slo, horizon, config.cluster.instances, config.window_s)
-    summary["global_tier_bytes"] = sum(i.link.bytes_moved for i in sim.instances)
+    summary = summarize(
+        table, config.slo, horizon, config.cluster.instances, config.window_s, config.warmup_s
+    )
+    summary["global_tier_bytes"] = sum(i.route.bytes_moved for i in sim.instances)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
     return RunResult(policy, table, summary, sim.shape)

@@ -94,10 +94,10 @@ def sim_requests(workload: Workload) -> list[SimRequest]:
     np.cumsum(lengths, out=offsets[1:])
     parents = frame["parent_id"].fill_null(-1).to_numpy()
     columns = frame.select(
-        "session_id", "turn", "input_tokens", "output_tokens", "block_size"
+        "session_id", "agent_id", "turn", "input_tokens", "output_tokens", "block_size"
     ).rows()
     out: list[SimRequest] = []
-    for rid, (session, turn, prompt, output, bs) in enumerate(columns):
+    for rid, (session, agent, turn, prompt, output, bs) in enumerate(columns):
         blocks = flat[offsets[rid] : offsets[rid + 1]]
         parent = int(parents[rid])
         est_hit = 0
@@ -114,6 +114,8 @@ def sim_requests(workload: Workload) -> list[SimRequest]:
                 output=max(output, 1),
                 est_hit=est_hit,
                 block_size=bs,
+                agent=agent,
+                parent=parent,
             )
         )
     return out
