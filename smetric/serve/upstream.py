@@ -5,8 +5,8 @@ garbage, or the client gave up while the router waited (which cancels the handle
 before the engine's headers: vLLM sends a non-streaming reply's headers only at its end).
 ``Attempt`` raises ``engine.inflight``, its in-flight prompt tokens and its unprefilled
 tokens when entered, gives the unprefilled tokens back at the first chunk of the body (the
-prompt is prefilled by then), and lowers the rest when left, however it is left; it closes the engine's response with it, so a
-stream nobody reads stops on the engine.
+prompt is prefilled by then), and lowers the rest when left, however it is left; it closes
+the engine's response with it, so a stream nobody reads stops on the engine.
 
 Reads from the engine raise ``EngineFault`` and nothing else, and nothing here writes to
 the client, so a caller can tell an engine that failed from a client that hung up (both
