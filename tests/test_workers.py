@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def test_load_is_summed_over_workers_in_shared_memory() -> None:
-    shared = mmap.mmap(-1, 8 * 2 * LOAD_COLUMNS)
+    shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * 2)
     table = np.frombuffer(shared, dtype=np.int64).reshape(2, LOAD_COLUMNS)
     engine = Engine("http://127.0.0.1:1", 16)
     engine.inflight = 1  # counted before the table is shared: moves along
@@ -42,15 +42,18 @@ def test_load_is_summed_over_workers_in_shared_memory() -> None:
         other.share_load(table, 1)
         other.inflight += 3
         other.unprefilled += 500
+        other.inflight_tokens += 7000
         os._exit(0)
     os.waitpid(pid, 0)
     engine.share_load(table, 0)
     engine.unprefilled += 20
-    assert (engine.inflight, engine.unprefilled) == (1, 20)
+    engine.inflight_tokens += 900
+    assert (engine.inflight, engine.unprefilled, engine.inflight_tokens) == (1, 20, 900)
     assert engine.load(time.monotonic(), 5.0) == 4.0
     assert engine.total_unprefilled() == 520
+    assert engine.total_inflight_tokens() == 7900
     engine.inflight -= 1
-    assert table.tolist() == [[0, 20, 0], [3, 500, 0]]
+    assert table.tolist() == [[0, 20, 900], [3, 500, 7000]]
 
 
 class HoldingEngine:

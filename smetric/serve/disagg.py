@@ -47,8 +47,9 @@ from prometheus_client import Counter
 
 from smetric.core.conversation import RequestFacts
 from smetric.core.policies import RoundRobin
-from smetric.serve.app import Router, error_response
+from smetric.serve.app import Router
 from smetric.serve.engines import Engine, QueuedPrefill
+from smetric.serve.errors import error_response
 
 log = logging.getLogger("smetric.serve")
 

@@ -23,9 +23,8 @@ from smetric.core.policy import reusable_hit_tokens
 from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.scrape import EngineReport
 
-_INFLIGHT, _UNPREFILLED, _TOKENS = 0, 1, 2
-# Load columns per engine and worker: requests in flight, unprefilled tokens, prompt tokens
-# in flight.
+_INFLIGHT, _UNPREFILLED, _INFLIGHT_TOKENS = 0, 1, 2
+# Columns of the load table (``share_load``).
 LOAD_COLUMNS = 3
 
 
@@ -47,8 +46,8 @@ class Engine:
         self.url = self.url.rstrip("/")
         self.index = PrefixCache(self.kv_blocks)
         # Load counted here per router worker: a row per worker, this worker's is ``_row``,
-        # columns ``_INFLIGHT``, ``_UNPREFILLED`` and ``_TOKENS``. One row of its own until
-        # ``share_load`` maps in a table that every worker writes.
+        # columns ``_INFLIGHT``, ``_UNPREFILLED`` and ``_INFLIGHT_TOKENS``. One row of its
+        # own until ``share_load`` maps in a table that every worker writes.
         self._load = np.zeros((1, LOAD_COLUMNS), dtype=np.int64)
         self._row = 0
 
@@ -74,23 +73,23 @@ class Engine:
     @property
     def inflight_tokens(self) -> int:
         """Prompt tokens of the requests this worker routed here whose response has not
-        ended: the load ``smetric_tokens`` sees (summed over workers)."""
-        return int(self._load[self._row, _TOKENS])
+        ended."""
+        return int(self._load[self._row, _INFLIGHT_TOKENS])
 
     @inflight_tokens.setter
     def inflight_tokens(self, value: int) -> None:
-        self._load[self._row, _TOKENS] = value
+        self._load[self._row, _INFLIGHT_TOKENS] = value
 
     def total_inflight_tokens(self) -> int:
-        """Every worker's in-flight prompt tokens here."""
-        return int(self._load[:, _TOKENS].sum())
+        """Every worker's in-flight prompt tokens here: ``smetric_tokens``' load."""
+        return int(self._load[:, _INFLIGHT_TOKENS].sum())
 
     def total_unprefilled(self) -> int:
         """Every worker's unprefilled tokens here: Dynamo's ``prefill_tokens`` load."""
         return int(self._load[:, _UNPREFILLED].sum())
 
     def share_load(self, table: np.ndarray, row: int) -> None:
-        """Count load in ``table[row]`` (``(workers, 2)`` int64, in memory all workers
+        """Count load in ``table[row]`` (``(workers, LOAD_COLUMNS)`` int64, in memory all workers
         share), so the load routed on is every worker's: each writes only its own row, so
         no locks are needed."""
         table[row] = self._load[self._row]

@@ -146,8 +146,7 @@ def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
             "let the engines bind (tcp://*:port) and give 'bind: false'"
         )
     engines = router.engines
-    # MAP_SHARED: survives the fork.
-    shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * workers * len(engines))
+    shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * workers * len(engines))  # MAP_SHARED: survives fork
     load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), LOAD_COLUMNS)
     peers = PeerViews(workers)
     children = []
