@@ -432,7 +432,7 @@ RayOpt = Annotated[
         metavar="ADDRESS",
         help="Run on a Ray cluster instead of local processes: 'auto' (the cluster this "
         "machine belongs to, after `ray start`), HOST:PORT of its head, ray://HOST:10001, or "
-        "'local' (a one-machine cluster for this sweep). Needs: pip install 'smetric[ray]'.",
+        "'local' (a one-machine cluster for this sweep). Needs: pip install 'smetric\\[ray]'.",
     ),
 ]
 
