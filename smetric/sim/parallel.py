@@ -161,7 +161,7 @@ def run_sweep(
             done[job.key] = stored
     if progress is not None:
         progress(len(done), {})
-    if ray_address is not None:
+    if ray_address is not None and todo:
         from smetric.sim.ray_runner import map_on_ray
 
         finished = map_on_ray(ray_address, trace, todo, run_summary)
