@@ -168,18 +168,23 @@ def run_sweep(
     else:
         finished = _local(source, fmt, todo, processes, trace)
     for job, summary, inflight in finished:
-        store.put(job, summary)
-        done[job.key] = summary
+        if job is not None:
+            store.put(job, summary)
+            done[job.key] = summary
         if progress is not None:
             progress(len(done), inflight)
     return done, len(todo)
 
 
-def _local(
-    source: str, fmt: str | None, jobs: list[Job], processes: int, trace: Trace
-) -> Iterator[tuple[Job, dict, dict[str, int]]]:
+# A backend's events: a finished job and its summary, or (None, None) when runs start,
+# each with the runs then in flight per node.
+Events = Iterator[tuple[Job | None, Any, dict[str, int]]]
+
+
+def _local(source: str, fmt: str | None, jobs: list[Job], processes: int, trace: Trace) -> Events:
     remaining = len(jobs)
     workers = min(processes, remaining)
+    yield None, None, {"localhost": workers} if workers else {}
     for job, summary in map_jobs(source, fmt, jobs, workers, trace, run_summary):
         remaining -= 1
         yield job, summary, {"localhost": min(workers, remaining)} if remaining else {}

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter, deque
-from collections.abc import Iterator
 from typing import Any
 
-from smetric.sim.parallel import Job, Task
+from smetric.sim.parallel import Events, Job, Task
 from smetric.trace.schema import Trace
 
 INSTALL_HINT = "sweeps on Ray need the ray extra: pip install 'smetric[ray]'"
@@ -58,11 +57,9 @@ def connect(address: str) -> bool:
     return True
 
 
-def map_on_ray(
-    address: str, trace: Trace, jobs: list[Job], task: Task
-) -> Iterator[tuple[Job, Any, dict[str, int]]]:
+def map_on_ray(address: str, trace: Trace, jobs: list[Job], task: Task) -> Events:
     """``task(trace, job)`` for every job on the cluster, as they finish, with the runs then
-    in flight per node (by address)."""
+    in flight per node (by address); first (None, None, in flight) once runs start."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -90,14 +87,18 @@ def map_on_ray(
                     running[ref] = (job, node)
                     busy[node] += 1
 
+        def inflight() -> dict[str, int]:
+            return {nodes[n][0]: count for n, count in busy.items() if count}
+
         fill()
+        yield None, None, inflight()
         while running:
             (ready,), _ = ray.wait(list(running), num_returns=1)
             job, node = running.pop(ready)
             busy[node] -= 1
             result = ray.get(ready)
             fill()
-            yield job, result, {nodes[n][0]: count for n, count in busy.items() if count}
+            yield job, result, inflight()
     finally:
         if started:
             ray.shutdown()
