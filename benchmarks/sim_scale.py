@@ -124,9 +124,9 @@ def plot(points_file: Path, out: Path) -> None:
             tag = f"{p['instances']}i·{p['hours']:g}h"
             ax_mem.annotate(tag, (p["requests"], p["peak_mb"] / 1024), fontsize=7)
             ax_time.annotate(tag, (p["requests"], p["cpu_s"]), fontsize=7)
+    ax_time.set_yscale("log")
     for ax, ylabel in ((ax_time, "CPU time, s"), (ax_mem, "peak resident memory, GB")):
         ax.set_xscale("log")
-        ax.set_yscale("log")
         ax.set_xlabel("requests issued")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)

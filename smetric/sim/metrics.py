@@ -78,12 +78,14 @@ class RequestLog:
             self._flush()
 
     def table(self, unfinished: Iterable[SimRequest] = ()) -> pl.DataFrame:
-        """Every recorded row plus ``unfinished`` requests', in request order."""
+        """Every recorded row plus ``unfinished`` requests', in request order; the log lets
+        its chunks go, so only the sorted table remains."""
         self._pending.extend(unfinished)
         self._flush()
-        if not self._chunks:
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
             return request_table([], self.horizon_s)
-        return pl.concat(self._chunks, how="vertical_relaxed").sort("request_id")
+        return pl.concat(chunks, how="vertical_relaxed").sort("request_id")
 
     def _flush(self) -> None:
         if self._pending:
