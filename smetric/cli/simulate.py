@@ -466,7 +466,8 @@ def sweep(
     11a/16a) and writes sweep.json and plots [default: smetric-out/sweep-TRACE]. Each
     finished run is kept in OUT/runs/ID/ (its resolved config.yaml and summary.json), so
     running the same command again after an interruption runs only what is missing; a
-    changed setting is a different run. Delete OUT/runs to start over.
+    changed setting is a different run (the trace counts by its path). Delete OUT/runs to
+    start over.
     """
     from smetric.report.simulation import write_sweep_pngs
 
