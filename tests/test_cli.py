@@ -147,3 +147,48 @@ def test_sweep_reports_max_tps_per_provisioning(tmp_path: Path) -> None:
             ]
             assert best["tps"] == max(runs)
     assert (tmp_path / "max_tps.png").exists()
+
+
+def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path) -> None:
+    args = [
+        "knee",
+        "-p",
+        "smetric_tokens,least_load,linear:lam=0.5",
+        "--globals",
+        "full",
+        "--kv-loads",
+        "sync,async",
+        "--instances",
+        "2",
+        "--duration",
+        "120",
+        "--warmup",
+        "20",
+        "--seeds",
+        "2",
+        "--start",
+        "0.05",
+        "--precision",
+        "1.5",
+        "-j",
+        "1",
+        "-o",
+        str(tmp_path),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "Max TPS within SLO" in result.output
+    summary = json.loads((tmp_path / "knee.json").read_text())
+    assert [(c["global"], c["kv_load"]) for c in summary["cells"]] == [
+        ("full", "sync"),
+        ("full", "async"),
+    ]
+    for cell in summary["cells"]:
+        assert cell["best_baseline"] in ("least_load", "linear:lam=0.5")
+        for knee in cell["knees"].values():
+            probes = {float(load): tps for load, tps in knee["probes"].items()}
+            # The knee is the best probe, and the probes bracket it unless it is at an end.
+            assert knee["mean"] == max(probes.values())
+            assert len(knee["seeds"]) == 2
+    assert (tmp_path / "knee.png").stat().st_size > 0
+    assert "vs best baseline" in (tmp_path / "knee.md").read_text()

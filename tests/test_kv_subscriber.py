@@ -4,23 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import msgspec
 import numpy as np
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry, generate_latest
 
+from smetric.cli.serve import engines_from
 from smetric.core.blocks import ByteTokenizer, chain_hashes
 from smetric.core.conversation import Api, analyze_request
 from smetric.core.kv_events import EventIndex
 from smetric.engine import EngineConfig, KVEventPublisher, create_app
 from smetric.engine.server import KV_EVENTS
+from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.metrics import SubscriberCollector
 
 from conftest import block_stored, until_heard
 
@@ -47,9 +56,9 @@ async def settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
 
 @contextlib.asynccontextmanager
 async def subscriber(
-    index: EventIndex, endpoint: str, topic: str, replay: str | None
+    index: EventIndex, endpoint: str, topic: str, replay: str | None, **options: Any
 ) -> AsyncIterator[KVEventSubscriber]:
-    sub = KVEventSubscriber(index, endpoint, topic, replay)
+    sub = KVEventSubscriber(index, endpoint, topic, replay, **options)
     await sub.start()
     try:
         yield sub
@@ -145,18 +154,30 @@ def _frames(seq: int, events: list[dict[str, Any]]) -> list[bytes]:
     return [b"kv", seq.to_bytes(8, "big"), payload]
 
 
-def test_a_gap_is_filled_from_replay_in_order() -> None:
-    replay = f"tcp://127.0.0.1:{free_port()}"
-    config = EngineConfig(
-        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody listens: all dropped
-        kv_events_replay_endpoint=replay,
+@contextlib.asynccontextmanager
+async def publishing(config: EngineConfig) -> AsyncIterator[KVEventPublisher]:
+    """The mock engine's publisher alone, its sockets open (its replay answering)."""
+    publisher = KVEventPublisher(config)
+    async with contextlib.asynccontextmanager(publisher.serve)(web.Application()):
+        yield publisher
+
+
+def replay_only() -> EngineConfig:
+    """A publisher nobody subscribes to: all it sends is dropped, only its replay answers."""
+    return EngineConfig(
+        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
     )
+
+
+def test_a_gap_is_filled_from_replay_in_order() -> None:
+    config = replay_only()
+    replay = config.kv_events_replay_endpoint
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)
 
     async def main() -> None:
-        publisher = KVEventPublisher(config)
-        async with contextlib.asynccontextmanager(publisher.serve)(web.Application()):
+        async with publishing(config) as publisher:
             for events in batches:
                 publisher.publish(events)
             index = EventIndex(BS)
@@ -205,3 +226,349 @@ def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart(c
     # Each change of state is logged once, as a JSON line the operator can grep.
     events = [json.loads(r.getMessage())["event"] for r in caplog.records]
     assert events == ["kv_view_degraded", "kv_events_restart", "kv_view_degraded"]
+
+
+def exported(sub: KVEventSubscriber, kind: str) -> float:
+    """A stream total as ``/metrics`` shows it."""
+    registry = CollectorRegistry()
+    registry.register(SubscriberCollector({"e": sub}))
+    line = f'smetric_kv_events_total{{engine="e",kind="{kind}"}} '
+    text = generate_latest(registry).decode()
+    return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
+
+
+def test_an_orphaned_block_degrades_the_view_until_a_resync_rebuilds_it() -> None:
+    """A view that lost events (here: joined when the replay could not answer) learns it
+    from the first orphan, says so in /metrics, and is rebuilt from the engine's replay
+    buffer as soon as that answers."""
+    config = replay_only()
+    replay = config.kv_events_replay_endpoint
+    tokens, batches = _batches()
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        index = EventIndex(BS)
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        options = {"replay_timeout_s": 0.2, "resync_backoff_s": 0.0}
+        async with subscriber(index, endpoint, "kv", replay, **options) as sub:
+            await sub.receive(_frames(1, batches[1]))  # the replay socket is not up yet
+            assert not sub.exact and index.size() == 0
+            assert exported(sub, "orphaned") == 1
+            async with publishing(config) as publisher:
+                for events in batches:
+                    publisher.publish(events)
+                await sub.receive(_frames(2, batches[2]))
+                assert sub.exact and index.match(keys) == 3
+                assert exported(sub, "resyncs") == 1
+                assert exported(sub, "orphaned") == 2
+
+    asyncio.run(main())
+
+
+def test_a_restart_is_cleared_once_whether_the_stream_or_a_scrape_shows_it_first() -> None:
+    tokens, batches = _batches()
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        index = EventIndex(BS)
+        async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", None) as sub:
+            before = time.monotonic()
+            for seq in (5, 6):  # an old process's last batches
+                await sub.receive(_frames(seq, batches[seq - 5]))
+            await sub.receive(_frames(0, batches[0]))  # the new process, first in the stream
+            await sub.engine_restarted(since=before)  # ...then in a scrape: nothing to drop
+            assert index.match(keys) == 1 and sub.exact and sub.counters.restarts == 1
+
+            # The scrape first: the view goes, and the next batch asks the replay from 0.
+            await sub.engine_restarted(since=time.monotonic())
+            assert index.size() == 0 and sub.counters.restarts == 2
+            assert sub.tracker.last is None
+
+    asyncio.run(main())
+
+
+def test_a_token_id_out_of_range_is_left_out_and_the_stream_goes_on() -> None:
+    """Once a ValueError in chain_hashes that killed the subscriber for good (and was
+    raised again at shutdown); now the event is counted and the rest still applied."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        kv_events_endpoint=endpoint, kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}"
+    )
+    tokens = list(range(2 * BS))
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            index = EventIndex(BS)
+            replay = config.kv_events_replay_endpoint
+            async with subscriber(index, endpoint, "kv", replay) as sub:
+
+                async def warm_up(attempt: int) -> None:
+                    publisher.publish([])
+
+                await until_heard(warm_up, lambda: sub.counters.batches > 0)
+                assert sub.exact
+                bad = block_stored([9], None, [1 << 32] * BS, BS)
+                publisher.publish([bad, block_stored([1], None, tokens[:BS], BS)])
+                publisher.publish([block_stored([2], 1, tokens[BS:], BS)])
+                await settle(lambda: index.match(keys) == 2)
+                assert sub.counters.invalid_events >= 1 and not sub.exact
+            # Closing raised the subscriber's error again before; now it returns.
+
+    asyncio.run(main())
+
+
+class FailingOnce(EventIndex):
+    """An index whose first ``apply`` fails as an unforeseen bug would."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.failed = False
+
+    def apply(self, events: Any) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("an unforeseen bug")
+        super().apply(events)
+
+
+def test_a_failing_subscriber_is_restarted_and_its_view_resynced(caplog) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay)
+    tokens = list(range(BS))
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            index = FailingOnce(BS)
+            async with subscriber(index, endpoint, "kv", replay, resync_backoff_s=0.0) as sub:
+
+                async def warm_up(attempt: int) -> None:
+                    publisher.publish([])
+
+                await until_heard(warm_up, lambda: sub.counters.failures > 0)
+                assert not sub.exact and exported(sub, "failures") == 1
+                publisher.publish([block_stored([1], None, tokens, BS)])
+                await settle(lambda: index.match(chain_hashes(tokens, BS)) == 1 and sub.exact)
+                assert sub.counters.resyncs == 1 and sub.counters.failures == 1
+
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        asyncio.run(main())
+    events = [json.loads(r.getMessage())["event"] for r in caplog.records]
+    assert events[:3] == ["kv_subscriber_failed", "kv_view_degraded", "kv_view_resynced"]
+
+
+def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
+    """A transient ejection (the engine kept its cache) once cleared the view, so the next
+    turn's hit was predicted 0 and its BlockStored dropped as orphaned."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        speed=0.001,
+        kv_events_endpoint=endpoint,
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    )
+
+    async def main() -> None:
+        app = create_app(config)
+        publisher = app[KV_EVENTS]
+        async with TestClient(TestServer(app)) as engine_client:
+            url = str(engine_client.make_url("")).rstrip("/")
+            engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
+            sub = KVEventSubscriber(
+                engine.events, endpoint, "kv", config.kv_events_replay_endpoint, name=url
+            )
+            router = Router(
+                [engine], RouterSettings(health_interval_s=0.05), subscribers={url: sub}
+            )
+            async with TestClient(TestServer(router.app())) as client:
+
+                async def warm_up(attempt: int) -> None:
+                    await post(engine_client, "/v1/completions", {"prompt": f"hi {attempt} " * 8})
+
+                await until_heard(warm_up, lambda: sub.counters.batches > 0)
+                first = [SYSTEM, {"role": "user", "content": "List the files in src/."}]
+                one = await post(client, "/v1/chat/completions", {"messages": first})
+                await settle(lambda: sub.tracker.last == publisher.seq - 1)
+                held = engine.events.size()
+                assert held > 0
+
+                router._eject(engine, "a transient error")
+                await settle(lambda: engine.healthy)  # the next health check re-admits it
+                assert engine.events.size() == held and sub.exact
+
+                answer = {"role": "assistant", "content": one["choices"][0]["message"]["content"]}
+                body = {"messages": [*first, answer, {"role": "user", "content": "Go on."}]}
+                response = await client.post("/v1/chat/completions", json=body)
+                predicted = int(response.headers["x-smetric-predicted-hit-tokens"])
+                assert cached(await response.json()) == predicted > 0
+                await settle(lambda: sub.tracker.last == publisher.seq - 1)
+                assert sub.counters.orphaned == 0 and sub.exact
+
+    asyncio.run(main())
+
+
+def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) -> None:
+    """The README's recipe for several routers on one engine, with the real CLI: the
+    engine binds ``tcp://*:PORT`` as vLLM does, both routers connect (``bind: false``),
+    and a turn served through one router is predicted by the other from events alone."""
+    pub, replay, port = free_port(), free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "smetric", "engine", "--port", str(port)),
+            *("--speed", "0.001", "--kv-events-endpoint", f"tcp://*:{pub}"),
+            *("--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    config = tmp_path / "engines.yaml"
+    config.write_text(
+        f"engines:\n  - url: {url}\n    kv_events: {{endpoint: 'tcp://127.0.0.1:{pub}', "
+        f"topic: kv, replay_endpoint: 'tcp://127.0.0.1:{replay}', bind: false}}\n"
+    )
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as direct:
+            for _ in range(300):
+                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with direct.get(url + "/health") as response:
+                        if response.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+            routers = []
+            for _ in range(2):
+                engines, subscribers = engines_from([], config, 1000, BS)
+                settings = RouterSettings(health_interval_s=60)
+                routers.append(Router(engines, settings, subscribers=subscribers))
+            clients = [TestClient(TestServer(r.app())) for r in routers]
+            for client in clients:
+                await client.start_server()
+            try:
+                subs = [next(iter(r.subscribers.values())) for r in routers]
+
+                async def warm_up(attempt: int) -> None:
+                    body = {"prompt": f"warm-up {attempt} " * 8, "max_tokens": 1}
+                    async with direct.post(url + "/v1/completions", json=body) as response:
+                        assert response.status == 200
+
+                await until_heard(warm_up, lambda: all(s.counters.batches for s in subs))
+                first = [SYSTEM, {"role": "user", "content": "Read README.md."}]
+                one = await post(clients[0], "/v1/chat/completions", {"messages": first})
+                reply = {"role": "assistant", "content": one["choices"][0]["message"]["content"]}
+                body = {"messages": [*first, reply, {"role": "user", "content": "Next."}]}
+                facts = analyze_request(body, "chat", _TOKENIZER, BS)
+                engine = routers[1].engines[0]
+                await settle(
+                    lambda: engine.predicted_hit(facts.blocks, BS, facts.prompt_tokens) > 0
+                )
+                response = await clients[1].post("/v1/chat/completions", json=body)
+                predicted = int(response.headers["x-smetric-predicted-hit-tokens"])
+                assert cached(await response.json()) == predicted > 0
+                assert all(s.exact for s in subs)
+            finally:
+                for client in clients:
+                    await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_a_view_the_replay_cannot_rebuild_waits_for_a_restart(caplog) -> None:
+    """Joining after the engine's buffer moved past batch 0, the view cannot be rebuilt:
+    one try says so, and no more replays are asked for until the engine restarts."""
+    config = dataclasses.replace(replay_only(), kv_events_buffer_steps=2)
+    _, batches = _batches()
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            for events in batches:
+                publisher.publish(events)  # the buffer keeps batches 1 and 2
+            index = EventIndex(BS)
+            replay = config.kv_events_replay_endpoint
+            async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", replay) as sub:
+                await sub.receive(_frames(2, batches[2]))
+                assert not sub.exact and sub.counters.resyncs == 0
+                replayed = sub.counters.replayed
+                await sub.receive(_frames(3, []))
+                assert sub.counters.replayed == replayed  # no futile replay asked for
+                await sub.receive(_frames(0, batches[0]))  # the engine restarted
+                assert sub.exact and index.size() == 1
+
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        asyncio.run(main())
+    events = [json.loads(r.getMessage())["event"] for r in caplog.records]
+    assert events == ["kv_view_degraded", "kv_view_unresyncable", "kv_events_restart"]
+
+
+def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_show_it() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = EngineConfig(
+        speed=0.001,
+        kv_events_endpoint=endpoint,
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    )
+    port = free_port()
+
+    async def engine_process() -> TestClient:
+        client = TestClient(TestServer(create_app(config), host="127.0.0.1", port=port))
+        await client.start_server()
+        return client
+
+    def warm_up(process: TestClient) -> Callable[[int], Awaitable[None]]:
+        async def send(attempt: int) -> None:
+            body = {"prompt": f"hi {attempt} " * 8, "max_tokens": 1}
+            await post(process, "/v1/completions", body)
+
+        return send
+
+    async def main() -> None:
+        url = f"http://127.0.0.1:{port}"
+        engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
+        sub = KVEventSubscriber(
+            engine.events, endpoint, "kv", config.kv_events_replay_endpoint, name=url
+        )
+        router = Router([engine], RouterSettings(health_interval_s=60), subscribers={url: sub})
+        async with TestClient(TestServer(router.app())) as client:
+            for restart_in_stream_first in (False, True):
+                process = await engine_process()
+                heard = sub.counters.batches
+                await until_heard(warm_up(process), lambda h=heard: sub.counters.batches > h)
+                await router.scrape(engine)
+                await post(client, "/v1/completions", {"prompt": "p" * 200, "max_tokens": 1})
+                await settle(lambda: engine.events.size() >= 200 // BS)
+                await process.close()
+                process = await engine_process()  # a new process, same addresses
+                restarts = sub.counters.restarts
+                if restart_in_stream_first:
+                    await until_heard(
+                        warm_up(process), lambda r=restarts: sub.counters.restarts > r
+                    )
+                held = engine.events.size()
+                await router.scrape(engine)
+                assert sub.counters.restarts == restarts + 1  # counted once either way
+                if restart_in_stream_first:
+                    assert engine.events.size() == held > 0  # the new process's blocks stay
+                else:
+                    assert engine.events.size() == 0  # the old process's blocks go
+                await process.close()
+
+    asyncio.run(main())
+
+
+def test_blocks_of_another_size_degrade_the_view_and_are_exported() -> None:
+    """An engine hashing 32-token blocks for a router hashing 16: nothing it stores can be
+    keyed, so a view that stayed "exact" while empty now says it is not."""
+
+    async def main() -> None:
+        index = EventIndex(BS)
+        async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", None) as sub:
+            await sub.receive(_frames(0, [block_stored([1], None, list(range(2 * BS)), 2 * BS)]))
+            assert not sub.exact and index.size() == 0
+            assert exported(sub, "mismatched") == 1
+
+    asyncio.run(main())

@@ -210,6 +210,19 @@ def test_session_hash_moves_about_one_in_n_keys_when_an_instance_joins() -> None
     assert set(before) == set(range(8))
 
 
+def test_session_hash_over_a_partial_view_moves_only_the_missing_instance_s_keys() -> None:
+    policy = make_policy("session_hash")
+    keys = [f"session-{i}" for i in range(600)]
+    full = [policy.route(follow_up(key=k), view([0] * 6, [0] * 6)).instance for k in keys]
+    # Instance 2 left the view: positions 0..4 now hold instances 0, 1, 3, 4, 5.
+    ids = [0, 1, 3, 4, 5]
+    partial = ClusterView([0] * 5, [0.0] * 5, [0.0] * 5, instance_ids=ids)
+    after = [ids[policy.route(follow_up(key=k), partial).instance] for k in keys]
+    moved = [i for i, (b, a) in enumerate(zip(full, after, strict=True)) if a != b]
+    assert moved == [i for i, b in enumerate(full) if b == 2]
+    assert 2 not in after
+
+
 def test_session_hash_is_the_same_in_every_process() -> None:
     # Pinned values: blake2b, unlike hash(), does not change with PYTHONHASHSEED.
     assert [rendezvous(f"k{i}", 16) for i in range(8)] == [5, 1, 10, 12, 7, 11, 9, 14]

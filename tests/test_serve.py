@@ -316,6 +316,30 @@ def test_overload_guard_moves_a_follow_up_off_a_busy_engine() -> None:
     run(lambda: with_cluster(3, body))
 
 
+def test_smetric_tokens_moves_a_follow_up_off_an_engine_holding_most_prompt_tokens() -> None:
+    async def body(client, url, router, engines) -> None:
+        home, _ = await chat(client, url, conversation(0, 0))
+        payload = {"messages": conversation(0, 1), "max_tokens": 50_000, "stream": True}
+        async with client.post(url + "/v1/chat/completions", json=payload) as long_stream:
+            assert long_stream.headers["x-smetric-engine"] == home
+            await long_stream.content.readline()
+            held = {e.url: e.inflight_tokens for e in router.engines}
+            assert held[home] > 0 and sum(held.values()) == held[home]
+            # Home holds every in-flight prompt token: 3x the mean, over the 1.25x guard.
+            where, _ = await chat(client, url, conversation(0, 2))
+            assert where != home
+        for _ in range(100):  # the closed stream's end reaches the router shortly
+            if sum(e.inflight_tokens for e in router.engines) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert sum(e.inflight_tokens for e in router.engines) == 0
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        assert _metric(text, "smetric_routing_decisions_total", "overload_move", "branch") == 1
+
+    run(lambda: with_cluster(3, body, policy="smetric_tokens"))
+
+
 def test_eviction_guard_rebalances_a_session_the_index_lost() -> None:
     async def body(client, url, router, engines) -> None:
         for engine in router.engines:

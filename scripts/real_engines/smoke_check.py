@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from smetric.testing.engines import (  # noqa: E402
+from smetric.testing.engines import (
     MODEL_NAME,
     EngineProcess,
     LlamaCppInstall,

@@ -31,7 +31,11 @@ def engine(
     ] = 1.0,
     kv_events_endpoint: Annotated[
         str | None,
-        typer.Option(help="Publish vLLM KV events: ZMQ endpoint to connect to (tcp://host:port)."),
+        typer.Option(
+            help="Publish vLLM KV events on this ZMQ endpoint, as vLLM does: tcp://*:PORT "
+            "binds (routers connect, several per engine), tcp://HOST:PORT connects (to a "
+            "router that binds)."
+        ),
     ] = None,
     kv_events_topic: Annotated[str, typer.Option(help="Topic of the KV events.")] = "kv",
     kv_events_replay_endpoint: Annotated[

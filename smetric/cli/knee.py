@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -22,8 +23,9 @@ from smetric.cli.simulate import (
     SourceArg,
     WarmupOpt,
     build_config,
+    global_levels,
 )
-from smetric.sim.config import SimConfig, check_kv_load, dump_yaml, parse_global_capacity
+from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
 from smetric.sim.knee import Knee, KneeSettings, search_knees
 from smetric.sim.parallel import default_jobs
 
@@ -60,30 +62,47 @@ def knee_summary(cells: list[tuple[str, str]], policies: tuple[str, ...], knees:
     return {"policies": list(policies), "cells": out}
 
 
+def knee_rows(
+    summary: dict, default: str, number: Callable[[float], str], bold: Callable[[str], str]
+) -> list[list[str]]:
+    """One row per policy (the best knee of each cell in bold), then the default policy's
+    lead over the best baseline at its best setting."""
+    rows = []
+    for p in summary["policies"]:
+        row = [p]
+        for cell in summary["cells"]:
+            k = cell["knees"][p]
+            top = max(v["mean"] for v in cell["knees"].values())
+            text = f"{number(k['mean'])} ± {number(k['stdev'])} (@{k['load']:.3g})"
+            row.append(bold(text) if k["mean"] == top and top > 0 else text)
+        rows.append(row)
+    if default in summary["policies"]:
+        row = [f"{default} vs best baseline"]
+        for cell in summary["cells"]:
+            rival = cell["best_baseline"]
+            theirs = cell["knees"][rival]["mean"] if rival else 0.0
+            ours = cell["knees"][default]["mean"]
+            row.append(f"{(ours / theirs - 1) * 100:+.1f} % vs {rival}" if theirs else "-")
+        rows.append(row)
+    return rows
+
+
 def knee_table(summary: dict, default: str) -> Table:
     table = Table(title="Max TPS within SLO: mean ± sd over seeds (at the knee's load)")
     table.add_column("policy")
     for cell in summary["cells"]:
         table.add_column(f"global {cell['global']}\n{cell['kv_load']} load", justify="right")
-    for p in summary["policies"]:
-        row = []
-        for cell in summary["cells"]:
-            k = cell["knees"][p]
-            top = max(v["mean"] for v in cell["knees"].values())
-            text = f"{k['mean']:,.0f} ± {k['stdev']:,.0f} (@{k['load']:.3g})"
-            row.append(f"[bold green]{text}[/]" if k["mean"] == top and top > 0 else text)
-        table.add_row(p, *row)
-    if default in summary["policies"]:
-        row = []
-        for cell in summary["cells"]:
-            rival = cell["best_baseline"]
-            if rival is None:
-                row.append("-")
-                continue
-            ours, theirs = cell["knees"][default]["mean"], cell["knees"][rival]["mean"]
-            row.append(f"{(ours / theirs - 1) * 100:+.1f}% vs {rival}" if theirs else "-")
-        table.add_row(f"{default} vs best baseline", *row, style="bold")
+    for row in knee_rows(summary, default, lambda v: f"{v:,.0f}", lambda t: f"[bold green]{t}[/]"):
+        table.add_row(*row)
     return table
+
+
+def knee_markdown(summary: dict, default: str) -> str:
+    """The knee table as Markdown, for the README."""
+    head = [f"global {c['global']}, {c['kv_load']} load" for c in summary["cells"]]
+    rows = knee_rows(summary, default, lambda v: f"{v / 1000:,.1f}k", lambda t: f"**{t}**")
+    lines = ["| policy | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
 @app.command()
@@ -126,9 +145,7 @@ def knee(
     from smetric.report.simulation import write_knee_png
 
     with user_errors():
-        levels = [g.strip() for g in provisionings.split(",") if g.strip()]
-        for level in levels:
-            parse_global_capacity(level)
+        levels = global_levels(provisionings)
         modes = [check_kv_load(m.strip()) for m in kv_loads.split(",") if m.strip()]
         base = build_config(
             config_path,
@@ -165,6 +182,7 @@ def knee(
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(base, out / "config.yaml")
     (out / "knee.json").write_text(json.dumps(summary, indent=1))
+    (out / "knee.md").write_text(knee_markdown(summary, default))
     write_knee_png(summary, out / "knee.png")
     console.print(knee_table(summary, default))
-    console.print(f"\nwrote {out}/ (config.yaml, knee.json, knee.png)")
+    console.print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")

@@ -383,6 +383,14 @@ def _floats(text: str, what: str) -> list[float]:
     return values
 
 
+def global_levels(text: str) -> list[str]:
+    """'none,1x,full' -> the checked global-tier capacities."""
+    levels = [g.strip() for g in text.split(",") if g.strip()]
+    for level in levels:
+        parse_global_capacity(level)
+    return levels
+
+
 def sweep_summary(
     rates: list[float], provisionings: list[str], policies: tuple[str, ...], results: dict
 ) -> dict:
@@ -473,9 +481,7 @@ def sweep(
 
     with user_errors():
         rate_values = _floats(rates, "--rates")
-        levels = [g.strip() for g in provisionings.split(",") if g.strip()]
-        for level in levels:
-            parse_global_capacity(level)
+        levels = global_levels(provisionings)
         base = build_config(
             config_path,
             source,

@@ -38,6 +38,7 @@ import numpy as np
 from smetric.core.blocks import chain_hashes
 
 GPU = "GPU"
+_TOKEN_LIMIT = 1 << 32
 REPLAY_END = -1
 """Sequence number of the frame that ends a replay answer (vLLM sends ``-1``, signed)."""
 
@@ -78,12 +79,18 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 @dataclass(frozen=True, slots=True)
 class EventBatch:
     """One published message; ``skipped`` counts events of types this module does not know,
-    so that a newer vLLM degrades the view visibly instead of breaking the subscriber."""
+    so that a newer vLLM degrades the view visibly instead of breaking the subscriber.
+
+    ``invalid`` says why each malformed event was left out (a token id outside
+    [0, 2**32), hashes that do not match the tokens, a field of the wrong type): one bad
+    event costs the view that event, not the batch or the stream.
+    """
 
     timestamp: float
     events: tuple[Event, ...]
     dp_rank: int | None
     skipped: int = 0
+    invalid: tuple[str, ...] = ()
 
 
 _decoder = msgspec.msgpack.Decoder()
@@ -132,13 +139,18 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise KVEventError(f"batch dp_rank must be an integer, got {_preview(dp_rank)}")
     events: list[Event] = []
     skipped = 0
+    invalid: list[str] = []
     for raw_event in raw_events:
-        event = _decode_event(raw_event)
+        try:
+            event = _decode_event(raw_event)
+        except KVEventError as exc:
+            invalid.append(str(exc))
+            continue
         if event is None:
             skipped += 1
         else:
             events.append(event)
-    return EventBatch(float(ts), tuple(events), dp_rank, skipped)
+    return EventBatch(float(ts), tuple(events), dp_rank, skipped, tuple(invalid))
 
 
 def _decode_event(raw: Any) -> Event | None:
@@ -157,9 +169,18 @@ def _decode_event(raw: Any) -> Event | None:
         tokens = fields.get("token_ids")
         if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
             raise KVEventError(f"BlockStored token_ids must be integers: {_preview(tokens)}")
+        # Token ids are hashed as uint32, as the router hashes prompts.
+        if tokens and not (min(tokens) >= 0 and max(tokens) < _TOKEN_LIMIT):
+            raise KVEventError(f"BlockStored token ids must lie in [0, 2**32): {_preview(tokens)}")
+        hashes = _engine_hashes(fields.get("block_hashes"))
+        if len(tokens) // block_size != len(hashes):
+            raise KVEventError(
+                f"BlockStored has {len(hashes)} hashes but {len(tokens)} tokens of block "
+                f"size {block_size}"
+            )
         parent = fields.get("parent_block_hash")
         return BlockStored(
-            _engine_hashes(fields.get("block_hashes")),
+            hashes,
             None if parent is None else _engine_hash(parent),
             tuple(tokens),
             block_size,
@@ -259,6 +280,11 @@ class EventIndex:
         """Forget everything: the engine cleared its cache, or restarted."""
         self._tiers.clear()
 
+    def take(self, rebuilt: EventIndex) -> None:
+        """Hold what ``rebuilt`` holds (a view replayed from scratch), in place, so that
+        whoever reads this index sees the rebuilt view; counters stay this index's."""
+        self._tiers = rebuilt._tiers
+
     def match(self, blocks: np.ndarray, medium: str = GPU) -> int:
         """How many leading router keys of ``blocks`` the engine holds on ``medium``."""
         tier = self._tiers.get(medium)
@@ -288,11 +314,6 @@ class EventIndex:
                 self.orphaned += 1
                 return
         keys = chain_hashes(event.token_ids, event.block_size, parent=parent).tolist()
-        if len(keys) != len(event.block_hashes):
-            raise KVEventError(
-                f"BlockStored has {len(event.block_hashes)} hashes but "
-                f"{len(event.token_ids)} tokens of block size {event.block_size}"
-            )
         tier = self._tiers.setdefault(_tier_name(event.medium), _Tier())
         for engine_hash, key in zip(event.block_hashes, keys, strict=True):
             if engine_hash not in tier.keys:

@@ -234,30 +234,38 @@ class RoundRobinPolicy:
         return Decision(self._turns.take(len(view.load)), "round_robin")
 
 
-@lru_cache(maxsize=1 << 16)
-def rendezvous(key: str, n: int) -> int:
-    """Highest-random-weight owner of ``key`` among instances ``0..n-1``.
+def highest_random_weight(key: str, instances: Sequence[int]) -> int:
+    """The position in ``instances`` of the one that wins ``key`` by rendezvous hashing.
 
-    blake2b rather than ``hash()`` so the answer is the same in every process; rendezvous
-    rather than modulo so adding instance ``n`` moves only the keys it now wins (about
-    1/(n+1) of them). Memoised because a session asks the same question every turn.
+    Each (key, instance number) pair gets a weight and the heaviest instance wins, so
+    removing an instance moves only the keys it won, and adding one moves only those it
+    now wins (about 1/(n+1) of them). blake2b rather than ``hash()`` so the answer is the
+    same in every process, router replicas included.
     """
     base = hashlib.blake2b(key.encode(), digest_size=8)
     owner, top = 0, -1
-    for i in range(n):
+    for position, instance in enumerate(instances):
         h = base.copy()
-        h.update(i.to_bytes(4, "little"))
+        h.update(instance.to_bytes(4, "little"))
         weight = int.from_bytes(h.digest(), "little")
         if weight > top:
-            owner, top = i, weight
+            owner, top = position, weight
     return owner
+
+
+@lru_cache(maxsize=1 << 16)
+def rendezvous(key: str, n: int) -> int:
+    """The owner of ``key`` among instances ``0..n-1``; memoised because a session asks
+    the same question every turn."""
+    return highest_random_weight(key, range(n))
 
 
 class SessionHash:
     """Consistent hashing of the session key: sticky, but blind to load.
 
-    Instances are hashed by index, so a driver that removes an instance should renumber
-    as little as possible (for example, only ever drop the last index).
+    Instances are hashed by their number among all configured instances
+    (``ClusterView.instance_ids``), so an instance that leaves the view (an ejected
+    engine) moves only its own sessions, and they come back when it returns.
     """
 
     name = "session_hash"
@@ -268,9 +276,13 @@ class SessionHash:
         self._ties = RoundRobin()
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        if not request.session_key:
+        key = request.session_key
+        if not key:
             return Decision(self._ties.argmin(view.load), "no_session_key")
-        return Decision(rendezvous(request.session_key, len(view.load)), "hash")
+        ids = view.instance_ids
+        if ids is None:
+            return Decision(rendezvous(key, len(view.load)), "hash")
+        return Decision(highest_random_weight(key, ids), "hash")
 
 
 class CacheAware:

@@ -40,12 +40,31 @@ class ClusterView:
     hit_tokens: Sequence[int]
     # In-flight requests (PD colocation) or unprefilled prompt tokens (PD disaggregation).
     load: Sequence[float]
-    # Queued unprefilled prompt tokens (Dynamo's rule); may be the same sequence as load.
+    # Unprefilled prompt tokens queued on the instance (Dynamo's rule): the sum over its
+    # requests not yet past their first token of ``prompt_tokens - reusable_hit_tokens``.
     prefill_tokens: Sequence[float]
+    # Each instance's number among all the driver's configured instances, when the view
+    # holds only some of them (the live router leaves ejected engines out); None: position
+    # i is instance i. Session hashing keys on it, so an instance leaving the view moves
+    # only its own sessions.
+    instance_ids: Sequence[int] | None = None
     # Prompt tokens of the requests in flight; None where the driver does not count them.
     token_load: Sequence[float] | None = None
     # How much of this request's prefix the global tier holds, in tokens; None: unknown.
     global_hit_tokens: int | None = None
+
+
+def reusable_hit_blocks(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """The leading prompt blocks an instance can take from its cache, given how many it
+    holds: never the whole prompt, because vLLM computes at least the last prompt token
+    to produce the first output token. The router's prediction, the simulator's view and
+    scheduler, and the mock engine all cap a hit this way, so they agree."""
+    return min(matched_blocks, max(prompt_tokens - 1, 0) // block_size)
+
+
+def reusable_hit_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """``reusable_hit_blocks`` in tokens: the hit a policy sees."""
+    return reusable_hit_blocks(matched_blocks, prompt_tokens, block_size) * block_size
 
 
 class Decision(NamedTuple):

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from smetric.core.policy import reusable_hit_blocks
 from smetric.core.prefix_cache import Handle
 from smetric.sim.kv import LocalPool
 from smetric.sim.perf import StepTimeModel, load_hardware, load_model
@@ -85,9 +86,10 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv"
     kv_events_replay_endpoint: str | None = None
-    # Bind the PUB socket instead (vLLM does for ``tcp://*:port``), so that several
-    # subscribers, e.g. router replicas, connect to one engine.
-    kv_events_bind: bool = False
+    # Bind the PUB socket instead, so that several subscribers, e.g. router replicas,
+    # connect to one engine; None decides from the endpoint as vLLM does
+    # (``publisher_binds``).
+    kv_events_bind: bool | None = None
     kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:
@@ -245,7 +247,7 @@ class Engine:
         output token), so a fully cached prompt still gives up its last block.
         """
         bs = self.config.block_size
-        hit = min(self.pool.cache.match(req.blocks), (req.prompt_tokens - 1) // bs)
+        hit = reusable_hit_blocks(self.pool.cache.match(req.blocks), req.prompt_tokens, bs)
         handle = self.pool.cache.lock(req.blocks, hit) if hit else None
         private = -(-(req.prompt_tokens + req.max_tokens) // bs) - hit
         cached = self.pool.cache.size

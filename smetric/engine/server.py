@@ -84,6 +84,14 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
 
 
+def publisher_binds(endpoint: str) -> bool:
+    """Whether vLLM's ``ZmqEventPublisher`` binds ``endpoint`` rather than connects to it:
+    a wildcard host (``tcp://*:port``, or ``::``) or a local transport (``ipc://``,
+    ``inproc://``) binds; a named host is where a subscriber listens. (The newest vLLM
+    always binds; the releases in use decide so.)"""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 class KVEventPublisher:
     """The engine's KV events on the wire, with vLLM's sequence numbers and replay buffer."""
 
@@ -103,7 +111,8 @@ class KVEventPublisher:
         config = self.config
         context = zmq.asyncio.Context()
         pub = context.socket(zmq.PUB)
-        if config.kv_events_bind:
+        bind = config.kv_events_bind
+        if publisher_binds(self.endpoint) if bind is None else bind:
             pub.bind(self.endpoint)
         else:
             pub.connect(self.endpoint)

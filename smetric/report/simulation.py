@@ -363,8 +363,13 @@ def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
             ax.plot(rates, tps, color=colors[policy], marker="o", ms=4, lw=1.8)
         ax.set_title(f"Global tier: {level}")
         ax.set_xlabel("Offered rate (sessions/s)")
-    axes[0].set_ylabel("TPS within SLO (tok/s)")
-    axes[0].set_ylim(bottom=0)
+    return _tps_panels(fig, axes[0], "TPS within SLO (tok/s)", colors)
+
+
+def _tps_panels(fig: Figure, first: Axes, ylabel: str, colors: Mapping[str, str]) -> Figure:
+    """Finish a row of TPS-vs-load panels that share their y axis from zero."""
+    first.set_ylabel(ylabel)
+    first.set_ylim(bottom=0)
     _policy_legend(fig, colors)
     return fig
 
@@ -419,10 +424,7 @@ def _knee_figure(summary: Section, colors: Mapping[str, str]) -> Figure:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"Global tier: {cell['global']}, {cell['kv_load']} load")
         ax.set_xlabel("Offered load (log)")
-    axes[0].set_ylabel("TPS within SLO, mean over seeds (tok/s)")
-    axes[0].set_ylim(bottom=0)
-    _policy_legend(fig, colors)
-    return fig
+    return _tps_panels(fig, axes[0], "TPS within SLO, mean over seeds (tok/s)", colors)
 
 
 def write_knee_png(summary: dict, path: Path) -> Path:

@@ -31,7 +31,7 @@ from smetric.core.conversation import (
     analyze_request,
 )
 from smetric.core.policy import ClusterView, make_policy
-from smetric.serve.engines import Engine
+from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.scrape import parse_vllm_metrics
@@ -90,6 +90,8 @@ class Router:
         self.metrics = RouterMetrics(self.policy.name, [e.url for e in self.engines])
         self.metrics.registry.register(SubscriberCollector(self.subscribers))
         self.client: aiohttp.ClientSession | None = None
+        # Each engine's number in the configuration, stable while others come and go.
+        self._numbers = {e.url: i for i, e in enumerate(self.engines)}
 
     # -- application --------------------------------------------------------------------
 
@@ -174,20 +176,26 @@ class Router:
             engine, predicted = self.route(facts, candidates)
             tried.add(engine.url)
             engine.inflight += 1
+            engine.inflight_tokens += facts.prompt_tokens
+            prefill = QueuedPrefill(engine, facts.prompt_tokens - predicted)
             try:
-                upstream = await self._send(engine, path, raw, request)
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                # Nothing reached the client yet: eject the engine, try another.
-                engine.inflight -= 1
-                self._eject(engine, f"connect failed: {exc!r}")
-                self.metrics.retries.inc()
-                continue
-            try:
-                return await self._relay(request, engine, upstream, facts, predicted)
+                try:
+                    upstream = await self._send(engine, path, raw, request)
+                except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                    # Nothing reached the client yet: eject the engine, try another.
+                    engine.inflight -= 1
+                    self._eject(engine, f"connect failed: {exc!r}")
+                    self.metrics.retries.inc()
+                    continue
+                try:
+                    return await self._relay(request, engine, upstream, facts, predicted, prefill)
+                finally:
+                    engine.inflight -= 1
+                    upstream.release()
+                    self.metrics.latency.labels(api).observe(time.perf_counter() - started)
             finally:
-                engine.inflight -= 1
-                upstream.release()
-                self.metrics.latency.labels(api).observe(time.perf_counter() - started)
+                prefill.done()
+                engine.inflight_tokens -= facts.prompt_tokens
 
     async def analyze(self, body: dict, api: Api, large: bool = False) -> RequestFacts:
         """Facts for routing; a large prompt is rendered, tokenised and hashed in a worker
@@ -208,7 +216,14 @@ class Router:
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
         now = time.monotonic()
         loads = [e.load(now, self.settings.staleness_s) for e in engines]
-        view = ClusterView(hit_tokens=hits, load=loads, prefill_tokens=loads)
+        view = ClusterView(
+            hit_tokens=hits,
+            load=loads,
+            prefill_tokens=[float(e.unprefilled) for e in engines],
+            instance_ids=[self._numbers[e.url] for e in engines],
+            # The router does not see the global tier: global_hit_tokens stays unknown.
+            token_load=[float(e.inflight_tokens) for e in engines],
+        )
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
         self.metrics.decisions.labels(decision.branch).inc()
@@ -245,8 +260,13 @@ class Router:
         upstream: aiohttp.ClientResponse,
         facts: RequestFacts,
         predicted: int,
+        prefill: QueuedPrefill,
     ) -> web.StreamResponse:
-        """Pass the engine's response through as it arrives; end cleanly if it breaks."""
+        """Pass the engine's response through as it arrives; end cleanly if it breaks.
+
+        The first chunk of a body means the prompt was prefilled (vLLM streams nothing
+        before the first token), so the request stops counting as unprefilled then.
+        """
         response = web.StreamResponse(status=upstream.status)
         response.content_type = upstream.content_type or "application/json"
         response.headers[ENGINE_HEADER] = engine.url
@@ -258,6 +278,7 @@ class Router:
         usage = _UsageTap()
         try:
             async for chunk in upstream.content.iter_any():
+                prefill.done()
                 usage.feed(chunk)
                 await response.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
@@ -300,9 +321,10 @@ class Router:
         except (TimeoutError, aiohttp.ClientError):
             ok = False
         if ok and not engine.healthy:
-            # It may have restarted: what the router remembered of its cache is stale.
-            engine.forget()
+            engine.readmit()
             log.info(json.dumps({"event": "readmit", "engine": engine.url}))
+            if self.settings.scrape_interval_s > 0:
+                await self.scrape(engine)  # a restart, if any, shows in its start time
         elif not ok:
             self._eject(engine, "health check failed")
         engine.healthy = ok
@@ -323,9 +345,12 @@ class Router:
             report = parse_vllm_metrics(text, time.monotonic())
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return
-        if engine.restarted(report):
+        previous = engine.report
+        if previous is not None and engine.restarted(report):
             engine.forget()
             log.warning(json.dumps({"event": "engine_restarted", "engine": engine.url}))
+            if engine.url in self.subscribers:
+                await self.subscribers[engine.url].engine_restarted(since=previous.at)
         if engine.adopt(report, self.settings.block_size):
             log.info(
                 json.dumps(
@@ -359,6 +384,7 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         for engine in self.engines:
             self.metrics.inflight.labels(engine.url).set(engine.inflight)
+            self.metrics.unprefilled.labels(engine.url).set(engine.unprefilled)
             self.metrics.view_blocks.labels(engine.url).set(engine.view_blocks())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from smetric.core.kv_events import EventIndex
+from smetric.core.policy import reusable_hit_tokens
 from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.scrape import EngineReport
 
@@ -29,6 +30,11 @@ class Engine:
     healthy: bool = True
     # Requests routed here whose response has not ended: the load the policy sees.
     inflight: int = 0
+    # Their prompt tokens: the load ``smetric_tokens`` sees.
+    inflight_tokens: int = 0
+    # Prompt tokens routed here and not yet prefilled (each request's prompt less its
+    # predicted hit, until its first token or its end): Dynamo's ``prefill_tokens`` load.
+    unprefilled: int = 0
     index: PrefixCache = field(init=False)
     # The engine's latest /metrics, when the router scrapes them.
     report: EngineReport | None = None
@@ -50,8 +56,7 @@ class Engine:
                     f"prompts are hashed with {block_size}"
                 )
             matched = self.events.match(blocks)
-        # vLLM leaves at least the last prompt token to compute, and hits whole blocks only.
-        return min(matched, max(prompt_tokens - 1, 0) // block_size) * block_size
+        return reusable_hit_tokens(matched, prompt_tokens, block_size)
 
     def view_blocks(self) -> int:
         """Blocks the router's view says the engine holds on its device."""
@@ -66,10 +71,19 @@ class Engine:
             self.index.insert(blocks, time.monotonic())
 
     def forget(self) -> None:
-        """An engine that went away lost its cache."""
+        """The engine restarted (its scraped start time changed): drop the approximate
+        index. The events view is its subscriber's to reset, since it may already hold
+        what the new process published."""
         self.index = PrefixCache(self.kv_blocks)
-        if self.events is not None:
-            self.events.clear()
+
+    def readmit(self) -> None:
+        """Back after failed health checks, which say nothing of its cache: a network
+        blip leaves it whole, a restart empties it. Only evidence of a restart clears a
+        view, so the events view is kept (its stream shows a restart itself), and so is
+        the approximate index when scrapes can tell (the engine reports its start time);
+        without that evidence either way the index is dropped, as a guess it always is."""
+        if self.report is None or self.report.started_at is None:
+            self.index = PrefixCache(self.kv_blocks)
 
     def load(self, now: float, staleness_s: float) -> float:
         """In-flight requests, raised to what the engine reports queued if that is fresh."""
@@ -99,3 +113,24 @@ class Engine:
         # Not ``forget``: the engine did not lose its cache, and the events view knows it.
         self.index = PrefixCache(self.kv_blocks)
         return True
+
+
+class QueuedPrefill:
+    """One routed request's share of its engine's ``unprefilled`` tokens.
+
+    Added when the request is routed and given back once, at its first token or at
+    whatever ends it first (a failed connection, a client that leaves, an error), so the
+    count cannot drift however the request ends.
+    """
+
+    __slots__ = ("engine", "tokens")
+
+    def __init__(self, engine: Engine, tokens: int) -> None:
+        self.engine = engine
+        self.tokens = tokens
+        engine.unprefilled += tokens
+
+    def done(self) -> None:
+        """The prompt is prefilled, or never will be; safe to call again."""
+        self.engine.unprefilled -= self.tokens
+        self.tokens = 0

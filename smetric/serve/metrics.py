@@ -22,6 +22,13 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.unprefilled = Gauge(
+            "smetric_engine_unprefilled_tokens",
+            "Prompt tokens routed to the engine, less their predicted hits, not yet past "
+            "their first token (the prefill_tokens policy's load).",
+            ["engine"],
+            registry=self.registry,
+        )
         self.healthy = Gauge(
             "smetric_engine_healthy",
             "1 while the engine passes health checks.",
@@ -71,6 +78,7 @@ class RouterMetrics:
         for url in engines:
             self.healthy.labels(url).set(1)
             self.inflight.labels(url).set(0)
+            self.unprefilled.labels(url).set(0)
 
 
 class SubscriberCollector(Collector):
@@ -88,7 +96,7 @@ class SubscriberCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         exact = GaugeMetricFamily(
             "smetric_engine_kv_view_exact",
-            "1 while the engine's KV-event view is exact, 0 when degraded (missed events).",
+            "1 while the engine's KV-event view is exact, 0 when degraded (lost events).",
             labels=["engine"],
         )
         for url, subscriber in self.subscribers.items():
@@ -97,7 +105,8 @@ class SubscriberCollector(Collector):
         family = CounterMetricFamily(
             "smetric_kv_events",
             "KV-event stream totals per engine: batches, events, gaps, restarts, replayed, "
-            "duplicates, unrecovered holes, decode errors, skipped events.",
+            "duplicates, unrecovered holes, decode errors, skipped, invalid, orphaned and "
+            "mismatched events, resyncs, subscriber failures.",
             labels=["engine", "kind"],
         )
         for url, subscriber in self.subscribers.items():

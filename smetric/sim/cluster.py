@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from smetric.core.policy import ClusterView, Policy, RoutingRequest
+from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
 from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
@@ -189,13 +189,18 @@ class Simulation:
 
     def view(self, req: SimRequest) -> ClusterView:
         bs = req.block_size
-        hits = [min(i.pool.cache.match(req.blocks) * bs, req.prompt) for i in self.instances]
+        hits = [
+            reusable_hit_tokens(i.pool.cache.match(req.blocks), req.prompt, bs)
+            for i in self.instances
+        ]
         return ClusterView(
             hit_tokens=hits,
             load=[float(i.inflight) for i in self.instances],
             prefill_tokens=[float(i.unprefilled) for i in self.instances],
             token_load=[float(i.inflight_tokens) for i in self.instances],
-            global_hit_tokens=min(self.global_tier.match(req.blocks) * bs, req.prompt),
+            global_hit_tokens=reusable_hit_tokens(
+                self.global_tier.match(req.blocks), req.prompt, bs
+            ),
         )
 
     def kick(self, instance: Instance, now: float) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from smetric.core.policy import reusable_hit_blocks, reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
 from smetric.sim.kv import GlobalTier, LocalPool, Route
 from smetric.sim.perf import StepTimeModel
@@ -131,7 +132,7 @@ class Instance:
         """
         known = max(self.pool.cache.match(req.blocks), self.global_tier.match(req.blocks))
         req.target = req.prompt
-        self._set_pending(req, req.prompt - known * req.block_size)
+        self._set_pending(req, req.prompt - reusable_hit_tokens(known, req.prompt, req.block_size))
         self.waiting.append(req)
         self.inflight += 1
         self.inflight_tokens += req.prompt
@@ -250,7 +251,7 @@ class Instance:
         cached = self.pool.cache.match(req.blocks)
         remote = self.global_tier.match(req.blocks)
         # At least one token is always computed, to produce the next token.
-        hit = min(max(cached, remote), (req.target - 1) // bs)
+        hit = reusable_hit_blocks(max(cached, remote), req.target, bs)
         pinned = min(cached, hit)
         handle = self.pool.cache.lock(req.blocks, pinned) if pinned else None
         private = -(-req.target // bs) - pinned
