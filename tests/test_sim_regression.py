@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from smetric.sim.config import SimConfig
+from smetric.sim.metrics import RequestLog
 from smetric.sim.run import simulate
 from smetric.trace.load import load_trace
 
@@ -51,6 +52,14 @@ def run_case(name: str) -> dict[str, str]:
 def test_results_match_the_golden_run(name: str) -> None:
     golden = json.loads(GOLDEN.read_text())[name]
     assert run_case(name) == golden
+
+
+def test_rows_recorded_in_many_chunks_give_the_same_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(RequestLog, "CHUNK", 64)
+    name = "weka-smetric-1x"
+    assert run_case(name) == json.loads(GOLDEN.read_text())[name]
 
 
 if __name__ == "__main__":
