@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,10 @@ def test_ray_sweep_matches_the_process_pool(tmp_path: Path) -> None:
     assert on_ray == local
     ids = sorted(p.name for p in (tmp_path / "local" / "runs").iterdir())
     assert sorted(p.name for p in (tmp_path / "ray" / "runs").iterdir()) == ids
+
+
+def test_ray_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    result = runner.invoke(app, [*SWEEP, "-o", str(tmp_path), "--ray", "auto"])
+    assert result.exit_code == 2
+    assert "pip install 'ray>=2.40,<3'" in result.output

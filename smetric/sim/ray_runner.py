@@ -17,7 +17,8 @@ from typing import Any
 from smetric.sim.parallel import Events, Job, Task
 from smetric.trace.schema import Trace
 
-INSTALL_HINT = "sweeps on Ray need the ray extra: pip install 'smetric[ray]'"
+# No square brackets: the CLI prints errors as Rich markup.
+INSTALL_HINT = "sweeps on Ray need Ray installed: pip install 'ray>=2.40,<3' (smetric's ray extra)"
 
 # The trace of the sweep this worker process serves, by object id.
 _cached: dict[str, Trace] = {}
@@ -60,10 +61,10 @@ def connect(address: str) -> bool:
 def map_on_ray(address: str, trace: Trace, jobs: list[Job], task: Task) -> Events:
     """``task(trace, job)`` for every job on the cluster, as they finish, with the runs then
     in flight per node (by address); first (None, None, in flight) once runs start."""
+    started = connect(address)
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    started = connect(address)
     try:
         nodes = {
             n["NodeID"]: (n["NodeManagerAddress"], int(n["Resources"].get("CPU", 0)))
