@@ -94,10 +94,12 @@ def start_engine(procs: Processes, speed: float, kv_blocks: int) -> str:
     return f"http://{LOCALHOST}:{port}"
 
 
-def start_smetric_router(procs: Processes, engines: Sequence[str], policy: str, kv: int) -> str:
+def start_smetric_router(
+    procs: Processes, engines: Sequence[str], policy: str, kv: int, workers: int = 1
+) -> str:
     port = free_port()
     args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--policy", policy]
-    args += ["--kv-blocks", str(kv), "--health-interval", "1"]
+    args += ["--kv-blocks", str(kv), "--health-interval", "1", "--workers", str(workers)]
     for url in engines:
         args += ["-e", url]
     procs.start(args)

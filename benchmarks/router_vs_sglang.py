@@ -49,7 +49,8 @@ COUNTERS = (
     "vllm:prefix_cache_queries_total",
     "vllm:request_success_total",
 )
-ROUTERS = ("smetric", "least_load", "sglang cache_aware")
+# "policy xN" runs ``smetric serve --workers N``.
+ROUTERS = ("smetric", "smetric x2", "least_load", "sglang cache_aware")
 
 
 @dataclass
@@ -155,7 +156,10 @@ async def run_one(name: str, args: argparse.Namespace, trace: Trace) -> Outcome:
         if name.startswith("sglang"):
             router = start_sglang_router(procs, engines)
         else:
-            router = start_smetric_router(procs, engines, name, options.kv_blocks)
+            policy, _, workers = name.partition(" x")
+            router = start_smetric_router(
+                procs, engines, policy, options.kv_blocks, int(workers or 1)
+            )
         await routes_chat(router)
         replay = ReplayOptions(
             url=router,

@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from smetric.cli import app
@@ -192,3 +193,24 @@ def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path
             assert len(knee["seeds"]) == 2
     assert (tmp_path / "knee.png").stat().st_size > 0
     assert "vs best baseline" in (tmp_path / "knee.md").read_text()
+
+
+def test_rescoring_a_run_under_its_own_slo_gives_its_numbers(tmp_path: Path) -> None:
+    import importlib.util
+
+    from smetric.sim.config import SLOConfig
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "rescore_slo.py"
+    spec = importlib.util.spec_from_file_location("rescore_slo", path)
+    assert spec is not None and spec.loader is not None
+    rescore_slo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rescore_slo)
+    out = tmp_path / "run"
+    args = ["simulate", "-p", "smetric,least_load", *SMALL, "--warmup", "10", "-o", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    summary = json.loads((out / "summary.json").read_text())["policies"]
+    scores = rescore_slo.rescore(out, SLOConfig(ttft_base_s=1e6, ttft_per_token_s=0.0, tpot_s=1e6))
+    for policy, (own, loose) in scores.items():
+        assert own == summary[policy]["tps_within_slo"]
+        # Under an SLO nothing misses, TPS within SLO is the run's whole TPS.
+        assert loose == pytest.approx(summary[policy]["tps"])

@@ -126,7 +126,7 @@ def test_chat_tool_calls_and_tool_messages_are_history() -> None:
         ]
     }
     facts = analyze(body)
-    calls = '[{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]'
+    calls = '[{"id":"c1","type":"function","function":{"name":"ls","arguments":"{}"}}]'
     history = (
         "<|user|>\nlist files\n"
         f"<|assistant|>\n\n{calls}\n"
@@ -186,7 +186,7 @@ def test_messages_api_turn_and_history_with_tool_blocks() -> None:
     history = (
         "<|system|>\nBe brief.\n"
         "<|user|>\nread a\n"
-        '<|assistant|>\nReading.\n{"name": "read", "input": {"path": "a"}}\n'
+        '<|assistant|>\nReading.\n{"name":"read","input":{"path":"a"}}\n'
         "<|user|>\nA!\n"
         "<|assistant|>\nA says A!\n"
     )
@@ -511,8 +511,11 @@ def test_a_broken_template_fails_when_loaded() -> None:
         ChatTemplate("{% if %}")
 
 
-def test_render_chat_offsets_without_a_request() -> None:
-    text, end = render_chat([user("a"), assistant("b"), user("c")], system="s", tools=[1])
+def test_render_chat_segments_without_a_request() -> None:
+    rendering = render_chat([user("a"), assistant("b"), user("c")], system="s", tools=[1])
+    text, end = rendering.text, rendering.history_end()
     assert text[:end] == "<|tools|>\n[1]\n<|system|>\ns\n<|user|>\na\n<|assistant|>\nb\n"
     assert text[end:] == "<|user|>\nc\n<|assistant|>\n"
-    assert render_chat([user("a")]) == ("<|user|>\na\n<|assistant|>\n", 0)
+    assert rendering.segments[2:4] == ["<|user|>\na\n", "<|assistant|>\nb\n"]
+    first = render_chat([user("a")])
+    assert (first.text, first.history_end()) == ("<|user|>\na\n<|assistant|>\n", 0)

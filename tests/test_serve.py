@@ -298,44 +298,43 @@ def test_demo_drives_sessions_through_router_and_engines() -> None:
     assert "sticky" in result.output  # follow-ups were routed to their cache
 
 
+async def follow_up_while_home_streams(client, url, router, branch: str) -> dict[str, int]:
+    """Turn 1 of a session sticks to its home engine and keeps streaming there while turn
+    2 arrives; turn 2 must go elsewhere, through ``branch``. Returns the prompt tokens each
+    engine held in flight meanwhile."""
+    home, _ = await chat(client, url, conversation(0, 0))
+    payload = {"messages": conversation(0, 1), "max_tokens": 50_000, "stream": True}
+    async with client.post(url + "/v1/chat/completions", json=payload) as long_stream:
+        assert long_stream.headers["x-smetric-engine"] == home
+        await long_stream.content.readline()
+        held = {e.url: e.inflight_tokens for e in router.engines}
+        where, _ = await chat(client, url, conversation(0, 2))
+        assert where != home
+    async with client.get(url + "/metrics") as response:
+        text = await response.text()
+    assert _metric(text, "smetric_routing_decisions_total", branch, "branch") == 1
+    assert held[home] > 0
+    return held
+
+
 def test_overload_guard_moves_a_follow_up_off_a_busy_engine() -> None:
     async def body(client, url, router, engines) -> None:
-        home, _ = await chat(client, url, conversation(0, 0))
-        # Turn 1 sticks to home and keeps streaming there...
-        payload = {"messages": conversation(0, 1), "max_tokens": 50_000, "stream": True}
-        async with client.post(url + "/v1/chat/completions", json=payload) as long_stream:
-            assert long_stream.headers["x-smetric-engine"] == home
-            await long_stream.content.readline()
-            # ...so home holds 1 request against a mean of 1/3: more than 2x the mean.
-            where, _ = await chat(client, url, conversation(0, 2))
-            assert where != home
-        async with client.get(url + "/metrics") as response:
-            text = await response.text()
-        assert _metric(text, "smetric_routing_decisions_total", "overload_fallback", "branch") == 1
+        # Home holds 1 request against a mean of 1/3: more than 2x the mean.
+        await follow_up_while_home_streams(client, url, router, "overload_fallback")
 
     run(lambda: with_cluster(3, body))
 
 
 def test_smetric_tokens_moves_a_follow_up_off_an_engine_holding_most_prompt_tokens() -> None:
     async def body(client, url, router, engines) -> None:
-        home, _ = await chat(client, url, conversation(0, 0))
-        payload = {"messages": conversation(0, 1), "max_tokens": 50_000, "stream": True}
-        async with client.post(url + "/v1/chat/completions", json=payload) as long_stream:
-            assert long_stream.headers["x-smetric-engine"] == home
-            await long_stream.content.readline()
-            held = {e.url: e.inflight_tokens for e in router.engines}
-            assert held[home] > 0 and sum(held.values()) == held[home]
-            # Home holds every in-flight prompt token: 3x the mean, over the 1.25x guard.
-            where, _ = await chat(client, url, conversation(0, 2))
-            assert where != home
+        held = await follow_up_while_home_streams(client, url, router, "overload_move")
+        # Home held every in-flight prompt token: 3x the mean, over the 1.25x guard.
+        assert sorted(held.values())[:2] == [0, 0]
         for _ in range(100):  # the closed stream's end reaches the router shortly
             if sum(e.inflight_tokens for e in router.engines) == 0:
                 break
             await asyncio.sleep(0.02)
         assert sum(e.inflight_tokens for e in router.engines) == 0
-        async with client.get(url + "/metrics") as response:
-            text = await response.text()
-        assert _metric(text, "smetric_routing_decisions_total", "overload_move", "branch") == 1
 
     run(lambda: with_cluster(3, body, policy="smetric_tokens"))
 

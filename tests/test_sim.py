@@ -315,3 +315,22 @@ def test_gpus_of_a_server_share_its_nics_but_not_their_pcie_lanes() -> None:
     assert second.transfer(0.0, 1e9) == pytest.approx(2.0)
     assert third.transfer(0.0, 1e9) == pytest.approx(1.0)
     assert first.bytes_moved == 1e9
+
+
+def test_a_preempted_request_looks_the_global_tier_up_again() -> None:
+    inst = instance(global_blocks=None)
+    req = request(0, [1, 2, 3, 4], prompt=64, output=40)
+    inst.enqueue(req, 0.0)
+    now = inst.plan_step(0.0)  # the prefill: 64 tokens, first token at t=1
+    inst.finish_step(now)
+    assert req.decoding and inst.global_tier.match(req.blocks) == 4
+    inst._preempt(req, now)  # as a decode short of blocks would
+    inst.pool.cache.evict(4)  # and its local prefix goes meanwhile
+    moved = inst.route.bytes_moved
+    # Re-admitted, it loads its 4 prompt blocks (64 B, 0.064 s) instead of recomputing
+    # them, queued behind the write of those blocks that its prefill started at t=1 (the
+    # link is first come, first served), so they land at 1.128; then it computes only
+    # the token it had generated, in one 1 s step.
+    assert inst.plan_step(now) == pytest.approx(now + 0.128 + 1.0)
+    assert inst.route.bytes_moved - moved == 64
+    assert req.done == 64 and req.target == 65

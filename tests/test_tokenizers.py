@@ -13,10 +13,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
+from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import RequestError, analyze_request
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.tokenizers import (
+    EngineTokens,
     HFTokenizer,
     analyze_with_engine,
     load_hf_tokenizer,
@@ -82,7 +84,8 @@ def test_load_reads_tokenizer_and_template(qwen_dir: Path) -> None:
     assert tokenizer.name == "qwen"
     assert template is not None
     assert (template.bos_token, template.eos_token) == ("", "<|im_end|>")
-    text, history_end = template.render(TURN_1)
+    rendering = template.render(TURN_1)
+    text, history_end = rendering.text, rendering.history_end()
     assert history_end == 0
     assert text.endswith("<|im_start|>assistant\n")
     # The template's special tokens encode as single ids.
@@ -109,6 +112,18 @@ def test_follow_up_blocks_extend_previous_prompt(qwen_dir: Path) -> None:
     assert second.session_key == first.session_key
 
 
+def test_segments_cut_at_special_tokens_tokenise_as_the_whole_prompt(qwen_dir: Path) -> None:
+    """Cuts fall where the template puts special tokens, which the tokenizer splits at
+    anyway: tokenising segment by segment (what makes the memo possible) gives exactly the
+    tokens of the whole rendered prompt, as the engine tokenises it."""
+    tokenizer, template = load_hf_tokenizer(qwen_dir)
+    assert template is not None
+    facts = analyze_request({"messages": TURN_2}, "chat", tokenizer, BS, template)
+    whole = tokenizer.encode(template.render(TURN_2).text)
+    assert facts.token_ids.tolist() == whole
+    assert len(template.render(TURN_2).segments) > 3
+
+
 def test_est_hit_counts_history_rendering(qwen_dir: Path) -> None:
     tokenizer, template = load_hf_tokenizer(qwen_dir)
     facts = analyze_request({"messages": TURN_2}, "chat", tokenizer, BS, template)
@@ -125,12 +140,12 @@ def test_named_templates_and_jinja_file(tmp_path: Path) -> None:
     folder = write_tokenizer(tmp_path / "named", {"chat_template": named, "bos_token": "<s>"})
     _, template = load_hf_tokenizer(folder)
     assert template is not None
-    assert template.render([{"role": "user", "content": "x"}])[0] == "<s>default"
+    assert template.render([{"role": "user", "content": "x"}]).text == "<s>default"
     # chat_template.jinja takes precedence over the config, as in transformers.
     (folder / "chat_template.jinja").write_text("from file")
     _, template = load_hf_tokenizer(folder)
     assert template is not None
-    assert template.render([{"role": "user", "content": "x"}])[0] == "from file"
+    assert template.render([{"role": "user", "content": "x"}]).text == "from file"
 
 
 def test_no_config_means_no_template(tmp_path: Path) -> None:
@@ -194,3 +209,37 @@ def test_analyze_with_engine_matches_engine_count() -> None:
                 await analyze_with_engine({"messages": []}, "chat", client, url, BS)
 
     asyncio.run(main())
+
+
+def test_analyze_with_engine_and_a_memo_sends_only_new_segments() -> None:
+    sent: list[str] = []
+
+    async def count(session: object, context: object, params: Any) -> None:
+        sent.append(str(params.url))
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_start.append(count)
+
+    async def main() -> None:
+        async with (
+            TestServer(create_app(EngineConfig(speed=0.0001)), host="127.0.0.1") as server,
+            aiohttp.ClientSession(trace_configs=[trace]) as client,
+        ):
+            url = str(server.make_url("/"))
+            memo = BlockMemo(EngineTokens(), BS)
+            first = await analyze_with_engine(
+                {"messages": TURN_1}, "chat", client, url, BS, None, memo
+            )
+            assert first.blocks.size and len(sent) == len(TURN_1) + 1  # and the generation prompt
+            sent.clear()
+            second = await analyze_with_engine(
+                {"messages": TURN_2}, "chat", client, url, BS, None, memo
+            )
+            plain = await analyze_with_engine({"messages": TURN_2}, "chat", client, url, BS)
+            np.testing.assert_array_equal(second.blocks, plain.blocks)
+            assert second.prompt_tokens == plain.prompt_tokens
+            assert second.est_hit_tokens == plain.est_hit_tokens
+
+    asyncio.run(main())
+    # TURN_2 adds an assistant answer and a user message; the rest came from the memo.
+    assert len(sent) == 3 + (len(TURN_2) + 1)

@@ -140,7 +140,8 @@ def knee(
     or in open loop the replay speed-up) is stepped up by 2x until its TPS within SLO
     (mean over --seeds) stops rising, then bisected around the best probe. Baselines
     are compared at their best setting: pass several (linear:lam=0.5,linear:lam=0.9)
-    and the best counts. Writes knee.json and knee.png [default: smetric-out/knee-TRACE].
+    and the best counts. Writes knee.json, knee.md (the table) and knee.png to --out
+    (smetric-out/knee-TRACE unless given).
     """
     from smetric.report.simulation import write_knee_png
 

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 import yaml
-from aiohttp import web
 
 from smetric.cli.app import app, console, user_errors
 from smetric.core.kv_events import EventIndex
@@ -17,6 +16,7 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.tokenizers import make_tokenizer
+from smetric.serve.workers import serve as serve_router
 
 
 def engines_from(
@@ -111,6 +111,17 @@ def serve(
             "(the engines' /tokenize)."
         ),
     ] = "bytes",
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="Router processes sharing the port (SO_REUSEPORT), in-flight load and "
+            "routed prefixes; one per core the router may use.",
+            min=1,
+        ),
+    ] = 1,
+    log_level: Annotated[
+        str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
+    ] = "info",
 ) -> None:
     """Route OpenAI-compatible traffic (chat, completions, Anthropic messages) to engines.
 
@@ -136,10 +147,15 @@ def serve(
             engine_tokenizer=by_engine,
             subscribers=subscribers,
         )
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with user_errors():
+        level = logging.getLevelName(log_level.upper())
+        if not isinstance(level, int):
+            raise ValueError(f"unknown log level {log_level!r}")
+    logging.basicConfig(level=level, format="%(message)s")
     console.print(
-        f"smetric serve: {policy} over {len(engines)} engines on http://{host}:{port}",
+        f"smetric serve: {policy} over {len(engines)} engines on http://{host}:{port}"
+        + (f" ({workers} workers)" if workers > 1 else ""),
         highlight=False,
     )
-    # A client that goes away cancels its handler, so its request stops counting at once.
-    web.run_app(router.app(), host=host, port=port, print=None, handler_cancellation=True)
+    with user_errors():
+        serve_router(router, host, port, workers)

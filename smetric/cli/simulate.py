@@ -90,14 +90,12 @@ GlobalOpt = Annotated[
 ]
 BandwidthOpt = Annotated[
     float | None,
-    _opt(
-        "Effective bandwidth of one RDMA NIC, GB/s [default: 21.7, 200 Gbps].", CLUSTER, min=0.001
-    ),
+    _opt("Effective bandwidth of one RDMA NIC, GB/s (21.7: one 200 Gbps NIC).", CLUSTER, min=0.001),
 ]
 NicsOpt = Annotated[
     int | None,
     _opt(
-        "RDMA NICs per server, shared by its GPUs' global-tier traffic [default: 4].",
+        "RDMA NICs per server, shared by its 8 GPUs' global-tier traffic (4).",
         CLUSTER,
         min=1,
     ),

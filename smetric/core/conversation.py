@@ -19,24 +19,26 @@ the body of each request:
 - **blocks**: the chained block ids of the rendered prompt (``core/blocks``), to look the
   request up in per-engine prefix indexes.
 
-Three request shapes are understood: OpenAI chat (``messages`` with roles, string or
-part-list content, ``tool_calls``, ``role: tool``), Anthropic Messages (``system`` plus
-user/assistant ``messages`` whose content may hold ``text``, ``tool_use``, ``tool_result``
-and other blocks) and OpenAI completions (``prompt`` as text or token ids; no structure, so
-turn 0 and no expected hit). Any malformed body raises ``RequestError`` and nothing else,
-so the router can answer 400 without guarding against surprises.
+Three request shapes are understood, each parsed in its own module: OpenAI chat
+(``core/openai_api``: ``messages`` with roles, string or part-list content, ``tool_calls``,
+``role: tool``), Anthropic Messages (``core/anthropic_api``: ``system`` plus user/assistant
+``messages`` whose content may hold ``text``, ``tool_use``, ``tool_result`` and other
+blocks) and OpenAI completions (``prompt`` as text or token ids; no structure, so turn 0
+and no expected hit). Any malformed body raises ``RequestError`` (``core/parsing``) and
+nothing else, so the router can answer 400 without guarding against surprises.
 
 Rendering matters because blocks are only comparable when every turn of a session renders
 its shared prefix identically. The default ``render_chat`` template is generic, but it has
 the property the router needs: a request's full prompt (ending in the generation prompt) is
 a text prefix of the next turn's history, so a follow-up's blocks start with all of the
 previous request's full blocks. ``ChatTemplate`` renders a model's own Jinja template
-instead, for token counts that match the engine's.
+instead, for token counts that match the engine's. Either way the rendering comes cut at
+message boundaries into segments tokenised one by one, which is what lets the router's
+memo (``core/block_memo``) skip the history a follow-up re-sends.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,22 +49,21 @@ import numpy as np
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from smetric.core.anthropic_api import anthropic_messages, anthropic_system
+from smetric.core.block_memo import BlockMemo, hash_segments
 from smetric.core.blocks import Tokenizer, chain_hashes
+from smetric.core.openai_api import chat_messages, completion_prompt
+from smetric.core.parsing import Message, RequestError, digest, kind, to_json
 from smetric.core.policy import RoutingRequest
+
+__all__ = ["Api", "ChatTemplate", "RequestError", "RequestFacts", "analyze_request"]
 
 Api = Literal["chat", "messages", "completions"]
 
-# A message as the renderers take it: OpenAI-shaped, ``role`` and ``content`` strings (parts
-# already flattened to text), optionally ``tool_calls`` and whatever other keys the client
-# sent, which chat templates may read.
-Message = Mapping[str, Any]
-
-_TOKEN_LIMIT = 1 << 32
 _GENERATION_PROMPT = "<|assistant|>\n"
-
-
-class RequestError(ValueError):
-    """A request body the router cannot analyse; the message says why, for a 400 reply."""
+# How far past a message's content ``ChatTemplate`` looks for the next one: template markup
+# between two messages (headers, tool schemas) is far shorter.
+_MARKUP_WINDOW = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +74,18 @@ class RequestFacts:
     prompt_tokens: int
     est_hit_tokens: int
     session_key: str
-    token_ids: np.ndarray
     # One chained id per full block of ``token_ids``.
     blocks: np.ndarray
+    # The prompt's tokens in pieces (one per rendered segment), joined only when asked for:
+    # routing needs the blocks, only an engine needs the tokens.
+    token_parts: Sequence[np.ndarray]
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The prompt's token ids, int64."""
+        if len(self.token_parts) == 1:
+            return self.token_parts[0].astype(np.int64)
+        return np.concatenate(self.token_parts).astype(np.int64)
 
     def routing_request(self) -> RoutingRequest:
         """The subset a policy sees."""
@@ -87,57 +97,80 @@ class RequestFacts:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """A rendered prompt cut into segments, each tokenised on its own (``core/block_memo``).
+
+    Cuts fall at message boundaries, where a model's template puts special tokens that
+    tokenisers split at anyway, and where the history ends: the first ``history`` segments
+    are the history.
+    """
+
+    segments: list[str]
+    history: int
+
+    @property
+    def text(self) -> str:
+        return "".join(self.segments)
+
+    def history_end(self) -> int:
+        """The offset in ``text`` where the history ends (0 without one)."""
+        return sum(map(len, self.segments[: self.history]))
+
+
 def analyze_request(
     body: object,
     api: Api,
     tokenizer: Tokenizer,
     block_size: int,
     template: ChatTemplate | None = None,
+    memo: BlockMemo | None = None,
 ) -> RequestFacts:
     """Turn, expected hit, session key, tokens and blocks of one request body.
 
     ``body`` is the decoded JSON; any JSON value either analyses or raises ``RequestError``.
     ``template`` (chat and messages only) replaces the generic rendering with a model's chat
-    template. The history and the fresh part are encoded separately, so ``est_hit_tokens``
-    is exactly the history's share of ``token_ids``. A body that ends in an assistant message
-    (a prefill to continue) has all its messages in the history, since nothing follows them.
+    template. ``memo`` (for this tokenizer and block size) spares re-encoding and re-hashing
+    the segments an earlier request already had; the facts are the same without it. The
+    history is a whole number of segments, so ``est_hit_tokens`` is exactly the history's
+    share of ``token_ids``. A body that ends in an assistant message (a prefill to continue)
+    has all its messages in the history, since nothing follows them.
     """
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {_kind(body)}")
+        raise RequestError(f"the request body must be a JSON object, got {kind(body)}")
     if api == "completions":
-        return _completion_facts(body, tokenizer, block_size)
+        return _completion_facts(body, tokenizer, block_size, memo)
     if api == "chat":
-        messages, system = _chat_messages(body), None
+        messages, system = chat_messages(body), None
     elif api == "messages":
-        messages, system = _anthropic_messages(body), _anthropic_system(body.get("system"))
+        messages, system = anthropic_messages(body), anthropic_system(body.get("system"))
     else:
         raise ValueError(f"unknown api {api!r}; expected 'chat', 'messages' or 'completions'")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise RequestError(f"tools must be a list, got {_kind(tools)}")
+        raise RequestError(f"tools must be a list, got {kind(tools)}")
     extra = body.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
-        raise RequestError(f"chat_template_kwargs must be an object, got {_kind(extra)}")
+        raise RequestError(f"chat_template_kwargs must be an object, got {kind(extra)}")
     if template is None:
-        text, history_end = render_chat(messages, system, tools)
+        rendering = render_chat(messages, system, tools)
     else:
-        text, history_end = template.render(messages, system, tools, extra)
-    history = tokenizer.encode(text[:history_end])
-    token_ids = np.array(history + tokenizer.encode(text[history_end:]), dtype=np.int64)
+        rendering = template.render(messages, system, tools, extra)
+    prompt = hash_segments(rendering.segments, tokenizer, block_size, memo)
     return RequestFacts(
         turn=sum(message["role"] == "assistant" for message in messages),
-        prompt_tokens=len(token_ids),
-        est_hit_tokens=len(history),
+        prompt_tokens=prompt.ends[-1],
+        est_hit_tokens=prompt.ends[rendering.history - 1] if rendering.history else 0,
         session_key=_session_key(messages, system),
-        token_ids=token_ids,
-        blocks=chain_hashes(token_ids, block_size),
+        blocks=prompt.blocks,
+        token_parts=prompt.token_parts,
     )
 
 
 def render_chat(
     messages: Sequence[Message], system: str | None = None, tools: list[Any] | None = None
-) -> tuple[str, int]:
-    """The generic rendering and the offset where its history ends (0 without one).
+) -> Rendering:
+    """The generic rendering, one segment per message (and per tools and system header).
 
     The format is ``<|role|>\\n{content}\\n`` per message, assistant ``tool_calls`` as JSON
     on the line after the content, preceded by ``<|tools|>\\n{tools JSON}\\n`` and
@@ -146,21 +179,18 @@ def render_chat(
     that answers it, which is what makes each prompt a prefix of the next turn's history.
     ``system`` is the Anthropic top-level prompt; OpenAI system messages sit in ``messages``.
     """
-    pieces: list[str] = []
+    segments: list[str] = []
     if tools:
-        pieces.append(f"<|tools|>\n{_json(tools)}\n")
+        segments.append(f"<|tools|>\n{to_json(tools)}\n")
     if system is not None:
-        pieces.append(f"<|system|>\n{system}\n")
-    length = sum(map(len, pieces))
-    history_end = 0
+        segments.append(f"<|system|>\n{system}\n")
+    history = 0
     for message in messages:
-        piece = f"<|{message['role']}|>\n{_message_body(message)}\n"
-        pieces.append(piece)
-        length += len(piece)
+        segments.append(f"<|{message['role']}|>\n{_message_body(message)}\n")
         if message["role"] == "assistant":
-            history_end = length
-    pieces.append(_GENERATION_PROMPT)
-    return "".join(pieces), history_end
+            history = len(segments)
+    segments.append(_GENERATION_PROMPT)
+    return Rendering(segments, history)
 
 
 class ChatTemplate:
@@ -199,8 +229,8 @@ class ChatTemplate:
         system: str | None = None,
         tools: list[Any] | None = None,
         extra: Mapping[str, Any] | None = None,
-    ) -> tuple[str, int]:
-        """The rendered prompt and the offset where its history ends, like ``render_chat``.
+    ) -> Rendering:
+        """The rendered prompt cut after each message's content and where the history ends.
 
         ``extra`` carries the request's ``chat_template_kwargs`` (``enable_thinking``, ...);
         it cannot override the messages, tools or special tokens.
@@ -215,10 +245,11 @@ class ChatTemplate:
         }
         full = self._render(messages, True, context)
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        if last < 0:
-            return full, 0
-        history = self._render(messages[: last + 1], False, context)
-        return full, _common_prefix_length(history, full)
+        history_end = 0
+        if last >= 0:
+            history = self._render(messages[: last + 1], False, context)
+            history_end = _common_prefix_length(history, full)
+        return _cut(full, _content_ends(full, messages), history_end)
 
     def _render(
         self, messages: Sequence[Message], add_generation_prompt: bool, context: dict[str, Any]
@@ -251,6 +282,43 @@ def _raise_exception(message: str) -> NoReturn:
     raise TemplateError(message)
 
 
+def _content_ends(text: str, messages: Sequence[Message]) -> list[int]:
+    """Where each message's content ends in ``text``, for those found verbatim in order.
+
+    Templates put a message's closing markup (usually a special token) right after its
+    content, so these are cuts a tokeniser makes anyway. A content the template changed
+    (older reasoning dropped, say) must start a bounded distance ahead, and is simply not
+    a cut when missing.
+    """
+    ends, cursor = [], 0
+    for message in messages:
+        content = message["content"]
+        if not content:
+            continue
+        # Find a short probe (memchr-fast), then compare the whole content in place: a
+        # find of the whole content preprocesses all of it on every call.
+        probe, limit = content[:64], cursor + _MARKUP_WINDOW + 64
+        at = text.find(probe, cursor, limit)
+        while at >= 0 and not text.startswith(content, at):
+            at = text.find(probe, at + 1, limit)
+        if at >= 0:
+            cursor = at + len(content)
+            ends.append(cursor)
+    return ends
+
+
+def _cut(text: str, ends: list[int], history_end: int) -> Rendering:
+    """``text`` cut at ``ends`` and ``history_end``, which closes the history."""
+    cuts = sorted({*ends, history_end} - {0, len(text)})
+    starts = [0, *cuts]
+    segments = [text[a:b] for a, b in zip(starts, [*cuts, len(text)], strict=True)]
+    if history_end == 0:
+        return Rendering(segments, 0)
+    return Rendering(
+        segments, len(segments) if history_end == len(text) else starts.index(history_end)
+    )
+
+
 def _common_prefix_length(a: str, b: str) -> int:
     """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
     low, high = 0, min(len(a), len(b))
@@ -266,187 +334,31 @@ def _common_prefix_length(a: str, b: str) -> int:
     return low
 
 
-# --- Parsing the three request shapes ------------------------------------------------------
+# --- Completions and shared helpers ------------------------------------------------------
 
 
-def _kind(value: object) -> str:
-    """The JSON name of a value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _message_list(body: dict[str, Any]) -> list[dict[str, Any]]:
-    if "messages" not in body:
-        raise RequestError("the request has no 'messages'")
-    messages = body["messages"]
-    if not isinstance(messages, list):
-        raise RequestError(f"messages must be a list, got {_kind(messages)}")
-    if not messages:
-        raise RequestError("messages must not be empty")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(f"messages[{i}] must be an object, got {_kind(message)}")
-        if "role" not in message:
-            raise RequestError(f"messages[{i}] has no role")
-        if not isinstance(message["role"], str):
-            raise RequestError(f"messages[{i}].role must be a string, got {_kind(message['role'])}")
-    return messages
-
-
-def _chat_messages(body: dict[str, Any]) -> list[Message]:
-    """OpenAI chat messages with content flattened to text; other keys kept for templates."""
-    messages: list[Message] = []
-    for i, message in enumerate(_message_list(body)):
-        where = f"messages[{i}]"
-        tool_calls = message.get("tool_calls")
-        if tool_calls is not None and not (
-            isinstance(tool_calls, list) and all(isinstance(call, dict) for call in tool_calls)
-        ):
-            raise RequestError(f"{where}.tool_calls must be a list of objects")
-        content = message.get("content")
-        messages.append({**message, "content": _openai_content(content, f"{where}.content")})
-    return messages
-
-
-def _openai_content(content: object, where: str) -> str:
-    """Text parts joined by newlines (as vLLM joins them); other parts become placeholders."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(
-            f"{where} must be a string, a list of parts or null, got {_kind(content)}"
-        )
-    texts = []
-    for j, part in enumerate(content):
-        part_type = _part_type(part, f"{where}[{j}]")
-        texts.append(
-            _text_field(part, "text", f"{where}[{j}]")
-            if part_type == "text"
-            else _placeholder(part_type, part)
-        )
-    return "\n".join(texts)
-
-
-def _anthropic_system(system: object) -> str | None:
-    """The top-level prompt as text; an empty one counts as none."""
-    text = _anthropic_content(system, "system", nested=False) if system is not None else ""
-    return text or None
-
-
-def _anthropic_messages(body: dict[str, Any]) -> list[Message]:
-    messages: list[Message] = []
-    for i, message in enumerate(_message_list(body)):
-        where = f"messages[{i}]"
-        if message["role"] not in ("user", "assistant"):
-            raise RequestError(
-                f"{where}.role must be 'user' or 'assistant', got {message['role']!r}"
-            )
-        if "content" not in message:
-            raise RequestError(f"{where} has no content")
-        content = _anthropic_content(message["content"], f"{where}.content", nested=False)
-        messages.append({"role": message["role"], "content": content})
-    return messages
-
-
-def _anthropic_content(content: object, where: str, *, nested: bool) -> str:
-    """Blocks as text: text and thinking verbatim, a tool call as its JSON, a tool result as
-    its own content; anything else (images, documents) as a placeholder.
-
-    ``nested`` is set inside a tool result, whose content holds only leaf blocks, so that no
-    body can recurse deeper than one level.
-    """
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of blocks, got {_kind(content)}")
-    texts = []
-    for j, block in enumerate(content):
-        here = f"{where}[{j}]"
-        block_type = _part_type(block, here)
-        if block_type == "text":
-            texts.append(_text_field(block, "text", here))
-        elif block_type == "thinking":
-            texts.append(_text_field(block, "thinking", here))
-        elif block_type == "tool_use":
-            texts.append(_json({"name": block.get("name"), "input": block.get("input")}))
-        elif block_type == "tool_result" and not nested:
-            inner = block.get("content")
-            texts.append("" if inner is None else _anthropic_content(inner, here, nested=True))
-        else:
-            texts.append(_placeholder(block_type, block))
-    return "\n".join(texts)
-
-
-def _part_type(part: object, where: str) -> str:
-    if not isinstance(part, dict):
-        raise RequestError(f"{where} must be an object, got {_kind(part)}")
-    part_type = part.get("type")
-    if not isinstance(part_type, str):
-        raise RequestError(f"{where}.type must be a string, got {_kind(part_type)}")
-    return part_type
-
-
-def _text_field(part: dict[str, Any], field: str, where: str) -> str:
-    text = part.get(field)
-    if not isinstance(text, str):
-        raise RequestError(f"{where}.{field} must be a string, got {_kind(text)}")
-    return text
-
-
-def _placeholder(part_type: str, part: object) -> str:
-    """A short stand-in for an image or other non-text part, named by its content's digest.
-
-    Counting a base64 image's characters as prompt would swamp every number, while one
-    shared placeholder for all images would let different images look like a cached prefix.
-    """
-    return f"<|{part_type}:{_digest(_json(part, sort_keys=True))}|>"
-
-
-def _completion_facts(body: dict[str, Any], tokenizer: Tokenizer, block_size: int) -> RequestFacts:
+def _completion_facts(
+    body: dict[str, Any], tokenizer: Tokenizer, block_size: int, memo: BlockMemo | None
+) -> RequestFacts:
     """A completion has no message structure: turn 0 and no expected hit, by definition.
 
     Its session key digests the whole prompt, so session hashing treats every distinct
     prompt as a session of its own, as the turn does.
     """
-    if "prompt" not in body:
-        raise RequestError("the request has no 'prompt'")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+    prompt = completion_prompt(body)
     if isinstance(prompt, str):
-        token_ids = np.array(tokenizer.encode(prompt), dtype=np.int64)
-    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        if min(prompt) < 0 or max(prompt) >= _TOKEN_LIMIT:
-            raise RequestError("prompt token ids must lie in [0, 2**32)")
-        token_ids = np.array(prompt, dtype=np.int64)
-    elif (
-        isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(p, str | list) for p in prompt)
-    ):
-        raise RequestError("batched prompts are not supported: send one prompt per request")
+        hashed = hash_segments([prompt], tokenizer, block_size, memo)
+        token_ids, blocks = hashed.token_parts[0].astype(np.int64), hashed.blocks
     else:
-        raise RequestError("prompt must be a string or a non-empty list of integer token ids")
+        token_ids = np.array(prompt, dtype=np.int64)
+        blocks = chain_hashes(token_ids, block_size)
     return RequestFacts(
         turn=0,
         prompt_tokens=len(token_ids),
         est_hit_tokens=0,
-        session_key=_digest(token_ids.astype("<u4").tobytes()),
-        token_ids=token_ids,
-        blocks=chain_hashes(token_ids, block_size),
+        session_key=digest(token_ids.astype("<u4").tobytes()),
+        blocks=blocks,
+        token_parts=(token_ids,),
     )
 
 
@@ -457,7 +369,7 @@ def _message_body(message: Message) -> str:
     """A message's text as the generic template and the session key see it."""
     tool_calls = message.get("tool_calls")
     if tool_calls:
-        return f"{message['content']}\n{_json(tool_calls)}"
+        return f"{message['content']}\n{to_json(tool_calls)}"
     return message["content"]
 
 
@@ -472,19 +384,4 @@ def _session_key(messages: Sequence[Message], system: str | None) -> str:
         opening.append([message["role"], _message_body(message)])
         if message["role"] == "user":
             break
-    return _digest(json.dumps(opening))
-
-
-def _json(value: object, *, sort_keys: bool = False) -> str:
-    """Compact JSON of client data; nesting too deep to serialise is the client's error."""
-    try:
-        return json.dumps(value, ensure_ascii=False, sort_keys=sort_keys)
-    except (RecursionError, ValueError) as error:
-        raise RequestError(f"cannot serialise part of the request: {error}") from None
-
-
-def _digest(data: str | bytes) -> str:
-    """16 hex digits of BLAKE2b, the same in every process (unlike ``hash()``)."""
-    if isinstance(data, str):
-        data = data.encode("utf-8", "surrogatepass")
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
+    return digest(to_json(opening))

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import (
     Api,
@@ -30,12 +32,13 @@ from smetric.core.conversation import (
     RequestFacts,
     analyze_request,
 )
+from smetric.core.parsing import decode_body
 from smetric.core.policy import ClusterView, make_policy
 from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.scrape import parse_vllm_metrics
-from smetric.serve.tokenizers import analyze_with_engine
+from smetric.serve.tokenizers import EngineTokens, analyze_with_engine
 
 log = logging.getLogger("smetric.serve")
 
@@ -63,6 +66,8 @@ class RouterSettings:
     # Scrape engines' /metrics this often (0: never) and trust a scrape this long.
     scrape_interval_s: float = 0.0
     staleness_s: float = 5.0
+    # Bound of the memo of rendered, tokenised and hashed message prefixes.
+    memo_bytes: int = 256 << 20
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -90,6 +95,9 @@ class Router:
         self.metrics = RouterMetrics(self.policy.name, [e.url for e in self.engines])
         self.metrics.registry.register(SubscriberCollector(self.subscribers))
         self.client: aiohttp.ClientSession | None = None
+        # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
+        memo_tokenizer = EngineTokens() if self.engine_tokenizer else self.tokenizer
+        self.memo = BlockMemo(memo_tokenizer, self.settings.block_size, self.settings.memo_bytes)
         # Each engine's number in the configuration, stable while others come and go.
         self._numbers = {e.url: i for i, e in enumerate(self.engines)}
 
@@ -156,9 +164,9 @@ class Router:
             return error_response(401, "missing or invalid API key", "authentication_error")
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return error_response(400, f"body is not valid JSON: {exc}")
+            body = decode_body(raw)
+        except RequestError as exc:
+            return error_response(400, str(exc))
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
         try:
@@ -198,18 +206,23 @@ class Router:
                 engine.inflight_tokens -= facts.prompt_tokens
 
     async def analyze(self, body: dict, api: Api, large: bool = False) -> RequestFacts:
-        """Facts for routing; a large prompt is rendered, tokenised and hashed in a worker
-        thread (about 20 ms at 128 k tokens) so other requests keep streaming meanwhile."""
+        """Facts for routing. A large body is analysed in a worker thread: a follow-up costs
+        about a millisecond there (the memo holds its history), but a new 128 k-token prompt
+        takes a few ms with the byte tokenizer and far more with a model's, which releases
+        the GIL while it encodes, so other requests keep streaming meanwhile."""
         bs = self.settings.block_size
         if not self.engine_tokenizer:
+            args = (body, api, self.tokenizer, bs, self.template, self.memo)
             if large:
-                return await asyncio.to_thread(
-                    analyze_request, body, api, self.tokenizer, bs, self.template
-                )
-            return analyze_request(body, api, self.tokenizer, bs, self.template)
+                return await asyncio.to_thread(analyze_request, *args)
+            return analyze_request(*args)
         assert self.client is not None
         engine = next((e for e in self.engines if e.healthy), self.engines[0])
-        return await analyze_with_engine(body, api, self.client, engine.url, bs, self.template)
+        # A router switched to engine tokenisation after it was made has no memo for it.
+        memo = self.memo if isinstance(self.memo.tokenizer, EngineTokens) else None
+        return await analyze_with_engine(
+            body, api, self.client, engine.url, bs, self.template, memo
+        )
 
     def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
         bs = self.settings.block_size
@@ -219,28 +232,29 @@ class Router:
         view = ClusterView(
             hit_tokens=hits,
             load=loads,
-            prefill_tokens=[float(e.unprefilled) for e in engines],
+            prefill_tokens=[float(e.total_unprefilled()) for e in engines],
             instance_ids=[self._numbers[e.url] for e in engines],
             # The router does not see the global tier: global_hit_tokens stays unknown.
-            token_load=[float(e.inflight_tokens) for e in engines],
+            token_load=[float(e.total_inflight_tokens()) for e in engines],
         )
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
         self.metrics.decisions.labels(decision.branch).inc()
-        log.info(
-            json.dumps(
-                {
-                    "event": "route",
-                    "engine": engine.url,
-                    "branch": decision.branch,
-                    "turn": facts.turn,
-                    "prompt_tokens": facts.prompt_tokens,
-                    "est_hit_tokens": facts.est_hit_tokens,
-                    "predicted_hit_tokens": hits[decision.instance],
-                    "loads": loads,
-                }
+        if log.isEnabledFor(logging.INFO):  # the line costs more than the decision
+            log.info(
+                json.dumps(
+                    {
+                        "event": "route",
+                        "engine": engine.url,
+                        "branch": decision.branch,
+                        "turn": facts.turn,
+                        "prompt_tokens": facts.prompt_tokens,
+                        "est_hit_tokens": facts.est_hit_tokens,
+                        "predicted_hit_tokens": hits[decision.instance],
+                        "loads": loads,
+                    }
+                )
             )
-        )
         return engine, hits[decision.instance]
 
     async def _send(
@@ -394,19 +408,26 @@ class _UsageTap:
     """Finds the cached prompt tokens an engine reports in a passing response: OpenAI's
     ``usage.prompt_tokens_details.cached_tokens`` or Anthropic's ``cache_read_input_tokens``.
 
-    Only the tail is kept: usage comes in the last JSON body or the last SSE chunks.
+    Only the last chunks are kept (at least ``KEEP`` bytes of them, since usage comes in
+    the last JSON body or the last SSE chunks) and joined once at the end, so the work per
+    chunk is proportional to the chunk, not to what is kept.
     """
 
     KEEP = 1 << 16
 
     def __init__(self) -> None:
-        self.tail = b""
+        self.chunks: deque[bytes] = deque()
+        self.kept = 0
 
     def feed(self, chunk: bytes) -> None:
-        self.tail = (self.tail + chunk)[-self.KEEP :]
+        self.chunks.append(chunk)
+        self.kept += len(chunk)
+        while self.kept - len(self.chunks[0]) >= self.KEEP:
+            self.kept -= len(self.chunks.popleft())
 
     def cached_tokens(self) -> int | None:
-        for piece in reversed(self.tail.replace(b"data: ", b"\n").split(b"\n")):
+        tail = b"".join(self.chunks)[-self.KEEP :]
+        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
             if b'"usage"' not in piece:
                 continue
             try:

@@ -13,6 +13,7 @@ the router's block ids, so the router must hash prompts with the engine's block 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,28 +23,77 @@ from smetric.core.policy import reusable_hit_tokens
 from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.scrape import EngineReport
 
+_INFLIGHT, _UNPREFILLED, _INFLIGHT_TOKENS = 0, 1, 2
+# Columns of the load table (``share_load``).
+LOAD_COLUMNS = 3
+
 
 @dataclass
 class Engine:
     url: str
     kv_blocks: int
     healthy: bool = True
-    # Requests routed here whose response has not ended: the load the policy sees.
-    inflight: int = 0
-    # Their prompt tokens: the load ``smetric_tokens`` sees.
-    inflight_tokens: int = 0
-    # Prompt tokens routed here and not yet prefilled (each request's prompt less its
-    # predicted hit, until its first token or its end): Dynamo's ``prefill_tokens`` load.
-    unprefilled: int = 0
     index: PrefixCache = field(init=False)
     # The engine's latest /metrics, when the router scrapes them.
     report: EngineReport | None = None
     # The engine's own account of its cache, from its KV events; replaces ``index``.
     events: EventIndex | None = None
 
+    # Called with the blocks of every prompt ``remember`` records (other workers learn them).
+    on_remember: Callable[[np.ndarray], None] | None = None
+
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
         self.index = PrefixCache(self.kv_blocks)
+        # Load counted here per router worker: a row per worker, this worker's is ``_row``,
+        # columns ``_INFLIGHT``, ``_UNPREFILLED`` and ``_INFLIGHT_TOKENS``. One row of its
+        # own until ``share_load`` maps in a table that every worker writes.
+        self._load = np.zeros((1, LOAD_COLUMNS), dtype=np.int64)
+        self._row = 0
+
+    @property
+    def inflight(self) -> int:
+        """Requests this worker routed here whose response has not ended."""
+        return int(self._load[self._row, _INFLIGHT])
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._load[self._row, _INFLIGHT] = value
+
+    @property
+    def unprefilled(self) -> int:
+        """Prompt tokens this worker routed here, not yet prefilled (each request's prompt
+        less its predicted hit, until its first token or its end)."""
+        return int(self._load[self._row, _UNPREFILLED])
+
+    @unprefilled.setter
+    def unprefilled(self, value: int) -> None:
+        self._load[self._row, _UNPREFILLED] = value
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Prompt tokens of the requests this worker routed here whose response has not
+        ended."""
+        return int(self._load[self._row, _INFLIGHT_TOKENS])
+
+    @inflight_tokens.setter
+    def inflight_tokens(self, value: int) -> None:
+        self._load[self._row, _INFLIGHT_TOKENS] = value
+
+    def total_inflight_tokens(self) -> int:
+        """Every worker's in-flight prompt tokens here: ``smetric_tokens``' load."""
+        return int(self._load[:, _INFLIGHT_TOKENS].sum())
+
+    def total_unprefilled(self) -> int:
+        """Every worker's unprefilled tokens here: Dynamo's ``prefill_tokens`` load."""
+        return int(self._load[:, _UNPREFILLED].sum())
+
+    def share_load(self, table: np.ndarray, row: int) -> None:
+        """Count load in ``table[row]`` (``(workers, LOAD_COLUMNS)`` int64, in memory all workers
+        share), so the load routed on is every worker's: each writes only its own row, so
+        no locks are needed."""
+        table[row] = self._load[self._row]
+        self._load, self._row = table, row
 
     def predicted_hit(self, blocks: np.ndarray, block_size: int, prompt_tokens: int) -> int:
         """Tokens this engine should find cached: whole blocks, never the whole prompt."""
@@ -69,6 +119,8 @@ class Engine:
         """
         if self.events is None:
             self.index.insert(blocks, time.monotonic())
+            if self.on_remember is not None:
+                self.on_remember(blocks)
 
     def forget(self) -> None:
         """The engine restarted (its scraped start time changed): drop the approximate
@@ -86,11 +138,13 @@ class Engine:
             self.index = PrefixCache(self.kv_blocks)
 
     def load(self, now: float, staleness_s: float) -> float:
-        """In-flight requests, raised to what the engine reports queued if that is fresh."""
+        """In-flight requests (of every worker), raised to what the engine reports queued if
+        that is fresh."""
+        inflight = float(self._load[:, _INFLIGHT].sum())
         report = self.report
         if report is None or now - report.at > staleness_s or report.queued is None:
-            return float(self.inflight)
-        return max(float(self.inflight), report.queued)
+            return inflight
+        return max(inflight, report.queued)
 
     def restarted(self, report: EngineReport) -> bool:
         """The engine process changed since the previous scrape (its start time did)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestFacts, analyze_request
 
@@ -130,22 +131,36 @@ async def analyze_with_engine(
     url: str,
     block_size: int,
     template: ChatTemplate | None = None,
+    memo: BlockMemo | None = None,
 ) -> RequestFacts:
     """``analyze_request`` with the engine at ``url`` as tokenizer, without blocking the loop.
 
     ``analyze_request`` encodes synchronously, so it runs twice: first with a tokenizer that
-    only records the texts it is asked for (the history and the rest, rendered), then, once
-    the engine has tokenised those concurrently, with one that replays the answers. Rendering
-    is pure, so both passes ask for the same texts, and all parsing, validation and fact
-    building stay in ``analyze_request``; the price is rendering twice, small beside a round
-    trip. Request errors raise ``RequestError`` from the first pass, before any I/O.
+    only records the texts it is asked for (the rendered segments), then, once the engine
+    has tokenised those concurrently, with one that replays the answers. Rendering is pure,
+    so both passes ask for the same texts, and all parsing, validation and fact building
+    stay in ``analyze_request``. With ``memo`` (made for an ``EngineTokens``), the segments
+    it holds are not sent, so a follow-up costs a round trip per new message only. Request
+    errors raise ``RequestError`` from the first pass, before any I/O.
     """
     recorder = _Recorder()
     analyze_request(body, api, recorder, block_size, template)
+    replay = EngineTokens() if memo is None else memo.tokenizer
+    if not isinstance(replay, EngineTokens):
+        raise ValueError("the memo must be made for an EngineTokens tokenizer")
     engine = EngineTokenizer(client, url)
-    answers = await asyncio.gather(*(engine.encode(text) for text in recorder.texts))
-    replay = _Replay(dict(zip(recorder.texts, answers, strict=True)), url)
-    return analyze_request(body, api, replay, block_size, template)
+    # Entries can be evicted while the engine answers; then everything is asked for.
+    for held in ([memo.held(recorder.texts)] if memo is not None else []) + [0]:
+        texts = recorder.texts[held:]
+        answers = await asyncio.gather(*(engine.encode(text) for text in texts))
+        replay.tokens = dict(zip(texts, answers, strict=True))
+        try:
+            return analyze_request(body, api, replay, block_size, template, memo)
+        except KeyError:
+            continue
+        finally:
+            replay.tokens = {}
+    raise AssertionError("unreachable: the last pass had every text")
 
 
 class _Recorder:
@@ -161,15 +176,18 @@ class _Recorder:
         return []
 
 
-class _Replay:
-    """Answers the second pass with the engine's tokens for the recorded texts."""
+class EngineTokens:
+    """The tokenizer of ``--tokenizer engine`` as the analysis sees it: it answers from the
+    engine's tokens fetched for the request being analysed (``analyze_with_engine``). One
+    per router, so that the router's memo can be made for it."""
 
-    def __init__(self, tokens: dict[str, list[int]], name: str) -> None:
-        self._tokens = tokens
-        self.name = name
+    name = "engine"
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
 
     def encode(self, text: str) -> list[int]:
-        return self._tokens[text]
+        return self.tokens[text]
 
 
 def _read_config(path: Path) -> dict[str, Any]:

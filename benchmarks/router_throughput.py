@@ -1,0 +1,200 @@
+"""Router throughput and latency with tiny and agent-sized bodies, against sglang-router.
+
+    python benchmarks/router_throughput.py [--duration 4] [--rounds 3] [--history-kb 390]
+
+Two trivial engines (``trivial_engine.py``: they read the body and answer at once) sit
+behind each router, and ``wrk`` drives every target in turn from one process, in one run:
+directly to an engine, through sglang-router's ``cache_aware`` policy, and through
+``smetric serve`` with 1 and with 2 workers. Two bodies: *tiny* (one short user message)
+and *long*, an agent's history (``agent_bodies``, ~390 KB, ~100 k tokens) plus a new user
+turn per request, as a session's next call would be. Each cell is ``--duration`` seconds at
+1 and at 32 connections, after a one-second warm-up of each body; rounds interleave the
+targets and each cell reports its median over them.
+
+Prints requests/s and mean latency per cell, then smetric (1 and 2 workers) over
+sglang-router: throughput ratio and latency ratio. Needs
+``wrk`` (``apt-get install wrk``) and ``pip install sglang-router``; without them it says
+so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+import numpy as np
+from agentic_bodies import agent_messages, chat_body
+from router_overhead import LOCALHOST, Processes, free_port, processes, wait_ready
+from router_vs_sglang import routes_chat, sglang_available, start_sglang_router
+
+HERE = Path(__file__).parent
+LUA = """
+local f = io.open("%s", "rb"); local prefix = f:read("*a"); f:close()
+f = io.open("%s", "rb"); local suffix = f:read("*a"); f:close()
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("POST", "/v1/chat/completions",
+                    {["Content-Type"] = "application/json"}, prefix .. n .. suffix)
+end
+"""
+UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    pid: int  # the process whose CPU time (its children's included) the target costs
+
+
+@dataclass(frozen=True)
+class Cell:
+    rps: float
+    latency_ms: float
+    cpu_us: float  # the target's CPU time per request: robust to other load on the machine
+
+
+def start_trivial_engine(procs: Processes) -> Target:
+    port = free_port()
+    proc = procs.start([sys.executable, str(HERE / "trivial_engine.py"), str(port)])
+    return Target(f"http://{LOCALHOST}:{port}", proc.pid)
+
+
+def start_smetric(procs: Processes, engines: list[str], workers: int) -> Target:
+    port = free_port()
+    args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--workers"]
+    args += [str(workers), "--log-level", "warning"]
+    for url in engines:
+        args += ["-e", url]
+    return Target(f"http://{LOCALHOST}:{port}", procs.start(args).pid)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of ``pid`` and its live children (forked workers)."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def write_script(folder: Path, name: str, messages: list[dict]) -> Path:
+    """A wrk script sending ``messages`` plus a user turn numbered per request."""
+    marker = "@@N@@"
+    body = json.dumps(chat_body([*messages, {"role": "user", "content": f"next {marker}"}]))
+    prefix, suffix = body.split(marker)
+    (folder / f"{name}.prefix").write_text(prefix)
+    (folder / f"{name}.suffix").write_text(suffix)
+    script = folder / f"{name}.lua"
+    script.write_text(LUA % (folder / f"{name}.prefix", folder / f"{name}.suffix"))
+    return script
+
+
+def median_cell(cells: list[Cell]) -> Cell:
+    """Each number's median over rounds."""
+    return Cell(*(float(np.median(values)) for values in zip(*map(astuple, cells), strict=True)))
+
+
+def wrk(target: Target, script: Path, connections: int, seconds: int) -> Cell:
+    """One wrk run against ``target``; non-2xx replies fail the run."""
+    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), target.url]
+    cpu = cpu_seconds(target.pid)
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    cpu = cpu_seconds(target.pid) - cpu
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise RuntimeError(f"{target.url}: errors under load:\n{out}")
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
+    value, unit = re.search(r"Latency\s+([\d.]+)(us|ms|s)", out).groups()
+    return Cell(rps, float(value) * UNITS[unit], cpu / max(requests, 1) * 1e6)
+
+
+async def targets(procs: Processes) -> dict[str, Target]:
+    engines = [start_trivial_engine(procs) for _ in range(2)]
+    urls = [e.url for e in engines]
+    await wait_ready(urls)
+    sglang = start_sglang_router(procs, urls)
+    found = {"direct": engines[0], "sglang": Target(sglang, procs.procs[-1].pid)}
+    for workers in (1, 2):
+        found[f"smetric x{workers}"] = start_smetric(procs, urls, workers)
+    for target in found.values():
+        await routes_chat(target.url)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=int, default=4)
+    parser.add_argument("--history-kb", type=int, default=390)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if not sglang_available() or shutil.which("wrk") is None:
+        print("needs wrk (apt-get install wrk) and sglang-router (pip install sglang-router)")
+        return
+    t0 = time.perf_counter()
+    history = agent_messages(args.history_kb * 1000)
+    with tempfile.TemporaryDirectory() as tmp, processes() as procs:
+        folder = Path(tmp)
+        bodies = {"tiny": write_script(folder, "tiny", [])}
+        bodies["long"] = write_script(folder, "long", history)
+        size = (folder / "long.prefix").stat().st_size // 1000
+        urls = asyncio.run(targets(procs))
+        for script in bodies.values():
+            for url in urls.values():
+                wrk(url, script, 32, 1)  # warm-up: connections, caches, the memo
+        # Rounds interleave the targets, so that a burst of other load hits them all alike.
+        runs: dict[tuple[str, int, str], list[Cell]] = {}
+        for _ in range(args.rounds):
+            for body, script in bodies.items():
+                for connections in (1, 32):
+                    for name, url in urls.items():
+                        cell = wrk(url, script, connections, args.duration)
+                        runs.setdefault((body, connections, name), []).append(cell)
+    results = {key: median_cell(cells) for key, cells in runs.items()}
+    print(
+        f"\n2 trivial engines; wrk -t1, {args.duration} s per cell, median of {args.rounds} "
+        f"rounds; long = {size} KB; req/s and mean latency per cell; smetric over sglang: "
+        "req/s ratio and latency ratio"
+    )
+    print(
+        f"{'body':<6}{'c':>4}"
+        + "".join(f"{n:>21}" for n in urls)
+        + "".join(f"{n + ' / sglang':>20}" for n in ("x1", "x2"))
+    )
+    for body in bodies:
+        for connections in (1, 32):
+            row = [results[body, connections, n] for n in urls]
+            cells = "".join(f"{c.rps:>9.0f} {c.latency_ms:>8.2f} ms" for c in row)
+            theirs = results[body, connections, "sglang"]
+            ratios = ""
+            for workers in (1, 2):
+                ours = results[body, connections, f"smetric x{workers}"]
+                ratios += (
+                    f"{ours.rps / theirs.rps:>12.2f}x {ours.latency_ms / theirs.latency_ms:>5.2f}x"
+                )
+            print(f"{body:<6}{connections:>4}{cells}{ratios}")
+    print("\nCPU time per request of each target (its processes, at 32 connections), us")
+    print(f"{'body':<6}" + "".join(f"{n:>14}" for n in urls))
+    for body in bodies:
+        print(f"{body:<6}" + "".join(f"{results[body, 32, n].cpu_us:>14.0f}" for n in urls))
+    print(f"total time {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Anthropic Messages: a top-level ``system`` and user/assistant ``messages`` of blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smetric.core.parsing import (
+    Message,
+    RequestError,
+    kind,
+    message_list,
+    part_type,
+    placeholder,
+    text_field,
+    to_json,
+)
+
+
+def anthropic_system(system: object) -> str | None:
+    """The top-level prompt as text; an empty one counts as none."""
+    text = anthropic_content(system, "system", nested=False) if system is not None else ""
+    return text or None
+
+
+def anthropic_messages(body: dict[str, Any]) -> list[Message]:
+    messages: list[Message] = []
+    for i, message in enumerate(message_list(body)):
+        where = f"messages[{i}]"
+        if message["role"] not in ("user", "assistant"):
+            raise RequestError(
+                f"{where}.role must be 'user' or 'assistant', got {message['role']!r}"
+            )
+        if "content" not in message:
+            raise RequestError(f"{where} has no content")
+        content = anthropic_content(message["content"], f"{where}.content", nested=False)
+        messages.append({"role": message["role"], "content": content})
+    return messages
+
+
+def anthropic_content(content: object, where: str, *, nested: bool) -> str:
+    """Blocks as text: text and thinking verbatim, a tool call as its JSON, a tool result as
+    its own content; anything else (images, documents) as a placeholder.
+
+    ``nested`` is set inside a tool result, whose content holds only leaf blocks, so that no
+    body can recurse deeper than one level.
+    """
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of blocks, got {kind(content)}")
+    texts = []
+    for j, block in enumerate(content):
+        here = f"{where}[{j}]"
+        block_type = part_type(block, here)
+        if block_type == "text":
+            texts.append(text_field(block, "text", here))
+        elif block_type == "thinking":
+            texts.append(text_field(block, "thinking", here))
+        elif block_type == "tool_use":
+            texts.append(to_json({"name": block.get("name"), "input": block.get("input")}))
+        elif block_type == "tool_result" and not nested:
+            inner = block.get("content")
+            texts.append("" if inner is None else anthropic_content(inner, here, nested=True))
+        else:
+            texts.append(placeholder(block_type, block))
+    return "\n".join(texts)

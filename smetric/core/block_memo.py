@@ -1,0 +1,176 @@
+"""A rendered prompt's tokens and block ids, segment by segment, memoised by content.
+
+Agents resend their whole conversation on every call, so nearly all of a follow-up's prompt
+was rendered, tokenised and hashed when the previous turn passed through the router. A
+prompt is therefore handled as a sequence of segments (the rendered messages, cut where
+tokenisation restarts) and ``BlockMemo`` remembers what each distinct run of leading
+segments adds: its tokens and the block ids completed by them. A follow-up then costs a
+lookup per earlier message and real work only for the new ones.
+
+The memo is keyed by content, not by session: an entry's key is the exact text of its
+segment and the entry for the segments before it, so two conversations share entries
+exactly as far as their texts agree, any replica builds the same entries from the same
+bodies, and nothing is ever looked up by a session id. It is bounded in bytes and evicts
+least recently used entries; a lost entry only costs recomputation.
+
+Each segment is encoded on its own with or without the memo, so memoised and uncached
+results are equal by construction, which the tests check on arbitrary conversations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from smetric.core.blocks import Tokenizer, chain_hashes, token_array
+
+_EMPTY_TOKENS = np.empty(0, dtype=np.uint32)
+_EMPTY_BLOCKS = np.empty(0, dtype=np.int64)
+# Beside its arrays and text, what an entry costs: the node, the key tuple, the dict slot.
+_ENTRY_OVERHEAD = 400
+_ids = itertools.count(1)
+
+
+class _Node(NamedTuple):
+    """What a run of leading segments ends with: its last segment's tokens and new blocks,
+    the running token count, and the chain state the next segment continues from."""
+
+    # Unique for the process and never reused, so a key naming an evicted parent can never
+    # be matched by a new entry.
+    id: int
+    tokens: np.ndarray
+    blocks: np.ndarray
+    end: int
+    last: int | None  # id of the last full block so far, None before the first
+    tail: np.ndarray  # tokens after the last full block, fewer than a block
+    nbytes: int
+
+    def extend(self, text: str, tokenizer: Tokenizer, block_size: int) -> _Node:
+        """The node for this node's segments followed by ``text``."""
+        tokens = token_array(tokenizer.encode(text))
+        data = np.concatenate((self.tail, tokens)) if len(self.tail) else tokens
+        blocks = chain_hashes(data, block_size, parent=self.last)
+        last = int(blocks[-1]) if len(blocks) else self.last
+        return _node(
+            tokens.astype(np.uint32),
+            blocks,
+            self.end + len(tokens),
+            last,
+            data[len(blocks) * block_size :].astype(np.uint32),
+            sys.getsizeof(text),
+        )
+
+
+def _node(
+    tokens: np.ndarray,
+    blocks: np.ndarray,
+    end: int,
+    last: int | None,
+    tail: np.ndarray,
+    text_bytes: int,
+) -> _Node:
+    nbytes = tokens.nbytes + blocks.nbytes + tail.nbytes + text_bytes + _ENTRY_OVERHEAD
+    return _Node(next(_ids), tokens, blocks, end, last, tail, nbytes)
+
+
+_ROOT = _node(_EMPTY_TOKENS, _EMPTY_BLOCKS, 0, None, _EMPTY_TOKENS, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """A prompt's tokens (uint32, one array per segment), its block ids, and the token
+    count after each segment."""
+
+    token_parts: list[np.ndarray]
+    blocks: np.ndarray
+    ends: list[int]
+
+
+class BlockMemo:
+    """Bounded LRU of segment runs for one tokenizer and block size; safe across threads.
+
+    A run's entries are touched from its last segment back to its first, so an entry is
+    never older than the entries after it and eviction takes the ends of runs first.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, block_size: int, max_bytes: int = 256 << 20) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[tuple[int, str], _Node] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def held(self, segments: Sequence[str]) -> int:
+        """How many leading ``segments`` the memo holds (they need no encoding)."""
+        return len(self._known(segments))
+
+    def _known(self, segments: Sequence[str]) -> list[_Node]:
+        """The entries of the longest run of leading segments held."""
+        found: list[_Node] = []
+        parent = _ROOT.id
+        with self._lock:
+            for text in segments:
+                node = self._entries.get((parent, text))
+                if node is None:
+                    break
+                found.append(node)
+                parent = node.id
+        return found
+
+    def _keep(self, segments: Sequence[str], nodes: list[_Node], known: int) -> None:
+        """Add the new entries of a run, touch the whole run, evict down to the bound."""
+        keys = [(parent.id, text) for parent, text in zip([_ROOT, *nodes], segments, strict=False)]
+        entries = self._entries
+        with self._lock:
+            self.hits += known
+            self.misses += len(nodes) - known
+            for key, node in zip(keys[known:], nodes[known:], strict=True):
+                if key not in entries and node.nbytes <= self.max_bytes:
+                    entries[key] = node
+                    self.nbytes += node.nbytes
+            for key in reversed(keys):
+                if key in entries:
+                    entries.move_to_end(key)
+            while self.nbytes > self.max_bytes:
+                _, node = entries.popitem(last=False)
+                self.nbytes -= node.nbytes
+
+
+def hash_segments(
+    segments: Sequence[str], tokenizer: Tokenizer, block_size: int, memo: BlockMemo | None = None
+) -> PromptBlocks:
+    """Tokens and chained block ids of ``"".join(segments)``, each segment encoded alone.
+
+    With ``memo`` (made for the same tokenizer and block size) the leading segments it holds
+    are not encoded or hashed again, and the new ones are remembered; the result is the same.
+    """
+    if memo is not None and (memo.tokenizer is not tokenizer or memo.block_size != block_size):
+        raise ValueError("the memo was made for another tokenizer or block size")
+    nodes = [] if memo is None else memo._known(segments)
+    known = len(nodes)
+    node = nodes[-1] if nodes else _ROOT
+    for text in segments[known:]:
+        node = node.extend(text, tokenizer, block_size)
+        nodes.append(node)
+    if memo is not None:
+        memo._keep(segments, nodes, known)
+    if not nodes:
+        return PromptBlocks([_EMPTY_TOKENS], _EMPTY_BLOCKS.copy(), [0])
+    return PromptBlocks(
+        [n.tokens for n in nodes], np.concatenate([n.blocks for n in nodes]), [n.end for n in nodes]
+    )

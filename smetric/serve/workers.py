@@ -1,0 +1,191 @@
+"""``smetric serve --workers N``: N router processes on one port, deciding alike.
+
+One Python process decides on one core; agent bodies are large enough that the router
+needs them all. Each worker is a forked copy of the configured router listening on the same
+port with ``SO_REUSEPORT``, so the kernel spreads connections over them, and each stays a
+stateless replica (DESIGN.md): what they must agree on is load and the KV view, not
+sessions.
+
+- **Load.** Every engine's in-flight requests and unprefilled tokens live in an anonymous
+  shared mapping made before the fork, one row per worker (``Engine.share_load``): a
+  worker writes only its row, and the load it routes on is the sum over rows, so all
+  workers see every request.
+- **KV view.** With KV events each worker subscribes to the engines itself. The router's
+  own index learns only what its worker routed, so every worker sends the blocks it
+  records to its peers over Unix datagram sockets (``PeerViews``) and inserts theirs: a
+  follow-up finds its prefix whichever worker the previous turn went through. Delivery is
+  best effort: a dropped message only makes the view approximate, as it always is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import mmap
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+from aiohttp import web
+
+from smetric.serve.app import Router
+from smetric.serve.engines import LOAD_COLUMNS, Engine
+
+log = logging.getLogger("smetric.serve")
+
+# A datagram carries at most this many blocks (the leading ones: still a valid prefix).
+_MAX_BLOCKS = 1 << 16
+_BUFFER_BYTES = 8 << 20
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (it roughly halves the HTTP overhead), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def serve(router: Router, host: str, port: int, workers: int = 1) -> None:
+    """Serve ``router`` on ``host:port`` with ``workers`` processes until SIGINT or SIGTERM."""
+    if workers == 1:
+        _run(router.app(), host, port, reuse_port=False)
+    else:
+        _fork_workers(router, host, port, workers)
+
+
+def _run(app: web.Application, host: str, port: int, reuse_port: bool) -> None:
+    # What exists by now (modules, the configuration) lives as long as the process: left
+    # out of the collector's full passes, which otherwise cost milliseconds every few
+    # hundred requests (the p99 of a decision).
+    gc.freeze()
+    # A client that goes away cancels its handler, so its request stops counting at once.
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        reuse_port=reuse_port,
+        loop=new_event_loop(),
+    )
+
+
+class PeerViews:
+    """Each worker's datagram socket; what one worker's engines remember, the others insert."""
+
+    def __init__(self, workers: int) -> None:
+        tag = f"smetric-{os.getpid()}-{time.monotonic_ns()}"
+        self.addresses = [f"\0{tag}-{w}" for w in range(workers)]
+        self.sockets = []
+        for address in self.addresses:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER_BYTES)
+            sock.setblocking(False)
+            sock.bind(address)
+            self.sockets.append(sock)
+
+    def join(
+        self, engines: list[Engine], worker: int
+    ) -> Callable[[web.Application], AsyncIterator[None]]:
+        """Wire ``engines`` to the peers as worker ``worker``; returns the app's cleanup
+        context that reads the peers' messages while the app runs."""
+        own = self.sockets[worker]
+        peers = [a for w, a in enumerate(self.addresses) if w != worker]
+        for number, engine in enumerate(engines):
+            engine.on_remember = self._sender(own, peers, number)
+
+        async def receive(app: web.Application) -> AsyncIterator[None]:
+            loop = asyncio.get_running_loop()
+            loop.add_reader(own.fileno(), self._receive, own, engines)
+            yield
+            loop.remove_reader(own.fileno())
+
+        return receive
+
+    @staticmethod
+    def _sender(own: socket.socket, peers: list[str], number: int) -> Callable[[np.ndarray], None]:
+        header = number.to_bytes(2, "little")
+
+        def send(blocks: np.ndarray) -> None:
+            message = header + blocks[:_MAX_BLOCKS].astype("<i8").tobytes()
+            for address in peers:
+                with contextlib.suppress(OSError):  # a full buffer drops the message
+                    own.sendto(message, address)
+
+        return send
+
+    @staticmethod
+    def _receive(own: socket.socket, engines: list[Engine]) -> None:
+        now = time.monotonic()
+        for _ in range(64):  # bounded: let requests run between bursts
+            try:
+                message = own.recv(_BUFFER_BYTES)
+            except BlockingIOError:
+                return
+            number = int.from_bytes(message[:2], "little")
+            if number < len(engines) and engines[number].events is None:
+                engines[number].index.insert(np.frombuffer(message[2:], dtype="<i8"), now)
+
+
+def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
+    """Fork ``workers`` copies of ``router`` onto ``host:port``; stop them all on SIGINT or
+    SIGTERM, or when any of them exits."""
+    if any(s.bind for s in router.subscribers.values()):
+        raise ValueError(
+            "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
+            "let the engines bind (tcp://*:port) and give 'bind: false'"
+        )
+    engines = router.engines
+    shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * workers * len(engines))  # MAP_SHARED: survives fork
+    load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), LOAD_COLUMNS)
+    peers = PeerViews(workers)
+    children = []
+    for worker in range(workers):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 0
+            try:
+                for number, engine in enumerate(engines):
+                    engine.share_load(load[:, number], worker)
+                app = router.app()
+                app.cleanup_ctx.append(peers.join(engines, worker))
+                _run(app, host, port, reuse_port=True)
+            except BaseException:
+                log.exception("router worker %d failed", worker)
+                code = 1
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        children.append(pid)
+    _supervise(children)
+
+
+def _supervise(children: list[int]) -> None:
+    """Wait for the workers; a signal or the first to exit stops the others."""
+
+    def stop(signum: int, frame: object) -> None:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    status = 0
+    pid, status = os.wait()
+    stop(signal.SIGTERM, None)
+    for other in children:
+        if other != pid:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(other, 0)
+    if os.waitstatus_to_exitcode(status) not in (0, -signal.SIGTERM):
+        raise SystemExit(1)

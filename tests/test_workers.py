@@ -1,0 +1,177 @@
+"""``smetric serve --workers N`` on loopback: one port, every worker seeing every worker's
+load and routed prefixes."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from smetric.serve.app import ENGINE_HEADER
+from smetric.serve.engines import LOAD_COLUMNS, Engine
+
+COMPLETION = {
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_load_is_summed_over_workers_in_shared_memory() -> None:
+    shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * 2)
+    table = np.frombuffer(shared, dtype=np.int64).reshape(2, LOAD_COLUMNS)
+    engine = Engine("http://127.0.0.1:1", 16)
+    engine.inflight = 1  # counted before the table is shared: moves along
+    pid = os.fork()
+    if pid == 0:  # another worker's view of the same engine counts in its own row only
+        other = Engine("http://127.0.0.1:1", 16)
+        other.share_load(table, 1)
+        other.inflight += 3
+        other.unprefilled += 500
+        other.inflight_tokens += 7000
+        os._exit(0)
+    os.waitpid(pid, 0)
+    engine.share_load(table, 0)
+    engine.unprefilled += 20
+    engine.inflight_tokens += 900
+    assert (engine.inflight, engine.unprefilled, engine.inflight_tokens) == (1, 20, 900)
+    assert engine.load(time.monotonic(), 5.0) == 4.0
+    assert engine.total_unprefilled() == 520
+    assert engine.total_inflight_tokens() == 7900
+    engine.inflight -= 1
+    assert table.tolist() == [[0, 20, 900], [3, 500, 7000]]
+
+
+class HoldingEngine:
+    """An engine that keeps completions open until released and counts what it got."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.release = asyncio.Event()
+
+    async def complete(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.received += 1
+        await self.release.wait()
+        return web.json_response(COMPLETION)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def start(self) -> tuple[web.AppRunner, str]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_get("/health", self.health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner, f"http://127.0.0.1:{port}"
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+async def post(url: str, messages: list[dict]) -> aiohttp.ClientResponse:
+    """One request on a fresh connection, so the kernel may pick any worker."""
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client,
+        client.post(url + "/v1/chat/completions", json={"messages": messages}) as reply,
+    ):
+        await reply.read()
+        return reply
+
+
+async def until(condition: object, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def scenario() -> None:
+    engines = [HoldingEngine(), HoldingEngine()]
+    started = [await e.start() for e in engines]
+    urls = [url for _, url in started]
+    port = free_port()
+    args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--workers", "2"]
+    args += ["--log-level", "warning", "--health-interval", "0.2", "-e", urls[0], "-e", urls[1]]
+    router = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as client:
+
+            async def ready() -> bool:
+                try:
+                    async with client.get(url + "/health") as reply:
+                        return reply.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            deadline = time.monotonic() + 30
+            while not await ready():
+                assert router.poll() is None, router.stderr.read().decode()  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "router did not start"
+                await asyncio.sleep(0.1)
+        assert len(children_of(router.pid)) == 2
+
+        # First turns go to the least loaded engine. Each is held open, and each arrives on
+        # a new connection, at whichever worker: only if every worker sees the requests the
+        # others routed do the engines stay level.
+        sessions = [[{"role": "user", "content": f"task {i} " + "x" * 200}] for i in range(6)]
+        pending = []
+        for i, messages in enumerate(sessions):
+            pending.append(asyncio.create_task(post(url, messages)))
+            await until(lambda i=i: sum(e.received for e in engines) == i + 1)
+            assert abs(engines[0].received - engines[1].received) <= 1
+        for engine in engines:
+            engine.release.set()
+        replies = await asyncio.gather(*pending)
+        assert all(r.status == 200 for r in replies)
+        first = replies[0].headers[ENGINE_HEADER]
+
+        # Follow-ups of the first session, on fresh connections: each finds the prefix on
+        # the engine that served it, whichever worker routed the earlier turns.
+        history = sessions[0]
+        for turn in range(6):
+            history = [*history, {"role": "assistant", "content": "ok"}]
+            history.append({"role": "user", "content": f"and then {turn}"})
+            reply = await post(url, history)
+            assert reply.status == 200
+            assert reply.headers[ENGINE_HEADER] == first
+    finally:
+        for engine in engines:
+            engine.release.set()
+        router.terminate()
+        router.wait(10)
+        for runner, _ in started:
+            await runner.cleanup()
+    assert router.returncode == 0
+
+
+def test_two_workers_share_one_port_their_load_and_their_view() -> None:
+    asyncio.run(scenario())
