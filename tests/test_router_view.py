@@ -133,14 +133,15 @@ def test_prefill_tokens_counts_unprefilled_tokens_until_the_first_token() -> Non
         busy, idle = router.engines if home == router.engines[0].url else router.engines[::-1]
         holder = held[router.engines.index(busy)]
         # A long request extending the session's prefix lands on its home and is held
-        # in prefill there.
+        # in prefill there (the router answers the client at the first chunk).
         long = conversation(1, "HOLD " + "new context " * 400)
-        payload = {"model": "m", "messages": long, "stream": True}
-        response = await client.post(url + "/v1/chat/completions", json=payload)
-        assert response.headers["x-smetric-engine"] == busy.url
-        predicted = int(response.headers["x-smetric-predicted-hit-tokens"])
+        facts = analyze_request({"messages": long}, "chat", ByteTokenizer(), BS)
+        predicted = busy.predicted_hit(facts.blocks, BS, facts.prompt_tokens)
         assert predicted > 0
         queued = prompt_tokens(long) - predicted
+        payload = {"model": "m", "messages": long, "stream": True}
+        sent = asyncio.create_task(client.post(url + "/v1/chat/completions", json=payload))
+        await eventually(lambda: busy.inflight == 1)
         assert (busy.unprefilled, busy.inflight, idle.unprefilled) == (queued, 1, 0)
         async with client.get(url + "/metrics") as metrics:
             text = await metrics.text()
@@ -154,6 +155,9 @@ def test_prefill_tokens_counts_unprefilled_tokens_until_the_first_token() -> Non
         assert await chat(client, url, follow_up) == idle.url
 
         holder.first_token.set()  # the first token: prefilled, still in flight
+        response = await sent
+        assert response.headers["x-smetric-engine"] == busy.url
+        assert int(response.headers["x-smetric-predicted-hit-tokens"]) == predicted
         assert (await response.content.readline()).startswith(b"data: ")
         await eventually(lambda: busy.unprefilled == 0)
         assert busy.inflight == 1
@@ -168,10 +172,10 @@ def test_prefill_tokens_counts_unprefilled_tokens_until_the_first_token() -> Non
 def test_unprefilled_tokens_come_back_when_the_client_leaves_before_the_first_token() -> None:
     async def body(client, url, router: Router, held: list[HeldEngine]) -> None:
         payload = {"model": "m", "messages": conversation(0, "HOLD " + "x " * 300)}
-        response = await client.post(url + "/v1/chat/completions", json=payload)
-        engine = next(e for e in router.engines if e.url == response.headers["x-smetric-engine"])
-        assert engine.unprefilled > 0
-        response.close()  # gone before the first token
+        sent = asyncio.create_task(client.post(url + "/v1/chat/completions", json=payload))
+        engine = router.engines[0]
+        await eventually(lambda: engine.unprefilled > 0)
+        sent.cancel()  # gone before the first token
         await eventually(lambda: engine.unprefilled == 0)
 
     asyncio.run(with_held_engines(1, "least_load", body))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -65,6 +66,45 @@ def engines_from(
     return engines, subscribers
 
 
+# What a config's ``router:`` section may set: the limits, timeouts and passive health.
+# The flags of the same names win over it.
+TUNABLE = (
+    "max_body_bytes",
+    "max_prompt_tokens",
+    "analysis_threads",
+    "connect_timeout_s",
+    "first_byte_timeout_s",
+    "idle_timeout_s",
+    "retries",
+    "eject_after",
+    "eject_backoff_s",
+    "eject_backoff_max_s",
+    "open_metrics",
+)
+
+
+def router_options(config: Path | None) -> dict[str, Any]:
+    """The ``router:`` section of the YAML config, checked against ``RouterSettings``."""
+    if config is None:
+        return {}
+    try:
+        data = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{config}: cannot read YAML: {exc}") from exc
+    section = data.get("router", {}) if isinstance(data, dict) else {}
+    if not isinstance(section, dict):
+        raise ValueError(f"{config}: 'router:' must map settings to values")
+    types = {f.name: type(getattr(RouterSettings(), f.name)) for f in fields(RouterSettings)}
+    for key, value in section.items():
+        if key not in TUNABLE:
+            raise ValueError(f"{config}: unknown router setting {key!r}; one of {TUNABLE}")
+        wanted = types[key]
+        fits = isinstance(value, wanted) or (wanted is float and type(value) is int)
+        if not fits or isinstance(value, bool) != (wanted is bool) or value < 0:
+            raise ValueError(f"{config}: router.{key} must be a non-negative {wanted.__name__}")
+    return dict(section)
+
+
 @app.command()
 def serve(
     engine: Annotated[
@@ -87,7 +127,62 @@ def serve(
         typer.Option(help="KV blocks per engine for the router's prefix index.", min=1),
     ] = 16384,
     api_key: Annotated[
-        list[str] | None, typer.Option("--api-key", help="Accepted client key (repeatable).")
+        list[str] | None,
+        typer.Option(
+            "--api-key",
+            help="Accepted client key (repeatable); then every route but /health needs one, "
+            "as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+        ),
+    ] = None,
+    open_metrics: Annotated[
+        bool | None,
+        typer.Option("--open-metrics", help="Let /metrics answer without a key (scrapers)."),
+    ] = None,
+    first_byte_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds to wait for an engine's response headers (a non-streaming "
+            "reply's come at its end) or a stream's first chunk; then the request is "
+            "retried elsewhere. Default: 300.",
+            min=0.001,
+        ),
+    ] = None,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds an engine may go silent mid-response before it is cut off. Default: 60.",
+            min=0.001,
+        ),
+    ] = None,
+    retries: Annotated[
+        int | None,
+        typer.Option(
+            help="Other engines to try for a request that failed before the client got "
+            "any byte (refused connections do not count). Default: 2.",
+            min=0,
+        ),
+    ] = None,
+    eject_after: Annotated[
+        int | None,
+        typer.Option(
+            help="Failed requests (5xx, garbage, timeouts) in a row that eject an engine "
+            "for a backoff doubling from --eject-backoff. Default: 3.",
+            min=1,
+        ),
+    ] = None,
+    eject_backoff: Annotated[
+        float | None, typer.Option(help="First ejection's seconds. Default: 5.", min=0.0)
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None, typer.Option(help="Largest request body. Default: 32 MiB.", min=1)
+    ] = None,
+    max_prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Longest prompt analysed, in tokens; longer ones get a 400 before they "
+            "are tokenised. Default: the engines' max_model_len from /v1/models.",
+            min=1,
+        ),
     ] = None,
     health_interval: Annotated[
         float, typer.Option(help="Seconds between health checks.", min=0.05)
@@ -127,9 +222,25 @@ def serve(
 
     First turns go where load is lowest; follow-ups go where their prefix is cached, unless
     that engine is overloaded or has evicted it. One JSON log line per decision.
+
+    A request that fails before the client got any byte (engine refused, stalled, answered
+    5xx or garbage) is retried on another engine, so it may run twice (at-least-once); the
+    YAML config's 'router:' section may set the limits, timeouts and ejection settings.
     """
     with user_errors():
         engines, subscribers = engines_from(engine or [], config, kv_blocks, block_size)
+        options = router_options(config)
+        flags = {
+            "open_metrics": open_metrics,
+            "first_byte_timeout_s": first_byte_timeout,
+            "idle_timeout_s": idle_timeout,
+            "retries": retries,
+            "eject_after": eject_after,
+            "eject_backoff_s": eject_backoff,
+            "max_body_bytes": max_body_bytes,
+            "max_prompt_tokens": max_prompt_tokens,
+        }
+        options.update({name: value for name, value in flags.items() if value is not None})
         by_engine = tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
         router = Router(
@@ -141,6 +252,7 @@ def serve(
                 health_interval_s=health_interval,
                 scrape_interval_s=scrape_interval,
                 staleness_s=staleness,
+                **options,
             ),
             tokenizer=encoder,
             template=template,

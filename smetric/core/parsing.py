@@ -121,7 +121,9 @@ def decode_body(raw: bytes) -> object:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError:
         pass
+    except RecursionError:
+        raise RequestError("body is not valid JSON: nested too deeply") from None
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, huge ints
         raise RequestError(f"body is not valid JSON: {exc}") from None

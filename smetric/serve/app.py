@@ -4,7 +4,12 @@ Each request is analysed from its body alone (turn, expected hit, prompt blocks;
 table), the policy picks an engine from the view the simulator also builds (local prefix
 hit per engine from the router's own index, in-flight requests as load), and the response
 streams back chunk by chunk as the engine sends it. A request counts as in flight from the
-moment it is routed until its response ends, fails or the client goes away.
+moment it is routed until its response ends, fails or the client goes away
+(``serve.upstream``).
+
+A request that fails before any byte reached the client (the engine refused, stalled,
+answered 5xx or garbage) is retried on another engine, so it may run more than once
+(at-least-once); once the client has bytes, a failure ends the response with an error.
 """
 
 from __future__ import annotations
@@ -34,11 +39,16 @@ from smetric.core.conversation import (
 )
 from smetric.core.parsing import decode_body
 from smetric.core.policy import ClusterView, make_policy
-from smetric.serve.engines import Engine, QueuedPrefill
+from smetric.serve.auth import require_key
+from smetric.serve.engines import Engine
+from smetric.serve.errors import engine_error, error_body, error_response, errors_as_json
 from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.limits import BYTES_PER_TOKEN, BodyError, CappedTokenizer, decoded_body
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
+from smetric.serve.outliers import OutlierDetector
 from smetric.serve.scrape import parse_vllm_metrics
 from smetric.serve.tokenizers import EngineTokens, analyze_with_engine
+from smetric.serve.upstream import Attempt, EngineFault, Timeouts
 
 log = logging.getLogger("smetric.serve")
 
@@ -60,20 +70,30 @@ class RouterSettings:
     policy: str = "smetric"
     block_size: int = 16
     api_keys: frozenset[str] = frozenset()
+    # Let scrapers read /metrics without a key (every other route but /health needs one).
+    open_metrics: bool = False
     health_interval_s: float = 2.0
     max_body_bytes: int = 32 << 20
+    # Longest prompt, in tokens, the router analyses; 0: the largest max_model_len the
+    # engines' /v1/models report, once one does.
+    max_prompt_tokens: int = 0
+    # Large prompts analysed at once in worker threads (each holds its tokens meanwhile).
+    analysis_threads: int = 2
     connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = Timeouts.first_byte_s
+    idle_timeout_s: float = Timeouts.idle_s
+    # Tries on other engines for a request that failed before the client got any byte.
+    retries: int = 2
+    # Passive health: this many failed requests in a row eject an engine, for a backoff
+    # that doubles with each ejection until a request succeeds there again.
+    eject_after: int = 3
+    eject_backoff_s: float = 5.0
+    eject_backoff_max_s: float = 300.0
     # Scrape engines' /metrics this often (0: never) and trust a scrape this long.
     scrape_interval_s: float = 0.0
     staleness_s: float = 5.0
     # Bound of the memo of rendered, tokenised and hashed message prefixes.
     memo_bytes: int = 256 << 20
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    """An OpenAI-style error body, so clients' SDKs surface the message."""
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status)
 
 
 @dataclass
@@ -95,6 +115,18 @@ class Router:
         self.metrics = RouterMetrics(self.policy.name, [e.url for e in self.engines])
         self.metrics.registry.register(SubscriberCollector(self.subscribers))
         self.client: aiohttp.ClientSession | None = None
+        settings = self.settings
+        self.timeouts = Timeouts(
+            settings.connect_timeout_s, settings.first_byte_timeout_s, settings.idle_timeout_s
+        )
+        self.outliers = OutlierDetector(
+            settings.eject_after, settings.eject_backoff_s, settings.eject_backoff_max_s
+        )
+        self._analysis_slots = asyncio.Semaphore(settings.analysis_threads)
+        # The longest context each engine's /v1/models reported (0: it reports none).
+        self.context_lengths: dict[str, int] = {}
+        # A message too long for any engine is refused before it is tokenised.
+        self.tokenizer = CappedTokenizer(self.tokenizer, self.max_prompt_tokens)
         # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
         memo_tokenizer = EngineTokens() if self.engine_tokenizer else self.tokenizer
         self.memo = BlockMemo(memo_tokenizer, self.settings.block_size, self.settings.memo_bytes)
@@ -104,8 +136,11 @@ class Router:
     # -- application --------------------------------------------------------------------
 
     def app(self) -> web.Application:
+        open_paths = {"/health", "/metrics"} if self.settings.open_metrics else {"/health"}
         app = web.Application(
-            client_max_size=self.settings.max_body_bytes, middlewares=[self._errors]
+            client_max_size=self.settings.max_body_bytes,
+            middlewares=[errors_as_json, require_key(self.settings.api_keys, open_paths)],
+            handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
         for path, api in _ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
@@ -117,7 +152,11 @@ class Router:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
-        self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        # No cap on connections (aiohttp's default is 100): a hidden queue in the router
+        # would hold requests past their first-byte timeout and blame healthy engines.
+        self.client = aiohttp.ClientSession(
+            timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
+        )
         for subscriber in self.subscribers.values():
             await subscriber.start()
         tasks = [asyncio.create_task(self._check_health_forever())]
@@ -132,18 +171,6 @@ class Router:
             await subscriber.close()
         await self.client.close()
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Whatever goes wrong answers in OpenAI's error shape, with the right 4xx."""
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(413, "request body too large")
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return error_response(exc.status, exc.reason)
-
     # -- proxying ------------------------------------------------------------------------
 
     def _handler(self, path: str, api: Api) -> Any:
@@ -152,17 +179,11 @@ class Router:
 
         return handle
 
-    def _authorised(self, request: web.Request) -> bool:
-        if not self.settings.api_keys:
-            return True
-        header = request.headers.get("Authorization", "")
-        key = header.removeprefix("Bearer ").strip() or request.headers.get("x-api-key", "")
-        return key in self.settings.api_keys
-
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
-        if not self._authorised(request):
-            return error_response(401, "missing or invalid API key", "authentication_error")
-        raw = await request.read()
+        try:
+            raw = await self._read_body(request)
+        except BodyError as exc:
+            return error_response(exc.status, str(exc))
         try:
             body = decode_body(raw)
         except RequestError as exc:
@@ -174,47 +195,34 @@ class Router:
         except RequestError as exc:
             return error_response(400, str(exc))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            return error_response(502, f"tokenising with the engine failed: {exc}", "server_error")
+            return error_response(502, f"tokenising with the engine failed: {exc}")
         started = time.perf_counter()
-        tried: set[str] = set()
-        while True:
-            candidates = [e for e in self.engines if e.healthy and e.url not in tried]
-            if not candidates:
-                return error_response(503, "no healthy engine to serve the request", "server_error")
-            engine, predicted = self.route(facts, candidates)
-            tried.add(engine.url)
-            engine.inflight += 1
-            engine.inflight_tokens += facts.prompt_tokens
-            prefill = QueuedPrefill(engine, facts.prompt_tokens - predicted)
-            try:
-                try:
-                    upstream = await self._send(engine, path, raw, request)
-                except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                    # Nothing reached the client yet: eject the engine, try another.
-                    engine.inflight -= 1
-                    self._eject(engine, f"connect failed: {exc!r}")
-                    self.metrics.retries.inc()
-                    continue
-                try:
-                    return await self._relay(request, engine, upstream, facts, predicted, prefill)
-                finally:
-                    engine.inflight -= 1
-                    upstream.release()
-                    self.metrics.latency.labels(api).observe(time.perf_counter() - started)
-            finally:
-                prefill.done()
-                engine.inflight_tokens -= facts.prompt_tokens
+        try:
+            return await self._forward(request, path, raw, facts)
+        finally:
+            self.metrics.latency.labels(api).observe(time.perf_counter() - started)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body, inflated; one over ``body_limit()`` is refused unread when its
+        Content-Length says so, so it costs nothing."""
+        limit = self.body_limit()
+        if (request.content_length or 0) > limit:
+            raise BodyError(413, f"request body too large: over {limit} bytes")
+        encoding = request.headers.get("Content-Encoding", "")
+        return decoded_body(await request.read(), encoding, limit)
 
     async def analyze(self, body: dict, api: Api, large: bool = False) -> RequestFacts:
         """Facts for routing. A large body is analysed in a worker thread: a follow-up costs
         about a millisecond there (the memo holds its history), but a new 128 k-token prompt
         takes a few ms with the byte tokenizer and far more with a model's, which releases
-        the GIL while it encodes, so other requests keep streaming meanwhile."""
+        the GIL while it encodes, so other requests keep streaming meanwhile; a few at a
+        time, since each holds its tokens meanwhile."""
         bs = self.settings.block_size
         if not self.engine_tokenizer:
             args = (body, api, self.tokenizer, bs, self.template, self.memo)
             if large:
-                return await asyncio.to_thread(analyze_request, *args)
+                async with self._analysis_slots:
+                    return await asyncio.to_thread(analyze_request, *args)
             return analyze_request(*args)
         assert self.client is not None
         engine = next((e for e in self.engines if e.healthy), self.engines[0])
@@ -223,6 +231,17 @@ class Router:
         return await analyze_with_engine(
             body, api, self.client, engine.url, bs, self.template, memo
         )
+
+    def max_prompt_tokens(self) -> int:
+        """The configured cap, else the longest context an engine reported (0: none yet)."""
+        return self.settings.max_prompt_tokens or max(self.context_lengths.values(), default=0)
+
+    def body_limit(self) -> int:
+        """Bytes a body may have: the configured limit, lowered to what the longest prompt
+        the engines take could need."""
+        tokens = self.max_prompt_tokens()
+        limit = self.settings.max_body_bytes
+        return limit if tokens == 0 else min(limit, tokens * BYTES_PER_TOKEN)
 
     def route(self, facts: RequestFacts, engines: list[Engine]) -> tuple[Engine, int]:
         bs = self.settings.block_size
@@ -257,61 +276,137 @@ class Router:
             )
         return engine, hits[decision.instance]
 
-    async def _send(
-        self, engine: Engine, path: str, raw: bytes, request: web.Request
-    ) -> aiohttp.ClientResponse:
+    async def _forward(
+        self, request: web.Request, path: str, raw: bytes, facts: RequestFacts
+    ) -> web.StreamResponse:
+        """Route and send; while nothing has reached the client, an engine's failure sends
+        the request to another engine (at most ``retries`` times once it may have run)."""
         assert self.client is not None
-        headers = {"Content-Type": "application/json"}
+        headers = self._upstream_headers(request)
+        tried: set[str] = set()
+        retries = self.settings.retries
+        failure = error_response(503, "no healthy engine to serve the request")
+        while True:
+            candidates = [e for e in self.engines if e.healthy and e.url not in tried]
+            if not candidates:
+                return failure
+            engine, predicted = self.route(facts, candidates)
+            tried.add(engine.url)
+            unprefilled = facts.prompt_tokens - predicted
+            async with Attempt(
+                engine, self.client, self.timeouts, unprefilled, facts.prompt_tokens
+            ) as attempt:
+                try:
+                    await attempt.send(path, raw, headers)
+                    return await self._answer(request, attempt, facts, predicted)
+                except EngineFault as fault:
+                    self._engine_failed(engine, fault)
+                    if fault.status is not None:
+                        failure = engine_error(fault.status, fault.body)
+                    else:  # unreachable 503, silent 504, broken 502 (as Envoy answers)
+                        status = 503 if fault.refused else 504 if fault.timeout else 502
+                        failure = error_response(status, f"engine {engine.url} failed: {fault}")
+                    if not fault.refused:
+                        if retries == 0:
+                            return failure
+                        retries -= 1
+                    self.metrics.retries.inc()
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        # Uncompressed replies: the router reads them (errors, usage) and passes them on.
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         for name in ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta"):
             if name in request.headers and not self.settings.api_keys:
                 headers[name] = request.headers[name]
-        return await self.client.post(engine.url + path, data=raw, headers=headers)
+        return headers
+
+    async def _answer(
+        self, request: web.Request, attempt: Attempt, facts: RequestFacts, predicted: int
+    ) -> web.StreamResponse:
+        """The engine's reply for the client: a stream as it arrives, anything else once
+        whole, so a body cut short becomes a clean error rather than a 200 with half its
+        JSON. Raises ``EngineFault`` only while nothing has reached the client."""
+        engine, upstream = attempt.engine, attempt.response
+        assert upstream is not None
+        if upstream.status < 400 and upstream.content_type == "text/event-stream":
+            return await self._relay(request, attempt, facts, predicted)
+        body = await attempt.read_all()
+        if upstream.status >= 500:
+            raise EngineFault(f"answered {upstream.status}", status=upstream.status, body=body)
+        self.outliers.succeeded(engine.url)
+        if upstream.status >= 400:  # the request's fault: pass it on, in OpenAI's shape
+            response = engine_error(upstream.status, body)
+        else:
+            self._served(engine, facts, predicted)
+            usage = _UsageTap()
+            usage.feed(body)
+            self._count_cached(engine, usage)
+            response = web.Response(body=body, status=upstream.status)
+            response.content_type = upstream.content_type or "application/json"
+        self._tag(response, engine, predicted)
+        return response
 
     async def _relay(
-        self,
-        request: web.Request,
-        engine: Engine,
-        upstream: aiohttp.ClientResponse,
-        facts: RequestFacts,
-        predicted: int,
-        prefill: QueuedPrefill,
+        self, request: web.Request, attempt: Attempt, facts: RequestFacts, predicted: int
     ) -> web.StreamResponse:
-        """Pass the engine's response through as it arrives; end cleanly if it breaks.
-
-        The first chunk of a body means the prompt was prefilled (vLLM streams nothing
-        before the first token), so the request stops counting as unprefilled then.
-        """
+        """Pass a stream on as the engine sends it. Its first chunk (after the prefill) is
+        awaited before the client gets anything, so a stream that fails that early is
+        still retried. Later, an engine fault ends the stream with an error event and no
+        ``data: [DONE]``; a client that hung up ends it quietly, the engine blameless."""
+        engine, upstream = attempt.engine, attempt.response
+        assert upstream is not None
+        chunk = await attempt.read(self.timeouts.first_byte_s)
+        self.outliers.succeeded(engine.url)
+        self._served(engine, facts, predicted)
         response = web.StreamResponse(status=upstream.status)
-        response.content_type = upstream.content_type or "application/json"
-        response.headers[ENGINE_HEADER] = engine.url
-        response.headers[PREDICTED_HIT_HEADER] = str(predicted)
-        await response.prepare(request)
-        if upstream.status == 200:
-            engine.remember(facts.blocks)
-            self.metrics.predicted.labels(engine.url).inc(predicted)
+        response.content_type = upstream.content_type
+        self._tag(response, engine, predicted)
         usage = _UsageTap()
         try:
-            async for chunk in upstream.content.iter_any():
-                prefill.done()
+            await response.prepare(request)
+            while chunk:
                 usage.feed(chunk)
                 await response.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            log.warning(json.dumps({"event": "upstream_broke", "engine": engine.url}))
-            self._eject(engine, f"stream broke: {exc!r}")
-            message = {"error": {"message": "engine connection lost", "type": "server_error"}}
-            if response.content_type == "text/event-stream":
+                chunk = await attempt.read()
+            self._count_cached(engine, usage)  # before the client can see the end and ask
+            await response.write_eof()
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+            log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
+        except EngineFault as fault:
+            self._engine_failed(engine, fault)
+            message = error_body(502, f"engine connection lost: {fault}")
+            with contextlib.suppress(ConnectionResetError):
                 await response.write(f"data: {json.dumps(message)}\n\n".encode())
-            return response
-        except (ConnectionResetError, asyncio.CancelledError):
-            # The client went away: stop reading from the engine so it can free the slot.
-            upstream.close()
-            raise
+        return response
+
+    def _served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
+        """The engine took the request and prefilled it: it now caches the prompt."""
+        engine.remember(facts.blocks)
+        self.metrics.predicted.labels(engine.url).inc(predicted)
+
+    def _count_cached(self, engine: Engine, usage: _UsageTap) -> None:
         cached = usage.cached_tokens()
         if cached is not None:
             self.metrics.reported.labels(engine.url).inc(cached)
-        with contextlib.suppress(ConnectionResetError):
-            await response.write_eof()  # the client may be gone by now
-        return response
+
+    @staticmethod
+    def _tag(response: web.StreamResponse, engine: Engine, predicted: int) -> None:
+        response.headers[ENGINE_HEADER] = engine.url
+        response.headers[PREDICTED_HIT_HEADER] = str(predicted)
+
+    def _engine_failed(self, engine: Engine, fault: EngineFault) -> None:
+        """A lost connection ejects the engine at once (the health check re-admits it when
+        it answers again); other failures count towards passive ejection."""
+        log.warning(
+            json.dumps({"event": "engine_failed", "engine": engine.url, "reason": str(fault)})
+        )
+        self.metrics.failures.labels(engine.url, fault.kind).inc()
+        if fault.lost:
+            self._eject(engine, str(fault))
+            return
+        backoff = self.outliers.failed(engine.url, time.monotonic())
+        if backoff is not None:
+            self._eject(engine, f"{self.settings.eject_after} failures in a row; out {backoff:g} s")
 
     def _eject(self, engine: Engine, reason: str) -> None:
         if engine.healthy:
@@ -324,6 +419,8 @@ class Router:
     async def _check_health_forever(self) -> None:
         while True:
             await asyncio.gather(*(self.check(e) for e in self.engines))
+            unknown = [e for e in self.engines if e.healthy and e.url not in self.context_lengths]
+            await asyncio.gather(*(self.list_models(e) for e in unknown))
             await asyncio.sleep(self.settings.health_interval_s)
 
     async def check(self, engine: Engine) -> None:
@@ -334,6 +431,9 @@ class Router:
                 ok = response.status == 200
         except (TimeoutError, aiohttp.ClientError):
             ok = False
+        now = time.monotonic()
+        if ok and not engine.healthy and not self.outliers.may_readmit(engine.url, now):
+            return  # answering /health, but failing requests: out until its backoff ends
         if ok and not engine.healthy:
             engine.readmit()
             log.info(json.dumps({"event": "readmit", "engine": engine.url}))
@@ -382,18 +482,30 @@ class Router:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        assert self.client is not None
+        """The union of the healthy engines' models, asked all at once."""
+        listed = await asyncio.gather(*(self.list_models(e) for e in self.engines if e.healthy))
         seen: dict[str, dict] = {}
-        for engine in (e for e in self.engines if e.healthy):
-            try:
-                async with self.client.get(engine.url + "/v1/models") as response:
-                    data = await response.json()
-            except (TimeoutError, aiohttp.ClientError, ValueError):
-                continue
-            for model in data.get("data", []) if isinstance(data, dict) else []:
-                if isinstance(model, dict) and "id" in model:
-                    seen.setdefault(model["id"], model)
+        for model in (m for models in listed for m in models):
+            seen.setdefault(model["id"], model)
         return web.json_response({"object": "list", "data": list(seen.values())})
+
+    async def list_models(self, engine: Engine) -> list[dict]:
+        """The engine's /v1/models entries (none if it does not answer in time), noting
+        the longest ``max_model_len`` among them, which caps prompts."""
+        assert self.client is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
+            async with self.client.get(engine.url + "/v1/models", timeout=timeout) as response:
+                data = await response.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
+            return []
+        entries = data.get("data") if isinstance(data, dict) else None
+        models = [m for m in entries or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        lengths = [m.get("max_model_len") for m in models]
+        self.context_lengths[engine.url] = max(
+            (n for n in lengths if type(n) is int and n > 0), default=0
+        )
+        return models
 
     async def prometheus(self, request: web.Request) -> web.Response:
         for engine in self.engines:

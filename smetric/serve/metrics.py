@@ -60,8 +60,15 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.retries = Counter(
-            "smetric_connect_retries",
-            "Requests re-routed because an engine refused the connection.",
+            "smetric_retries",
+            "Requests re-routed because an engine failed before the client got any byte.",
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "smetric_engine_failures",
+            "Requests an engine failed, by kind: lost (connection refused or cut), timeout, "
+            "status (a 5xx), protocol (a reply that is not HTTP).",
+            ["engine", "kind"],
             registry=self.registry,
         )
         self.latency = Histogram(

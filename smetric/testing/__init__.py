@@ -1,1 +1,2 @@
-"""Helpers for driving real engines from tests and benchmarks (not used by the router)."""
+"""Helpers for tests and benchmarks, never used by the router: driving real engines,
+misbehaving engines, and the router's fault suite."""

@@ -1,0 +1,83 @@
+"""Bounds on what one request body may cost the router: its size once decompressed, and
+the prompt it makes the router parse and tokenise.
+
+A compressed body is inflated here rather than by aiohttp, whose errors for a broken or
+unknown encoding come from below the application as plain-text pages; inflating stops
+at the size limit, so a small bomb cannot become a large body.
+
+Analysing a prompt costs time and memory in proportion to its length (the byte tokenizer
+makes a Python int per byte): one 25 MB chat body took the router from 103 to 628 MB and
+4 s of CPU, for a prompt every engine refuses anyway. Counting characters is free, so the
+rendered prompt is checked against the longest the engines take before it is tokenised.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+from smetric.core.blocks import Tokenizer
+from smetric.core.conversation import RequestError
+
+# zlib's window bits for a gzip or a zlib header, whichever the body has.
+_GZIP_OR_ZLIB = 32 + zlib.MAX_WBITS
+
+
+class BodyError(ValueError):
+    """A body the router will not read; ``status`` says why (400, 413 or 415)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def decoded_body(raw: bytes, encoding: str, max_bytes: int) -> bytes:
+    """The body as sent before its ``Content-Encoding`` (gzip or deflate, or none)."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        body = raw
+    elif encoding in ("gzip", "x-gzip", "deflate"):
+        inflater = zlib.decompressobj(_GZIP_OR_ZLIB)
+        try:
+            body = inflater.decompress(raw, max_bytes + 1)
+        except zlib.error as exc:
+            raise BodyError(400, f"the body is not valid {encoding}: {exc}") from None
+        if len(body) <= max_bytes and not inflater.eof:
+            raise BodyError(400, f"the {encoding} body is cut short")
+    else:
+        raise BodyError(415, f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
+    if len(body) > max_bytes:
+        raise BodyError(413, f"request body too large: over {max_bytes} bytes")
+    return body
+
+
+# Bytes of request body one prompt token may take, at most: 16 characters (below) of up to
+# 4 bytes, with room for JSON's escapes and the rest of the body. A body over this many
+# bytes per token of the cap is refused before it is even parsed.
+BYTES_PER_TOKEN = 64
+
+# Characters one token covers, at most, in any tokenizer the router meets: BPE averages
+# about 4 on English, and long runs of spaces or symbols reach 16 in common vocabularies;
+# the byte tokenizer covers at most 1. A prompt over the cap cannot fit the engines.
+CHARS_PER_TOKEN = 16
+
+
+class CappedTokenizer:
+    """``tokenizer``, refusing a text (one message, or one prompt) that cannot fit in the
+    engines' context of ``max_tokens()`` tokens (0: no cap known yet) before encoding it.
+
+    Per text rather than per request, since prompts are encoded message by message (and
+    the memo spares the ones seen before); the request's whole size is bounded by its
+    body's, ``BYTES_PER_TOKEN`` a token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: Callable[[], int]) -> None:
+        self.tokenizer = tokenizer
+        self.name = tokenizer.name
+        self.max_tokens = max_tokens
+
+    def encode(self, text: str) -> list[int]:
+        limit = self.max_tokens()
+        if limit and len(text) > limit * CHARS_PER_TOKEN:
+            raise RequestError(f"the prompt is longer than the engines' context of {limit} tokens")
+        return self.tokenizer.encode(text)
