@@ -294,7 +294,7 @@ class Router:
             tried.add(engine.url)
             unprefilled = facts.prompt_tokens - predicted
             async with Attempt(
-                engine, self.client, self.timeouts, unprefilled, facts.prompt_tokens
+                engine, self.client, self.timeouts, facts.prompt_tokens, unprefilled
             ) as attempt:
                 try:
                     await attempt.send(path, raw, headers)

@@ -3,10 +3,10 @@
 Load must come down on every exit path: the engine answered, broke, stalled or sent
 garbage, or the client gave up while the router waited (which cancels the handler, often
 before the engine's headers: vLLM sends a non-streaming reply's headers only at its end).
-``Attempt`` raises ``engine.inflight`` and the engine's unprefilled tokens when entered,
-gives the tokens back at the first chunk of the body (the prompt is prefilled by then), and
-lowers both when left, however it is left; it closes the engine's response with it, so a
-stream nobody reads stops on the engine.
+``Attempt`` raises ``engine.inflight``, its in-flight prompt tokens and its unprefilled
+tokens when entered, gives the unprefilled tokens back at the first chunk of the body (the
+prompt is prefilled by then), and lowers the rest when left, however it is left; it closes
+the engine's response with it, so a stream nobody reads stops on the engine.
 
 Reads from the engine raise ``EngineFault`` and nothing else, and nothing here writes to
 the client, so a caller can tell an engine that failed from a client that hung up (both
@@ -71,21 +71,21 @@ class EngineFault(Exception):
 
 class Attempt:
     """Sends one request to ``engine`` and reads its reply, counted as in flight there
-    (the request and its prompt tokens) from ``async with`` to its end."""
+    from ``async with`` to its end."""
 
     def __init__(
         self,
         engine: Engine,
         client: aiohttp.ClientSession,
         timeouts: Timeouts,
-        unprefilled_tokens: int,
         prompt_tokens: int,
+        unprefilled_tokens: int,
     ) -> None:
         self.engine = engine
         self.client = client
         self.timeouts = timeouts
-        self.unprefilled_tokens = unprefilled_tokens
         self.prompt_tokens = prompt_tokens
+        self.unprefilled_tokens = unprefilled_tokens
         self.response: aiohttp.ClientResponse | None = None
         self.prefill: QueuedPrefill | None = None
 
