@@ -159,13 +159,13 @@ class Router:
         )
         for subscriber in self.subscribers.values():
             await subscriber.start()
+        tasks = [asyncio.create_task(self._check_health_forever())]
+        if self.settings.scrape_interval_s > 0:
+            tasks.append(asyncio.create_task(self._scrape_forever()))
         # One scrape of each engine before serving, scraping on or not: it sizes the index
         # to the engine's KV pool before anything is routed there, and the start time it
         # reports is what a re-admission compares with to tell a restart from a blip.
         await asyncio.gather(*(self.scrape(e) for e in self.engines))
-        tasks = [asyncio.create_task(self._check_health_forever())]
-        if self.settings.scrape_interval_s > 0:
-            tasks.append(asyncio.create_task(self._scrape_forever()))
         yield
         for task in tasks:
             task.cancel()
