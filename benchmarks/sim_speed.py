@@ -38,9 +38,8 @@ def main() -> None:
     workload = build_workload(trace, config.workload)
     t1 = time.process_time()
     sim = Simulation(config.cluster, make_policy(args.policy), workload)
-    sim.run()
+    issued = sim.run().height
     t2 = time.process_time()
-    issued = sum(1 for r in workload.requests if r.instance >= 0 or r.rejected)
     loop = t2 - t1
     print(f"trace {trace.name}: {args.instances} instances, {args.duration:g} s simulated")
     print(f"requests issued          {issued:>10,}")

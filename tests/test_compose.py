@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 
 from smetric.trace.compose import (
+    BlockIds,
     ClosedLoopIssuer,
     Workload,
     compose_sessions,
@@ -17,7 +18,7 @@ from smetric.trace.compose import (
     open_loop_issue_times,
     replay_arrivals,
 )
-from smetric.trace.schema import Trace, finalize
+from smetric.trace.schema import Trace, common_prefix_len, finalize
 
 SHARED = [1000, 1001]
 
@@ -303,3 +304,22 @@ def test_replay_scales_and_cuts_the_clock() -> None:
         open_loop_issue_times(compose_sessions(many_sessions(2), rate=1.0, num_sessions=1))
     with pytest.raises(ValueError, match="open-loop"):
         ClosedLoopIssuer(workload)
+
+
+def test_common_prefix_of_a_copy_without_making_its_ids() -> None:
+    # Row 1 counts one more block as shared than its parent, row 2 as many: the shortcut
+    # must agree with comparing the copies' own ids either way, copy 0 included.
+    rows = [
+        request("s", blocks=[*SHARED, 5, 6, 7], shared=2),
+        request("s", parent=0, blocks=[*SHARED, 5, 6, 7, 8], shared=3),
+        request("s", parent=0, blocks=[*SHARED, 5, 9], shared=2),
+    ]
+    blocks = BlockIds.of(make_trace(rows))
+    for a, b in [(0, 1), (0, 2), (1, 2)]:
+        for copy in range(3):
+            own = common_prefix_len(blocks.of_row(a, copy), blocks.of_row(b, copy))
+            assert blocks.common_prefix(a, b, copy) == own
+    assert blocks.common_prefix(0, 1, 0) == 5
+    assert blocks.common_prefix(0, 1, 1) == 2  # block 5 is shared in one, private in the other
+    with pytest.raises(ValueError, match="overflow int64"):
+        blocks.check_copies(2**62)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -236,12 +237,15 @@ def test_runs_conserve_blocks_and_are_deterministic(
     workload = build_workload(trace, config.workload)
     workload.horizon_s = 1e9  # run to completion
     sim = CheckedSimulation(config.cluster, make_policy(policy), workload)
-    requests = sim.run()
-    for req in requests:
-        if req.rejected:
-            assert req.prompt + req.output > sim.shape.max_model_len
-        else:
-            assert req.arrival <= req.first_token_at <= req.finished_at
+    table = sim.run()
+    assert table["request_id"].to_list() == list(range(workload.num_requests))
+    assert not sim.inflight
+    rejected = table.filter(pl.col("rejected"))
+    too_long = rejected["prompt_tokens"] + rejected["output_tokens"] > sim.shape.max_model_len
+    assert too_long.all()
+    served = table.filter(~pl.col("rejected"))
+    assert (served["arrival_s"] <= served["first_token_s"]).all()
+    assert (served["first_token_s"] <= served["finished_s"]).all()
     for inst in sim.instances:
         assert (inst.pool.private, inst.pool.cache.locked, inst.inflight) == (0, 0, 0)
         assert inst.unprefilled == 0

@@ -36,7 +36,7 @@ def run_to_completion(trace, config: SimConfig, policy: str) -> DisaggSimulation
     workload = build_workload(trace, config.workload)
     workload.horizon_s = 1e9
     sim = DisaggSimulation(config.cluster, make_policy(policy), workload)
-    sim.run()
+    sim.table = sim.run()  # type: ignore[attr-defined]
     return sim
 
 
@@ -57,12 +57,13 @@ def test_disaggregated_runs_free_every_block_and_are_deterministic(
         prefill, decode, kv_capacity_tokens=kv_tokens, global_capacity=glob, decode_policy=rule
     )
     sim = run_to_completion(trace, config, policy)
-    for req in sim.workload.requests:
-        if req.rejected:
+    for req in sim.table.iter_rows(named=True):
+        if req["rejected"]:
             continue
-        handoff = sim.handoffs[req.rid]
-        assert req.arrival <= handoff.prefill_done <= req.first_token_at <= req.finished_at
-        assert 0 <= req.instance < prefill
+        handoff = sim.handoffs[req["request_id"]]
+        assert req["arrival_s"] <= handoff.prefill_done <= req["first_token_s"]
+        assert req["first_token_s"] <= req["finished_s"]
+        assert 0 <= req["instance"] < prefill
         assert (handoff.decode_instance >= 0) == (decode > 0)
     for inst in sim.instances:
         assert (inst.pool.private, inst.pool.cache.locked, inst.inflight) == (0, 0, 0)
@@ -100,11 +101,11 @@ def test_the_decode_pulls_the_prompt_over_both_servers_nics_before_its_first_tok
     )
     config = config.override("workload", session_rate=0.001, arrival="uniform")
     sim = run_to_completion(one_request_trace(8, 5), config, "smetric")
-    (req,) = sim.workload.requests
-    handoff = sim.handoffs[req.rid]
+    (req,) = sim.table.iter_rows(named=True)
+    handoff = sim.handoffs[req["request_id"]]
     pull_s = 112 * sim.shape.kv_bytes_per_token / 1e6
     assert handoff.transfer_tokens == 112
-    assert pull_s < req.first_token_at - handoff.prefill_done < pull_s + 0.5
+    assert pull_s < req["first_token_s"] - handoff.prefill_done < pull_s + 0.5
     prefill_nic, decode_nic = sim.instances[0].route.nic, sim.decoders[0].route.nic
     assert prefill_nic is not decode_nic  # the two pools sit on their own servers
     assert prefill_nic.bytes_moved == decode_nic.bytes_moved == 112 * sim.shape.kv_bytes_per_token

@@ -29,7 +29,7 @@ from smetric.sim.config import (
     load_yaml,
     parse_global_capacity,
 )
-from smetric.sim.parallel import Job, default_jobs, run_jobs
+from smetric.sim.parallel import Job, RunStore, default_jobs, run_jobs, run_sweep
 from smetric.sim.run import RunResult
 
 CLUSTER = "Cluster"
@@ -465,7 +465,7 @@ def sweep_summary(
 ) -> dict:
     """Every run's summary, and each policy's best TPS within SLO per provisioning."""
     runs = [
-        {"rate": r, "global": g, "policy": p, "summary": results[(r, g, p)].summary}
+        {"rate": r, "global": g, "policy": p, "summary": results[(r, g, p)]}
         for g in provisionings
         for p in policies
         for r in rates
@@ -502,6 +502,18 @@ def sweep_table(summary: dict) -> Table:
     return table
 
 
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        metavar="ADDRESS",
+        help="Run on a Ray cluster instead of local processes: 'auto' (the cluster this "
+        "machine belongs to, after `ray start`), HOST:PORT of its head, ray://HOST:10001, or "
+        "'local' (a one-machine cluster for this sweep). Needs: pip install 'smetric\\[ray]'.",
+    ),
+]
+
+
 @app.command()
 def sweep(
     source: SourceArg = None,
@@ -526,11 +538,16 @@ def sweep(
     seed: SeedOpt = None,
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    ray: RayOpt = None,
 ) -> None:
-    """Offered rate x global-tier provisioning x policy, in parallel processes.
+    """Offered rate x global-tier provisioning x policy, in parallel processes or on Ray.
 
     Reports each policy's maximum TPS within SLO per provisioning (the paper's Figures
-    11a/16a) and writes sweep.json and plots [default: smetric-out/sweep-TRACE].
+    11a/16a) and writes sweep.json and plots [default: smetric-out/sweep-TRACE]. Each
+    finished run is kept in OUT/runs/ID/ (its resolved config.yaml and summary.json), so
+    running the same command again after an interruption runs only what is missing; a
+    changed setting is a different run (the trace counts by its path). Delete OUT/runs to
+    start over.
     """
     from smetric.report.simulation import write_sweep_pngs
 
@@ -561,23 +578,29 @@ def sweep(
             for r in rate_values
         ]
         trace = load_with_progress(base.workload.trace, base.workload.format)
-        results: dict[tuple, RunResult] = {}
+        out = out or Path("smetric-out") / f"sweep-{slug(trace.name)}"
+        title = f"sweeping {len(runs)} runs"
         with progress_bar() as bar:
-            task = bar.add_task(f"sweeping {len(runs)} runs", total=len(runs))
-            for key, result in run_jobs(
-                base.workload.trace,
-                base.workload.format,
+            task = bar.add_task(title, total=len(runs))
+
+            def show(done: int, inflight: dict[str, int]) -> None:
+                where = ", ".join(f"{node} {n}" for node, n in sorted(inflight.items()))
+                text = f"{title} · in flight: {where}" if where else title
+                bar.update(task, completed=done, description=text)
+
+            results, ran = run_sweep(
                 runs,
-                jobs or default_jobs(len(runs)),
+                RunStore(out / "runs"),
                 trace,
-            ):
-                results[key] = result
-                bar.advance(task)
+                processes=jobs or default_jobs(len(runs)),
+                ray_address=ray,
+                progress=show,
+            )
     summary = sweep_summary(rate_values, levels, base.policies, results)
-    out = out or Path("smetric-out") / f"sweep-{slug(trace.name)}"
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(base, out / "config.yaml")
     (out / "sweep.json").write_text(json.dumps(summary, indent=1))
     pngs = write_sweep_pngs(summary, out)
     console.print(sweep_table(summary))
-    console.print(f"\nwrote {out}/ (config.yaml, sweep.json, {len(pngs)} plots)")
+    reused = f", {len(runs) - ran} of {len(runs)} runs reused from runs/" if ran < len(runs) else ""
+    console.print(f"\nwrote {out}/ (config.yaml, sweep.json, {len(pngs)} plots{reused})")

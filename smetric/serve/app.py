@@ -169,6 +169,10 @@ class Router:
         tasks = [asyncio.create_task(self._check_health_forever())]
         if self.settings.scrape_interval_s > 0:
             tasks.append(asyncio.create_task(self._scrape_forever()))
+        # One scrape of each engine before serving, scraping on or not: it sizes the index
+        # to the engine's KV pool before anything is routed there, and the start time it
+        # reports is what a re-admission compares with to tell a restart from a blip.
+        await asyncio.gather(*(self.scrape(e) for e in self.engines))
         yield
         for task in tasks:
             task.cancel()
@@ -452,8 +456,7 @@ class Router:
         if ok and not engine.healthy:
             engine.readmit()
             log.info(json.dumps({"event": "readmit", "engine": engine.url}))
-            if self.settings.scrape_interval_s > 0:
-                await self.scrape(engine)  # a restart, if any, shows in its start time
+            await self.scrape(engine)  # a restart, if any, shows in its start time
         elif not ok:
             self._eject(engine, "health check failed")
         engine.healthy = ok

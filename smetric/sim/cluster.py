@@ -13,10 +13,13 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import polars as pl
+
 from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
 from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
+from smetric.sim.metrics import RequestLog
 from smetric.sim.perf import (
     StepTimeModel,
     kv_bytes_per_token,
@@ -115,7 +118,7 @@ class Simulation:
         self.policy = policy
         self.workload = workload
         self.progress = progress
-        block_size = workload.requests[0].block_size if workload.requests else 16
+        block_size = workload.block_size
         self.shape = resolve_shape(config, block_size)
         perf, limits = engine_model(config, self.shape)
         global_blocks = self.shape.global_capacity_blocks
@@ -140,12 +143,16 @@ class Simulation:
         # A step's end event is valid only while its instance's plan is the same version.
         self.plan_version = [0] * config.instances
         self.issuer: ClosedLoopIssuer | None = None
+        # Requests issued and not yet finished; finished ones live on as rows in ``log``.
+        self.inflight: dict[int, SimRequest] = {}
+        self.log = RequestLog(workload.horizon_s)
 
     def push(self, time: float, kind: int, payload: int, version: int = 0) -> None:
         heapq.heappush(self.events, (time, kind, self.sequence, payload, version))
         self.sequence += 1
 
-    def run(self) -> list[SimRequest]:
+    def run(self) -> pl.DataFrame:
+        """Run to the horizon; returns the per-request table (``metrics.request_table``)."""
         arrivals, self.issuer = self.workload.initial_arrivals()
         for t, rid in arrivals:
             self.push(t, ARRIVAL, rid)
@@ -159,7 +166,7 @@ class Simulation:
                 self.progress(t)
                 next_report = t + horizon / 200
             if kind == ARRIVAL:
-                self.arrive(self.workload.requests[payload], t)
+                self.arrive(self.workload.request(payload), t)
             elif kind == STEP_END:
                 if version == self.plan_version[payload]:
                     self.end_step(self.instances[payload], t)
@@ -167,10 +174,11 @@ class Simulation:
                 self.kick(self.instances[payload], t)
         if self.progress is not None:
             self.progress(horizon)
-        return self.workload.requests
+        return self.log.table(self.inflight.values())
 
     def arrive(self, req: SimRequest, now: float) -> None:
         req.arrival = now
+        self.inflight[req.rid] = req
         total = req.prompt + req.output
         if total > self.shape.max_model_len:
             req.rejected = True
@@ -233,6 +241,8 @@ class Simulation:
         self.kick(instance, now)
 
     def completed(self, req: SimRequest, now: float) -> None:
+        del self.inflight[req.rid]
+        self.log.add(req)
         if self.issuer is None:
             return
         for t, rid in self.issuer.complete(req.rid, now):

@@ -12,6 +12,7 @@ rate: closed-loop sessions last tens of minutes, so a run's first part is still 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import polars as pl
@@ -21,6 +22,7 @@ from smetric.sim.instance import SimRequest
 from smetric.trace.analysis.balance import window_loads
 
 PERCENTILES = (50, 90, 99)
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
 
 
 def request_table(requests: list[SimRequest], horizon_s: float) -> pl.DataFrame:
@@ -51,6 +53,44 @@ def request_table(requests: list[SimRequest], horizon_s: float) -> pl.DataFrame:
         pl.col("first_token_s").fill_nan(None),
         pl.col("finished_s").fill_nan(None),
     )
+
+
+class RequestLog:
+    """Per-request rows, recorded as requests finish, in columnar chunks.
+
+    A finished request's row goes into a chunk of ``request_table`` rows and the request
+    itself is let go, so a run of millions of requests holds a table's worth of numbers
+    per request rather than its objects and block ids.
+    """
+
+    CHUNK = 16_384
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._pending: list[SimRequest] = []
+        self._chunks: list[pl.DataFrame] = []
+
+    def add(self, req: SimRequest) -> None:
+        # Its block ids are most of what it holds and nothing reads them any more.
+        req.blocks = _NO_BLOCKS
+        self._pending.append(req)
+        if len(self._pending) >= self.CHUNK:
+            self._flush()
+
+    def table(self, unfinished: Iterable[SimRequest] = ()) -> pl.DataFrame:
+        """Every recorded row plus ``unfinished`` requests', in request order; the log lets
+        its chunks go, so only the sorted table remains."""
+        self._pending.extend(unfinished)
+        self._flush()
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
+            return request_table([], self.horizon_s)
+        return pl.concat(chunks, how="vertical_relaxed").sort("request_id")
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._chunks.append(request_table(self._pending, self.horizon_s))
+            self._pending = []
 
 
 def with_latencies(table: pl.DataFrame, slo: SLOConfig, horizon_s: float) -> pl.DataFrame:

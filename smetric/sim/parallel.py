@@ -1,14 +1,25 @@
-"""Many simulation runs in worker processes, each worker loading the trace once."""
+"""Many simulation runs in parallel: worker processes here, or a Ray cluster.
+
+Each worker loads the trace once (a process) or receives it once through the object store
+(a Ray node). A sweep keeps every finished run in a results folder named by the run's
+resolved configuration (``RunStore``), so an interrupted sweep, started again on either
+backend, runs only what is missing.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from smetric.sim.config import SimConfig
+from smetric.sim.config import SimConfig, dump_yaml
 from smetric.sim.run import RunResult, simulate
 from smetric.trace.load import load_trace
 from smetric.trace.schema import Trace
@@ -22,15 +33,39 @@ class Job:
     config: SimConfig
     policy: str
 
+    @property
+    def resolved(self) -> SimConfig:
+        """The run's whole configuration: its config with this job's policy alone."""
+        return dataclasses.replace(self.config, policies=(self.policy,))
+
+    @property
+    def run_id(self) -> str:
+        """A name for the run that changes whenever anything that shapes its result does."""
+        text = json.dumps(self.resolved.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+# What a worker computes for a job: the run, or just its summary (a sweep's runs send
+# back no per-request tables).
+Task = Callable[[Trace, Job], Any]
+
+
+def run_result(trace: Trace, job: Job) -> RunResult:
+    return simulate(trace, job.config, job.policy)
+
+
+def run_summary(trace: Trace, job: Job) -> dict:
+    return simulate(trace, job.config, job.policy).summary
+
 
 def _init(source: str, fmt: str | None) -> None:
     global _worker_trace
     _worker_trace = load_trace(source, fmt)
 
 
-def _run(job: Job) -> tuple[tuple, RunResult]:
+def _run(job: Job, task: Task) -> tuple[Job, Any]:
     assert _worker_trace is not None
-    return job.key, simulate(_worker_trace, job.config, job.policy)
+    return job, task(_worker_trace, job)
 
 
 def default_jobs(runs: int) -> int:
@@ -45,16 +80,111 @@ def run_jobs(
     trace: Trace | None = None,
 ) -> Iterator[tuple[tuple, RunResult]]:
     """Results as they finish; with one process, runs in this one on ``trace`` if given."""
+    for job, result in map_jobs(source, fmt, jobs, processes, trace, run_result):
+        yield job.key, result
+
+
+def map_jobs(
+    source: str,
+    fmt: str | None,
+    jobs: list[Job],
+    processes: int,
+    trace: Trace | None,
+    task: Task,
+) -> Iterator[tuple[Job, Any]]:
+    """``task(trace, job)`` for every job, as they finish, in worker processes."""
     if processes <= 1:
         loaded = trace if trace is not None else load_trace(source, fmt)
         for job in jobs:
-            yield job.key, simulate(loaded, job.config, job.policy)
+            yield job, task(loaded, job)
         return
     # Forking a process that has run polars' thread pool can deadlock the child: spawn.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         processes, mp_context=context, initializer=_init, initargs=(source, fmt)
     ) as pool:
-        futures = [pool.submit(_run, job) for job in jobs]
+        futures = [pool.submit(_run, job, task) for job in jobs]
         for future in as_completed(futures):
             yield future.result()
+
+
+class RunStore:
+    """Finished runs' summaries, one folder per run named by ``Job.run_id``.
+
+    Each folder holds the run's resolved ``config.yaml`` (to reproduce it alone with
+    ``smetric simulate -c``) and its ``summary.json``, written last and atomically, so a
+    folder with a summary is a finished run and an interruption leaves none half written.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def get(self, job: Job) -> dict | None:
+        path = self.folder / job.run_id / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def put(self, job: Job, summary: dict) -> None:
+        run = self.folder / job.run_id
+        run.mkdir(parents=True, exist_ok=True)
+        dump_yaml(job.resolved, run / "config.yaml")
+        partial = run / "summary.json.partial"
+        partial.write_text(json.dumps(summary, indent=1))
+        partial.replace(run / "summary.json")
+
+
+# Runs finished so far, and runs in flight per node (a node's name for the user).
+Progress = Callable[[int, dict[str, int]], None]
+
+
+def run_sweep(
+    jobs: list[Job],
+    store: RunStore,
+    trace: Trace,
+    *,
+    processes: int,
+    ray_address: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[dict[tuple, dict], int]:
+    """Every job's summary by key, running those ``store`` lacks; and how many ran now.
+
+    Runs go to worker processes on this machine, or with ``ray_address`` to a Ray cluster
+    (``ray_runner``); either way each lands in ``store`` the moment it finishes.
+    """
+    source, fmt = jobs[0].config.workload.trace, jobs[0].config.workload.format
+    done: dict[tuple, dict] = {}
+    todo = []
+    for job in jobs:
+        stored = store.get(job)
+        if stored is None:
+            todo.append(job)
+        else:
+            done[job.key] = stored
+    if progress is not None:
+        progress(len(done), {})
+    if ray_address is not None and todo:
+        from smetric.sim.ray_runner import map_on_ray
+
+        finished = map_on_ray(ray_address, trace, todo, run_summary)
+    else:
+        finished = _local(source, fmt, todo, processes, trace)
+    for job, summary, inflight in finished:
+        if job is not None:
+            store.put(job, summary)
+            done[job.key] = summary
+        if progress is not None:
+            progress(len(done), inflight)
+    return done, len(todo)
+
+
+# A backend's events: a finished job and its summary, or (None, None) when runs start,
+# each with the runs then in flight per node.
+Events = Iterator[tuple[Job | None, Any, dict[str, int]]]
+
+
+def _local(source: str, fmt: str | None, jobs: list[Job], processes: int, trace: Trace) -> Events:
+    remaining = len(jobs)
+    workers = min(processes, remaining)
+    yield None, None, {"localhost": workers} if workers else {}
+    for job, summary in map_jobs(source, fmt, jobs, workers, trace, run_summary):
+        remaining -= 1
+        yield job, summary, {"localhost": min(workers, remaining)} if remaining else {}

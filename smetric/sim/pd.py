@@ -47,7 +47,6 @@ from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.metrics import (
     _percentiles,
     imbalance,
-    request_table,
     summarize,
     window_edges,
     with_latencies,
@@ -207,7 +206,7 @@ class DisaggSimulation(Simulation):
         )  # fmt: skip
 
     def completed(self, req: SimRequest, now: float) -> None:
-        client = self.workload.requests[req.rid]
+        client = self.inflight[req.rid]
         if req is client:  # rejected at arrival
             super().completed(req, now)
         elif req.instance < self.routed:
@@ -238,7 +237,7 @@ class DisaggSimulation(Simulation):
         self.dispatch(decoder, decode, now)
 
     def _pulled(self, rid: int, at: float) -> None:
-        source = self.workload.requests[rid].instance
+        source = self.inflight[rid].instance
         self.instances[source].pulled(rid, at)  # type: ignore[attr-defined]
         self.push(at, WAKE, source)  # so an idle prefill instance frees the blocks
 
@@ -389,11 +388,8 @@ def simulate_disaggregated(
         raise ValueError("decode_instances must not be negative")
     workload = build_workload(trace, config.workload)
     sim = DisaggSimulation(config.cluster, make_policy(policy), workload, progress)
-    sim.run()
     horizon = workload.horizon_s
-    table = request_table(workload.requests, horizon).join(
-        handoff_table(sim), on="request_id", how="left"
-    )
+    table = sim.run().join(handoff_table(sim), on="request_id", how="left")
     table = with_prefill_latency(with_latencies(table, config.slo, horizon), config.slo, horizon)
     summary = pd_summary(table, config, sim, horizon)
     prefill = sim.instances[: sim.routed]

@@ -11,7 +11,7 @@ import polars as pl
 from smetric.core.policy import make_policy
 from smetric.sim.cluster import ClusterShape, Simulation
 from smetric.sim.config import SimConfig
-from smetric.sim.metrics import request_table, summarize, with_latencies
+from smetric.sim.metrics import summarize, with_latencies
 from smetric.sim.workload import build_workload
 from smetric.trace.schema import Trace
 
@@ -36,9 +36,8 @@ def simulate(
         return simulate_disaggregated(trace, config, policy, progress)
     workload = build_workload(trace, config.workload)
     sim = Simulation(config.cluster, make_policy(policy), workload, progress)
-    sim.run()
     horizon = workload.horizon_s
-    table = with_latencies(request_table(workload.requests, horizon), config.slo, horizon)
+    table = with_latencies(sim.run(), config.slo, horizon)
     summary = summarize(
         table, config.slo, horizon, config.cluster.instances, config.window_s, config.warmup_s
     )

@@ -8,7 +8,7 @@ arrivals, sped up or slowed down. Output lengths are the trace's, as the paper f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
@@ -22,15 +22,35 @@ from smetric.trace.compose import (
     open_loop_issue_times,
     replay_arrivals,
 )
-from smetric.trace.schema import Trace, common_prefix_len
+from smetric.trace.schema import Trace
 
 
 @dataclass
 class SimWorkload:
+    """A workload as the simulator issues it: each request becomes a ``SimRequest`` only
+    when it is issued (``request``), and is dropped once its row is recorded, so a run
+    holds the state of the requests in flight, not of every request it issues."""
+
     workload: Workload
-    requests: list[SimRequest]
     # The run measures what completes by this time (the period sessions start or arrive in).
     horizon_s: float
+    _columns: dict[str, list] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        names = ("session_id", "agent_id", "turn", "input_tokens", "output_tokens", "block_size")
+        frame = self.workload.trace.requests.select(names)
+        self._columns = {name: frame[name].to_list() for name in names}
+
+    @property
+    def num_requests(self) -> int:
+        return self.workload.num_requests
+
+    @property
+    def block_size(self) -> int:
+        """The block size of the workload's first request (16 for an empty one)."""
+        if not self.num_requests:
+            return 16
+        return self._columns["block_size"][int(self.workload.source[0])]
 
     def initial_arrivals(self) -> tuple[list[tuple[float, int]], ClosedLoopIssuer | None]:
         if self.workload.closed_loop:
@@ -38,6 +58,42 @@ class SimWorkload:
             return issuer.initial(), issuer
         times = open_loop_issue_times(self.workload)
         return [(float(t), rid) for rid, t in enumerate(times)], None
+
+    def request(self, rid: int) -> SimRequest:
+        """Request ``rid`` as the simulator runs it, with the hit its history should give.
+
+        The expected hit is what the request shares with its parent's prompt: the history
+        an agent resends, whatever it appended since.
+        """
+        workload, columns = self.workload, self._columns
+        row = int(workload.source[rid])
+        session = columns["session_id"][row]
+        if workload.closed_loop:
+            session = f"{session}#{workload.copy[rid]}"
+        turn, prompt, bs = (
+            columns["turn"][row],
+            columns["input_tokens"][row],
+            columns["block_size"][row],
+        )
+        blocks = workload.block_ids(rid)
+        parent = int(workload.parent[rid])
+        est_hit = 0
+        if turn > 0 and parent >= 0:
+            copy = int(workload.copy[rid])
+            shared = workload.blocks.common_prefix(int(workload.source[parent]), row, copy)
+            est_hit = min(shared * bs, prompt)
+        return SimRequest(
+            rid=rid,
+            session=session,
+            turn=turn,
+            blocks=blocks,
+            prompt=prompt,
+            output=max(columns["output_tokens"][row], 1),
+            est_hit=est_hit,
+            block_size=bs,
+            agent=columns["agent_id"][row],
+            parent=parent,
+        )
 
 
 def build_workload(trace: Trace, config: WorkloadConfig) -> SimWorkload:
@@ -54,7 +110,7 @@ def build_workload(trace: Trace, config: WorkloadConfig) -> SimWorkload:
             arrival=config.arrival,
         )
         horizon = config.duration_s
-    return SimWorkload(workload, sim_requests(workload), horizon)
+    return SimWorkload(workload, horizon)
 
 
 def sample_sessions(trace: Trace, fraction: float, seed: int) -> Trace:
@@ -79,43 +135,3 @@ def renumber(frame: pl.DataFrame) -> pl.DataFrame:
         request_id=new,
         parent_id=pl.col("parent_id").replace_strict(old, new, default=None),
     )
-
-
-def sim_requests(workload: Workload) -> list[SimRequest]:
-    """One SimRequest per workload row, with the hit its carried history should give.
-
-    The expected hit is what the request shares with its parent's prompt: the history an
-    agent resends, whatever it appended since.
-    """
-    frame = workload.requests
-    flat = frame["block_ids"].explode().drop_nulls().to_numpy().astype(np.int64)
-    lengths = frame["block_ids"].list.len().to_numpy()
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    parents = frame["parent_id"].fill_null(-1).to_numpy()
-    columns = frame.select(
-        "session_id", "agent_id", "turn", "input_tokens", "output_tokens", "block_size"
-    ).rows()
-    out: list[SimRequest] = []
-    for rid, (session, agent, turn, prompt, output, bs) in enumerate(columns):
-        blocks = flat[offsets[rid] : offsets[rid + 1]]
-        parent = int(parents[rid])
-        est_hit = 0
-        if turn > 0 and parent >= 0:
-            shared = common_prefix_len(flat[offsets[parent] : offsets[parent + 1]], blocks)
-            est_hit = min(shared * bs, prompt)
-        out.append(
-            SimRequest(
-                rid=rid,
-                session=session,
-                turn=turn,
-                blocks=blocks,
-                prompt=prompt,
-                output=max(output, 1),
-                est_hit=est_hit,
-                block_size=bs,
-                agent=agent,
-                parent=parent,
-            )
-        )
-    return out

@@ -117,7 +117,7 @@ class FaultyEngine:
             writer.write(_reply("200 OK", "application/json", _MODELS))
             await writer.drain()
             return True
-        if path != "/v1/models":
+        if path not in ("/v1/models", "/metrics"):
             self.generations += 1
         fault = self.fault
         if fault in ("stall", "stall_mid_stream", "broken_stream"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from smetric.trace.schema import SCHEMA, Trace
+from smetric.trace.schema import SCHEMA, Trace, common_prefix_len
 
 ARRIVAL_PROCESSES = ("poisson", "uniform")
 
@@ -33,28 +33,123 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
-class Workload:
-    """The requests of one run, in issue order of their sessions, with how to issue them."""
+class BlockIds:
+    """A trace's block ids as one flat array, and how a session copy renames them.
 
-    requests: pl.DataFrame
-    # True: requests after a session's roots wait for their parent (ClosedLoopIssuer);
-    # False: every request is issued at its arrival_s.
-    closed_loop: bool
+    Copy ``c`` of a row has the row's ids shifted by ``c * span`` past its shared prefix:
+    shifted ranges of different copy indices are disjoint, and within one copy index the
+    trace's own id uniqueness holds, so copies never share a private block while the
+    framework's shared prefix keeps its ids. The ids are made when a driver asks for a
+    request's (``of_row``), never stored per copy: a day of traffic draws millions of
+    requests of thousands of blocks each.
+    """
+
+    flat: np.ndarray
+    offsets: np.ndarray
+    # Leading blocks of each trace row that belong to the framework's shared prompt.
+    shared: np.ndarray
+    span: int
+
+    @staticmethod
+    def of(trace: Trace) -> BlockIds:
+        flat, offsets = trace.block_arrays()
+        low, high = (int(flat.min()), int(flat.max())) if len(flat) else (0, 0)
+        shared = trace.requests["shared_prefix_blocks"].fill_null(0).to_numpy()
+        return BlockIds(flat, offsets, shared, high - low + 1)
+
+    def check_copies(self, copies: int) -> None:
+        """Fail early when ``copies`` copies of the ids would overflow int64."""
+        high = int(self.flat.max()) if len(self.flat) else 0
+        top = copies - 1
+        if top > 0 and (_INT64_MAX - high) // top < self.span:
+            raise ValueError(f"{copies} copies of block ids spanning {self.span} overflow int64")
+
+    def common_prefix(self, a: int, b: int, copy: int) -> int:
+        """Leading blocks that copy ``copy`` of rows ``a`` and ``b`` share.
+
+        A copy shifts the same positions of both rows when their shared prefixes are
+        equal, so then the trace's own ids answer without making the copy's.
+        """
+        if self.shared[a] == self.shared[b]:
+            copy = 0
+        return common_prefix_len(self.of_row(a, copy), self.of_row(b, copy))
+
+    def of_row(self, row: int, copy: int) -> np.ndarray:
+        """Block ids of copy ``copy`` of trace row ``row`` (copy 0: the trace's own)."""
+        blocks = self.flat[self.offsets[row] : self.offsets[row + 1]]
+        if copy:
+            shift = copy * self.span
+            blocks = blocks + shift
+            blocks[: int(self.shared[row])] -= shift
+        return blocks
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests of one run, in issue order of their sessions, with how to issue them.
+
+    A request is a row of the trace (``source``) in a session copy (``copy``), so the
+    workload holds a few numbers per request and refers to the trace for the rest;
+    ``requests`` materialises the full table where a caller wants one.
+    """
+
+    trace: Trace
+    # Trace row, session copy index, parent (workload id, -1 for a root) and the start of
+    # the session copy, per request.
+    source: np.ndarray
+    copy: np.ndarray
+    parent: np.ndarray
+    session_start: np.ndarray
+    # Open loop: every request is issued at its arrival. None: closed loop, requests after
+    # a session's roots wait for their parent (ClosedLoopIssuer).
+    arrival: np.ndarray | None
     seed: int | None
     # Session starts per second, for composed workloads.
     rate: float | None
+    blocks: BlockIds
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.arrival is None
 
     @property
     def num_requests(self) -> int:
-        return self.requests.height
+        return len(self.source)
 
     @property
     def num_sessions(self) -> int:
-        return self.requests["session_id"].n_unique()
+        sessions = self.trace.requests["session_id"].gather(self.source)
+        return pl.DataFrame({"session": sessions, "copy": self.copy}).n_unique()
 
     def roots(self) -> np.ndarray:
         """Request ids that wait for no other request (one per session in WEKA traces)."""
-        return self.requests.filter(pl.col("parent_id").is_null())["request_id"].to_numpy()
+        return np.flatnonzero(self.parent < 0)
+
+    def block_ids(self, request_id: int) -> np.ndarray:
+        return self.blocks.of_row(int(self.source[request_id]), int(self.copy[request_id]))
+
+    @property
+    def requests(self) -> pl.DataFrame:
+        """Every request as a row of ``WORKLOAD_SCHEMA``, block ids included (built anew)."""
+        blocks = [self.block_ids(rid) for rid in range(self.num_requests)]
+        session = pl.col("session_id")
+        if self.closed_loop:
+            session = session + "#" + pl.Series(self.copy).cast(pl.String)
+        arrival = pl.lit(None, dtype=pl.Float64) if self.arrival is None else self.arrival
+        return (
+            self.trace.requests.drop("block_ids")[self.source]
+            .with_columns(
+                request_id=pl.int_range(pl.len(), dtype=pl.Int64),
+                session_id=session,
+                parent_id=pl.when(pl.Series(self.parent) >= 0).then(pl.Series(self.parent)),
+                # A closed loop's run decides issue times; a recorded clock would mislead.
+                arrival_s=arrival,
+                block_ids=pl.Series("block_ids", blocks, dtype=pl.List(pl.Int64())),
+                session_start_s=pl.Series(self.session_start),
+                source_request_id=pl.col("request_id"),
+            )
+            .select([pl.col(c).cast(t) for c, t in WORKLOAD_SCHEMA.items()])
+        )
 
 
 def compose_sessions(
@@ -72,8 +167,21 @@ def compose_sessions(
     the rate or the arrival process alters when sessions start but not which ones run.
     """
     layout, picks, starts = _draw(trace, rate, duration_s, num_sessions, seed, arrival)
-    requests = _expand(trace, layout, picks, starts)
-    return Workload(requests=requests, closed_loop=True, seed=seed, rate=rate)
+    source, copy_of_row, copy_base = _rows_of(layout, picks)
+    copies = copy_indices(picks)
+    blocks = BlockIds.of(trace)
+    blocks.check_copies(int(copies.max()) + 1)
+    return Workload(
+        trace=trace,
+        source=source,
+        copy=copies[copy_of_row],
+        parent=_remap_parents(trace.requests, layout, source, copy_base[copy_of_row]),
+        session_start=starts[copy_of_row],
+        arrival=None,
+        seed=seed,
+        rate=rate,
+        blocks=blocks,
+    )
 
 
 def session_schedule(
@@ -211,27 +319,6 @@ class _SessionLayout:
         return _SessionLayout(session_of_row, rows, offsets, position)
 
 
-def _expand(
-    trace: Trace, layout: _SessionLayout, picks: np.ndarray, starts: np.ndarray
-) -> pl.DataFrame:
-    """One row per request of every drawn copy, ids renumbered within the workload."""
-    source, copy_of_row, copy_base = _rows_of(layout, picks)
-    copies = copy_indices(picks)
-    parents = _remap_parents(trace.requests, layout, source, copy_base[copy_of_row])
-    blocks = _remap_blocks(trace, source, copies[copy_of_row])
-    frame = trace.requests.drop("block_ids")[source]
-    return frame.with_columns(
-        request_id=pl.int_range(pl.len(), dtype=pl.Int64),
-        session_id=pl.col("session_id") + "#" + pl.Series(copies[copy_of_row]).cast(pl.String),
-        parent_id=pl.when(pl.col("parent_id").is_not_null()).then(pl.Series(parents)),
-        # The run decides issue times; a recorded clock would only mislead drivers.
-        arrival_s=pl.lit(None, dtype=pl.Float64),
-        block_ids=blocks,
-        session_start_s=pl.Series(starts[copy_of_row]),
-        source_request_id=pl.col("request_id"),
-    ).select([pl.col(c).cast(t) for c, t in WORKLOAD_SCHEMA.items()])
-
-
 def _rows_of(
     layout: _SessionLayout, picks: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -262,34 +349,6 @@ def _remap_parents(
     return np.where(has, base + layout.position[parent_row], -1)
 
 
-def _remap_blocks(trace: Trace, source: np.ndarray, copies: np.ndarray) -> pl.Series:
-    """Block ids per row, shifted by copy index * id span past each row's shared prefix.
-
-    Shifted ranges of different copy indices are disjoint, and within one copy index the
-    trace's own id uniqueness holds, so copies never share a private block while the
-    framework's shared prefix keeps its ids. The loop runs once per row, touching each
-    row's blocks with numpy slices; building the list column from per-row arrays is
-    the fastest route polars offers without pyarrow.
-    """
-    flat, offsets = trace.block_arrays()
-    low, high = (int(flat.min()), int(flat.max())) if len(flat) else (0, 0)
-    span = high - low + 1
-    top = int(copies.max()) if len(copies) else 0
-    if top and (_INT64_MAX - high) // top < span:
-        raise ValueError(f"{top + 1} copies of block ids spanning {span} overflow int64")
-    shared = trace.requests["shared_prefix_blocks"].fill_null(0).to_numpy()
-    pieces = []
-    for row, copy in zip(source.tolist(), copies.tolist(), strict=True):
-        blocks = flat[offsets[row] : offsets[row + 1]]
-        if copy:
-            shift = copy * span
-            keep = int(shared[row])
-            blocks = blocks + shift
-            blocks[:keep] -= shift
-        pieces.append(blocks)
-    return pl.Series("block_ids", pieces, dtype=pl.List(pl.Int64()))
-
-
 class ClosedLoopIssuer:
     """Releases each request when its parent completes, plus its think time.
 
@@ -300,10 +359,12 @@ class ClosedLoopIssuer:
     def __init__(self, workload: Workload) -> None:
         if not workload.closed_loop:
             raise ValueError("open-loop workloads are issued at arrival_s, not by completion")
-        req = workload.requests
-        self._parent = req["parent_id"].fill_null(-1).to_numpy()
-        self._think = req["think_time_s"].fill_null(0.0).to_numpy()
-        self._root_time = (req["session_start_s"] + req["session_time_s"].fill_null(0.0)).to_numpy()
+        trace = workload.trace.requests
+        source = workload.source
+        self._parent = workload.parent
+        self._think = trace["think_time_s"].fill_null(0.0).to_numpy()[source]
+        session_time = trace["session_time_s"].fill_null(0.0).to_numpy()[source]
+        self._root_time = workload.session_start + session_time
         kids = np.flatnonzero(self._parent >= 0)
         self._children = kids[np.argsort(self._parent[kids], kind="stable")]
         self._child_offsets = np.zeros(len(self._parent) + 1, dtype=np.int64)
@@ -362,20 +423,32 @@ def replay_arrivals(trace: Trace, *, speed: float = 1.0, limit_s: float | None =
         raise ValueError(f"limit_s must be > 0, got {limit_s}")
     if trace.requests["arrival_s"].null_count():
         raise ValueError(f"trace {trace.name!r} has requests without arrival_s")
-    frame = trace.requests.with_columns(
-        arrival_s=pl.col("arrival_s") / speed, source_request_id=pl.col("request_id")
+    frame = trace.requests.select(
+        "session_id",
+        "parent_id",
+        arrival_s=pl.col("arrival_s") / speed,
+        source=pl.col("request_id"),
     )
     if limit_s is not None:
         frame = frame.filter(pl.col("arrival_s") < limit_s)
-    frame = frame.sort("arrival_s", "source_request_id")
-    old_ids = frame["source_request_id"]
+    frame = frame.sort("arrival_s", "source")
+    old_ids = frame["source"]
     new_ids = pl.int_range(frame.height, dtype=pl.Int64, eager=True)
     frame = frame.with_columns(
-        request_id=new_ids,
         parent_id=pl.col("parent_id").replace_strict(old_ids, new_ids, default=None),
         session_start_s=pl.col("arrival_s").min().over("session_id"),
-    ).select([pl.col(c).cast(t) for c, t in WORKLOAD_SCHEMA.items()])
-    return Workload(requests=frame, closed_loop=False, seed=None, rate=None)
+    )
+    return Workload(
+        trace=trace,
+        source=frame["source"].to_numpy(),
+        copy=np.zeros(frame.height, dtype=np.int64),
+        parent=frame["parent_id"].fill_null(-1).to_numpy(),
+        session_start=frame["session_start_s"].to_numpy(),
+        arrival=frame["arrival_s"].to_numpy(),
+        seed=None,
+        rate=None,
+        blocks=BlockIds.of(trace),
+    )
 
 
 def open_loop_issue_times(workload: Workload) -> np.ndarray:
@@ -384,4 +457,5 @@ def open_loop_issue_times(workload: Workload) -> np.ndarray:
         raise ValueError(
             "a closed-loop workload has no fixed issue times; drive it with ClosedLoopIssuer"
         )
-    return workload.requests["arrival_s"].to_numpy()
+    assert workload.arrival is not None
+    return workload.arrival

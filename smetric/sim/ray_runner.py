@@ -1,0 +1,105 @@
+"""Simulation runs on a Ray cluster (``pip install 'smetric[ray]'``), for sweeps too big for
+one machine's cores.
+
+The trace is put in Ray's object store once; each node fetches it once and each worker
+process deserialises it once, on its first run (later runs of the same sweep reuse it).
+This driver keeps at most as many runs in flight on each node as it has CPUs, pinning each
+run to its node (softly: a run on a node that dies moves on), so it knows at every moment
+what runs where, for the progress display, and a node of 64 cores takes 64 runs at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, deque
+from typing import Any
+
+from smetric.sim.parallel import Events, Job, Task
+from smetric.trace.schema import Trace
+
+# No square brackets: the CLI prints errors as Rich markup.
+INSTALL_HINT = "sweeps on Ray need Ray installed: pip install 'ray>=2.40,<3' (smetric's ray extra)"
+
+# The trace of the sweep this worker process serves, by object id.
+_cached: dict[str, Trace] = {}
+
+
+def _run(boxed: list, job: Job, task: Task) -> Any:
+    """One run on a Ray worker; the trace comes boxed so that Ray does not fetch it anew."""
+    import ray
+
+    ref = boxed[0]
+    if ref.hex() not in _cached:
+        _cached.clear()
+        _cached[ref.hex()] = ray.get(ref)
+    return task(_cached[ref.hex()], job)
+
+
+def connect(address: str) -> bool:
+    """Join the cluster at ``address`` (``auto``, ``local``, ``HOST:PORT``, ``ray://...``).
+
+    Returns whether this call started the connection (and so should end it). ``local``
+    starts a one-machine cluster for this process in Ray's single-machine mode (the one it
+    uses on macOS), whose servers all listen on loopback only.
+    """
+    if address == "local":
+        # Read by Ray when it is imported: keep before the import.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+    except ImportError as exc:
+        raise ValueError(INSTALL_HINT) from exc
+    if ray.is_initialized():
+        return False
+    options: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
+    if address == "local":
+        options["include_dashboard"] = False
+    ray.init(address=address, **options)
+    return True
+
+
+def map_on_ray(address: str, trace: Trace, jobs: list[Job], task: Task) -> Events:
+    """``task(trace, job)`` for every job on the cluster, as they finish, with the runs then
+    in flight per node (by address); first (None, None, in flight) once runs start."""
+    started = connect(address)
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        nodes = {
+            n["NodeID"]: (n["NodeManagerAddress"], int(n["Resources"].get("CPU", 0)))
+            for n in ray.nodes()
+            if n["Alive"] and n["Resources"].get("CPU", 0) >= 1
+        }
+        if not nodes:
+            raise ValueError(f"the Ray cluster at {address!r} has no node with a CPU")
+        remote = ray.remote(num_cpus=1)(_run)
+        boxed = [ray.put(trace)]
+        pending = deque(jobs)
+        running: dict[Any, tuple[Job, str]] = {}
+        busy: Counter[str] = Counter()
+
+        def fill() -> None:
+            for node, (_, cpus) in nodes.items():
+                while pending and busy[node] < cpus:
+                    job = pending.popleft()
+                    where = NodeAffinitySchedulingStrategy(node, soft=True)
+                    ref = remote.options(scheduling_strategy=where).remote(boxed, job, task)
+                    running[ref] = (job, node)
+                    busy[node] += 1
+
+        def inflight() -> dict[str, int]:
+            return {nodes[n][0]: count for n, count in busy.items() if count}
+
+        fill()
+        yield None, None, inflight()
+        while running:
+            (ready,), _ = ray.wait(list(running), num_returns=1)
+            job, node = running.pop(ready)
+            busy[node] -= 1
+            result = ray.get(ready)
+            fill()
+            yield job, result, inflight()
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,98 @@
+"""Sweeps resume from their results folder, and give the same numbers on Ray as locally."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from smetric.cli import app
+from smetric.sim.config import SimConfig
+from smetric.sim.parallel import Job, RunStore
+
+runner = CliRunner()
+
+SWEEP = [
+    "sweep",
+    "-p",
+    "smetric,least_load",
+    "--rates",
+    "0.05,0.1",
+    "--globals",
+    "none,1x",
+    "--instances",
+    "2",
+    "--duration",
+    "120",
+]
+
+
+def sweep(out: Path, *extra: str) -> tuple[str, dict]:
+    result = runner.invoke(app, [*SWEEP, "-o", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    return result.output, json.loads((out / "sweep.json").read_text())
+
+
+def test_run_id_follows_the_resolved_config() -> None:
+    base = SimConfig()
+    job = Job(("a",), base, "smetric")
+    assert job.run_id == Job(("other key",), base, "smetric").run_id
+    assert job.run_id != Job(("a",), base, "least_load").run_id
+    assert job.run_id != Job(("a",), base.override("workload", seed=1), "smetric").run_id
+    # The config's policy list is not the run's: only the job's policy counts.
+    listed = dataclasses.replace(base, policies=("least_load", "smetric"))
+    assert job.run_id == Job(("a",), listed, "smetric").run_id
+
+
+def test_an_interrupted_sweep_runs_only_what_is_missing(tmp_path: Path) -> None:
+    _, first = sweep(tmp_path / "whole", "-j", "1")
+    # An interruption: the folder holds some runs, one of them half written.
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "whole" / "runs", part / "runs")
+    finished = sorted((part / "runs").iterdir())
+    for run in finished[:3]:
+        shutil.rmtree(run)
+    (finished[3] / "summary.json").rename(finished[3] / "summary.json.partial")
+    output, resumed = sweep(part, "-j", "2")
+    assert "4 of 8 runs reused" in output
+    assert resumed == first
+    assert sorted(p.name for p in (part / "runs").iterdir()) == [p.name for p in finished]
+    # Everything is there now: nothing runs again.
+    output, again = sweep(part, "-j", "2")
+    assert "8 of 8 runs reused" in output and again == first
+
+
+def test_store_keeps_the_runs_resolved_config(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    job = Job(("x",), SimConfig(), "smetric")
+    assert store.get(job) is None
+    store.put(job, {"tps_within_slo": 1.5})
+    assert store.get(job) == {"tps_within_slo": 1.5}
+    config = (tmp_path / job.run_id / "config.yaml").read_text()
+    assert "- smetric\n" in config and "least_load" not in config
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="ray is not installed: pip install 'smetric[ray]' (or .venv/bin/pip install ray)",
+)
+def test_ray_sweep_matches_the_process_pool(tmp_path: Path) -> None:
+    _, local = sweep(tmp_path / "local", "-j", "2")
+    # A one-machine Ray cluster started by the sweep itself, on loopback only.
+    _, on_ray = sweep(tmp_path / "ray", "--ray", "local")
+    assert on_ray == local
+    ids = sorted(p.name for p in (tmp_path / "local" / "runs").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ray" / "runs").iterdir()) == ids
+
+
+def test_ray_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    result = runner.invoke(app, [*SWEEP, "-o", str(tmp_path), "--ray", "auto"])
+    assert result.exit_code == 2
+    assert "pip install 'ray>=2.40,<3'" in result.output
