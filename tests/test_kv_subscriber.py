@@ -536,6 +536,7 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
         async with TestClient(TestServer(router.app())) as client:
             for restart_in_stream_first in (False, True):
                 process = await engine_process()
+                await router.check(engine)  # up after the router's first health check
                 heard = sub.counters.batches
                 await until_heard(warm_up(process), lambda h=heard: sub.counters.batches > h)
                 await router.scrape(engine)
