@@ -18,8 +18,12 @@ from smetric.testing.engines import BLOCK_SIZE, MODEL_NAME, find_vllm, vllm_pd_p
 pytestmark = pytest.mark.real_engine
 
 
-def test_the_decode_instance_loads_the_prefill_instances_kv(tmp_path) -> None:
+def test_the_decode_instance_loads_the_prefill_instances_kv(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     install = find_or_install(find_vllm, "setup_vllm.sh", "vLLM (CPU build)", "about 7 minutes")
+    # A short folder: vLLM puts IPC sockets under it, and a socket path has 107 bytes at most.
+    tmp_path = tmp_path_factory.mktemp("pd")
     prefill, decode = engines = vllm_pd_pair(install, tmp_path)
     args = ["--prefill-engine", prefill.url, "--decode-engine", decode.url]
     args += ["--block-size", str(BLOCK_SIZE), "--tokenizer", f"hf:{install.model}"]

@@ -211,9 +211,13 @@ class Instance:
         """Admit waiting requests in order; start the global-tier loads they need.
 
         A request whose asynchronous load is under way is passed over without blocking the
-        queue, as vLLM skips one in ``WAITING_FOR_REMOTE_KVS``.
+        queue, as vLLM skips one in ``WAITING_FOR_REMOTE_KVS``. Once a request finds no
+        room, nothing after it is given blocks; but a load that has landed already holds
+        its blocks, so it still runs: were it to wait behind a request that cannot fit
+        until it frees them, neither would ever run.
         """
         skipped: list[SimRequest] = []
+        full = False
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
             if req.loading:
@@ -221,10 +225,15 @@ class Instance:
                     skipped.append(self.waiting.popleft())
                     continue
                 req.loading = False  # landed: its blocks were allocated when it started
+            elif full:
+                skipped.append(self.waiting.popleft())
+                continue
             else:
                 external = self._allocate(req, now)
                 if external is None:
-                    break
+                    full = True
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if external:
                     nbytes = external * req.block_size * self.limits.kv_bytes_per_token
                     ready = self._load(req, now, nbytes)
