@@ -17,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from email.message import Message
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -143,17 +144,24 @@ class Reply:
     turn: int = 0
 
 
-def chat(cluster: Cluster, messages: list[dict[str, str]]) -> Reply:
+def post_chat(
+    cluster: Cluster, messages: list[dict[str, str]], timeout_s: float = 120
+) -> tuple[dict[str, Any], Message]:
+    """One greedy 8-token chat completion through the router: its body and headers."""
     body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
     request = urllib.request.Request(
         cluster.url + "/v1/chat/completions",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        data: dict[str, Any] = json.loads(response.read())
-        engine = response.headers["x-smetric-engine"]
-        predicted = int(response.headers["x-smetric-predicted-hit-tokens"])
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read()), response.headers
+
+
+def chat(cluster: Cluster, messages: list[dict[str, str]]) -> Reply:
+    data, headers = post_chat(cluster, messages)
+    engine = headers["x-smetric-engine"]
+    predicted = int(headers["x-smetric-predicted-hit-tokens"])
     usage = data["usage"]
     return Reply(
         engine,

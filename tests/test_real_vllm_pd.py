@@ -6,14 +6,11 @@ in files; the CPU build has no NIXL or Mooncake). The decode instance's own
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
-from real_engines import SYSTEM, find_or_install, running_cluster
+from real_engines import SYSTEM, find_or_install, post_chat, running_cluster
 
 from smetric.serve.disagg import DECODE_HEADER, PREFILL_HEADER
-from smetric.testing.engines import BLOCK_SIZE, MODEL_NAME, find_vllm, vllm_pd_pair
+from smetric.testing.engines import BLOCK_SIZE, find_vllm, vllm_pd_pair
 
 pytestmark = pytest.mark.real_engine
 
@@ -32,16 +29,9 @@ def test_the_decode_instance_loads_the_prefill_instances_kv(
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Explain what the failing test checks, step by step."},
         ]
-        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
-        request = urllib.request.Request(
-            cluster.url + "/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            data = json.loads(response.read())
-            assert response.headers[PREFILL_HEADER] == prefill.url
-            assert response.headers[DECODE_HEADER] == decode.url
+        data, headers = post_chat(cluster, messages, timeout_s=300)
+        assert headers[PREFILL_HEADER] == prefill.url
+        assert headers[DECODE_HEADER] == decode.url
         usage = data["usage"]
         assert usage["completion_tokens"] == 8
         # The decode instance never saw this prompt: its whole blocks came from the store.
