@@ -135,6 +135,10 @@ class HolderIndex:
             node = node.children[int(path[i])]
             i += len(node.run)
         if i > keep:
+            if node.mask == bit and not node.children:
+                # Only this instance holds the node, so it is the path's last: cut it short.
+                node.run = node.run[: len(node.run) - (i - keep)]
+                return
             node, i = self._split(node, len(node.run) - (i - keep)), keep
         while i < len(path):
             child = node.children[int(path[i])]
