@@ -94,7 +94,7 @@ def probes(pool: list[tuple[int, ...]]) -> list[np.ndarray]:
         for n in range(len(seq) + 1):
             out.append(np.array(seq[:n], dtype=np.int64))
             if n:
-                out.append(np.array(seq[: n - 1] + (-1,), dtype=np.int64))
+                out.append(np.array((*seq[: n - 1], -1), dtype=np.int64))
     return out
 
 
