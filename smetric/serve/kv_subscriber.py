@@ -78,6 +78,9 @@ class SubscriberCounters:
     """``BlockStored`` events not applied because the view lacks their parent."""
     mismatched: int = 0
     """``BlockStored`` events not applied because their block size is not the router's."""
+    unresolved_hashes: int = 0
+    """Hashes of hash-only offload ``BlockStored`` events the view could not key (their GPU
+    block was gone before the offload was announced); a limit of the format, not a loss."""
     resyncs: int = 0
     """Degraded views rebuilt whole from the engine's replay buffer."""
     failures: int = 0
@@ -249,7 +252,7 @@ class KVEventSubscriber:
             self.counters.decode_errors += 1
             self._degrade(f"undecodable batch: {exc}")
             return False
-        orphaned, mismatched = index.orphaned, index.mismatched
+        orphaned, mismatched, unresolved = index.orphaned, index.mismatched, index.unresolved
         index.apply(batch.events)
         counters = self.counters
         counters.batches += 1
@@ -258,6 +261,7 @@ class KVEventSubscriber:
         counters.invalid_events += len(batch.invalid)
         counters.orphaned += index.orphaned - orphaned
         counters.mismatched += index.mismatched - mismatched
+        counters.unresolved_hashes += index.unresolved - unresolved
         if batch.invalid:
             self._degrade(f"malformed event left out: {batch.invalid[0]}")
         elif index.orphaned > orphaned:
