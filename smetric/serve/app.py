@@ -306,6 +306,7 @@ class Router:
                         "prompt_tokens": facts.prompt_tokens,
                         "est_hit_tokens": facts.est_hit_tokens,
                         "predicted_hit_tokens": hits[decision.instance],
+                        "hit_tokens": hits,
                         "global_hit_tokens": global_hit,
                         "loads": loads,
                         "token_loads": view.token_load,
