@@ -14,11 +14,14 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
+from test_router_view import HeldEngine, with_held_engines
+from test_router_view import chat as held_chat
+from test_router_view import conversation as held_conversation
 from test_serve import chat, closed_port, conversation, eventually, run, with_cluster, with_router
 
 from smetric.cli.serve import engines_from, router_options
 from smetric.core.policies import SMetricTokens
-from smetric.core.policy import ClusterView, RoutingRequest
+from smetric.core.policy import ClusterView, RoutingRequest, reusable_hit_tokens
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router, RouterSettings
@@ -99,7 +102,9 @@ def test_the_global_hit_comes_from_blocks_engines_report_on_a_cpu_medium(
             (decision,) = routes(caplog)
             cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert decision["global_hit_tokens"] == cached == len(first) * BS
-            assert decision["hit_tokens"] == [predicted] and predicted < cached
+            # The GPU held less; the prediction (and the unprefilled tokens counted from
+            # it) takes the better tier, as the engine's cached_tokens does.
+            assert decision["hit_tokens"][0] < cached == predicted
             assert subscriber.exact and subscriber.counters.unresolved_hashes == 0
 
         try:
@@ -180,6 +185,35 @@ def test_smetric_tokens_moves_an_overloaded_session_only_where_the_global_tier_b
             global_tier_tokens=capacity_tokens,
         )
     )
+
+
+def test_unprefilled_tokens_count_the_global_hit_as_the_simulator_does() -> None:
+    """A request sent where its prefix is not cached, but which the global tier holds,
+    queues only what neither tier has: the simulator's ``Instance.enqueue`` counts
+    ``prompt - reusable(max(local, global))`` for Dynamo's load, and so does the router."""
+
+    async def body(client, url, router: Router, held: list[HeldEngine]) -> None:
+        first = await held_chat(client, url, held_conversation(0))
+        other = next(e for e in router.engines if e.url != first)
+        holder = held[router.engines.index(other)]
+        long = held_conversation(1, "HOLD " + "new context " * 40)  # round-robin: other
+        facts = await router.analyze({"messages": long}, "chat")
+        stored = await router.analyze({"messages": held_conversation(0)}, "chat")
+        assert other.predicted_hit(facts.blocks, BS, facts.prompt_tokens) == 0
+        global_hit = reusable_hit_tokens(len(stored.blocks), facts.prompt_tokens, BS)
+        assert global_hit > 0
+        payload = {"model": "m", "messages": long, "stream": True}
+        sent = asyncio.create_task(client.post(url + "/v1/chat/completions", json=payload))
+        await eventually(lambda: other.inflight == 1)
+        assert other.unprefilled == facts.prompt_tokens - global_hit
+        holder.first_token.set()
+        holder.finish.set()
+        response = await sent
+        assert int(response.headers["x-smetric-predicted-hit-tokens"]) == global_hit
+        await response.read()
+        response.close()
+
+    asyncio.run(with_held_engines(2, "round_robin", body, global_tier="full"))
 
 
 def test_every_worker_learns_the_prompts_the_others_served() -> None:

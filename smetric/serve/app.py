@@ -272,7 +272,11 @@ class Router:
         self, facts: RequestFacts, engines: list[Engine], loads: list[float] | None = None
     ) -> tuple[Engine, int]:
         """The policy's pick among ``engines`` and its predicted hit; ``loads`` replaces
-        the in-flight requests as load (disaggregated prefills: unprefilled tokens)."""
+        the in-flight requests as load (disaggregated prefills: unprefilled tokens).
+
+        The predicted hit is the better of the engine's local hit and the global tier's,
+        as the simulator's instance counts a queued request's unprefilled tokens and as
+        vLLM reports ``cached_tokens`` (tokens a KV connector loads count as cached)."""
         bs = self.settings.block_size
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
         if loads is None:
@@ -294,6 +298,9 @@ class Router:
         )
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
+        predicted = hits[decision.instance]
+        if global_hit is not None:
+            predicted = max(predicted, global_hit)
         self.metrics.decisions.labels(decision.branch).inc()
         if log.isEnabledFor(logging.INFO):  # the line costs more than the decision
             log.info(
@@ -305,7 +312,7 @@ class Router:
                         "turn": facts.turn,
                         "prompt_tokens": facts.prompt_tokens,
                         "est_hit_tokens": facts.est_hit_tokens,
-                        "predicted_hit_tokens": hits[decision.instance],
+                        "predicted_hit_tokens": predicted,
                         "hit_tokens": hits,
                         "global_hit_tokens": global_hit,
                         "loads": loads,
@@ -313,7 +320,7 @@ class Router:
                     }
                 )
             )
-        return engine, hits[decision.instance]
+        return engine, predicted
 
     async def _forward(
         self, request: web.Request, path: str, raw: bytes, facts: RequestFacts
