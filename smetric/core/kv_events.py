@@ -333,6 +333,9 @@ class EventIndex:
         if tier is None:
             return 0
         present, stride = tier.present, tier.stride
+        # Most engines miss at once: answer them without converting the whole prompt.
+        if len(blocks) < stride or int(blocks[stride - 1]) not in present:
+            return 0
         keys = blocks.tolist()
         count = 0
         for last in range(stride - 1, len(keys), stride):
