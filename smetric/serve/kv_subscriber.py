@@ -186,8 +186,9 @@ class KVEventSubscriber:
     async def _run(self, sub: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sub.recv_multipart()
-            # SUBSCRIBE filters by prefix: topic "kv" also receives "kv-a".
-            if len(frames) == 3 and frames[0] != self.topic:
+            # SUBSCRIBE filters by prefix: topic "kv" also receives "kv-a". An empty topic
+            # (vLLM's default) subscribes to everything the engine publishes, as in ZMQ.
+            if len(frames) == 3 and self.topic and frames[0] != self.topic:
                 continue
             await self.receive(frames)
 
