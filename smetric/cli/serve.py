@@ -14,7 +14,7 @@ from smetric.cli.app import app, console, user_errors
 from smetric.core.kv_events import EventIndex
 from smetric.core.policy import POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
-from smetric.serve.disagg import DECODE_POLICIES, DisaggSettings, disaggregation_from
+from smetric.serve.disagg import DECODE_POLICIES, disaggregation_from
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.tokenizers import make_tokenizer
@@ -254,7 +254,7 @@ def serve(
             decode_engine or [],
             config,
             kv_blocks,
-            DisaggSettings(decode_policy=decode_policy),
+            decode_policy,
         )
         disagg = None
         if disaggregated is None:
