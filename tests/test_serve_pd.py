@@ -39,7 +39,7 @@ def fake_engine(complete) -> web.Application:
     return app
 
 
-async def keyless_prefill_app() -> web.Application:
+def keyless_prefill_app() -> web.Application:
     """A prefill engine whose connector is keyed by the prompt (vLLM's ExampleConnector,
     LMCache): it answers the one token and no ``kv_transfer_params``."""
 
@@ -86,7 +86,7 @@ async def with_pd(
     prefill_faults: tuple[Fault, ...] = (),
     decode_faults: tuple[Fault, ...] = (),
     decode_urls: tuple[str, ...] = (),
-    keyless_prefill: int = 0,
+    prefill_apps: tuple[Callable[[], web.Application], ...] = (),
     prefill_config: dict[str, Any] | None = None,
     decode_config: dict[str, Any] | None = None,
     decode_policy: str = "least_kv",
@@ -94,12 +94,12 @@ async def with_pd(
     **settings: Any,
 ) -> Any:
     """Mock prefill and decode engines behind a router with ``settings``, listed after
-    dead ones, misbehaving ones and (decode) ``decode_urls`` started elsewhere; every
-    request must end within 60 s."""
+    dead ones, misbehaving ones, other prefill apps and decode engines started elsewhere
+    (``decode_urls``); every request must end within 60 s."""
     cluster = Cluster()
     prefills = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_prefill)]
     prefills += [await cluster.fake(fault) for fault in prefill_faults]
-    prefills += [await cluster.start(await keyless_prefill_app()) for _ in range(keyless_prefill)]
+    prefills += [await cluster.start(make()) for make in prefill_apps]
     for _ in range(prefill):
         config = {**FAST, **(prefill_config or {})}
         prefills.append(await cluster.start(create_app(EngineConfig(role="prefill", **config))))
@@ -173,7 +173,7 @@ def test_a_prefill_without_transfer_params_sends_the_plain_request_to_the_decode
         assert data["usage"]["completion_tokens"] == 4
         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing pulled
 
-    asyncio.run(with_pd(body, prefill=0, keyless_prefill=1, decode=1))
+    asyncio.run(with_pd(body, prefill=0, prefill_apps=(keyless_prefill_app,), decode=1))
 
 
 def test_the_pull_takes_the_link_models_time() -> None:

@@ -13,9 +13,10 @@ import sys
 
 import aiohttp
 import pytest
+from aiohttp import web
 from test_serve import closed_port, conversation, eventually, wait_healthy
 from test_serve_faults import reset
-from test_serve_pd import DECODE_HEADER, PREFILL_HEADER, Cluster, with_pd
+from test_serve_pd import DECODE_HEADER, PREFILL_HEADER, Cluster, fake_engine, with_pd
 
 from smetric.serve.app import Router
 from smetric.testing.engines import metric
@@ -139,6 +140,27 @@ def test_a_failing_engine_on_either_leg_is_ejected_and_its_requests_retried(
             decode_policy="round_robin",
             health_interval_s=0.05,  # checks pass, yet the backoff keeps it out
             **QUICK,
+        )
+    )
+
+
+def test_a_prefill_answering_200_without_json_is_the_engine_s_fault() -> None:
+    async def not_json(request: web.Request) -> web.Response:
+        return web.Response(text="prefilled, I think")
+
+    async def body(client, url, router, cluster: Cluster) -> None:
+        bad = router.engines[0]
+        async with client.post(url + "/v1/chat/completions", json=payload(0)) as response:
+            assert response.status == 200, await response.text()
+            assert response.headers[PREFILL_HEADER] != bad.url
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        assert metric(text, "smetric_engine_failures_total", engine=bad.url, kind="protocol") == 1
+        await no_load_left(client, url, router)
+
+    asyncio.run(
+        with_pd(
+            body, prefill=1, prefill_apps=(lambda: fake_engine(not_json),), policy="round_robin"
         )
     )
 

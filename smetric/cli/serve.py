@@ -143,8 +143,8 @@ def serve(
         float | None,
         typer.Option(
             help="Seconds to wait for an engine's response headers (a non-streaming "
-            "reply's come at its end) or a stream's first chunk; then the request is "
-            "retried elsewhere. Default: 300.",
+            "reply's come at its end, a disaggregated prefill's too) or a stream's first "
+            "chunk; then the request is retried elsewhere. Default: 300.",
             min=0.001,
         ),
     ] = None,
@@ -158,8 +158,9 @@ def serve(
     retries: Annotated[
         int | None,
         typer.Option(
-            help="Other engines to try for a request that failed before the client got "
-            "any byte (refused connections do not count). Default: 2.",
+            help="Other engines to try for a request (disaggregated: for each leg) that "
+            "failed before the client got any byte (refused connections do not count). "
+            "Default: 2.",
             min=0,
         ),
     ] = None,

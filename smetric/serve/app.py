@@ -101,6 +101,17 @@ class RouterSettings:
     memo_bytes: int = 256 << 20
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """What the router adds to an engine's reply (``tags``, as headers) and records once it
+    is served: ``facts``, the prompt the engine prefilled, with the hit ``predicted``
+    there (None for a disaggregated decode, whose prompt was prefilled elsewhere)."""
+
+    tags: dict[str, str]
+    facts: RequestFacts | None = None
+    predicted: int = 0
+
+
 @dataclass
 class Router:
     engines: list[Engine]
@@ -304,7 +315,7 @@ class Router:
         async def send(attempt: Attempt, predicted: int) -> web.StreamResponse:
             await attempt.send(path, raw, headers)
             tags = {ENGINE_HEADER: attempt.engine.url, PREDICTED_HIT_HEADER: str(predicted)}
-            return await self.answer(request, attempt, tags, facts, predicted)
+            return await self.answer(request, attempt, Delivery(tags, facts, predicted))
 
         return await self.try_engines(
             "engine", self.engines, lambda c: self.route(facts, c), facts.prompt_tokens, send
@@ -376,42 +387,29 @@ class Router:
         return body
 
     async def answer(
-        self,
-        request: web.Request,
-        attempt: Attempt,
-        tags: dict[str, str],
-        facts: RequestFacts | None = None,
-        predicted: int = 0,
+        self, request: web.Request, attempt: Attempt, delivery: Delivery
     ) -> web.StreamResponse:
-        """The engine's reply for the client, with ``tags`` as headers: a stream as it
-        arrives, anything else once whole, so a body cut short becomes a clean error
-        rather than a 200 with half its JSON. ``facts``: the prompt this engine prefilled,
-        recorded in its view with the ``predicted`` hit once served (None for a decode
-        leg, prefilled elsewhere). Raises ``EngineFault`` only while nothing has reached
-        the client."""
+        """The engine's reply for the client: a stream as it arrives, anything else once
+        whole, so a body cut short becomes a clean error rather than a 200 with half its
+        JSON. Raises ``EngineFault`` only while nothing has reached the client."""
         upstream = attempt.response
         assert upstream is not None
         if upstream.status < 400 and upstream.content_type == "text/event-stream":
-            return await self._relay(request, attempt, tags, facts, predicted)
+            return await self._relay(request, attempt, delivery)
         body = await self.read_whole(attempt)
         if upstream.status >= 400:  # the request's fault: pass it on, in OpenAI's shape
             response = engine_error(upstream.status, body)
         else:
-            if facts is not None:
-                self.served(attempt.engine, facts, predicted)
+            if delivery.facts is not None:
+                self.served(attempt.engine, delivery.facts, delivery.predicted)
                 self.count_cached(attempt.engine, UsageTap.of(body))
             response = web.Response(body=body, status=upstream.status)
             response.content_type = upstream.content_type or "application/json"
-        response.headers.update(tags)
+        response.headers.update(delivery.tags)
         return response
 
     async def _relay(
-        self,
-        request: web.Request,
-        attempt: Attempt,
-        tags: dict[str, str],
-        facts: RequestFacts | None,
-        predicted: int,
+        self, request: web.Request, attempt: Attempt, delivery: Delivery
     ) -> web.StreamResponse:
         """Pass a stream on as the engine sends it. Its first chunk (after the prefill) is
         awaited before the client gets anything, so a stream that fails that early is
@@ -421,11 +419,11 @@ class Router:
         assert upstream is not None
         chunk = await attempt.read(self.timeouts.first_byte_s)
         self.outliers.succeeded(engine.url)
-        if facts is not None:
-            self.served(engine, facts, predicted)
+        if delivery.facts is not None:
+            self.served(engine, delivery.facts, delivery.predicted)
         response = web.StreamResponse(status=upstream.status)
         response.content_type = upstream.content_type
-        response.headers.update(tags)
+        response.headers.update(delivery.tags)
         usage = UsageTap()
         try:
             await response.prepare(request)
@@ -433,7 +431,7 @@ class Router:
                 usage.feed(chunk)
                 await response.write(chunk)
                 chunk = await attempt.read()
-            if facts is not None:  # before the client can see the end and ask again
+            if delivery.facts is not None:  # before the client can see the end and ask
                 self.count_cached(engine, usage)
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one

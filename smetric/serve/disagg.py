@@ -46,7 +46,7 @@ from prometheus_client import Counter
 
 from smetric.core.conversation import RequestFacts
 from smetric.core.policies import RoundRobin
-from smetric.serve.app import Router, UsageTap
+from smetric.serve.app import Delivery, Router, UsageTap
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error
 from smetric.serve.upstream import Attempt, EngineFault
@@ -189,9 +189,8 @@ class Disaggregation:
         async def decode(attempt: Attempt, _: int) -> web.StreamResponse:
             self.routed.labels("decode", attempt.engine.url).inc()
             await attempt.send(path, payload, headers)
-            return await router.answer(
-                request, attempt, {**tags, DECODE_HEADER: attempt.engine.url}
-            )
+            delivery = Delivery({**tags, DECODE_HEADER: attempt.engine.url})
+            return await router.answer(request, attempt, delivery)
 
         # The decode engine pulls the prompt's KV: none of it is left to prefill there.
         return await router.try_engines(
