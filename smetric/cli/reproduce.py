@@ -55,8 +55,8 @@ def reproduce_command(
     Runs each policy's knee search per global tier, a rate sweep on the full tier, the
     runs at 1.5x load (latency CDFs, imbalance, stickiness), SMetric without its overload
     guard and its OVERLOAD / HIT_RATIO sensitivity. Writes report.html (figures embedded),
-    validation.md, reproduce.json and the PNGs to --out [default:
-    smetric-out/reproduce-PRESET-TRACE]. Every finished run is kept in OUT/runs/ID/, so
+    validation.md, reproduce.json and the PNGs to --out (default:
+    smetric-out/reproduce-PRESET-TRACE). Every finished run is kept in OUT/runs/ID/, so
     running the command again runs only what is missing.
     """
     words = [source] if source else []

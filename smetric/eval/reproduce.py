@@ -243,7 +243,7 @@ def _point(runs: Sequence[Mapping]) -> dict:
         "slo_attainment": statistics.fmean(r["slo_attainment"] for r in runs),
         "ttft_s": {q: _mean([r["ttft_s"][q] for r in runs]) for q in ("p50", "p90", "p99")},
         "tpot_s": {q: _mean([r["tpot_s"][q] for r in runs]) for q in ("p50", "p90", "p99")},
-        "imbalance": _mean([r["imbalance"]["mean"] for r in runs]),
+        "imbalance": _mean([_mean(measured_imbalance(r)) for r in runs]),
         "stickiness": {
             k: _mean([r["stickiness"][k] for r in runs]) for k in ("session", "agent", "turn")
         },
@@ -258,11 +258,21 @@ def window_imbalance(heatmap: Sequence[Sequence[float]]) -> list[float | None]:
     return [float(t / m) if m > 0 else None for t, m in zip(top, mean, strict=True)]
 
 
+def measured_imbalance(summary: Mapping) -> list[float]:
+    """The busy windows' imbalance after the warm-up: while sessions ramp up a few long
+    ones dominate the load, which says nothing about a policy's steady state."""
+    first = math.ceil(summary["warmup_s"] / summary["window_s"] - 1e-9)
+    series = window_imbalance(summary["load_heatmap"])[first:]
+    return [v for v in series if v is not None]
+
+
 def _guard(runs: Sequence[Mapping], window_s: float) -> dict:
-    """Per-window imbalance over time (first seed) and over all seeds' busy windows."""
-    pooled = [v for r in runs for v in window_imbalance(r["load_heatmap"]) if v is not None]
+    """Per-window imbalance over time (first seed, warm-up included) and over all seeds'
+    busy windows after the warm-up."""
+    pooled = [v for r in runs for v in measured_imbalance(r)]
     return {
         "window_s": window_s,
+        "warmup_s": runs[0]["warmup_s"],
         "over_time": window_imbalance(runs[0]["load_heatmap"]),
         "windows": pooled,
         "percentiles": {

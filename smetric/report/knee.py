@@ -16,15 +16,17 @@ def knee_rows(
     number: Callable[[float], str],
     bold: Callable[[str], str],
 ) -> list[list[str]]:
-    """One row per policy (the best knee of each cell in bold), then one per policy of
-    ``compared`` that ran: its lead over the cell's best baseline."""
+    """One row per policy (the best knee of each cell in bold; ± the spread over seeds
+    where there were several), then one per policy of ``compared`` that ran: its lead
+    over the cell's best baseline."""
     rows = []
     for p in summary["policies"]:
         row = [p]
         for cell in summary["cells"]:
             k = cell["knees"][p]
             top = max(v["mean"] for v in cell["knees"].values())
-            text = f"{number(k['mean'])} ± {number(k['stdev'])} (@{k['load']:.3g})"
+            spread = f" ± {number(k['stdev'])}" if len(k["seeds"]) > 1 else ""
+            text = f"{number(k['mean'])}{spread} (@{k['load']:.3g})"
             row.append(bold(text) if k["mean"] == top and top > 0 else text)
         rows.append(row)
     for policy in (p for p in compared if p in summary["policies"]):

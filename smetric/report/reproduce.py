@@ -133,8 +133,9 @@ def _tier_sections(result: Result) -> list[Section]:
             "Max TPS within SLO per global tier (Figs. 11a, 16a)",
             "Each policy's knee: its load (sessions/s) searched adaptively until its TPS "
             "within SLO (prompt + output tokens/s of requests meeting both SLOs) peaks; "
-            "mean ± standard deviation over seeds at the knee, best per tier in bold, then "
-            "each of the project's policies against the best baseline at its best setting.",
+            "mean (± standard deviation, with several seeds) at the knee, best per tier in "
+            "bold, then each of the project's policies against the best baseline at its best "
+            "setting.",
             ("max_tps", "knee"),
             head,
             knee_rows(knees, ours, kilo, lambda text: f"**{text}**"),
@@ -202,7 +203,8 @@ def _paper_load_section(result: Result) -> Section:
     return Section(
         f"At {result['load_unit']['paper_load']:g}x load, full global tier: latency, balance, "
         "stickiness (Figs. 12, 15b, 17)",
-        f"{at['rate']:.4g} sessions/s; means over seeds, figures from the first seed. Latency "
+        f"{at['rate']:.4g} sessions/s; means over seeds, figures from the first seed; "
+        "imbalance: mean max / mean in-flight tokens per window after the warm-up. Latency "
         "counts every completed request, met SLO or not, as the paper does. Stickiness: "
         "follow-ups on the instance of their session's first request / of their own "
         "conversation's first request (a sub-agent is its own) / of their previous turn.",
@@ -233,7 +235,7 @@ def _guard_section(result: Result) -> Section:
         "SMetric's overload guard on and off (Fig. 14)",
         f"`smetric` (OVERLOAD=2) against `{GUARD_OFF}` (the guard never trips), full tier, "
         f"{result['load_unit']['paper_load']:g}x load: per-window imbalance (max / mean "
-        "in-flight tokens per window, busy windows of every seed).",
+        "in-flight tokens per window, over every seed's busy windows after the warm-up).",
         ("guard",),
         ("policy", "TPS@SLO", "mean", "p50", "p75", "p90", "p99"),
         rows,

@@ -374,7 +374,8 @@ def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     """Figure 15a: where each policy's TPS within SLO saturates as the offered rate grows."""
     runs = _run_index(sweep)
     provisionings, rates = sweep["provisionings"], sorted(sweep["rates"])
-    fig = new_figure(min(4.0 * len(provisionings), 13), 4.4)
+    # At least 8 inches: the policy key below the panels needs the room.
+    fig = new_figure(min(max(4.0 * len(provisionings), 8), 13), 4.4)
     axes = fig.subplots(1, len(provisionings), sharey=True, squeeze=False).ravel()
     for ax, level in zip(axes, provisionings, strict=True):
         for policy in sweep["policies"]:
@@ -444,13 +445,17 @@ def _guard_figure(guard: Section) -> Figure:
         minutes = [(i + 0.5) * width for i in range(len(data["over_time"]))]
         values = [math.nan if v is None else v for v in data["over_time"]]
         timeline.plot(minutes, values, color=colors[spec], lw=1.4, label=spec)
+    warmup = next(iter(guard.values()))["warmup_s"] / 60
+    if warmup > 0:
+        timeline.axvspan(0, warmup, color="grey", alpha=0.12, lw=0, label="warm-up (left out)")
     spread.axvline(1, color="grey", lw=0.8)
     _cdf_axis(spread, "Per-window imbalance (max / mean in-flight tokens)")
-    spread.set_title("Distribution over windows (all seeds)")
+    spread.set_title("Distribution over windows after the warm-up (all seeds)")
     timeline.set_xlabel("Time (minutes)")
     timeline.set_ylabel("Imbalance (max / mean)")
     timeline.set_ylim(bottom=1)
     timeline.set_title("Over time (first seed)")
+    timeline.legend(loc="upper right", fontsize=8)
     return fig
 
 
