@@ -80,13 +80,17 @@ def reproduce_command(
         trace = load_with_progress(chosen.config.workload.trace, chosen.config.workload.format)
         out = out or Path("smetric-out") / f"reproduce-{slug(chosen.name)}-{slug(trace.name)}"
         store = RunStore(out / "runs")
+        # Runs per knee-search round, the widest phase: every tier, policy and seed at once.
+        searches = len(specs) * len(chosen.tiers) * chosen.seeds
         with progress_bar() as bar:
             task = bar.add_task("reproducing", total=None)
 
             def progress(what: str, done: int, total: int | None) -> None:
                 bar.update(task, description=what, completed=done, total=total)
 
-            result = reproduce(trace, chosen, specs, store, jobs or default_jobs(8), progress)
+            result = reproduce(
+                trace, chosen, specs, store, jobs or default_jobs(searches), progress
+            )
         summaries, tables = paper_load_runs(store, chosen, specs, result)
     out.mkdir(parents=True, exist_ok=True)
     (out / "reproduce.json").write_text(json.dumps(result, indent=1))
