@@ -9,6 +9,7 @@ of the sensitivity sweeps. A YAML file of the same shape shrinks or grows any of
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -49,23 +50,29 @@ class Preset:
 
 def load_preset(spec: str) -> Preset:
     """``quick``, ``full``, or the path of a YAML file shaped like them."""
-    if spec in PRESETS:
+    data, where, name = read_preset(spec, PRESETS)
+    return _parse(data, where, name)
+
+
+def read_preset(spec: str, names: Sequence[str]) -> tuple[Any, str, str]:
+    """A preset's YAML data, where it came from (for error messages) and its name: one of
+    the packaged ``names``, or the path of a YAML file."""
+    if spec in names:
         text = resources.files("smetric.eval").joinpath(f"presets/{spec}.yaml").read_text()
         where = f"preset {spec}"
     else:
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(f"--preset {spec!r}: use {' or '.join(PRESETS)}, or a YAML file")
+            raise ValueError(f"--preset {spec!r}: use {' or '.join(names)}, or a YAML file")
         try:
             text = path.read_text()
         except OSError as exc:
             raise ValueError(f"{path}: cannot read: {exc}") from exc
         where = str(path)
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text), where, Path(spec).stem
     except yaml.YAMLError as exc:
         raise ValueError(f"{where}: not YAML: {exc}") from exc
-    return _parse(data, where, Path(spec).stem)
 
 
 def _parse(data: Any, where: str, name: str) -> Preset:
@@ -83,16 +90,16 @@ def _parse(data: Any, where: str, name: str) -> Preset:
     return Preset(
         name=name,
         config=from_dict(data["config"] or {}, f"{where}: config"),
-        tiers={str(t): _positive(v, f"{where}: tiers.{t}") for t, v in tiers.items()},
-        seeds=int(_positive(data["seeds"], f"{where}: seeds")),
-        precision=_positive(data["precision"], f"{where}: precision"),
+        tiers={str(t): positive(v, f"{where}: tiers.{t}") for t, v in tiers.items()},
+        seeds=int(positive(data["seeds"], f"{where}: seeds")),
+        precision=positive(data["precision"], f"{where}: precision"),
         load_multiples=_values(data["load_multiples"], f"{where}: load_multiples"),
         overloads=_values(data["overloads"], f"{where}: overloads"),
         hit_ratios=_values(data["hit_ratios"], f"{where}: hit_ratios", zero=True),
     )
 
 
-def _positive(value: Any, where: str, zero: bool = False) -> float:
+def positive(value: Any, where: str, zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise ValueError(f"{where}: expected a number, got {value!r}")
     if value < 0 or (value == 0 and not zero):
@@ -103,4 +110,4 @@ def _positive(value: Any, where: str, zero: bool = False) -> float:
 def _values(values: Any, where: str, zero: bool = False) -> tuple[float, ...]:
     if not isinstance(values, list) or not values:
         raise ValueError(f"{where}: expected a non-empty list of numbers")
-    return tuple(_positive(v, where, zero) for v in values)
+    return tuple(positive(v, where, zero) for v in values)

@@ -348,13 +348,15 @@ def write_html(result: Result, pngs: Mapping[str, Path], command: str, path: Pat
     path.write_text(page, encoding="utf-8")
 
 
-def replace_between_markers(text: str, block: str) -> str:
-    """``text`` with what lies between the reproduce markers replaced by ``block``; the
-    markers stay, and everything outside them is kept byte for byte."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < 0 or end < start or text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise ValueError(f"expected one {BEGIN} followed by one {END}")
-    return text[: start + len(BEGIN)] + "\n" + block.rstrip("\n") + "\n" + text[end:]
+def replace_between_markers(text: str, block: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """``text`` with what lies between the markers (the reproduce ones unless given)
+    replaced by ``block``; the markers stay, and everything outside them is kept byte for
+    byte."""
+    begin, finish = markers
+    start, end = text.find(begin), text.find(finish)
+    if start < 0 or end < 0 or end < start or text.count(begin) != 1 or text.count(finish) != 1:
+        raise ValueError(f"expected one {begin} followed by one {finish}")
+    return text[: start + len(begin)] + "\n" + block.rstrip("\n") + "\n" + text[end:]
 
 
 def write_report(
@@ -372,18 +374,18 @@ def write_report(
     return html, markdown
 
 
-def read_readme(readme: Path) -> str:
+def read_readme(readme: Path, markers: tuple[str, str] = (BEGIN, END)) -> str:
     """The README's text, checked to hold the markers (before a long run, not after)."""
     try:
         text = readme.read_text()
     except OSError as exc:
         raise ValueError(f"{readme}: cannot read: {exc}") from exc
     try:
-        replace_between_markers(text, "")
+        replace_between_markers(text, "", markers)
     except ValueError as exc:
         raise ValueError(f"{readme}: {exc}") from exc
     return text
 
 
-def update_readme(readme: Path, markdown: str) -> None:
-    readme.write_text(replace_between_markers(read_readme(readme), markdown))
+def update_readme(readme: Path, markdown: str, markers: tuple[str, str] = (BEGIN, END)) -> None:
+    readme.write_text(replace_between_markers(read_readme(readme, markers), markdown, markers))

@@ -121,6 +121,7 @@ def search_knees(
     trace: Trace,
     on_round: Callable[[int, int], None] | None = None,
     store: RunStore | None = None,
+    with_requests: bool = False,
 ) -> dict[tuple, Knee]:
     """Every cell's knee (a cell: a configuration and one policy, ``config.policies[0]``).
 
@@ -128,7 +129,8 @@ def search_knees(
     seeds) fill the worker processes. ``settings`` may differ per cell (a start near each
     cell's knee saves rounds). With a ``store``, every probe is kept there and one already
     there is not run again, so an interrupted search resumes. ``on_round(round, runs)``
-    reports progress.
+    reports progress; ``with_requests`` stores each run's per-request table too (to score
+    it again under another SLO).
     """
     # Per cell and load, each seed's value: kept by seed, so that means do not depend on
     # the order in which worker processes finish.
@@ -151,7 +153,9 @@ def search_knees(
         rounds += 1
         if on_round is not None:
             on_round(rounds, len(jobs))
-        summaries, _ = run_sweep(jobs, store, trace, processes=processes)
+        summaries, _ = run_sweep(
+            jobs, store, trace, processes=processes, with_requests=with_requests
+        )
         for (key, load, seed), summary in summaries.items():
             runs[key].setdefault(load, {})[seed] = summary["tps_within_slo"]
         for key, load in wanted.items():

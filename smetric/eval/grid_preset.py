@@ -1,0 +1,113 @@
+"""What ``smetric grid`` runs: the ``grid-quick`` preset or a YAML file of its shape.
+
+A grid preset is data: per trace a base simulation configuration (as ``smetric simulate
+-c`` reads it) and, per global tier, the first load its knee searches probe; the fetch
+modes; the KV-room settings (hardware and KV dtype), each with a factor on those first
+loads (a GPU with more KV room and compute peaks at a higher load); seeds, the search's
+precision, and the looser SLO the same runs are scored again under.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from smetric.eval.preset import positive, read_preset
+from smetric.sim.config import (
+    SimConfig,
+    SLOConfig,
+    check_kv_load,
+    from_dict,
+    parse_global_capacity,
+)
+
+GRID_PRESETS = ("grid-quick",)
+KEYS = ("traces", "kv_loads", "hardware", "seeds", "precision", "loose_slo")
+
+
+@dataclass(frozen=True)
+class GridTrace:
+    config: SimConfig
+    # Global tier -> first load probed (sessions/s closed loop, speed-up open loop).
+    tiers: dict[str, float]
+
+
+@dataclass(frozen=True)
+class KvRoom:
+    hardware: str
+    kv_dtype: str
+    # Multiplies every tier's first load for this hardware.
+    scale: float
+
+
+@dataclass(frozen=True)
+class GridPreset:
+    name: str
+    traces: dict[str, GridTrace]
+    kv_loads: tuple[str, ...]
+    hardware: dict[str, KvRoom]
+    seeds: int
+    precision: float
+    loose_slo: SLOConfig
+
+
+def load_grid_preset(spec: str) -> GridPreset:
+    """``grid-quick``, or the path of a YAML file shaped like it."""
+    data, where, name = read_preset(spec, GRID_PRESETS)
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping with keys {', '.join(KEYS)}")
+    unknown = sorted(set(data) - set(KEYS))
+    missing = [k for k in KEYS if k not in data]
+    if unknown or missing:
+        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    kv_loads = data["kv_loads"]
+    if not isinstance(kv_loads, list) or not kv_loads:
+        raise ValueError(f"{where}: kv_loads must be a non-empty list of sync, async")
+    loose = _mapping(data["loose_slo"], f"{where}: loose_slo")
+    try:
+        loose_slo = SLOConfig(
+            **{k: positive(v, f"{where}: loose_slo.{k}") for k, v in loose.items()}
+        )
+    except TypeError as exc:
+        raise ValueError(f"{where}: loose_slo: {exc}") from exc
+    return GridPreset(
+        name=name,
+        traces={
+            str(t): _trace(v, f"{where}: traces.{t}")
+            for t, v in _mapping(data["traces"], f"{where}: traces").items()
+        },
+        kv_loads=tuple(check_kv_load(str(m)) for m in kv_loads),
+        hardware={
+            str(h): _room(v, f"{where}: hardware.{h}")
+            for h, v in _mapping(data["hardware"], f"{where}: hardware").items()
+        },
+        seeds=int(positive(data["seeds"], f"{where}: seeds")),
+        precision=positive(data["precision"], f"{where}: precision"),
+        loose_slo=loose_slo,
+    )
+
+
+def _mapping(value: Any, where: str) -> dict:
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{where}: expected a non-empty mapping")
+    return value
+
+
+def _trace(value: Any, where: str) -> GridTrace:
+    data = _mapping(value, where)
+    if set(data) != {"config", "tiers"}:
+        raise ValueError(f"{where}: expected the keys config and tiers")
+    tiers = _mapping(data["tiers"], f"{where}.tiers")
+    for tier in tiers:
+        parse_global_capacity(str(tier))
+    return GridTrace(
+        config=from_dict(data["config"] or {}, f"{where}.config"),
+        tiers={str(t): positive(v, f"{where}.tiers.{t}") for t, v in tiers.items()},
+    )
+
+
+def _room(value: Any, where: str) -> KvRoom:
+    data = _mapping(value, where)
+    if set(data) != {"hardware", "kv_dtype", "scale"}:
+        raise ValueError(f"{where}: expected the keys hardware, kv_dtype and scale")
+    return KvRoom(str(data["hardware"]), str(data["kv_dtype"]), positive(data["scale"], where))
