@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean pd-figures reproduce
+.PHONY: run test lint setup clean pd-figures reproduce grid
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ pd-figures: $(STAMP)
 # The paper's colocation evaluation (quick preset), its validation.md into README.md.
 reproduce: $(STAMP)
 	$(BIN)/smetric reproduce --preset quick -o smetric-out/reproduce-quick --readme README.md
+
+# Issue 10's policy grid (grid-quick preset), its grid.md into README.md.
+grid: $(STAMP)
+	$(BIN)/smetric grid --preset grid-quick -o smetric-out/grid-quick --readme README.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts

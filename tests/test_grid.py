@@ -33,7 +33,7 @@ traces:
     tiers: {none: 0.02, full: 0.04}
 kv_loads: [sync]
 hardware:
-  H20-bf16: {hardware: H20, kv_dtype: bf16, scale: 1}
+  H20-bf16: {hardware: H20, kv_dtype: bf16}
 seeds: 1
 precision: 2.0
 loose_slo: {ttft_base_s: 2.0, ttft_per_token_s: 0.0005, tpot_s: 0.03}
@@ -101,14 +101,17 @@ def test_grid_table_has_a_row_per_cell_with_the_best_baseline_and_our_lead() -> 
 def test_cells_cover_the_product_and_scale_first_loads_by_hardware(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(
-        TINY.replace("kv_loads: [sync]", "kv_loads: [sync, async]").replace(
-            "  H20-bf16: {hardware: H20, kv_dtype: bf16, scale: 1}",
-            "  H20-bf16: {hardware: H20, kv_dtype: bf16, scale: 1}\n"
-            "  H200-fp8: {hardware: H200, kv_dtype: fp8, scale: 3}",
+        TINY.replace("kv_loads: [sync]", "kv_loads: [sync, async]")
+        .replace(
+            "  H20-bf16: {hardware: H20, kv_dtype: bf16}",
+            "  H20-bf16: {hardware: H20, kv_dtype: bf16}\n"
+            "  H200-fp8: {hardware: H200, kv_dtype: fp8}",
         )
+        .replace("    tiers:", "    scale: {H200-fp8: 3}\n    tiers:")
     )
     cells = grid_cells(load_grid_preset(str(path)))
     assert len(cells) == 2 * 2 * 2
+    assert cells["weka", "full", "async", "H20-bf16"][1] == 0.04
     config, start = cells["weka", "full", "async", "H200-fp8"]
     assert (config.cluster.hardware, config.cluster.kv_dtype) == ("H200", "fp8")
     assert (config.cluster.kv_load, config.cluster.global_capacity) == ("async", "full")
@@ -175,7 +178,9 @@ def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) 
         (("kv_loads: [sync]", "kv_loads: [lazy]"), "kv_load 'lazy'"),
         (("tiers: {none: 0.02, full: 0.04}", "tiers: {2y: 0.02}"), "2y"),
         (("precision: 2.0\n", ""), "missing keys ['precision']"),
-        (("scale: 1}", "scale: -1}"), "hardware.H20-bf16"),
+        (("kv_dtype: bf16}", "kv_dtype: bf16, scale: 1}"), "hardware.H20-bf16"),
+        (("    tiers:", "    scale: {H100: 2}\n    tiers:"), "['H100'] not among hardware"),
+        (("    tiers:", "    scale: {H20-bf16: 0}\n    tiers:"), "scale.H20-bf16"),
         (("loose_slo: {", "loose_slo: {ttft: 1, "), "loose_slo"),
         (("traces:", "trace:"), "unknown keys ['trace']"),
     ],

@@ -51,7 +51,7 @@ def grid_cells(preset: GridPreset) -> dict[tuple, tuple[SimConfig, float]]:
                         hardware=room.hardware,
                         kv_dtype=room.kv_dtype,
                     )
-                    cells[name, tier, mode, label] = (config, start * room.scale)
+                    cells[name, tier, mode, label] = (config, start * trace.scale[label])
     return cells
 
 

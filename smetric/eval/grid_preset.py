@@ -1,10 +1,10 @@
 """What ``smetric grid`` runs: the ``grid-quick`` preset or a YAML file of its shape.
 
 A grid preset is data: per trace a base simulation configuration (as ``smetric simulate
--c`` reads it) and, per global tier, the first load its knee searches probe; the fetch
-modes; the KV-room settings (hardware and KV dtype), each with a factor on those first
-loads (a GPU with more KV room and compute peaks at a higher load); seeds, the search's
-precision, and the looser SLO the same runs are scored again under.
+-c`` reads it) and, per global tier, the first load its knee searches probe, and per KV
+room a factor on those loads (a GPU with more KV room and compute peaks at a higher load,
+by how much depends on the trace); the fetch modes; the KV rooms (hardware and KV dtype);
+seeds, the search's precision, and the looser SLO the same runs are scored again under.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ class GridTrace:
     config: SimConfig
     # Global tier -> first load probed (sessions/s closed loop, speed-up open loop).
     tiers: dict[str, float]
+    # KV room -> factor on those first loads (1 where not given).
+    scale: dict[str, float]
 
 
 @dataclass(frozen=True)
 class KvRoom:
     hardware: str
     kv_dtype: str
-    # Multiplies every tier's first load for this hardware.
-    scale: float
 
 
 @dataclass(frozen=True)
@@ -70,17 +70,18 @@ def load_grid_preset(spec: str) -> GridPreset:
         )
     except TypeError as exc:
         raise ValueError(f"{where}: loose_slo: {exc}") from exc
+    hardware = {
+        str(h): _room(v, f"{where}: hardware.{h}")
+        for h, v in _mapping(data["hardware"], f"{where}: hardware").items()
+    }
     return GridPreset(
         name=name,
         traces={
-            str(t): _trace(v, f"{where}: traces.{t}")
+            str(t): _trace(v, f"{where}: traces.{t}", hardware)
             for t, v in _mapping(data["traces"], f"{where}: traces").items()
         },
         kv_loads=tuple(check_kv_load(str(m)) for m in kv_loads),
-        hardware={
-            str(h): _room(v, f"{where}: hardware.{h}")
-            for h, v in _mapping(data["hardware"], f"{where}: hardware").items()
-        },
+        hardware=hardware,
         seeds=int(positive(data["seeds"], f"{where}: seeds")),
         precision=positive(data["precision"], f"{where}: precision"),
         loose_slo=loose_slo,
@@ -93,21 +94,28 @@ def _mapping(value: Any, where: str) -> dict:
     return value
 
 
-def _trace(value: Any, where: str) -> GridTrace:
+def _trace(value: Any, where: str, hardware: dict[str, KvRoom]) -> GridTrace:
     data = _mapping(value, where)
-    if set(data) != {"config", "tiers"}:
-        raise ValueError(f"{where}: expected the keys config and tiers")
+    if not {"config", "tiers"} <= set(data) <= {"config", "tiers", "scale"}:
+        raise ValueError(f"{where}: expected the keys config, tiers and (optional) scale")
     tiers = _mapping(data["tiers"], f"{where}.tiers")
     for tier in tiers:
         parse_global_capacity(str(tier))
+    scale = data.get("scale") or {}
+    if not isinstance(scale, dict):
+        raise ValueError(f"{where}.scale: expected a mapping of hardware to factors")
+    unknown = sorted(set(map(str, scale)) - set(hardware))
+    if unknown:
+        raise ValueError(f"{where}.scale: {unknown} not among hardware {sorted(hardware)}")
     return GridTrace(
         config=from_dict(data["config"] or {}, f"{where}.config"),
         tiers={str(t): positive(v, f"{where}.tiers.{t}") for t, v in tiers.items()},
+        scale={h: positive(scale.get(h, 1), f"{where}.scale.{h}") for h in hardware},
     )
 
 
 def _room(value: Any, where: str) -> KvRoom:
     data = _mapping(value, where)
-    if set(data) != {"hardware", "kv_dtype", "scale"}:
-        raise ValueError(f"{where}: expected the keys hardware, kv_dtype and scale")
-    return KvRoom(str(data["hardware"]), str(data["kv_dtype"]), positive(data["scale"], where))
+    if set(data) != {"hardware", "kv_dtype"}:
+        raise ValueError(f"{where}: expected the keys hardware and kv_dtype")
+    return KvRoom(str(data["hardware"]), str(data["kv_dtype"]))
