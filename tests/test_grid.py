@@ -35,6 +35,7 @@ kv_loads: [sync]
 hardware:
   H20-bf16: {hardware: H20, kv_dtype: bf16}
 seeds: 1
+grow: 2.0
 precision: 2.0
 loose_slo: {ttft_base_s: 2.0, ttft_per_token_s: 0.0005, tpot_s: 0.03}
 """

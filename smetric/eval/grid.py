@@ -76,7 +76,7 @@ def run_grid(
             for p in policies
         }
         settings = {
-            key: KneeSettings(start=mine[key[:4]][1], precision=preset.precision)
+            key: KneeSettings(start=mine[key[:4]][1], grow=preset.grow, precision=preset.precision)
             for key in searches
         }
         knees = search_knees(

@@ -4,7 +4,7 @@ A grid preset is data: per trace a base simulation configuration (as ``smetric s
 -c`` reads it) and, per global tier, the first load its knee searches probe, and per KV
 room a factor on those loads (a GPU with more KV room and compute peaks at a higher load,
 by how much depends on the trace); the fetch modes; the KV rooms (hardware and KV dtype);
-seeds, the search's precision, and the looser SLO the same runs are scored again under.
+seeds, the search's step and precision, and the looser SLO the same runs are scored again under.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from smetric.sim.config import (
 )
 
 GRID_PRESETS = ("grid-quick",)
-KEYS = ("traces", "kv_loads", "hardware", "seeds", "precision", "loose_slo")
+KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class GridPreset:
     kv_loads: tuple[str, ...]
     hardware: dict[str, KvRoom]
     seeds: int
+    # The search's first steps away from its start: near a knee, 2x overshoots into
+    # overload, where runs are slow and say little.
+    grow: float
     precision: float
     loose_slo: SLOConfig
 
@@ -83,6 +86,7 @@ def load_grid_preset(spec: str) -> GridPreset:
         kv_loads=tuple(check_kv_load(str(m)) for m in kv_loads),
         hardware=hardware,
         seeds=int(positive(data["seeds"], f"{where}: seeds")),
+        grow=positive(data["grow"], f"{where}: grow"),
         precision=positive(data["precision"], f"{where}: precision"),
         loose_slo=loose_slo,
     )
