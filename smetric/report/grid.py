@@ -37,7 +37,7 @@ def grid_table(result: Mapping[str, Any], which: str = "knees") -> str:
             text = _knee(cell[which][p])
             row.append(f"{text}, {lead:+.1f} %" if lead is not None else text)
         rows.append(row)
-    return markdown_table(head, rows)
+    return markdown_table(head, rows).rstrip("\n")
 
 
 def verdict_line(cells: Sequence[Mapping[str, float]]) -> str:
