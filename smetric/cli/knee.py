@@ -32,7 +32,7 @@ from smetric.sim.knee import Knee, KneeSettings, search_knees
 from smetric.sim.parallel import default_jobs
 
 # The policies this project proposes; every other policy is a baseline.
-OURS = ("smetric", "smetric_tokens")
+OURS = ("smetric", "smetric_tokens", "smetric_cost")
 
 
 def base_name(spec: str) -> str:
@@ -128,7 +128,7 @@ def knee(
     ] = 1.2,
     default: Annotated[
         str, typer.Option(help="The policy compared with the best baseline.")
-    ] = "smetric_tokens",
+    ] = "smetric_cost",
     instances: InstancesOpt = None,
     prefill_instances: PrefillOpt = None,
     decode_instances: DecodeOpt = None,

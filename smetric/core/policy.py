@@ -96,6 +96,7 @@ POLICY_NAMES: tuple[str, ...] = (
     "session_hash",
     "cache_aware",
     "smetric_tokens",
+    "smetric_cost",
 )
 
 
