@@ -168,6 +168,61 @@ def test_events_the_index_cannot_key_are_counted() -> None:
     assert (index.mismatched, index.orphaned, index.size()) == (1, 1, 0)
 
 
+def offloaded(hashes: list[Any], block_size: int = BS, medium: str = "CPU") -> dict:
+    """A BlockStored as vLLM's OffloadingConnector sends it by default: hashes only."""
+    return block_stored(hashes, None, [], block_size, medium)
+
+
+@pytest.mark.parametrize("size", [BS, 0])
+def test_hash_only_offload_events_are_keyed_by_the_gpu_stores_of_the_same_hashes(
+    size: int,
+) -> None:
+    """The CPU view outlives the GPU blocks it was keyed from; an offload event naming a
+    hash no medium knows cannot be keyed and is counted, not guessed."""
+    index = EventIndex(BS)
+    feed(index, [stored_map([1, 2, 3], None, TOKENS[:12])], "map")
+    feed(index, [offloaded([1, 2], size), offloaded([77], size)], "map")
+    assert index.unresolved == 1
+    feed(index, [removed_map([1, 2, 3])], "map")
+    assert index.match(request(TOKENS)) == 0
+    assert index.match(request(TOKENS), medium="CPU") == 2
+    assert index.match_offloaded(request(TOKENS)) == 2
+    feed(index, [removed_map([2], medium="CPU")], "map")
+    assert index.match_offloaded(request(TOKENS)) == 1
+
+
+def test_an_offloaded_block_larger_than_the_gpu_s_is_named_by_its_last_gpu_block() -> None:
+    """vLLM names each offloaded block of k GPU blocks by the hash of the last of them, so
+    the CPU tier holds whole runs of k blocks, and a run is there or not as a whole."""
+    index = EventIndex(BS)
+    feed(index, [stored_map([1, 2, 3, 4, 5, 6], None, TOKENS)], "map")
+    feed(index, [offloaded([2, 4], 2 * BS)], "map")
+    assert index.match(request(TOKENS), medium="CPU") == 4
+    assert index.match(request(TOKENS[:12]), medium="CPU") == 2  # block 4 is half a run
+    feed(index, [offloaded([7], 3 * BS)], "map")
+    assert (index.unresolved, index.mismatched) == (1, 0)
+    feed(index, [offloaded([6], BS + 1)], "map")
+    assert index.mismatched == 1
+
+
+def test_repeated_announcements_of_a_hash_are_counted() -> None:
+    """Self-describing offload events re-announce a hash shared by overlapping chunks and
+    remove it once per announcement: the block stays until the last removal."""
+    index = EventIndex(BS)
+    chunk = stored_map([1, 2], None, TOKENS[:8], medium="CPU")
+    feed(index, [chunk, chunk], "map")
+    feed(index, [removed_map([1, 2], medium="CPU")], "map")
+    assert index.match(request(TOKENS), medium="CPU") == 2
+    feed(index, [removed_map([1, 2], medium="CPU")], "map")
+    assert index.match(request(TOKENS), medium="CPU") == 0
+
+
+def test_gpu_blocks_do_not_count_as_offloaded() -> None:
+    index = EventIndex(BS)
+    feed(index, [stored_map([1, 2], None, TOKENS[:8])], "map")
+    assert index.match_offloaded(request(TOKENS)) == 0
+
+
 @pytest.mark.parametrize(
     ("bad", "why"),
     [

@@ -201,6 +201,34 @@ def test_a_gap_is_filled_from_replay_in_order() -> None:
     asyncio.run(main())
 
 
+def test_an_empty_topic_takes_whatever_topic_the_engine_publishes_on() -> None:
+    """vLLM's default topic is empty; a router left at it must not drop an engine's
+    events because that engine names a topic."""
+    config = dataclasses.replace(replay_only(), kv_events_topic="kv-a")
+    tokens, batches = _batches()
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        index = EventIndex(BS)
+        async with (
+            subscriber(
+                index, config.kv_events_endpoint, "", config.kv_events_replay_endpoint
+            ) as sub,
+            publishing(config) as publisher,
+        ):
+
+            async def send(_attempt: int) -> None:
+                publisher.publish(batches[0])
+
+            await until_heard(send, lambda: sub.counters.batches > 0)
+            for events in batches[1:]:
+                publisher.publish(events)
+            await settle(lambda: index.match(keys) == 3)
+            assert sub.exact
+
+    asyncio.run(main())
+
+
 def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart(caplog) -> None:
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)

@@ -89,14 +89,16 @@ def conversation(turns: int, last: str = "") -> list[dict[str, str]]:
     return messages
 
 
-async def with_held_engines(n: int, policy: str, body: Callable[..., Awaitable[Any]]) -> Any:
+async def with_held_engines(
+    n: int, policy: str, body: Callable[..., Awaitable[Any]], **settings: Any
+) -> Any:
     held = [HeldEngine() for _ in range(n)]
     servers = [TestServer(h.app, host="127.0.0.1") for h in held]
     for server in servers:
         await server.start_server()
     router = Router(
         [Engine(f"http://127.0.0.1:{s.port}", 1000) for s in servers],
-        RouterSettings(policy=policy, health_interval_s=60),
+        RouterSettings(policy=policy, health_interval_s=60, **settings),
     )
     front = TestServer(router.app(), host="127.0.0.1", handler_cancellation=True)
     await front.start_server()

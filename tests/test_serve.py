@@ -123,15 +123,18 @@ async def with_cluster(
     body: Callable[[aiohttp.ClientSession, str, Router, list[TestServer]], Awaitable[Any]],
     policy: str = "smetric",
     dead: int = 0,
+    **settings: Any,
 ) -> Any:
-    """``n`` mock engines (plus ``dead`` unreachable URLs first) behind one router."""
+    """``n`` mock engines (plus ``dead`` unreachable URLs first) behind one router, with
+    further ``RouterSettings`` from ``settings``."""
     engines = [TestServer(create_app(FAST), host="127.0.0.1") for _ in range(n)]
     for server in engines:
         await server.start_server()
     urls = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead)]
     urls += [f"http://127.0.0.1:{s.port}" for s in engines]
     router = Router(
-        [Engine(u, 1000) for u in urls], RouterSettings(policy=policy, health_interval_s=0.05)
+        [Engine(u, 1000) for u in urls],
+        RouterSettings(policy=policy, health_interval_s=0.05, **settings),
     )
     server = TestServer(router.app(), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()

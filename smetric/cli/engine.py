@@ -52,6 +52,15 @@ def engine(
     kv_events_replay_endpoint: Annotated[
         str | None, typer.Option(help="ZMQ endpoint to bind the replay socket on.")
     ] = None,
+    cpu_offload_blocks: Annotated[
+        int,
+        typer.Option(
+            help="Offload prompt blocks to an LRU CPU store of this many blocks and load "
+            "them back on a hit, as vLLM's OffloadingConnector does; its KV events report "
+            "them with medium CPU (0: no offloading).",
+            min=0,
+        ),
+    ] = 0,
 ) -> None:
     """Serve vLLM's OpenAI API with a real prefix cache and the simulator's step timing.
 
@@ -76,6 +85,7 @@ def engine(
             kv_events_endpoint=kv_events_endpoint,
             kv_events_topic=kv_events_topic,
             kv_events_replay_endpoint=kv_events_replay_endpoint,
+            cpu_offload_blocks=cpu_offload_blocks,
         )
         load_model(model)
         load_hardware(hardware, gpus=gpus)

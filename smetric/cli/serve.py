@@ -16,6 +16,7 @@ from smetric.core.policy import POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.disagg import DECODE_POLICIES, DisaggSettings, disaggregation_from
 from smetric.serve.engines import Engine
+from smetric.serve.global_tier import GLOBAL_TIERS
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
@@ -67,8 +68,8 @@ def engines_from(
     return engines, subscribers
 
 
-# What a config's ``router:`` section may set: the limits, timeouts and passive health.
-# The flags of the same names win over it.
+# What a config's ``router:`` section may set: the limits, timeouts, passive health and
+# the global tier's source. The flags of the same names win over it.
 TUNABLE = (
     "max_body_bytes",
     "max_prompt_tokens",
@@ -81,6 +82,8 @@ TUNABLE = (
     "eject_backoff_s",
     "eject_backoff_max_s",
     "open_metrics",
+    "global_tier",
+    "global_tier_tokens",
 )
 
 
@@ -100,6 +103,10 @@ def router_options(config: Path | None) -> dict[str, Any]:
         if key not in TUNABLE:
             raise ValueError(f"{config}: unknown router setting {key!r}; one of {TUNABLE}")
         wanted = types[key]
+        if wanted is str:
+            if value not in GLOBAL_TIERS:
+                raise ValueError(f"{config}: router.{key} must be one of {GLOBAL_TIERS}")
+            continue
         fits = isinstance(value, wanted) or (wanted is float and type(value) is int)
         if not fits or isinstance(value, bool) != (wanted is bool) or value < 0:
             raise ValueError(f"{config}: router.{key} must be a non-negative {wanted.__name__}")
@@ -235,6 +242,25 @@ def serve(
             min=1,
         ),
     ] = 1,
+    global_tier: Annotated[
+        str | None,
+        typer.Option(
+            help="What the router knows of the cluster's global KV tier (what a session "
+            "moved to another engine loads instead of recomputing): 'none' (unknown), "
+            "'events' (the blocks engines with kv_events report on a CPU or storage "
+            "medium, as vLLM's CPU offloading and LMCache do, taken as one shared store) "
+            "or 'full' (a store without events that keeps every prompt the engines "
+            "prefilled). YAML router: global_tier. Default: none.",
+        ),
+    ] = None,
+    global_tier_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Capacity of the 'full' global tier in tokens, least recently used out "
+            "first (0: unbounded). YAML router: global_tier_tokens. Default: 0.",
+            min=0,
+        ),
+    ] = None,
     log_level: Annotated[
         str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
     ] = "info",
@@ -246,7 +272,8 @@ def serve(
 
     A request that fails before the client got any byte (engine refused, stalled, answered
     5xx or garbage) is retried on another engine, so it may run twice (at-least-once); the
-    YAML config's 'router:' section may set the limits, timeouts and ejection settings.
+    YAML config's 'router:' section may set the limits, timeouts, ejection settings and
+    the global tier's source.
     """
     with user_errors():
         disaggregated = disaggregation_from(
@@ -273,6 +300,8 @@ def serve(
             "eject_backoff_s": eject_backoff,
             "max_body_bytes": max_body_bytes,
             "max_prompt_tokens": max_prompt_tokens,
+            "global_tier": global_tier,
+            "global_tier_tokens": global_tier_tokens,
         }
         options.update({name: value for name, value in flags.items() if value is not None})
         by_engine = tokenizer == "engine"

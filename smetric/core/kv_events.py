@@ -23,6 +23,14 @@ Wire format (``vllm/distributed/kv_events.py``). The payload is a msgpack
 
 Engine block hashes are ``bytes`` (a digest) or ``int`` depending on the release and
 ``--prefix-caching-hash-algo``; they are kept as given, since they only serve as keys.
+
+Offloaded blocks. vLLM's ``OffloadingConnector`` (CPU offloading) publishes what it copies
+to CPU memory as ``BlockStored``/``BlockRemoved`` with ``medium="CPU"`` (``"STORAGE"`` for
+a disk tier). By default (``OffloadingConnectorScheduler.take_events``) such a
+``BlockStored`` names only block hashes: no tokens, no parent, and the offloaded block
+size (0 in the newest releases); each hash is the GPU hash of the last GPU block an
+offloaded block covers. The newest releases can instead send full, self-describing events
+(``self_describing_kv_events``), which may announce one hash several times. Both are read.
 """
 
 from __future__ import annotations
@@ -164,16 +172,17 @@ def _decode_event(raw: Any) -> Event | None:
         raise KVEventError(f"event is neither a tagged array nor a typed map: {_preview(raw)}")
     if tag == "BlockStored":
         block_size = fields.get("block_size")
-        if not _is_int(block_size) or block_size <= 0:
-            raise KVEventError(f"BlockStored block_size must be positive, got {block_size!r}")
         tokens = fields.get("token_ids")
         if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
             raise KVEventError(f"BlockStored token_ids must be integers: {_preview(tokens)}")
+        # Offloading's hash-only events may give 0 (an unknown size); others must not.
+        if not _is_int(block_size) or block_size < (1 if tokens else 0):
+            raise KVEventError(f"BlockStored block_size must be positive, got {block_size!r}")
         # Token ids are hashed as uint32, as the router hashes prompts.
         if tokens and not (min(tokens) >= 0 and max(tokens) < _TOKEN_LIMIT):
             raise KVEventError(f"BlockStored token ids must lie in [0, 2**32): {_preview(tokens)}")
         hashes = _engine_hashes(fields.get("block_hashes"))
-        if len(tokens) // block_size != len(hashes):
+        if tokens and len(tokens) // block_size != len(hashes):
             raise KVEventError(
                 f"BlockStored has {len(hashes)} hashes but {len(tokens)} tokens of block "
                 f"size {block_size}"
@@ -228,11 +237,39 @@ class _Tier:
 
     ``present`` counts engine hashes per router key: two engine hashes can share a key
     (the engine hashes LoRA and multimodal extras the router ignores), and the key stays
-    present until the last of them is removed.
+    present until the last of them is removed. ``held`` counts the stores of each engine
+    hash not yet removed: vLLM announces a hash again for a duplicate GPU block or an
+    offloaded chunk that overlaps another, and removes it once per announcement.
+
+    ``stride`` is how many router blocks one engine hash stands for: 1, except for
+    vLLM's hash-only offload events with an offloaded block larger than the GPU's, where
+    a hash names the last router block of each offloaded block.
     """
 
     keys: dict[EngineHash, int] = field(default_factory=dict)
+    held: Counter[EngineHash] = field(default_factory=Counter)
     present: Counter[int] = field(default_factory=Counter)
+    stride: int = 1
+
+    def hold(self, engine_hash: EngineHash, key: int) -> None:
+        if engine_hash in self.keys:
+            self.held[engine_hash] += 1
+            return
+        self.keys[engine_hash] = key
+        self.held[engine_hash] = 1
+        self.present[key] += 1
+
+    def drop(self, engine_hash: EngineHash) -> None:
+        if engine_hash not in self.keys:
+            return
+        self.held[engine_hash] -= 1
+        if self.held[engine_hash]:
+            return
+        del self.held[engine_hash]
+        key = self.keys.pop(engine_hash)
+        self.present[key] -= 1
+        if self.present[key] == 0:
+            del self.present[key]
 
 
 class EventIndex:
@@ -250,11 +287,14 @@ class EventIndex:
     exactly as a tree would: the engine's own lookup also stops at the first missing
     block, wherever an eviction left the hole. Media are kept apart (``"GPU"``, which also
     takes events with no medium, and e.g. ``"CPU"`` from offloading) so the GPU view is
-    not inflated by blocks that would have to be loaded back. LoRA adapters and KV-cache
-    groups of hybrid models are not told apart.
+    not inflated by blocks that would have to be loaded back. A hash-only offload event
+    is keyed by what the index already knows of that engine hash (its GPU store: vLLM
+    offloads a block it computed on the GPU, while the GPU still holds it); a hash it
+    does not know is counted in ``unresolved``. LoRA adapters and KV-cache groups of
+    hybrid models are not told apart.
     """
 
-    __slots__ = ("_tiers", "block_size", "mismatched", "orphaned")
+    __slots__ = ("_tiers", "block_size", "mismatched", "orphaned", "unresolved")
 
     def __init__(self, block_size: int) -> None:
         if block_size <= 0:
@@ -265,6 +305,8 @@ class EventIndex:
         """BlockStored events not applied because their block size is not ours."""
         self.orphaned = 0
         """BlockStored events not applied because their parent is unknown (missed events)."""
+        self.unresolved = 0
+        """Hashes of hash-only (offload) BlockStored events no medium knew, not applied."""
 
     def apply(self, events: Sequence[Event]) -> None:
         """Apply a batch's events in order."""
@@ -290,13 +332,22 @@ class EventIndex:
         tier = self._tiers.get(medium)
         if tier is None:
             return 0
-        present = tier.present
+        present, stride = tier.present, tier.stride
+        # Most engines miss at once: answer them without converting the whole prompt.
+        if len(blocks) < stride or int(blocks[stride - 1]) not in present:
+            return 0
+        keys = blocks.tolist()
         count = 0
-        for key in blocks.tolist():
-            if key not in present:
+        for last in range(stride - 1, len(keys), stride):
+            if keys[last] not in present:
                 break
-            count += 1
+            count = last + 1
         return count
+
+    def match_offloaded(self, blocks: np.ndarray) -> int:
+        """The longest leading run of ``blocks`` one non-GPU medium holds (CPU, storage):
+        what the engine could load back rather than recompute."""
+        return max((self.match(blocks, m) for m in self._tiers if m != GPU), default=0)
 
     def size(self, medium: str = GPU) -> int:
         """Distinct router keys held on ``medium``."""
@@ -304,6 +355,9 @@ class EventIndex:
         return 0 if tier is None else len(tier.present)
 
     def _store(self, event: BlockStored) -> None:
+        if not event.token_ids:
+            self._store_hashes(event)
+            return
         if event.block_size != self.block_size:
             self.mismatched += 1
             return
@@ -316,24 +370,32 @@ class EventIndex:
         keys = chain_hashes(event.token_ids, event.block_size, parent=parent).tolist()
         tier = self._tiers.setdefault(_tier_name(event.medium), _Tier())
         for engine_hash, key in zip(event.block_hashes, keys, strict=True):
-            if engine_hash not in tier.keys:
-                tier.keys[engine_hash] = key
-                tier.present[key] += 1
+            tier.hold(engine_hash, key)
+
+    def _store_hashes(self, event: BlockStored) -> None:
+        """A hash-only BlockStored (vLLM's offloading): keys come from the other media."""
+        size = event.block_size or self.block_size  # 0: unknown, taken as ours
+        if size % self.block_size:
+            self.mismatched += 1
+            return
+        tier = self._tiers.setdefault(_tier_name(event.medium), _Tier())
+        tier.stride = size // self.block_size
+        for engine_hash in event.block_hashes:
+            key = self._router_key(engine_hash, event.medium)
+            if key is None:
+                self.unresolved += 1
+            else:
+                tier.hold(engine_hash, key)
 
     def _remove(self, event: BlockRemoved) -> None:
         tier = self._tiers.get(_tier_name(event.medium))
         if tier is None:
             return
         for engine_hash in event.block_hashes:
-            key = tier.keys.pop(engine_hash, None)
-            if key is None:
-                continue
-            tier.present[key] -= 1
-            if tier.present[key] == 0:
-                del tier.present[key]
+            tier.drop(engine_hash)
 
     def _router_key(self, engine_hash: EngineHash, medium: str | None) -> int | None:
-        """The parent's key, looked up in the event's medium first: an offloaded chain may
+        """The key of an engine hash, looked up in ``medium`` first: an offloaded chain may
         continue a prefix that only the GPU holds."""
         own = _tier_name(medium)
         tier = self._tiers.get(own)

@@ -13,11 +13,18 @@ for its whole prompt and ``max_tokens`` when admitted, and only prompt blocks ar
 (generated text is filler, so caching it would promise hits no client can produce).
 
 With a ``kv_sink`` the engine also reports its cache as vLLM's KV events do (map-form
-``BlockStored``/``BlockRemoved`` dicts, one list per step), using the router's own chained
-block ids as its block hashes. ``PrefixCache`` has no eviction hook, so removals are found
-by diffing: after a reservation shrinks the cache, every prefix chain stored so far is
-matched again and the blocks past its surviving prefix are reported removed. That costs one
-``match`` per stored chain per eviction, acceptable for a mock.
+``BlockStored``/``BlockRemoved`` dicts, one list per step, ``engine.kv_report``), using the
+router's own chained block ids as its block hashes.
+
+With ``cpu_offload_blocks`` it also offloads to CPU memory as vLLM's ``OffloadingConnector``
+with its CPU backend does, at the granularity of one GPU block: every prompt block it
+computes is copied to an LRU store of that many blocks (``_get_reqs_to_store`` copies
+each newly computed block that the store lacks; here once the prefill completes), announced
+as ``BlockStored`` with ``medium="CPU"`` in the connector's hash-only form, and
+``BlockRemoved`` when the store evicts it. At admission, after the GPU hit, the store is
+asked for the blocks that follow (``get_num_new_matched_tokens``), which are then loaded
+instead of computed and count in ``cached_tokens``, as vLLM counts loaded tokens. The load
+takes no time here (the simulator models it); only the hit is modelled.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from smetric.core.policy import reusable_hit_blocks
-from smetric.core.prefix_cache import Handle
+from smetric.core.prefix_cache import Handle, PrefixCache
+from smetric.engine.kv_report import CacheReport
 from smetric.sim.kv import LocalPool
 from smetric.sim.perf import StepTimeModel, load_hardware, load_model
 
@@ -97,6 +105,9 @@ class EngineConfig:
     # (``publisher_binds``).
     kv_events_bind: bool | None = None
     kv_events_buffer_steps: int = 10_000
+    # Blocks of CPU memory prompt blocks are offloaded to (0: no offloading), as vLLM's
+    # OffloadingConnector with its CPU backend.
+    cpu_offload_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -116,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.speed < 0:
             raise ValueError(f"speed must be >= 0, got {self.speed}")
+        if self.cpu_offload_blocks < 0:
+            raise ValueError(f"cpu_offload_blocks must be >= 0, got {self.cpu_offload_blocks}")
 
     @property
     def max_model_len(self) -> int:
@@ -165,11 +178,14 @@ class Engine:
         self.config = config
         self.kv_sink = kv_sink
         self._kv_events: list[dict[str, Any]] = []
-        # Blocks reported stored and not yet removed, and the chains that stored them (by
-        # leaf block), which removals are diffed against.
-        self._reported: set[int] = set()
-        self._chains: dict[int, np.ndarray] = {}
         self.pool = LocalPool(config.kv_blocks)
+        bs = config.block_size
+        self._gpu_report = CacheReport(self.pool.cache, "GPU", self._kv_events, bs)
+        # The CPU store offloaded prompt blocks go to, when there is one.
+        self.cpu: PrefixCache | None = None
+        if config.cpu_offload_blocks:
+            self.cpu = PrefixCache(config.cpu_offload_blocks)
+            self._cpu_report = CacheReport(self.cpu, "CPU", self._kv_events, bs, with_tokens=False)
         self.perf = StepTimeModel(
             load_model(config.model), load_hardware(config.hardware, config.gpus)
         )
@@ -200,13 +216,13 @@ class Engine:
         cached = self.pool.cache.size
         reserved = self.pool.reserve(n)
         if self.kv_sink is not None and self.pool.cache.size < cached:
-            self._report_removed()
+            self._gpu_report.removed()
         if not reserved:
             return None
         present = self.pool.cache.match(blocks[:n])
         handle = self.pool.publish(blocks[:n], None, n, now)
-        if self.kv_sink is not None and present < n:
-            self._report_stored(EngineRequest(token_ids, blocks[:n], 1), present)
+        if self.kv_sink is not None:
+            self._gpu_report.stored(blocks[:n], token_ids, present)
         self._flush_kv_events()
         return handle
 
@@ -277,16 +293,28 @@ class Engine:
         cached = self.pool.cache.size
         reserved = self.pool.reserve(private)
         if self.kv_sink is not None and self.pool.cache.size < cached:
-            self._report_removed()
+            self._gpu_report.removed()
         if not reserved:
             if handle is not None:
                 self.pool.cache.unlock(handle, now)
             return False
         req.handle, req.pinned_blocks, req.private_blocks = handle, hit, private
-        req.cached_tokens = req.computed = hit * bs
+        # Blocks the CPU store holds past the GPU hit are loaded into the private blocks.
+        loaded = max(self._offloaded_hit(req, now) - hit, 0)
+        req.cached_tokens = req.computed = (hit + loaded) * bs
         self.counters.prefix_cache_queries += req.prompt_tokens
-        self.counters.prefix_cache_hits += req.cached_tokens
+        self.counters.prefix_cache_hits += hit * bs
         return True
+
+    def _offloaded_hit(self, req: EngineRequest, now: float) -> int:
+        """Leading prompt blocks the CPU store can give back, capped as any hit is; the
+        look-up refreshes their recency, as the connector's ``touch`` does."""
+        if self.cpu is None:
+            return 0
+        held = self.cpu.match(req.blocks)
+        if held:
+            self.cpu.insert(req.blocks[:held], now)
+        return reusable_hit_blocks(held, req.prompt_tokens, self.config.block_size)
 
     def _apply(
         self, chunks: list[tuple[EngineRequest, int]], decodes: list[EngineRequest], now: float
@@ -308,53 +336,33 @@ class Engine:
         moved = len(req.blocks) - req.pinned_blocks
         present = self.pool.cache.match(req.blocks)
         req.handle = self.pool.publish(req.blocks, req.handle, moved, now)
-        if self.kv_sink is not None and present < len(req.blocks):
-            self._report_stored(req, present)
+        if self.kv_sink is not None:
+            self._gpu_report.stored(req.blocks, req.token_ids, present)
+        self._offload(req, now)
         req.private_blocks -= moved
         req.pinned_blocks = len(req.blocks)
         self.counters.prompt_tokens += req.prompt_tokens
         self.decoding.append(req)
         self._emit(req, now)
 
-    def _report_stored(self, req: EngineRequest, start: int) -> None:
-        """``BlockStored`` for the prompt blocks from ``start`` on, which the cache lacked."""
-        bs = self.config.block_size
-        new = req.blocks[start:].tolist()
-        self._reported.update(new)
-        self._chains[new[-1]] = req.blocks
-        self._kv_events.append(
-            {
-                "type": "BlockStored",
-                "block_hashes": new,
-                "parent_block_hash": int(req.blocks[start - 1]) if start else None,
-                "token_ids": req.token_ids[start * bs : len(req.blocks) * bs].tolist(),
-                "block_size": bs,
-                "lora_id": None,
-                "medium": "GPU",
-            }
-        )
-
-    def _report_removed(self) -> None:
-        """``BlockRemoved`` for reported blocks the cache no longer holds (see module doc)."""
-        gone: list[int] = []
-        for leaf, chain in list(self._chains.items()):
-            kept = self.pool.cache.match(chain)
-            if kept == len(chain):
-                continue
-            for block in chain[kept:].tolist():
-                if block in self._reported:
-                    self._reported.remove(block)
-                    gone.append(block)
-            del self._chains[leaf]
-            if kept:
-                self._chains[int(chain[kept - 1])] = chain[:kept]
-        if gone:
-            self._kv_events.append({"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"})
+    def _offload(self, req: EngineRequest, now: float) -> None:
+        """Copy the prompt's blocks that the CPU store lacks into it, evicting its least
+        recently used ones to make room."""
+        if self.cpu is None:
+            return
+        present = self.cpu.match(req.blocks)
+        before = self.cpu.size
+        added = self.cpu.insert(req.blocks, now)
+        if self.kv_sink is None:
+            return
+        self._cpu_report.stored(req.blocks[: present + added], req.token_ids, present)
+        if self.cpu.size < before + added:
+            self._cpu_report.removed()
 
     def _flush_kv_events(self) -> None:
         if self._kv_events and self.kv_sink is not None:
-            self.kv_sink(self._kv_events)
-            self._kv_events = []
+            self.kv_sink(list(self._kv_events))
+            self._kv_events.clear()
 
     def _emit(self, req: EngineRequest, now: float) -> None:
         req.tokens.put_nowait(req.generated)

@@ -2,7 +2,9 @@
 
 Each request is analysed from its body alone (turn, expected hit, prompt blocks; no session
 table), the policy picks an engine from the view the simulator also builds (local prefix
-hit per engine from the router's own index, in-flight requests as load), and the response
+hit per engine from the router's own index or the engines' KV events, in-flight requests,
+their prompt tokens and unprefilled tokens as load, and, where configured, what the
+global tier holds of the prompt: ``serve.global_tier``), and the response
 streams back chunk by chunk as the engine sends it. A request counts as in flight from the
 moment it is routed until its response ends, fails or the client goes away
 (``serve.upstream``).
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -38,10 +41,11 @@ from smetric.core.conversation import (
     analyze_request,
 )
 from smetric.core.parsing import decode_body
-from smetric.core.policy import ClusterView, make_policy
+from smetric.core.policy import ClusterView, make_policy, reusable_hit_tokens
 from smetric.serve.auth import require_key
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error, error_body, error_response, errors_as_json
+from smetric.serve.global_tier import global_tier_from
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.limits import BYTES_PER_TOKEN, BodyError, CappedTokenizer, decoded_body
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
@@ -97,6 +101,10 @@ class RouterSettings:
     staleness_s: float = 5.0
     # Bound of the memo of rendered, tokenised and hashed message prefixes.
     memo_bytes: int = 256 << 20
+    # Where global_hit_tokens comes from: none (unknown), events (engines' offload media)
+    # or full (every prompt served, within global_tier_tokens if set); serve.global_tier.
+    global_tier: str = "none"
+    global_tier_tokens: int = 0
 
 
 @dataclass
@@ -139,6 +147,9 @@ class Router:
         self.memo = BlockMemo(memo_tokenizer, self.settings.block_size, self.settings.memo_bytes)
         # Each engine's number in the configuration, stable while others come and go.
         self._numbers = {e.url: i for i, e in enumerate(self.engines)}
+        self.global_tier = global_tier_from(
+            settings.global_tier, settings.global_tier_tokens, settings.block_size, self.engines
+        )
 
     # -- application --------------------------------------------------------------------
 
@@ -261,22 +272,35 @@ class Router:
         self, facts: RequestFacts, engines: list[Engine], loads: list[float] | None = None
     ) -> tuple[Engine, int]:
         """The policy's pick among ``engines`` and its predicted hit; ``loads`` replaces
-        the in-flight requests as load (disaggregated prefills: unprefilled tokens)."""
+        the in-flight requests as load (disaggregated prefills: unprefilled tokens).
+
+        The predicted hit is the better of the engine's local hit and the global tier's,
+        as the simulator's instance counts a queued request's unprefilled tokens and as
+        vLLM reports ``cached_tokens`` (tokens a KV connector loads count as cached)."""
         bs = self.settings.block_size
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
         if loads is None:
             now = time.monotonic()
             loads = [e.load(now, self.settings.staleness_s) for e in engines]
+        tier = self.global_tier
+        global_hit = (
+            None
+            if tier is None
+            else reusable_hit_tokens(tier.match(facts.blocks), facts.prompt_tokens, bs)
+        )
         view = ClusterView(
             hit_tokens=hits,
             load=loads,
             prefill_tokens=[float(e.total_unprefilled()) for e in engines],
             instance_ids=[self._numbers[e.url] for e in engines],
-            # The router does not see the global tier: global_hit_tokens stays unknown.
             token_load=[float(e.total_inflight_tokens()) for e in engines],
+            global_hit_tokens=global_hit,
         )
         decision = self.policy.route(facts.routing_request(), view)
         engine = engines[decision.instance]
+        predicted = hits[decision.instance]
+        if global_hit is not None:
+            predicted = max(predicted, global_hit)
         self.metrics.decisions.labels(decision.branch).inc()
         if log.isEnabledFor(logging.INFO):  # the line costs more than the decision
             log.info(
@@ -288,12 +312,15 @@ class Router:
                         "turn": facts.turn,
                         "prompt_tokens": facts.prompt_tokens,
                         "est_hit_tokens": facts.est_hit_tokens,
-                        "predicted_hit_tokens": hits[decision.instance],
+                        "predicted_hit_tokens": predicted,
+                        "hit_tokens": hits,
+                        "global_hit_tokens": global_hit,
                         "loads": loads,
+                        "token_loads": view.token_load,
                     }
                 )
             )
-        return engine, hits[decision.instance]
+        return engine, predicted
 
     async def _forward(
         self, request: web.Request, path: str, raw: bytes, facts: RequestFacts
@@ -399,9 +426,15 @@ class Router:
         return response
 
     def _served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
-        """The engine took the request and prefilled it: it now caches the prompt."""
-        engine.remember(facts.blocks)
+        self.prefilled(engine, facts.blocks)
         self.metrics.predicted.labels(engine.url).inc(predicted)
+
+    def prefilled(self, engine: Engine, blocks: np.ndarray) -> None:
+        """The engine took a request and prefilled it: it now caches the prompt, and a
+        global tier that keeps every prefill holds it too."""
+        engine.remember(blocks)
+        if self.global_tier is not None:
+            self.global_tier.record(blocks)
 
     def _count_cached(self, engine: Engine, usage: _UsageTap) -> None:
         cached = usage.cached_tokens()

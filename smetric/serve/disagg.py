@@ -292,7 +292,7 @@ class Disaggregation:
         # decode engine finds the KV on its own.
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        engine.remember(facts.blocks)
+        router.prefilled(engine, facts.blocks)
         router.metrics.predicted.labels(engine.url).inc(predicted)
         return Prefilled(
             engine,

@@ -78,6 +78,9 @@ class SubscriberCounters:
     """``BlockStored`` events not applied because the view lacks their parent."""
     mismatched: int = 0
     """``BlockStored`` events not applied because their block size is not the router's."""
+    unresolved_hashes: int = 0
+    """Hashes of hash-only offload ``BlockStored`` events the view could not key (their GPU
+    block was gone before the offload was announced); a limit of the format, not a loss."""
     resyncs: int = 0
     """Degraded views rebuilt whole from the engine's replay buffer."""
     failures: int = 0
@@ -183,8 +186,9 @@ class KVEventSubscriber:
     async def _run(self, sub: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sub.recv_multipart()
-            # SUBSCRIBE filters by prefix: topic "kv" also receives "kv-a".
-            if len(frames) == 3 and frames[0] != self.topic:
+            # SUBSCRIBE filters by prefix: topic "kv" also receives "kv-a". An empty topic
+            # (vLLM's default) subscribes to everything the engine publishes, as in ZMQ.
+            if len(frames) == 3 and self.topic and frames[0] != self.topic:
                 continue
             await self.receive(frames)
 
@@ -249,7 +253,7 @@ class KVEventSubscriber:
             self.counters.decode_errors += 1
             self._degrade(f"undecodable batch: {exc}")
             return False
-        orphaned, mismatched = index.orphaned, index.mismatched
+        orphaned, mismatched, unresolved = index.orphaned, index.mismatched, index.unresolved
         index.apply(batch.events)
         counters = self.counters
         counters.batches += 1
@@ -258,6 +262,7 @@ class KVEventSubscriber:
         counters.invalid_events += len(batch.invalid)
         counters.orphaned += index.orphaned - orphaned
         counters.mismatched += index.mismatched - mismatched
+        counters.unresolved_hashes += index.unresolved - unresolved
         if batch.invalid:
             self._degrade(f"malformed event left out: {batch.invalid[0]}")
         elif index.orphaned > orphaned:

@@ -113,7 +113,7 @@ class SubscriberCollector(Collector):
             "smetric_kv_events",
             "KV-event stream totals per engine: batches, events, gaps, restarts, replayed, "
             "duplicates, unrecovered holes, decode errors, skipped, invalid, orphaned and "
-            "mismatched events, resyncs, subscriber failures.",
+            "mismatched events, unresolved offload hashes, resyncs, subscriber failures.",
             labels=["engine", "kind"],
         )
         for url, subscriber in self.subscribers.items():

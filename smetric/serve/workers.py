@@ -14,7 +14,9 @@ sessions.
   own index learns only what its worker routed, so every worker sends the blocks it
   records to its peers over Unix datagram sockets (``PeerViews``) and inserts theirs: a
   follow-up finds its prefix whichever worker the previous turn went through. Delivery is
-  best effort: a dropped message only makes the view approximate, as it always is.
+  best effort: a dropped message only makes the view approximate, as it always is. The
+  record of served prompts that stands for a full global tier (``--global-tier full``)
+  travels the same way.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ from aiohttp import web
 
 from smetric.serve.app import Router
 from smetric.serve.engines import LOAD_COLUMNS, Engine
+from smetric.serve.global_tier import ServedPrompts
 
 log = logging.getLogger("smetric.serve")
 
 # A datagram carries at most this many blocks (the leading ones: still a valid prefix).
 _MAX_BLOCKS = 1 << 16
+# The header that addresses the global tier's record instead of an engine's index.
+_GLOBAL_TIER = 0xFFFF
 _BUFFER_BYTES = 8 << 20
 
 
@@ -95,18 +100,23 @@ class PeerViews:
             self.sockets.append(sock)
 
     def join(
-        self, engines: list[Engine], worker: int
+        self, engines: list[Engine], worker: int, served: ServedPrompts | None = None
     ) -> Callable[[web.Application], AsyncIterator[None]]:
-        """Wire ``engines`` to the peers as worker ``worker``; returns the app's cleanup
-        context that reads the peers' messages while the app runs."""
+        """Wire ``engines`` (and the record of ``served`` prompts) to the peers as worker
+        ``worker``; returns the app's cleanup context that reads the peers' messages while
+        the app runs."""
+        if len(engines) >= _GLOBAL_TIER:
+            raise ValueError(f"at most {_GLOBAL_TIER - 1} engines with several workers")
         own = self.sockets[worker]
         peers = [a for w, a in enumerate(self.addresses) if w != worker]
         for number, engine in enumerate(engines):
             engine.on_remember = self._sender(own, peers, number)
+        if served is not None:
+            served.on_record = self._sender(own, peers, _GLOBAL_TIER)
 
         async def receive(app: web.Application) -> AsyncIterator[None]:
             loop = asyncio.get_running_loop()
-            loop.add_reader(own.fileno(), self._receive, own, engines)
+            loop.add_reader(own.fileno(), self._receive, own, engines, served)
             yield
             loop.remove_reader(own.fileno())
 
@@ -125,7 +135,7 @@ class PeerViews:
         return send
 
     @staticmethod
-    def _receive(own: socket.socket, engines: list[Engine]) -> None:
+    def _receive(own: socket.socket, engines: list[Engine], served: ServedPrompts | None) -> None:
         now = time.monotonic()
         for _ in range(64):  # bounded: let requests run between bursts
             try:
@@ -133,8 +143,11 @@ class PeerViews:
             except BlockingIOError:
                 return
             number = int.from_bytes(message[:2], "little")
-            if number < len(engines) and engines[number].events is None:
-                engines[number].index.insert(np.frombuffer(message[2:], dtype="<i8"), now)
+            blocks = np.frombuffer(message[2:], dtype="<i8")
+            if number == _GLOBAL_TIER and served is not None:
+                served.learn(blocks)
+            elif number < len(engines) and engines[number].events is None:
+                engines[number].index.insert(blocks, now)
 
 
 def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
@@ -158,7 +171,9 @@ def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
                 for number, engine in enumerate(engines):
                     engine.share_load(load[:, number], worker)
                 app = router.app()
-                app.cleanup_ctx.append(peers.join(engines, worker))
+                tier = router.global_tier
+                served = tier if isinstance(tier, ServedPrompts) else None
+                app.cleanup_ctx.append(peers.join(engines, worker, served))
                 _run(app, host, port, reuse_port=True)
             except BaseException:
                 log.exception("router worker %d failed", worker)
