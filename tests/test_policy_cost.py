@@ -5,8 +5,9 @@ With ``prefill_tps=1000, attn_tokens=1000`` prefilling tokens ``0..n`` takes
 1,100 tokens whose first 1,000 are cached on instance 0 therefore costs 0.205 s of
 compute there and 1.705 s on an instance holding nothing (a recompute), or 0.205 s plus
 the fetch of 1,000 tokens (0.1 s at ``fetch_tps=10000``) where the global tier backs it.
-With ``queue_depth=0`` each queued token waits 1 ms, and ``output_tokens=0`` leaves the
-decode term out unless a case sets it.
+With ``queue_depth=0`` each queued token waits 1 ms, ``output_tokens=0`` leaves the
+decode term out unless a case sets it, and ``work_weight=1`` counts the work once unless
+a case sets it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from smetric.core import ClusterView, Decision, RoutingRequest, make_policy
 from smetric.core.policies import SMetricCost
 
 HAND = (
-    "smetric_cost:prefill_tps=1000,attn_tokens=1000,fetch_tps=10000,queue_depth=0,output_tokens=0"
+    "smetric_cost:prefill_tps=1000,attn_tokens=1000,fetch_tps=10000,"
+    "queue_depth=0,output_tokens=0,work_weight=1"
 )
 FOLLOW_UP = RoutingRequest(turn=1, prompt_tokens=1100, est_hit_tokens=1000)
 FIRST = RoutingRequest(turn=0, prompt_tokens=1100, est_hit_tokens=0)
@@ -76,6 +78,9 @@ CASES = [
         view([0, 0, 0], 0, tokens=[1400, 0, 100]),
         (0, "sticky"),
     ),
+    # Work counted twice (the default): a recompute move must save 2 x 1.5 = 3 s of queue.
+    (HAND.replace("work_weight=1", "work_weight=2"), view([2999, 0, 0], 0), (0, "sticky")),
+    (HAND.replace("work_weight=1", "work_weight=2"), view([3001, 0, 0], 0), (1, "move_recompute")),
     # History gone from every tier: the least queued instance, as a fresh prompt.
     (HAND, view([300, 200, 100], 0, hits=[0, 0, 0]), (2, "evicted")),
     # A first turn is balanced on in-flight tokens, even against a cache hit and a queue.

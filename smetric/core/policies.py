@@ -161,6 +161,12 @@ class SMetricCost:
       prompts (``token_load``) at ``kv_read_s`` per token, which is what makes a crowded
       instance slow for every sequence it decodes.
 
+    The work (compute and fetch) counts ``work_weight`` times: once as this request's
+    wait, and once more as the wait it passes on to the requests that queue behind it on
+    that instance, which near the knee is about as long; counted once, the rule moved
+    sessions to recompute them whenever a queue was briefly longer than the recompute,
+    and spent the capacity it meant to save (README "Routing policies").
+
     Prefilling tokens ``0..n`` takes ``(n + n**2 / (2 * attn_tokens)) / prefill_tps``:
     linear work plus attention over the context so far, which at ``attn_tokens`` of
     context costs as much per token as the rest. The defaults are the simulator's perf
@@ -172,7 +178,7 @@ class SMetricCost:
     First turns are balanced on ``token_load`` alone and ignore their cache hit: a first
     turn decides where a session lives for its next hour of turns, so saving a few
     seconds on a shared system prompt there herds sessions (without a global tier that
-    cost 7 % TPS within SLO, README "Routing policies").
+    cost several per cent, README "Routing policies").
     """
 
     name = "smetric_cost"
@@ -187,6 +193,7 @@ class SMetricCost:
         "output_tokens",
         "prefill_tps",
         "queue_depth",
+        "work_weight",
     )
 
     def __init__(
@@ -198,6 +205,7 @@ class SMetricCost:
         queue_depth: float = 50_000.0,
         output_tokens: float = 373.0,
         kv_read_s: float = 3.2e-8,
+        work_weight: float = 2.0,
     ) -> None:
         self.prefill_tps = _positive("prefill_tps", prefill_tps)
         self.attn_tokens = _positive("attn_tokens", attn_tokens)
@@ -205,6 +213,7 @@ class SMetricCost:
         self.queue_depth = _checked("queue_depth", queue_depth)
         self.output_tokens = _checked("output_tokens", output_tokens)
         self.kv_read_s = _checked("kv_read_s", kv_read_s)
+        self.work_weight = _checked("work_weight", work_weight)
         self._queue_s = (1.0 + self.queue_depth / self.attn_tokens) / self.prefill_tps
         self._decode_s = self.output_tokens * self.kv_read_s
         self._ties = RoundRobin()
@@ -214,24 +223,20 @@ class SMetricCost:
         return (tokens + tokens * tokens / (2.0 * self.attn_tokens)) / self.prefill_tps
 
     def costs(self, request: RoutingRequest, view: ClusterView) -> list[float]:
-        """Each instance's expected seconds until this request is done there."""
+        """Each instance's price for this request in seconds: the time it would take to
+        finish there, its work counted ``work_weight`` times."""
         known = view.global_hit_tokens or 0
         whole = self.prefill_s(request.prompt_tokens)
         per_fetch = 1.0 / self.fetch_tps
-        queue_s, decode_s = self._queue_s, self._decode_s
+        queue_s, decode_s, weight = self._queue_s, self._decode_s, self.work_weight
         # Without token counts the decode term is left out: request counts say nothing
         # about the KV a step reads.
         tokens = view.token_load or [0.0] * len(view.hit_tokens)
         out = []
         for hit, queued, held in zip(view.hit_tokens, view.prefill_tokens, tokens, strict=True):
             reuse = max(hit, known)
-            out.append(
-                queued * queue_s
-                + whole
-                - self.prefill_s(reuse)
-                + (reuse - hit) * per_fetch
-                + held * decode_s
-            )
+            work = whole - self.prefill_s(reuse) + (reuse - hit) * per_fetch
+            out.append(queued * queue_s + weight * work + held * decode_s)
         return out
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
