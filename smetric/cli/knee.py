@@ -27,6 +27,7 @@ from smetric.cli.simulate import (
     build_config,
     global_levels,
 )
+from smetric.core.policy import DEFAULT_POLICY
 from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
 from smetric.sim.knee import Knee, KneeSettings, search_knees
 from smetric.sim.parallel import default_jobs
@@ -128,7 +129,7 @@ def knee(
     ] = 1.2,
     default: Annotated[
         str, typer.Option(help="The policy compared with the best baseline.")
-    ] = "smetric_cost",
+    ] = DEFAULT_POLICY,
     instances: InstancesOpt = None,
     prefill_instances: PrefillOpt = None,
     decode_instances: DecodeOpt = None,

@@ -100,6 +100,11 @@ POLICY_NAMES: tuple[str, ...] = (
 )
 
 
+# What ``smetric serve``, ``demo`` and ``knee`` use unless told otherwise: the policy that
+# earned it in the evaluation (README "Evaluation: each policy at its knee").
+DEFAULT_POLICY = "smetric_cost"
+
+
 def _policy_class(name: str) -> type[Policy]:
     # Imported here because the policies build on the types above.
     from smetric.core.policies import POLICY_CLASSES
