@@ -202,7 +202,7 @@ def test_more_concurrent_streams_than_a_connection_pool_holds_all_start() -> Non
 # -- finding 3: client resets are not engine faults ---------------------------------------
 
 
-def _reset(response: aiohttp.ClientResponse) -> None:
+def reset(response: aiohttp.ClientResponse) -> None:
     """Hang up with a TCP reset (SO_LINGER 0), as a killed client process does."""
     assert response.connection is not None
     transport = response.connection.transport
@@ -219,7 +219,7 @@ def test_client_resets_mid_stream_never_eject_an_engine() -> None:
             response = await client.post(url + "/v1/chat/completions", json=payload)
             assert response.status == 200, await response.text()
             await response.content.readline()
-            _reset(response)
+            reset(response)
         await eventually(no_load_left(router))
         await asyncio.sleep(0.2)  # writes to the gone clients have failed by now
         assert all(e.healthy for e in router.engines)

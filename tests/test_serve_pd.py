@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -19,8 +20,9 @@ from smetric.engine.disagg import KV_TRANSFER_PARAMS, TRANSFERS
 from smetric.engine.scheduler import EngineConfig
 from smetric.engine.server import create_app
 from smetric.serve.app import Router, RouterSettings
-from smetric.serve.disagg import DECODE_HEADER, PREFILL_HEADER, Disaggregation, DisaggSettings
+from smetric.serve.disagg import DECODE_HEADER, PREFILL_HEADER, Disaggregation
 from smetric.serve.engines import Engine
+from smetric.testing.faulty import Fault, FaultyEngine
 
 FAST = {"speed": 0.001, "kv_blocks": 2048}
 
@@ -37,17 +39,7 @@ def fake_engine(complete) -> web.Application:
     return app
 
 
-async def stalling_app() -> web.Application:
-    """An engine that accepts requests and never answers."""
-
-    async def hang(request: web.Request) -> web.Response:
-        await asyncio.sleep(3600)
-        return web.Response()
-
-    return fake_engine(hang)
-
-
-async def keyless_prefill_app() -> web.Application:
+def keyless_prefill_app() -> web.Application:
     """A prefill engine whose connector is keyed by the prompt (vLLM's ExampleConnector,
     LMCache): it answers the one token and no ``kv_transfer_params``."""
 
@@ -59,54 +51,81 @@ async def keyless_prefill_app() -> web.Application:
     return fake_engine(complete)
 
 
+@dataclass
+class Cluster:
+    """The engines behind the router: mock engines by URL, misbehaving ones by URL."""
+
+    servers: dict[str, TestServer] = field(default_factory=dict)
+    fakes: dict[str, FaultyEngine] = field(default_factory=dict)
+
+    async def start(self, app: web.Application) -> str:
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        url = f"http://127.0.0.1:{server.port}"
+        self.servers[url] = server
+        return url
+
+    async def fake(self, fault: Fault) -> str:
+        engine = await FaultyEngine(fault).start()
+        self.fakes[engine.url] = engine
+        return engine.url
+
+    async def close(self) -> None:
+        for server in self.servers.values():
+            await server.close()
+        for engine in self.fakes.values():
+            await engine.close()
+
+
 async def with_pd(
-    body: Callable[[aiohttp.ClientSession, str, Router, dict[str, TestServer]], Awaitable[Any]],
+    body: Callable[[aiohttp.ClientSession, str, Router, Cluster], Awaitable[Any]],
     prefill: int = 2,
     decode: int = 2,
     dead_prefill: int = 0,
     dead_decode: int = 0,
-    stalling_prefill: int = 0,
-    stalling_decode: int = 0,
-    keyless_prefill: int = 0,
+    prefill_faults: tuple[Fault, ...] = (),
+    decode_faults: tuple[Fault, ...] = (),
+    decode_urls: tuple[str, ...] = (),
+    prefill_apps: tuple[Callable[[], web.Application], ...] = (),
+    prefill_config: dict[str, Any] | None = None,
     decode_config: dict[str, Any] | None = None,
-    settings: DisaggSettings | None = None,
+    decode_policy: str = "least_kv",
+    handler_cancellation: bool = True,
+    **settings: Any,
 ) -> Any:
-    """Mock prefill and decode engines (dead or stalling ones listed first) behind a router."""
-    servers: dict[str, TestServer] = {}
-
-    async def start(app: web.Application) -> str:
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        url = f"http://127.0.0.1:{server.port}"
-        servers[url] = server
-        return url
-
+    """Mock prefill and decode engines behind a router with ``settings``, listed after
+    dead ones, misbehaving ones, other prefill apps and decode engines started elsewhere
+    (``decode_urls``); every request must end within 60 s."""
+    cluster = Cluster()
     prefills = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_prefill)]
-    prefills += [await start(await stalling_app()) for _ in range(stalling_prefill)]
-    prefills += [await start(await keyless_prefill_app()) for _ in range(keyless_prefill)]
+    prefills += [await cluster.fake(fault) for fault in prefill_faults]
+    prefills += [await cluster.start(make()) for make in prefill_apps]
     for _ in range(prefill):
-        prefills.append(await start(create_app(EngineConfig(role="prefill", **FAST))))
+        config = {**FAST, **(prefill_config or {})}
+        prefills.append(await cluster.start(create_app(EngineConfig(role="prefill", **config))))
     decodes = [f"http://127.0.0.1:{closed_port()}" for _ in range(dead_decode)]
-    decodes += [await start(await stalling_app()) for _ in range(stalling_decode)]
-    config = {**FAST, **(decode_config or {})}
+    decodes += [await cluster.fake(fault) for fault in decode_faults]
+    decodes += decode_urls
     for _ in range(decode):
-        decodes.append(await start(create_app(EngineConfig(role="decode", **config))))
+        config = {**FAST, **(decode_config or {})}
+        decodes.append(await cluster.start(create_app(EngineConfig(role="decode", **config))))
     router = Router(
         [Engine(u, 2048) for u in prefills + decodes],
-        RouterSettings(health_interval_s=60),
-        disagg=Disaggregation(
-            frozenset(prefills), frozenset(decodes), settings or DisaggSettings()
-        ),
+        RouterSettings(**{"health_interval_s": 60, **settings}),
+        disagg=Disaggregation(frozenset(prefills), frozenset(decodes), decode_policy),
     )
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
+    # Not a TestServer: it always cancels the handlers of clients that went away.
+    runner = web.AppRunner(router.app(), handler_cancellation=handler_cancellation)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
     try:
-        async with aiohttp.ClientSession() as client:
-            return await body(client, f"http://127.0.0.1:{server.port}", router, servers)
+        unlimited = aiohttp.TCPConnector(limit=0)
+        async with asyncio.timeout(60), aiohttp.ClientSession(connector=unlimited) as client:
+            return await body(client, f"http://127.0.0.1:{runner.addresses[0][1]}", router, cluster)
     finally:
-        await server.close()
-        for engine in servers.values():
-            await engine.close()
+        await runner.cleanup()
+        await cluster.close()
 
 
 async def ask(
@@ -120,7 +139,7 @@ async def ask(
 
 
 def test_prefill_then_decode_with_the_prompt_pulled_and_counted_as_cached() -> None:
-    async def body(client, url, router, servers) -> None:
+    async def body(client, url, router, cluster) -> None:
         messages = conversation(0, 0)
         response, data = await ask(client, url, messages)
         prefill, decode = response.headers[PREFILL_HEADER], response.headers[DECODE_HEADER]
@@ -131,7 +150,7 @@ def test_prefill_then_decode_with_the_prompt_pulled_and_counted_as_cached() -> N
         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
         assert KV_TRANSFER_PARAMS not in data
         # The prefill engine held the blocks only until the decode engine pulled them.
-        assert servers[prefill].app[TRANSFERS].held == {}
+        assert cluster.servers[prefill].app[TRANSFERS].held == {}
         # A follow-up goes to the prefill engine that holds its history.
         messages += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "and?"}]
         again, _ = await ask(client, url, messages)
@@ -149,19 +168,19 @@ def test_prefill_then_decode_with_the_prompt_pulled_and_counted_as_cached() -> N
 
 
 def test_a_prefill_without_transfer_params_sends_the_plain_request_to_the_decode() -> None:
-    async def body(client, url, router, servers) -> None:
+    async def body(client, url, router, cluster) -> None:
         _, data = await ask(client, url, conversation(6, 0))
         assert data["usage"]["completion_tokens"] == 4
         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing pulled
 
-    asyncio.run(with_pd(body, prefill=0, keyless_prefill=1, decode=1))
+    asyncio.run(with_pd(body, prefill=0, prefill_apps=(keyless_prefill_app,), decode=1))
 
 
 def test_the_pull_takes_the_link_models_time() -> None:
     # 100 kB/s: a 16-token block of Qwen3-30B's KV (1.5 MB) takes 15.7 s, x speed 0.01.
     slow = {"kv_link_gb_s": 0.0001, "speed": 0.01}
 
-    async def body(client, url, router, servers) -> None:
+    async def body(client, url, router, cluster) -> None:
         messages = conversation(1, 0)
         started = time.monotonic()
         _, data = await ask(client, url, messages)
@@ -174,46 +193,47 @@ def test_the_pull_takes_the_link_models_time() -> None:
 
 
 def test_a_dead_or_stalling_prefill_engine_is_skipped() -> None:
-    async def body(client, url, router, servers) -> None:
+    async def body(client, url, router, cluster) -> None:
         for session in range(4):
             response, _ = await ask(client, url, conversation(session, 0))
-            assert response.headers[PREFILL_HEADER] in servers  # a live one
+            assert response.headers[PREFILL_HEADER] in cluster.servers  # a live one
         dead = router.engines[0]
         assert dead.healthy is False
 
-    settings = DisaggSettings(prefill_timeout_s=0.5)
-    asyncio.run(with_pd(body, prefill=1, dead_prefill=1, stalling_prefill=1, settings=settings))
+    asyncio.run(
+        with_pd(body, prefill=1, dead_prefill=1, prefill_faults=("stall",), first_byte_timeout_s=1)
+    )
 
 
 def test_a_dead_decode_engine_sends_the_decode_to_another_and_none_left_is_a_503() -> None:
-    async def body(client, url, router, servers) -> None:
+    async def body(client, url, router, cluster) -> None:
         response, data = await ask(client, url, conversation(2, 0))
-        assert response.headers[DECODE_HEADER] in servers
+        assert response.headers[DECODE_HEADER] in cluster.servers
         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # pulled, not redone
 
     asyncio.run(with_pd(body, decode=1, dead_decode=2))
 
-    async def none_left(client, url, router, servers) -> None:
+    async def none_left(client, url, router, cluster) -> None:
         _, error = await ask(client, url, conversation(3, 0), status=503)
-        assert "no decode engine" in error["error"]["message"]
+        assert "decode engine" in error["error"]["message"]
+        assert not router.engines[-1].healthy
 
     asyncio.run(with_pd(none_left, decode=0, dead_decode=1))
 
 
 def test_a_stalling_decode_engine_answers_504() -> None:
-    async def body(client, url, router, servers) -> None:
+    async def body(client, url, router, cluster) -> None:
         _, error = await ask(client, url, conversation(4, 0), status=504)
-        assert "sent nothing in time" in error["error"]["message"]
+        assert "no response within 1 s" in error["error"]["message"]
         assert all(e.inflight == 0 for e in router.engines)
 
-    settings = DisaggSettings(decode_first_byte_s=0.3)
-    asyncio.run(with_pd(body, decode=0, stalling_decode=1, settings=settings))
+    asyncio.run(with_pd(body, decode=0, decode_faults=("stall",), first_byte_timeout_s=1))
 
 
 def test_engines_refuse_a_leg_their_role_cannot_serve() -> None:
-    async def body(client, url, router, servers) -> None:
-        decode = next(u for u in servers if u in router.disagg.decode_urls)
-        prefill = next(u for u in servers if u in router.disagg.prefill_urls)
+    async def body(client, url, router, cluster) -> None:
+        decode = next(u for u in cluster.servers if u in router.disagg.decode_urls)
+        prefill = next(u for u in cluster.servers if u in router.disagg.prefill_urls)
         wrong = [
             (decode, {"do_remote_decode": True}, "decode engine"),
             (prefill, {"do_remote_prefill": True}, "prefill engine"),
@@ -299,8 +319,7 @@ def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> Non
     )
 
     def pick(rule: str) -> Engine:
-        disagg = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls,
-                                DisaggSettings(decode_policy=rule))  # fmt: skip
+        disagg = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls, rule)
         return disagg.choose_decode(router, engines)
 
     assert pick("least_kv") is busy_requests  # 10 % of its KV in use against 90 %
@@ -308,6 +327,5 @@ def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> Non
     busy_kv.report = EngineReport(at=time.monotonic() - 60, kv_usage=0.9)  # stale
     busy_requests.report = None
     assert pick("least_kv") is busy_kv  # no fresh scrape: requests in flight decide
-    turns = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls,
-                           DisaggSettings(decode_policy="round_robin"))  # fmt: skip
+    turns = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls, "round_robin")
     assert [turns.choose_decode(router, engines) for _ in range(4)] == engines * 2

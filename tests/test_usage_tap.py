@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from smetric.serve.app import _UsageTap
+from smetric.serve.app import UsageTap
 
 
 def test_keeps_a_bounded_tail_and_finds_usage_split_across_chunks() -> None:
-    tap = _UsageTap()
+    tap = UsageTap()
     for i in range(2000):
         tap.feed(f'data: {{"choices": [{{"delta": {{"content": "token {i}"}}}}]}}\n\n'.encode())
         assert tap.kept - len(tap.chunks[0]) < tap.KEEP  # only what the tail needs
@@ -21,6 +21,6 @@ def test_keeps_a_bounded_tail_and_finds_usage_split_across_chunks() -> None:
 
 
 def test_anthropic_usage_in_a_plain_json_body() -> None:
-    tap = _UsageTap()
+    tap = UsageTap()
     tap.feed(json.dumps({"usage": {"input_tokens": 9, "cache_read_input_tokens": 7}}).encode())
     assert tap.cached_tokens() == 7

@@ -1,6 +1,17 @@
 """The ``smetric`` command line: a thin shell over the trace layer, simulator and reports."""
 
-from smetric.cli import analyze, demo, engine, knee, replay, report, serve, simulate, trace
+from smetric.cli import (
+    analyze,
+    demo,
+    engine,
+    knee,
+    replay,
+    report,
+    reproduce,
+    serve,
+    simulate,
+    trace,
+)
 from smetric.cli.app import app
 
 __all__ = [
@@ -11,6 +22,7 @@ __all__ = [
     "knee",
     "replay",
     "report",
+    "reproduce",
     "serve",
     "simulate",
     "trace",

@@ -14,7 +14,7 @@ from smetric.cli.app import app, console, user_errors
 from smetric.core.kv_events import EventIndex
 from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
-from smetric.serve.disagg import DECODE_POLICIES, DisaggSettings, disaggregation_from
+from smetric.serve.disagg import DECODE_POLICIES, disaggregation_from
 from smetric.serve.engines import Engine
 from smetric.serve.global_tier import GLOBAL_TIERS
 from smetric.serve.kv_subscriber import KVEventSubscriber
@@ -150,8 +150,8 @@ def serve(
         float | None,
         typer.Option(
             help="Seconds to wait for an engine's response headers (a non-streaming "
-            "reply's come at its end) or a stream's first chunk; then the request is "
-            "retried elsewhere. Default: 300.",
+            "reply's come at its end, a disaggregated prefill's too) or a stream's first "
+            "chunk; then the request is retried elsewhere. Default: 300.",
             min=0.001,
         ),
     ] = None,
@@ -165,8 +165,9 @@ def serve(
     retries: Annotated[
         int | None,
         typer.Option(
-            help="Other engines to try for a request that failed before the client got "
-            "any byte (refused connections do not count). Default: 2.",
+            help="Other engines to try for a request (disaggregated: for each leg) that "
+            "failed before the client got any byte (refused connections do not count). "
+            "Default: 2.",
             min=0,
         ),
     ] = None,
@@ -281,7 +282,7 @@ def serve(
             decode_engine or [],
             config,
             kv_blocks,
-            DisaggSettings(decode_policy=decode_policy),
+            decode_policy,
         )
         disagg = None
         if disaggregated is None:

@@ -220,7 +220,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
         )
     policies = flags.get("policies")
     if policies:
-        names = POLICY_NAMES if policies == "all" else _split_policies(policies)
+        names = POLICY_NAMES if policies == "all" else split_policies(policies)
         config = dataclasses.replace(config, policies=tuple(names))
     for spec in config.policies:
         make_policy(spec)  # fails early, with the valid names, on a typo
@@ -230,7 +230,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
     return config
 
 
-def _split_policies(text: str) -> tuple[str, ...]:
+def split_policies(text: str) -> tuple[str, ...]:
     """'smetric,linear:lam=0.95' -> two specs; a ',' inside name:k=v,k=v stays with it."""
     out: list[str] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):

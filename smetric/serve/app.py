@@ -22,9 +22,9 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -65,6 +65,8 @@ ENGINE_HEADER = "x-smetric-engine"
 PREDICTED_HIT_HEADER = "x-smetric-predicted-hit-tokens"
 # Bodies above this are analysed off the event loop.
 _OFF_LOOP_BYTES = 64 << 10
+# What a try's ``send`` hands back: the client's response, or a disaggregated leg's result.
+Sent = TypeVar("Sent")
 _ROUTES: dict[str, Api] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -105,6 +107,17 @@ class RouterSettings:
     # or full (every prompt served, within global_tier_tokens if set); serve.global_tier.
     global_tier: str = "none"
     global_tier_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the router adds to an engine's reply (``tags``, as headers) and records once it
+    is served: ``facts``, the prompt the engine prefilled, with the hit ``predicted``
+    there (None for a disaggregated decode, whose prompt was prefilled elsewhere)."""
+
+    tags: dict[str, str]
+    facts: RequestFacts | None = None
+    predicted: int = 0
 
 
 @dataclass
@@ -218,11 +231,10 @@ class Router:
             return error_response(400, str(exc))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             return error_response(502, f"tokenising with the engine failed: {exc}")
-        if self.disagg is not None:
-            headers = self._upstream_headers(request)
-            return await self.disagg.serve(self, request, path, api, body, facts, headers)
         started = time.perf_counter()
         try:
+            if self.disagg is not None:
+                return await self.disagg.serve(self, request, path, body, facts)
             return await self._forward(request, path, raw, facts)
         finally:
             self.metrics.latency.labels(api).observe(time.perf_counter() - started)
@@ -325,40 +337,64 @@ class Router:
     async def _forward(
         self, request: web.Request, path: str, raw: bytes, facts: RequestFacts
     ) -> web.StreamResponse:
-        """Route and send; while nothing has reached the client, an engine's failure sends
-        the request to another engine (at most ``retries`` times once it may have run)."""
-        assert self.client is not None
-        headers = self._upstream_headers(request)
-        tried: set[str] = set()
+        headers = self.upstream_headers(request)
+
+        async def send(attempt: Attempt, predicted: int) -> web.StreamResponse:
+            await attempt.send(path, raw, headers)
+            tags = {ENGINE_HEADER: attempt.engine.url, PREDICTED_HIT_HEADER: str(predicted)}
+            return await self.answer(request, attempt, Delivery(tags, facts, predicted))
+
+        return await self.try_engines(
+            "engine", self.engines, lambda c: self.route(facts, c), facts.prompt_tokens, send
+        )
+
+    async def try_engines(
+        self,
+        role: str,
+        pool: list[Engine],
+        choose: Callable[[list[Engine]], tuple[Engine, int]],
+        prompt_tokens: int,
+        send: Callable[[Attempt, int], Awaitable[Sent]],
+    ) -> Sent | web.Response:
+        """One request (or one leg of a disaggregated one) on the healthy engines of
+        ``pool``: ``choose`` picks one and the prompt tokens it is predicted to hold, and
+        ``send`` runs an ``Attempt`` there. While nothing has reached the client (``send``
+        raises ``EngineFault`` only then), an engine's failure sends it to another, at
+        most ``retries`` times once it may have run (a refused connection never ran it);
+        then the last failure is the client's error."""
         retries = self.settings.retries
-        failure = error_response(503, "no healthy engine to serve the request")
+        tried: set[str] = set()
+        failure = error_response(503, f"no healthy {role} to serve the request")
         while True:
-            candidates = [e for e in self.engines if e.healthy and e.url not in tried]
+            candidates = [e for e in pool if e.healthy and e.url not in tried]
             if not candidates:
                 return failure
-            engine, predicted = self.route(facts, candidates)
+            engine, predicted = choose(candidates)
             tried.add(engine.url)
-            unprefilled = facts.prompt_tokens - predicted
+            unprefilled = prompt_tokens - predicted
             async with Attempt(
-                engine, self.client, self.timeouts, facts.prompt_tokens, unprefilled
+                engine, self.client_session(), self.timeouts, prompt_tokens, unprefilled
             ) as attempt:
                 try:
-                    await attempt.send(path, raw, headers)
-                    return await self._answer(request, attempt, facts, predicted)
+                    return await send(attempt, predicted)
                 except EngineFault as fault:
                     self._engine_failed(engine, fault)
                     if fault.status is not None:
                         failure = engine_error(fault.status, fault.body)
                     else:  # unreachable 503, silent 504, broken 502 (as Envoy answers)
                         status = 503 if fault.refused else 504 if fault.timeout else 502
-                        failure = error_response(status, f"engine {engine.url} failed: {fault}")
+                        failure = error_response(status, f"{role} {engine.url} failed: {fault}")
                     if not fault.refused:
                         if retries == 0:
                             return failure
                         retries -= 1
                     self.metrics.retries.inc()
 
-    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+    def client_session(self) -> aiohttp.ClientSession:
+        assert self.client is not None, "the router's app is not running"
+        return self.client
+
+    def upstream_headers(self, request: web.Request) -> dict[str, str]:
         # Uncompressed replies: the router reads them (errors, usage) and passes them on.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         for name in ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta"):
@@ -366,34 +402,41 @@ class Router:
                 headers[name] = request.headers[name]
         return headers
 
-    async def _answer(
-        self, request: web.Request, attempt: Attempt, facts: RequestFacts, predicted: int
+    async def read_whole(self, attempt: Attempt) -> bytes:
+        """A non-streamed reply's body. A 5xx is the engine's fault (raised); anything
+        else, a 4xx included (the request's fault), clears the engine's failure record."""
+        upstream = attempt.response
+        assert upstream is not None
+        body = await attempt.read_all()
+        if upstream.status >= 500:
+            raise EngineFault(f"answered {upstream.status}", status=upstream.status, body=body)
+        self.outliers.succeeded(attempt.engine.url)
+        return body
+
+    async def answer(
+        self, request: web.Request, attempt: Attempt, delivery: Delivery
     ) -> web.StreamResponse:
         """The engine's reply for the client: a stream as it arrives, anything else once
         whole, so a body cut short becomes a clean error rather than a 200 with half its
         JSON. Raises ``EngineFault`` only while nothing has reached the client."""
-        engine, upstream = attempt.engine, attempt.response
+        upstream = attempt.response
         assert upstream is not None
         if upstream.status < 400 and upstream.content_type == "text/event-stream":
-            return await self._relay(request, attempt, facts, predicted)
-        body = await attempt.read_all()
-        if upstream.status >= 500:
-            raise EngineFault(f"answered {upstream.status}", status=upstream.status, body=body)
-        self.outliers.succeeded(engine.url)
+            return await self._relay(request, attempt, delivery)
+        body = await self.read_whole(attempt)
         if upstream.status >= 400:  # the request's fault: pass it on, in OpenAI's shape
             response = engine_error(upstream.status, body)
         else:
-            self._served(engine, facts, predicted)
-            usage = _UsageTap()
-            usage.feed(body)
-            self._count_cached(engine, usage)
+            if delivery.facts is not None:
+                self.served(attempt.engine, delivery.facts, delivery.predicted)
+                self.count_cached(attempt.engine, UsageTap.of(body))
             response = web.Response(body=body, status=upstream.status)
             response.content_type = upstream.content_type or "application/json"
-        self._tag(response, engine, predicted)
+        response.headers.update(delivery.tags)
         return response
 
     async def _relay(
-        self, request: web.Request, attempt: Attempt, facts: RequestFacts, predicted: int
+        self, request: web.Request, attempt: Attempt, delivery: Delivery
     ) -> web.StreamResponse:
         """Pass a stream on as the engine sends it. Its first chunk (after the prefill) is
         awaited before the client gets anything, so a stream that fails that early is
@@ -403,18 +446,20 @@ class Router:
         assert upstream is not None
         chunk = await attempt.read(self.timeouts.first_byte_s)
         self.outliers.succeeded(engine.url)
-        self._served(engine, facts, predicted)
+        if delivery.facts is not None:
+            self.served(engine, delivery.facts, delivery.predicted)
         response = web.StreamResponse(status=upstream.status)
         response.content_type = upstream.content_type
-        self._tag(response, engine, predicted)
-        usage = _UsageTap()
+        response.headers.update(delivery.tags)
+        usage = UsageTap()
         try:
             await response.prepare(request)
             while chunk:
                 usage.feed(chunk)
                 await response.write(chunk)
                 chunk = await attempt.read()
-            self._count_cached(engine, usage)  # before the client can see the end and ask
+            if delivery.facts is not None:  # before the client can see the end and ask
+                self.count_cached(engine, usage)
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
             log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
@@ -425,26 +470,24 @@ class Router:
                 await response.write(f"data: {json.dumps(message)}\n\n".encode())
         return response
 
-    def _served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
+    def served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
+        """The engine took the request and prefilled it: it now caches the prompt."""
         self.prefilled(engine, facts.blocks)
         self.metrics.predicted.labels(engine.url).inc(predicted)
 
     def prefilled(self, engine: Engine, blocks: np.ndarray) -> None:
-        """The engine took a request and prefilled it: it now caches the prompt, and a
-        global tier that keeps every prefill holds it too."""
+        """The engine prefilled these blocks: it now caches them, and a global tier that
+        keeps every prefill holds them too."""
         engine.remember(blocks)
         if self.global_tier is not None:
             self.global_tier.record(blocks)
 
-    def _count_cached(self, engine: Engine, usage: _UsageTap) -> None:
+    def count_cached(self, engine: Engine, usage: UsageTap) -> int | None:
+        """The cached prompt tokens the engine reported, counted in the metrics."""
         cached = usage.cached_tokens()
         if cached is not None:
             self.metrics.reported.labels(engine.url).inc(cached)
-
-    @staticmethod
-    def _tag(response: web.StreamResponse, engine: Engine, predicted: int) -> None:
-        response.headers[ENGINE_HEADER] = engine.url
-        response.headers[PREDICTED_HIT_HEADER] = str(predicted)
+        return cached
 
     def _engine_failed(self, engine: Engine, fault: EngineFault) -> None:
         """A lost connection ejects the engine at once (the health check re-admits it when
@@ -567,7 +610,7 @@ class Router:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-class _UsageTap:
+class UsageTap:
     """Finds the cached prompt tokens an engine reports in a passing response: OpenAI's
     ``usage.prompt_tokens_details.cached_tokens`` or Anthropic's ``cache_read_input_tokens``.
 
@@ -581,6 +624,13 @@ class _UsageTap:
     def __init__(self) -> None:
         self.chunks: deque[bytes] = deque()
         self.kept = 0
+
+    @classmethod
+    def of(cls, body: bytes) -> UsageTap:
+        """A tap that has seen a whole body."""
+        tap = cls()
+        tap.feed(body)
+        return tap
 
     def feed(self, chunk: bytes) -> None:
         self.chunks.append(chunk)

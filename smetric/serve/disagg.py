@@ -19,20 +19,20 @@ here. The decode engine is chosen by ``decode_policy``: ``least_kv`` takes the e
 scraped ``kv_cache_usage`` where fresh (else its requests in flight), ``least_requests``
 the requests in flight, ``round_robin`` turns.
 
-Failures. A prefill engine that cannot be reached, fails with a 5xx or stalls past
-``prefill_timeout_s`` is left out and the prefill is tried on another, so a client sees
-an error only when every prefill engine failed. A decode engine that cannot be reached is
-ejected and the same parameters go to another decode engine: the prefill engine still
-holds the blocks (vLLM keeps them until read or until its lease runs out), so nothing is
-prefilled twice. With no decode engine left the client gets a 503 in OpenAI's error shape.
-A decode that sends nothing within ``decode_first_byte_s``, or stalls mid-stream past
-``decode_idle_s``, ends with a 504 or an error event and no ``[DONE]``.
+Failures are handled as for colocated engines, each leg on the router's ``try_engines``
+(``serve.upstream.Attempt``: the leg's load, the ``first_byte_timeout_s`` and
+``idle_timeout_s`` timeouts; passive ejection; OpenAI-style errors). A prefill engine
+that is unreachable, answers 5xx or garbage, or stalls is left out and the prefill tried
+on another; a decode engine that fails before the client got a byte gets the same
+parameters sent to another decode engine: the prefill engine still holds the blocks (vLLM
+keeps them until read or until its lease runs out; a decode engine that finds them gone
+recomputes), so nothing is prefilled twice. Each leg has its own ``retries`` budget; a
+refused connection does not spend it. A decode that fails mid-stream ends with an error
+event and no ``[DONE]``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -40,16 +40,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
 from aiohttp import web
 from prometheus_client import Counter
 
 from smetric.core.conversation import RequestFacts
 from smetric.core.policies import RoundRobin
-from smetric.serve.app import Router
-from smetric.serve.engines import Engine, QueuedPrefill
-from smetric.serve.errors import error_response
+from smetric.serve.app import Delivery, Router, UsageTap
+from smetric.serve.engines import Engine
+from smetric.serve.errors import engine_error
+from smetric.serve.upstream import Attempt, EngineFault
 
 log = logging.getLogger("smetric.serve")
 
@@ -81,20 +81,6 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class DisaggSettings:
-    decode_policy: str = "least_kv"
-    prefill_timeout_s: float = 300.0
-    decode_first_byte_s: float = 300.0
-    decode_idle_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.decode_policy not in DECODE_POLICIES:
-            raise ValueError(
-                f"decode policy {self.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
-            )
-
-
 @dataclass(frozen=True)
 class Prefilled:
     """A finished prefill leg: where, what it hands the decode, what it hit, how long."""
@@ -104,14 +90,12 @@ class Prefilled:
     cached_tokens: int | None
     seconds: float
 
-
-class _Failed(Exception):
-    """This engine failed this leg; ``status`` when it answered with an error."""
-
-    def __init__(self, reason: str, status: int | None = None, body: bytes = b"") -> None:
-        super().__init__(reason)
-        self.status = status
-        self.body = body
+    def tags(self) -> dict[str, str]:
+        """The client's headers about this leg, which ``smetric replay`` measures with."""
+        tags = {PREFILL_HEADER: self.engine.url, PREFILL_SECONDS_HEADER: f"{self.seconds:.6f}"}
+        if self.cached_tokens is not None:
+            tags[PREFILL_CACHED_HEADER] = str(self.cached_tokens)
+        return tags
 
 
 @dataclass
@@ -120,7 +104,7 @@ class Disaggregation:
 
     prefill_urls: frozenset[str]
     decode_urls: frozenset[str]
-    settings: DisaggSettings = field(default_factory=DisaggSettings)
+    decode_policy: str = "least_kv"
     _turns: RoundRobin = field(default_factory=RoundRobin)
 
     def __post_init__(self) -> None:
@@ -128,20 +112,17 @@ class Disaggregation:
             raise ValueError("a disaggregated cluster needs prefill and decode engines")
         if self.prefill_urls & self.decode_urls:
             raise ValueError("an engine cannot be both a prefill and a decode engine")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(
+                f"decode policy {self.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
+            )
 
     def register(self, router: Router) -> None:
-        registry = router.metrics.registry
         self.routed = Counter(
             "smetric_pd_routed",
             "Requests sent to each engine, by leg (prefill or decode).",
             ["leg", "engine"],
-            registry=registry,
-        )
-        self.failed = Counter(
-            "smetric_pd_failed",
-            "Legs that failed on an engine and were tried elsewhere or answered with an error.",
-            ["leg", "engine"],
-            registry=registry,
+            registry=router.metrics.registry,
         )
 
     # -- choosing -------------------------------------------------------------------------
@@ -153,7 +134,7 @@ class Disaggregation:
         return router.route(facts, engines, [float(e.total_unprefilled()) for e in engines])
 
     def choose_decode(self, router: Router, engines: list[Engine]) -> Engine:
-        rule = self.settings.decode_policy
+        rule = self.decode_policy
         now = time.monotonic()
 
         def measure(engine: Engine) -> float:
@@ -177,192 +158,81 @@ class Disaggregation:
         router: Router,
         request: web.Request,
         path: str,
-        api: str,
         body: dict[str, Any],
         facts: RequestFacts,
-        headers: dict[str, str],
     ) -> web.StreamResponse:
-        """Both legs, timed in the router's latency histogram like a colocated request."""
-        started = time.perf_counter()
-        try:
-            return await self._legs(router, request, path, body, facts, headers)
-        finally:
-            router.metrics.latency.labels(api).observe(time.perf_counter() - started)
+        headers = router.upstream_headers(request)
+        prefill_body = json.dumps(prefill_request(body)).encode()
 
-    async def _legs(
-        self,
-        router: Router,
-        request: web.Request,
-        path: str,
-        body: dict[str, Any],
-        facts: RequestFacts,
-        headers: dict[str, str],
-    ) -> web.StreamResponse:
-        prefills = [e for e in router.engines if e.url in self.prefill_urls]
-        tried: set[str] = set()
-        while True:
-            candidates = [e for e in prefills if e.healthy and e.url not in tried]
-            if not candidates:
-                return error_response(
-                    503, "no prefill engine could prefill the request", "server_error"
-                )
-            prefill, predicted = self.choose_prefill(router, facts, candidates)
-            tried.add(prefill.url)
-            try:
-                prefilled = await self._prefill(
-                    router, prefill, path, body, facts, predicted, headers
-                )
-                break
-            except _Failed as failure:
-                self.failed.labels("prefill", prefill.url).inc()
-                router.metrics.retries.inc()
-                if failure.status is not None and failure.status < 500:
-                    return _passthrough(failure.status, failure.body)  # the request's fault
-                log.warning(json.dumps({"event": "prefill_failed", "engine": prefill.url,
-                                        "reason": str(failure)}))  # fmt: skip
-        decodes = [e for e in router.engines if e.url in self.decode_urls]
-        tried.clear()
+        async def prefill(attempt: Attempt, predicted: int) -> Prefilled | web.Response:
+            self.routed.labels("prefill", attempt.engine.url).inc()
+            started = time.monotonic()
+            await attempt.send(path, prefill_body, headers)
+            raw = await router.read_whole(attempt)
+            seconds = time.monotonic() - started
+            return self._prefilled(router, attempt, raw, facts, predicted, seconds)
+
+        prefilled = await router.try_engines(
+            "prefill engine",
+            self._pool(router, self.prefill_urls),
+            lambda engines: self.choose_prefill(router, facts, engines),
+            facts.prompt_tokens,
+            prefill,
+        )
+        if not isinstance(prefilled, Prefilled):
+            return prefilled  # no prefill engine could, or the request's own error
         params = prefilled.params
         sent = body if params is None else {**body, KV_TRANSFER_PARAMS: params}
         payload = json.dumps(sent).encode()
-        while True:
-            candidates = [e for e in decodes if e.healthy and e.url not in tried]
-            if not candidates:
-                return error_response(
-                    503, "no decode engine reachable after the prefill", "server_error"
-                )
-            decode = self.choose_decode(router, candidates)
-            tried.add(decode.url)
-            self.routed.labels("decode", decode.url).inc()
-            decode.inflight += 1
-            try:
-                return await self._decode(
-                    router, request, decode, prefilled, path, payload, headers
-                )
-            except _Failed as failure:
-                self.failed.labels("decode", decode.url).inc()
-                router.metrics.retries.inc()
-                router._eject(decode, str(failure))
-            finally:
-                decode.inflight -= 1
+        tags = prefilled.tags()
 
-    async def _prefill(
-        self,
+        async def decode(attempt: Attempt, _: int) -> web.StreamResponse:
+            self.routed.labels("decode", attempt.engine.url).inc()
+            await attempt.send(path, payload, headers)
+            delivery = Delivery({**tags, DECODE_HEADER: attempt.engine.url})
+            return await router.answer(request, attempt, delivery)
+
+        # The decode engine pulls the prompt's KV: none of it is left to prefill there.
+        return await router.try_engines(
+            "decode engine",
+            self._pool(router, self.decode_urls),
+            lambda engines: (self.choose_decode(router, engines), facts.prompt_tokens),
+            facts.prompt_tokens,
+            decode,
+        )
+
+    @staticmethod
+    def _pool(router: Router, urls: frozenset[str]) -> list[Engine]:
+        return [e for e in router.engines if e.url in urls]
+
+    @staticmethod
+    def _prefilled(
         router: Router,
-        engine: Engine,
-        path: str,
-        body: dict[str, Any],
+        attempt: Attempt,
+        raw: bytes,
         facts: RequestFacts,
         predicted: int,
-        headers: dict[str, str],
-    ) -> Prefilled:
-        """Run the prefill leg."""
-        assert router.client is not None
-        started = time.monotonic()
-        queued = QueuedPrefill(engine, facts.prompt_tokens - predicted)
-        engine.inflight += 1
-        engine.inflight_tokens += facts.prompt_tokens
-        self.routed.labels("prefill", engine.url).inc()
-        timeout = aiohttp.ClientTimeout(
-            total=self.settings.prefill_timeout_s, sock_connect=router.settings.connect_timeout_s
-        )
-        try:
-            async with router.client.post(
-                engine.url + path, json=prefill_request(body), headers=headers, timeout=timeout
-            ) as response:
-                raw = await response.read()
-                if response.status != 200:
-                    raise _Failed(f"prefill answered {response.status}", response.status, raw)
-        except TimeoutError as exc:  # aiohttp's socket timeouts are connection errors too
-            raise _Failed(f"prefill stalled past {self.settings.prefill_timeout_s:g} s") from exc
-        except aiohttp.ClientConnectionError as exc:
-            router._eject(engine, f"prefill connect failed: {exc!r}")
-            raise _Failed(f"connect failed: {exc!r}") from exc
-        finally:
-            engine.inflight -= 1
-            engine.inflight_tokens -= facts.prompt_tokens
-            queued.done()
+        seconds: float,
+    ) -> Prefilled | web.Response:
+        """The prefill engine's whole answer: the request's own error (a 4xx) for the
+        client, else the parameters and reuse to hand on."""
+        assert attempt.response is not None
+        status = attempt.response.status
+        if status >= 400:
+            return engine_error(status, raw)
         try:
             answer = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             answer = None
-        answer = answer if isinstance(answer, dict) else {}
+        if not isinstance(answer, dict):
+            raise EngineFault(f"answered {status} without a JSON object")
+        engine = attempt.engine
+        router.served(engine, facts, predicted)
+        cached = router.count_cached(engine, UsageTap.of(raw))
+        # Connectors keyed by the prompt (vLLM's ExampleConnector, LMCache) return no
+        # parameters: the decode engine finds the KV on its own.
         params = answer.get(KV_TRANSFER_PARAMS)
-        # Connectors keyed by the prompt (vLLM's ExampleConnector, LMCache) return none: the
-        # decode engine finds the KV on its own.
-        usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        router.prefilled(engine, facts.blocks)
-        router.metrics.predicted.labels(engine.url).inc(predicted)
-        return Prefilled(
-            engine,
-            params if isinstance(params, dict) else None,
-            cached if isinstance(cached, int) else None,
-            time.monotonic() - started,
-        )
-
-    async def _decode(
-        self,
-        router: Router,
-        request: web.Request,
-        engine: Engine,
-        prefilled: Prefilled,
-        path: str,
-        payload: bytes,
-        headers: dict[str, str],
-    ) -> web.StreamResponse:
-        """Send the decode leg and relay its answer; ``_Failed`` only before the client
-        got anything."""
-        assert router.client is not None
-        timeout = aiohttp.ClientTimeout(
-            sock_connect=router.settings.connect_timeout_s,
-            sock_read=self.settings.decode_first_byte_s,
-        )
-        try:
-            upstream = await router.client.post(
-                engine.url + path, data=payload, headers=headers, timeout=timeout
-            )
-        except aiohttp.ConnectionTimeoutError as exc:  # never reached it: try another
-            raise _Failed(f"decode connect timed out: {exc!r}") from exc
-        except TimeoutError:  # before ClientConnectionError: aiohttp's timeouts are both
-            return error_response(
-                504, f"decode engine {engine.url} sent nothing in time", "server_error"
-            )
-        except aiohttp.ClientConnectionError as exc:
-            raise _Failed(f"decode connect failed: {exc!r}") from exc
-        with contextlib.closing(upstream):
-            response = web.StreamResponse(status=upstream.status)
-            response.content_type = upstream.content_type or "application/json"
-            response.headers[PREFILL_HEADER] = prefilled.engine.url
-            response.headers[PREFILL_SECONDS_HEADER] = f"{prefilled.seconds:.6f}"
-            if prefilled.cached_tokens is not None:
-                response.headers[PREFILL_CACHED_HEADER] = str(prefilled.cached_tokens)
-            response.headers[DECODE_HEADER] = engine.url
-            await response.prepare(request)
-            try:
-                while True:
-                    chunk = await asyncio.wait_for(
-                        upstream.content.readany(), self.settings.decode_idle_s
-                    )
-                    if not chunk:
-                        break
-                    await response.write(chunk)
-            except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
-                log.warning(json.dumps({"event": "decode_broke", "engine": engine.url}))
-                message = {
-                    "error": {"message": "decode engine stalled or lost", "type": "server_error"}
-                }
-                if response.content_type == "text/event-stream":
-                    with contextlib.suppress(ConnectionResetError):
-                        await response.write(f"data: {json.dumps(message)}\n\n".encode())
-                return response
-            with contextlib.suppress(ConnectionResetError):
-                await response.write_eof()
-            return response
-
-
-def _passthrough(status: int, raw: bytes) -> web.Response:
-    return web.Response(body=raw, status=status, content_type="application/json")
+        return Prefilled(engine, params if isinstance(params, dict) else None, cached, seconds)
 
 
 def disaggregation_from(
@@ -370,7 +240,7 @@ def disaggregation_from(
     decode: list[str],
     config: Path | None,
     kv_blocks: int,
-    settings: DisaggSettings,
+    decode_policy: str,
 ) -> tuple[list[Engine], Disaggregation] | None:
     """Engines and roles from ``--prefill-engine``/``--decode-engine`` flags and/or the YAML
     keys ``prefill_engines:`` and ``decode_engines:`` (URLs or ``{url, kv_blocks}``);
@@ -405,6 +275,6 @@ def disaggregation_from(
         if not engine.url.startswith(("http://", "https://")):
             raise ValueError(f"engine {engine.url!r} must be an http(s):// URL")
     disagg = Disaggregation(
-        frozenset(e.url for e in prefills), frozenset(e.url for e in decodes), settings
+        frozenset(e.url for e in prefills), frozenset(e.url for e in decodes), decode_policy
     )
     return engines, disagg
