@@ -187,7 +187,7 @@ def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path
     args = [
         "knee",
         "-p",
-        "smetric_tokens,least_load,linear:lam=0.5",
+        "smetric_cost,least_load,linear:lam=0.5",
         "--globals",
         "full",
         "--kv-loads",

@@ -342,6 +342,16 @@ def test_smetric_tokens_moves_a_follow_up_off_an_engine_holding_most_prompt_toke
     run(lambda: with_cluster(3, body, policy="smetric_tokens"))
 
 
+def test_smetric_cost_moves_a_follow_up_off_an_engine_whose_in_flight_kv_slows_it() -> None:
+    async def body(client, url, router, engines) -> None:
+        # The router's in-flight prompt tokens reach the policy: at 1 s per token per
+        # decode step, the home engine's streaming turn outweighs recomputing the prefix.
+        held = await follow_up_while_home_streams(client, url, router, "move_recompute")
+        assert sorted(held.values())[:2] == [0, 0]
+
+    run(lambda: with_cluster(3, body, policy="smetric_cost:kv_read_s=1"))
+
+
 def test_eviction_guard_rebalances_a_session_the_index_lost() -> None:
     async def body(client, url, router, engines) -> None:
         for engine in router.engines:

@@ -26,6 +26,7 @@ from smetric.cli.simulate import (
     build_config,
     global_levels,
 )
+from smetric.core.policy import DEFAULT_POLICY
 from smetric.report.knee import knee_markdown, knee_rows
 from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
 from smetric.sim.knee import KneeSettings, best_baseline, search_knees
@@ -80,7 +81,7 @@ def knee(
     ] = 1.2,
     default: Annotated[
         str, typer.Option(help="The policy compared with the best baseline.")
-    ] = "smetric_tokens",
+    ] = DEFAULT_POLICY,
     instances: InstancesOpt = None,
     prefill_instances: PrefillOpt = None,
     decode_instances: DecodeOpt = None,

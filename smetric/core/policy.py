@@ -96,7 +96,13 @@ POLICY_NAMES: tuple[str, ...] = (
     "session_hash",
     "cache_aware",
     "smetric_tokens",
+    "smetric_cost",
 )
+
+
+# What ``smetric serve``, ``demo`` and ``knee`` use unless told otherwise: the policy that
+# earned it in the evaluation (README "Evaluation: each policy at its knee").
+DEFAULT_POLICY = "smetric_cost"
 
 
 def _policy_class(name: str) -> type[Policy]:
