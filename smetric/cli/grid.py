@@ -28,7 +28,7 @@ from smetric.trace.schema import Trace
 # are left out.
 DEFAULT_POLICIES = (
     "smetric",
-    "smetric_tokens",
+    "smetric_cost",
     "least_load",
     "cache_aware",
     "lmetric",

@@ -36,7 +36,7 @@ from smetric.trace.schema import Trace
 # every policy of the SMetric family (``is_ours``) is compared with the best of the rest.
 DEFAULT_POLICIES = (
     "smetric",
-    "smetric_tokens",
+    "smetric_cost",
     "least_load",
     "cache_aware",
     "lmetric",
