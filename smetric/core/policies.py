@@ -173,7 +173,10 @@ class SMetricCost:
     model for Qwen3-Coder-30B-A3B on one H20 (8 k-token chunks: 14.3 k tokens/s with no
     context, 1.4 k at 100 k; 32 ns per KV token per decode step), a GPU's share of its
     server's NICs (87 GB/s over 8 GPUs at 98 KB a token, ~110 k tokens/s), and WEKA's
-    mean output (373 tokens). Ties go to the longest local hit, then round-robin.
+    mean output (373 tokens). The simulator derives the four hardware constants the same
+    way for whatever cluster it simulates (``hardware_params``); an operator of a live
+    router passes them in the policy spec. Ties go to the longest local hit, then
+    round-robin.
 
     First turns are balanced on ``token_load`` alone and ignore their cache hit: a first
     turn decides where a session lives for its next hour of turns, so saving a few
@@ -183,6 +186,9 @@ class SMetricCost:
 
     name = "smetric_cost"
     branches = ("first_turn_balance", "sticky", "move_fetch", "move_recompute", "evicted")
+    # What the hardware sets: the simulator derives these from the cluster it simulates
+    # (sim/calibrate.py); the router takes them from the policy spec.
+    hardware_params = ("prefill_tps", "attn_tokens", "fetch_tps", "kv_read_s")
     __slots__ = (
         "_decode_s",
         "_queue_s",
