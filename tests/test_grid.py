@@ -44,7 +44,7 @@ loose_slo: {ttft_base_s: 2.0, ttft_per_token_s: 0.0005, tpot_s: 0.03}
 def test_cell_verdict_compares_each_of_ours_with_the_best_baseline_at_its_best_setting() -> None:
     means = {
         "smetric": 95.0,
-        "smetric_tokens": 106.0,
+        "smetric_cost": 106.0,
         "least_load": 90.0,
         "linear:lam=0.3": 100.0,
         "linear:lam=0.9": 60.0,
@@ -52,7 +52,7 @@ def test_cell_verdict_compares_each_of_ours_with_the_best_baseline_at_its_best_s
     verdict = cell_verdict(means)
     assert verdict["best_baseline"] == "linear:lam=0.3"
     assert verdict["value"] == 100.0
-    assert verdict["lead"] == pytest.approx({"smetric": -5.0, "smetric_tokens": 6.0})
+    assert verdict["lead"] == pytest.approx({"smetric": -5.0, "smetric_cost": 6.0})
 
 
 def test_verdict_counts_cells_within_one_percent_and_five_percent_ahead() -> None:

@@ -105,42 +105,6 @@ class SMetric:
         return Decision(self._ties.argmin(loads), branch)
 
 
-class SMetricTokens:
-    """SMetric with load in in-flight prompt tokens, moving a session only where it is cheap.
-
-    Two changes to Figure 13, each for a reason the paper's own analysis gives. Agentic
-    prompts differ in length by 100x, so a count of requests says little about the work
-    an instance holds; load here is its in-flight prompt tokens (request counts where
-    the driver has no token counts). And a sticky session moves off an overloaded
-    instance only when the global tier holds at least the prefix it would leave behind,
-    so the move costs a fetch, not a recompute; with that cheap move the guard can be
-    tighter than the paper's 2x (1.25 by default). A follow-up whose history was evicted
-    everywhere is balanced as in SMetric.
-    """
-
-    name = "smetric_tokens"
-    branches = ("first_turn_balance", "sticky", "overload_move", "evicted_fallback")
-    __slots__ = ("_ties", "hit_ratio", "overload")
-
-    def __init__(self, *, overload: float = 1.25, hit_ratio: float = 0.5) -> None:
-        self.overload = _checked("overload", overload)
-        self.hit_ratio = _checked("hit_ratio", hit_ratio)
-        self._ties = RoundRobin()
-
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        loads = view.load if view.token_load is None else view.token_load
-        if request.turn == 0:
-            return Decision(self._ties.argmin(loads), "first_turn_balance")
-        hits = view.hit_tokens
-        target = best_hit(hits, loads)
-        if not hits[target] > self.hit_ratio * request.est_hit_tokens:
-            return Decision(self._ties.argmin(loads), "evicted_fallback")
-        backed = view.global_hit_tokens is None or view.global_hit_tokens >= hits[target]
-        if backed and loads[target] > self.overload * sum(loads) / len(loads):
-            return Decision(self._ties.argmin(loads), "overload_move")
-        return Decision(target, "sticky")
-
-
 class SMetricCost:
     """Send each request where it is expected to finish soonest, counting what a move costs.
 
@@ -458,7 +422,6 @@ POLICY_CLASSES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         SMetric,
-        SMetricTokens,
         SMetricCost,
         Linear,
         LMetric,

@@ -95,7 +95,6 @@ POLICY_NAMES: tuple[str, ...] = (
     "round_robin",
     "session_hash",
     "cache_aware",
-    "smetric_tokens",
     "smetric_cost",
 )
 

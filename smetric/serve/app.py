@@ -329,6 +329,7 @@ class Router:
                         "global_hit_tokens": global_hit,
                         "loads": loads,
                         "token_loads": view.token_load,
+                        "prefill_tokens": view.prefill_tokens,
                     }
                 )
             )

@@ -27,7 +27,7 @@ def base_name(spec: str) -> str:
 
 def is_ours(spec: str) -> bool:
     """The policies this project proposes are the SMetric family (``smetric``,
-    ``smetric_tokens`` and any ``smetric_*`` added later, at any setting); every other
+    ``smetric_cost`` and any ``smetric_*`` added later, at any setting); every other
     policy is a baseline."""
     name = base_name(spec)
     return name == "smetric" or name.startswith("smetric_")
