@@ -38,6 +38,7 @@ Invariants the code keeps:
 from __future__ import annotations
 
 import heapq
+from typing import Protocol
 
 import numpy as np
 
@@ -81,19 +82,43 @@ class Handle:
         self.length = length
 
 
+class CacheWatcher(Protocol):
+    """Told every change of which prefixes a cache holds, in the order they happen.
+
+    A cluster-wide index of the caches' contents (the simulator's ``HolderIndex``) keeps
+    itself exact from these two calls alone.
+    """
+
+    def grew(self, blocks: np.ndarray, length: int) -> None:
+        """``blocks[:length]`` is now held, and was not wholly held before."""
+
+    def shrank(self, path: np.ndarray, keep: int) -> None:
+        """A leaf's tail went: of the held path ``path``, only ``path[:keep]`` is left."""
+
+
 class PrefixCache:
     """Present block-id prefixes, least recently used unlocked tails evicted first.
 
     ``capacity_blocks=None`` never evicts on its own (the fully provisioned global tier);
-    ``evict`` still works on it.
+    ``evict`` still works on it. A ``watcher`` hears of every block added or evicted.
     """
 
-    __slots__ = ("_capacity", "_counter", "_heap", "_locked", "_nodes", "_root", "_size")
+    __slots__ = (
+        "_capacity",
+        "_counter",
+        "_heap",
+        "_locked",
+        "_nodes",
+        "_root",
+        "_size",
+        "_watcher",
+    )
 
-    def __init__(self, capacity_blocks: int | None) -> None:
+    def __init__(self, capacity_blocks: int | None, watcher: CacheWatcher | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0 or None, not {capacity_blocks}")
         self._capacity = capacity_blocks
+        self._watcher = watcher
         self._root = _Node(_EMPTY, None, float("-inf"))
         self._size = 0
         self._locked = 0
@@ -139,6 +164,8 @@ class PrefixCache:
         fit = 0
         if matched < len(blocks):
             node, fit = self._grow(node, offset, blocks[matched:])
+            if fit and self._watcher is not None:
+                self._watcher.grew(blocks, matched + fit)
         self._touch(node, now)
         self._compact_path(node)
         return fit
@@ -285,6 +312,9 @@ class PrefixCache:
             length = len(node.run)
             take = min(length, n - freed)
             freed += take
+            if self._watcher is not None:
+                path = self._path(node)
+                self._watcher.shrank(path, len(path) - take)
             if take < length:
                 # The entry stays valid: same node, same recency, just a shorter run.
                 node.run = node.run[: length - take]
@@ -293,6 +323,14 @@ class PrefixCache:
             self._remove_leaf(node)
         self._size -= freed
         return freed
+
+    def _path(self, node: _Node) -> np.ndarray:
+        """The block ids from the root to the end of ``node``'s run."""
+        runs = []
+        while node is not self._root:
+            runs.append(node.run)
+            node = node.parent
+        return np.concatenate(runs[::-1])
 
     def _remove_leaf(self, node: _Node) -> None:
         parent = node.parent

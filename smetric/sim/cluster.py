@@ -17,6 +17,7 @@ import polars as pl
 
 from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
 from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
+from smetric.sim.holders import HolderIndex
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.metrics import RequestLog
@@ -124,10 +125,12 @@ class Simulation:
         global_blocks = self.shape.global_capacity_blocks
         self.global_tier = GlobalTier(global_blocks)
         local_blocks = self.shape.kv_capacity_tokens // block_size
+        # Every routed instance's local tier, indexed together so routing walks one tree.
+        self.holders = HolderIndex(config.instances)
         self.instances = [
             self.instance_class(
                 index=i,
-                pool=LocalPool(local_blocks),
+                pool=LocalPool(local_blocks, self.holders.watcher(i)),
                 route=route,
                 global_tier=self.global_tier,
                 perf=perf,
@@ -208,7 +211,9 @@ class Simulation:
     def view(self, req: SimRequest) -> ClusterView:
         bs = req.block_size
         routed = self.instances[: self.routed]
-        hits = [reusable_hit_tokens(i.pool.cache.match(req.blocks), req.prompt, bs) for i in routed]
+        hits = self.holders.per_instance(
+            req.blocks, lambda matched: reusable_hit_tokens(matched, req.prompt, bs)
+        )
         return ClusterView(
             hit_tokens=hits,
             load=[float(i.inflight) for i in routed],

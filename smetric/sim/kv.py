@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from smetric.core.prefix_cache import Handle, PrefixCache
+from smetric.core.prefix_cache import CacheWatcher, Handle, PrefixCache
 
 
 class LocalPool:
     """An instance's GPU KV blocks: cached (in the prefix tree) plus private."""
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, watcher: CacheWatcher | None = None) -> None:
         self.capacity = capacity_blocks
-        self.cache = PrefixCache(None)
+        self.cache = PrefixCache(None, watcher)
         self.private = 0
 
     @property
