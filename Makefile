@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean pd-figures
+.PHONY: run test lint setup clean pd-figures reproduce grid
 
 setup: $(STAMP)
 
@@ -22,6 +22,14 @@ run: $(STAMP)
 # The paper's PD-disaggregation figures (21, 22, 23) on the embedded WEKA sample.
 pd-figures: $(STAMP)
 	SMETRIC=$(BIN)/smetric scripts/pd_figures.sh smetric-out/pd-figures
+
+# The paper's colocation evaluation (quick preset), its validation.md into README.md.
+reproduce: $(STAMP)
+	$(BIN)/smetric reproduce --preset quick -o smetric-out/reproduce-quick --readme README.md
+
+# Issue 10's policy grid (grid-quick preset), its grid.md into README.md.
+grid: $(STAMP)
+	$(BIN)/smetric grid --preset grid-quick -o smetric-out/grid-quick --readme README.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts

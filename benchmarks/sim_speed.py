@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from smetric.core.policy import make_policy
+from smetric.sim.calibrate import cluster_policy
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
 from smetric.sim.workload import build_workload
@@ -37,7 +37,7 @@ def main() -> None:
     t0 = time.process_time()
     workload = build_workload(trace, config.workload)
     t1 = time.process_time()
-    sim = Simulation(config.cluster, make_policy(args.policy), workload)
+    sim = Simulation(config.cluster, cluster_policy(args.policy, config.cluster)[0], workload)
     issued = sim.run().height
     t2 = time.process_time()
     loop = t2 - t1

@@ -11,7 +11,7 @@
 set -euo pipefail
 OUT=${1:-smetric-out/pd-figures}
 SMETRIC=${SMETRIC:-smetric}
-POLICIES=${POLICIES:-smetric,linear,lmetric,prefill_tokens,smetric_tokens}
+POLICIES=${POLICIES:-smetric,linear,lmetric,prefill_tokens,smetric_cost}
 COMMON=(sample:weka --prefill-instances 16 --decode-instances 0 --duration 600 --warmup 120)
 "$SMETRIC" sweep "${COMMON[@]}" -p "$POLICIES" --rates 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
     --globals none,1x,1.6x,full -o "$OUT/sweep"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp.test_utils import TestServer
 
+from smetric.core.policy import DEFAULT_POLICY
 from smetric.engine import EngineConfig, create_app
 from smetric.replay import Replayer, ReplayOptions
 from smetric.serve.app import Router, RouterSettings
@@ -24,7 +25,7 @@ from smetric.trace.schema import Trace
 @dataclass(frozen=True)
 class DemoOptions:
     engines: int = 4
-    policy: str = "smetric"
+    policy: str = DEFAULT_POLICY
     session_rate: float = 2.0
     duration_s: float = 20.0
     # Trace tokens per demo token, and trace seconds per demo second.

@@ -187,7 +187,7 @@ def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path
     args = [
         "knee",
         "-p",
-        "smetric_tokens,least_load,linear:lam=0.5",
+        "smetric_cost,least_load,linear:lam=0.5",
         "--globals",
         "full",
         "--kv-loads",
@@ -247,3 +247,15 @@ def test_rescoring_a_run_under_its_own_slo_gives_its_numbers(tmp_path: Path) -> 
         assert own == summary[policy]["tps_within_slo"]
         # Under an SLO nothing misses, TPS within SLO is the run's whole TPS.
         assert loose == pytest.approx(summary[policy]["tps"])
+
+
+def test_simulate_reports_the_hardware_constants_smetric_cost_assumed(tmp_path: Path) -> None:
+    policies = "smetric_cost,smetric_cost:prefill_tps=9000,least_load"
+    args = ["simulate", "-p", policies, *SMALL, "--hardware", "H200", "--kv-dtype", "fp8"]
+    result = runner.invoke(app, [*args, "-o", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    params = json.loads((tmp_path / "summary.json").read_text())["policy_params"]
+    assert params["smetric_cost"]["fetch_tps"] == 220_000.0
+    assert params["smetric_cost:prefill_tps=9000"]["prefill_tps"] == 9000.0
+    assert params["least_load"] == {}
+    assert "smetric_cost assumed prefill_tps=" in " ".join(result.output.split())

@@ -1,6 +1,6 @@
 """The router's view of the global tier on loopback (real HTTP, real ZMQ, mock engines):
 from engines' offload events, from its record of served prompts, and the decisions
-``smetric_tokens`` makes on it, checked against the policy run on the same view."""
+``smetric_cost`` makes on it, checked against the policy run on the same view."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from test_router_view import conversation as held_conversation
 from test_serve import chat, closed_port, conversation, eventually, run, with_cluster, with_router
 
 from smetric.cli.serve import engines_from, router_options
-from smetric.core.policies import SMetricTokens
-from smetric.core.policy import ClusterView, RoutingRequest, reusable_hit_tokens
+from smetric.core.policy import ClusterView, RoutingRequest, make_policy, reusable_hit_tokens
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router, RouterSettings
@@ -138,14 +137,22 @@ def test_the_full_tier_holds_the_prompts_engines_prefilled_within_its_capacity(
     run(lambda: with_cluster(2, body, global_tier="full", global_tier_tokens=capacity_blocks * BS))
 
 
-@pytest.mark.parametrize(("capacity_tokens", "branch"), [(0, "overload_move"), (BS, "sticky")])
-def test_smetric_tokens_moves_an_overloaded_session_only_where_the_global_tier_backs_it(
+# Prompts here are a few hundred tokens, so the constants are scaled for a move's costs
+# to compare as they do for 100 k-token histories on real hardware: a fetch is nearly
+# free, a recompute slow, and crowding an engine's decode steps costs in between.
+COST_SPEC = "smetric_cost:prefill_tps=1000,fetch_tps=1e9,kv_read_s=1e-6"
+
+
+@pytest.mark.parametrize(("capacity_tokens", "branch"), [(0, "move_fetch"), (BS, "sticky")])
+def test_smetric_cost_moves_a_session_off_a_busy_engine_only_where_a_fetch_backs_it(
     capacity_tokens: int, branch: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The session's home engine holds every in-flight prompt token (its previous turn is
-    still streaming). With the session in the global tier the follow-up moves; with a tier
-    too small to hold it, it stays. Each decision is the one the simulator's policy makes
-    on the same view, and the token load is the simulator's: in-flight prompt tokens."""
+    still streaming), which slows each decode step there. With the session in the global
+    tier the follow-up moves and fetches its history; with a tier too small to hold it the
+    move would recompute it, and it stays. Each decision is the one the simulator's policy
+    makes on the same view, and the token load is the simulator's: in-flight prompt
+    tokens."""
     caplog.set_level(logging.INFO, logger="smetric.serve")
 
     async def body(client, url, router, engines) -> None:
@@ -159,28 +166,30 @@ def test_smetric_tokens_moves_an_overloaded_session_only_where_the_global_tier_b
         assert [line["branch"] for line in lines][2] == branch
         held = lines[1]["prompt_tokens"]
         assert sorted(lines[2]["token_loads"]) == [0.0, 0.0, held]
+        policy = make_policy(COST_SPEC)
         for line in lines:
             view = ClusterView(
                 hit_tokens=line["hit_tokens"],
                 load=line["loads"],
-                prefill_tokens=[0.0] * len(line["loads"]),
+                prefill_tokens=line["prefill_tokens"],
                 token_load=line["token_loads"],
                 global_hit_tokens=line["global_hit_tokens"],
             )
             request = RoutingRequest(line["turn"], line["prompt_tokens"], line["est_hit_tokens"])
-            decision = SMetricTokens().route(request, view)
+            decision = policy.route(request, view)
             assert decision.branch == line["branch"]
             chosen = [e.url for e in router.engines].index(line["engine"])
             if decision.branch == "sticky":
                 assert decision.instance == chosen
-            else:  # balanced: ties go round-robin, so any least-loaded engine
-                assert line["token_loads"][chosen] == min(line["token_loads"])
+            else:  # ties go round-robin, so any engine as cheap as the policy's choice
+                costs = policy.costs(request, view) if line["turn"] else line["token_loads"]
+                assert costs[chosen] == min(costs)
 
     run(
         lambda: with_cluster(
             3,
             body,
-            policy="smetric_tokens",
+            policy=COST_SPEC,
             global_tier="full",
             global_tier_tokens=capacity_tokens,
         )

@@ -24,12 +24,6 @@ def view(hits: list[int], loads: list[float], prefill: list[float] | None = None
     return ClusterView(hits, loads, loads if prefill is None else prefill)
 
 
-def tokens_view(
-    hits: list[int], requests: list[float], tokens: list[float], global_hit: int | None
-) -> ClusterView:
-    return ClusterView(hits, requests, requests, token_load=tokens, global_hit_tokens=global_hit)
-
-
 def follow_up(est_hit: int = 1000, prompt: int = 1100, key: str = "") -> RoutingRequest:
     return RoutingRequest(turn=1, prompt_tokens=prompt, est_hit_tokens=est_hit, session_key=key)
 
@@ -94,44 +88,6 @@ CASES = [
         (1, "low_match_balance"),
     ),
     ("cache_aware", follow_up(prompt=0), view([0, 0, 0], [1, 0, 5]), (1, "low_match_balance")),
-    # SMetric-tokens balances first turns by tokens, not requests.
-    (
-        "smetric_tokens",
-        FIRST,
-        tokens_view([0, 0, 0], [1, 5, 1], [90_000, 2_000, 40_000], None),
-        (1, "first_turn_balance"),
-    ),
-    # Token mean 40 k: instance 0 at 50 k is under 1.25x the mean (50 k) and sticks...
-    (
-        "smetric_tokens",
-        follow_up(),
-        tokens_view([900, 0, 0], [1, 5, 1], [50_000, 40_000, 30_000], 1000),
-        (0, "sticky"),
-    ),
-    # ... at 60 k (mean 43.3 k, 1.38x) it moves, the global tier holding its whole hit...
-    (
-        "smetric_tokens",
-        follow_up(),
-        tokens_view([900, 0, 0], [1, 5, 1], [60_000, 40_000, 30_000], 900),
-        (2, "overload_move"),
-    ),
-    # ... but not when the global tier holds less than it would leave behind.
-    (
-        "smetric_tokens",
-        follow_up(),
-        tokens_view([900, 0, 0], [1, 5, 1], [60_000, 40_000, 30_000], 899),
-        (0, "sticky"),
-    ),
-    # Without global-tier knowledge the guard moves it, as SMetric's does.
-    (
-        "smetric_tokens",
-        follow_up(),
-        tokens_view([900, 0, 0], [1, 5, 1], [60_000, 40_000, 30_000], None),
-        (2, "overload_move"),
-    ),
-    # Without token counts, load is requests: 7 > 1.25 x mean 4.
-    ("smetric_tokens", follow_up(), view([900, 0, 0], [7, 2, 3]), (1, "overload_move")),
-    ("smetric_tokens", follow_up(), view([500, 0, 0], [2, 1, 3]), (1, "evicted_fallback")),
     # A gap of 40 that is not also 2x the smaller load is still balanced.
     (
         "cache_aware:balance_rel_threshold=2",

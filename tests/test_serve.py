@@ -328,10 +328,11 @@ def test_overload_guard_moves_a_follow_up_off_a_busy_engine() -> None:
     run(lambda: with_cluster(3, body))
 
 
-def test_smetric_tokens_moves_a_follow_up_off_an_engine_holding_most_prompt_tokens() -> None:
+def test_smetric_cost_moves_a_follow_up_off_an_engine_whose_in_flight_kv_slows_it() -> None:
     async def body(client, url, router, engines) -> None:
-        held = await follow_up_while_home_streams(client, url, router, "overload_move")
-        # Home held every in-flight prompt token: 3x the mean, over the 1.25x guard.
+        # The router's in-flight prompt tokens reach the policy: at 1 s per token per
+        # decode step, the home engine's streaming turn outweighs recomputing the prefix.
+        held = await follow_up_while_home_streams(client, url, router, "move_recompute")
         assert sorted(held.values())[:2] == [0, 0]
         for _ in range(100):  # the closed stream's end reaches the router shortly
             if sum(e.inflight_tokens for e in router.engines) == 0:
@@ -339,7 +340,7 @@ def test_smetric_tokens_moves_a_follow_up_off_an_engine_holding_most_prompt_toke
             await asyncio.sleep(0.02)
         assert sum(e.inflight_tokens for e in router.engines) == 0
 
-    run(lambda: with_cluster(3, body, policy="smetric_tokens"))
+    run(lambda: with_cluster(3, body, policy="smetric_cost:kv_read_s=1"))
 
 
 def test_eviction_guard_rebalances_a_session_the_index_lost() -> None:

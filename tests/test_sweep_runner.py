@@ -9,6 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 from typer.testing import CliRunner
 
@@ -96,3 +97,18 @@ def test_ray_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
     result = runner.invoke(app, [*SWEEP, "-o", str(tmp_path), "--ray", "auto"])
     assert result.exit_code == 2
     assert "pip install 'ray>=2.40,<3'" in result.output
+
+
+def test_a_run_stored_without_its_requests_counts_as_missing_where_they_are_wanted(
+    tmp_path: Path,
+) -> None:
+    store = RunStore(tmp_path)
+    job = Job(("x",), SimConfig(), "smetric")
+    store.put(job, {"tps_within_slo": 1.5})
+    assert store.get(job) == {"tps_within_slo": 1.5}
+    assert store.get(job, with_requests=True) is None
+    table = pl.DataFrame({"request_id": [1, 2]})
+    store.put(job, {"tps_within_slo": 2.5}, table)
+    assert store.get(job, with_requests=True) == {"tps_within_slo": 2.5}
+    assert store.requests(job).equals(table)
+    assert store.written == 2

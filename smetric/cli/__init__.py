@@ -1,6 +1,18 @@
 """The ``smetric`` command line: a thin shell over the trace layer, simulator and reports."""
 
-from smetric.cli import analyze, demo, engine, knee, replay, report, serve, simulate, trace
+from smetric.cli import (
+    analyze,
+    demo,
+    engine,
+    grid,
+    knee,
+    replay,
+    report,
+    reproduce,
+    serve,
+    simulate,
+    trace,
+)
 from smetric.cli.app import app
 
 __all__ = [
@@ -8,9 +20,11 @@ __all__ = [
     "app",
     "demo",
     "engine",
+    "grid",
     "knee",
     "replay",
     "report",
+    "reproduce",
     "serve",
     "simulate",
     "trace",

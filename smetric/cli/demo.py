@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 
 from smetric.cli.app import app, console, load_with_progress, user_errors
-from smetric.core.policy import POLICY_NAMES
+from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
 from smetric.demo import DemoOptions, DemoState, run_demo
 from smetric.trace.load import DEFAULT_SAMPLE
 
@@ -50,7 +50,7 @@ def demo(
     engines: Annotated[int, typer.Option(help="Mock engines to start.", min=1, max=64)] = 4,
     policy: Annotated[
         str, typer.Option("--policy", "-p", help=f"One of {', '.join(POLICY_NAMES)}.")
-    ] = "smetric",
+    ] = DEFAULT_POLICY,
     rate: Annotated[float, typer.Option(help="Session starts per second.", min=0.01)] = 2.0,
     duration: Annotated[float, typer.Option(help="Seconds to run.", min=1.0)] = 20.0,
     seed: Annotated[int, typer.Option(help="Seed for the sessions.")] = 0,

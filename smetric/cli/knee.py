@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -27,66 +26,27 @@ from smetric.cli.simulate import (
     build_config,
     global_levels,
 )
+from smetric.core.policy import DEFAULT_POLICY
+from smetric.report.knee import knee_markdown, knee_rows
 from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
-from smetric.sim.knee import Knee, KneeSettings, search_knees
-from smetric.sim.parallel import default_jobs
-
-# The policies this project proposes; every other policy is a baseline.
-OURS = ("smetric", "smetric_tokens")
-
-
-def base_name(spec: str) -> str:
-    return spec.partition(":")[0].strip()
-
-
-def best_baseline(knees: dict[str, Knee]) -> tuple[str, Knee] | None:
-    """The baseline with the highest knee, at its best setting (``linear:lam=0.5`` ...)."""
-    rivals = {p: k for p, k in knees.items() if base_name(p) not in OURS}
-    if not rivals:
-        return None
-    spec = max(rivals, key=lambda p: rivals[p].mean)
-    return spec, rivals[spec]
+from smetric.sim.knee import KneeSettings, best_baseline, search_knees
+from smetric.sim.parallel import RunStore, default_jobs
 
 
 def knee_summary(cells: list[tuple[str, str]], policies: tuple[str, ...], knees: dict) -> dict:
     out = []
     for glob, load in cells:
         per_policy = {p: knees[(glob, load, p)] for p in policies}
-        rival = best_baseline(per_policy)
+        rival = best_baseline({p: k.mean for p, k in per_policy.items()})
         out.append(
             {
                 "global": glob,
                 "kv_load": load,
                 "knees": {p: dataclasses.asdict(k) for p, k in per_policy.items()},
-                "best_baseline": None if rival is None else rival[0],
+                "best_baseline": rival,
             }
         )
     return {"policies": list(policies), "cells": out}
-
-
-def knee_rows(
-    summary: dict, default: str, number: Callable[[float], str], bold: Callable[[str], str]
-) -> list[list[str]]:
-    """One row per policy (the best knee of each cell in bold), then the default policy's
-    lead over the best baseline at its best setting."""
-    rows = []
-    for p in summary["policies"]:
-        row = [p]
-        for cell in summary["cells"]:
-            k = cell["knees"][p]
-            top = max(v["mean"] for v in cell["knees"].values())
-            text = f"{number(k['mean'])} ± {number(k['stdev'])} (@{k['load']:.3g})"
-            row.append(bold(text) if k["mean"] == top and top > 0 else text)
-        rows.append(row)
-    if default in summary["policies"]:
-        row = [f"{default} vs best baseline"]
-        for cell in summary["cells"]:
-            rival = cell["best_baseline"]
-            theirs = cell["knees"][rival]["mean"] if rival else 0.0
-            ours = cell["knees"][default]["mean"]
-            row.append(f"{(ours / theirs - 1) * 100:+.1f} % vs {rival}" if theirs else "-")
-        rows.append(row)
-    return rows
 
 
 def knee_table(summary: dict, default: str) -> Table:
@@ -94,17 +54,10 @@ def knee_table(summary: dict, default: str) -> Table:
     table.add_column("policy")
     for cell in summary["cells"]:
         table.add_column(f"global {cell['global']}\n{cell['kv_load']} load", justify="right")
-    for row in knee_rows(summary, default, lambda v: f"{v:,.0f}", lambda t: f"[bold green]{t}[/]"):
+    rows = knee_rows(summary, (default,), lambda v: f"{v:,.0f}", lambda t: f"[bold green]{t}[/]")
+    for row in rows:
         table.add_row(*row)
     return table
-
-
-def knee_markdown(summary: dict, default: str) -> str:
-    """The knee table as Markdown, for the README."""
-    head = [f"global {c['global']}, {c['kv_load']} load" for c in summary["cells"]]
-    rows = knee_rows(summary, default, lambda v: f"{v / 1000:,.1f}k", lambda t: f"**{t}**")
-    lines = ["| policy | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
 @app.command()
@@ -128,7 +81,7 @@ def knee(
     ] = 1.2,
     default: Annotated[
         str, typer.Option(help="The policy compared with the best baseline.")
-    ] = "smetric_tokens",
+    ] = DEFAULT_POLICY,
     instances: InstancesOpt = None,
     prefill_instances: PrefillOpt = None,
     decode_instances: DecodeOpt = None,
@@ -145,7 +98,8 @@ def knee(
     (mean over --seeds) stops rising, then bisected around the best probe. Baselines
     are compared at their best setting: pass several (linear:lam=0.5,linear:lam=0.9)
     and the best counts. Writes knee.json, knee.md (the table) and knee.png to --out
-    (smetric-out/knee-TRACE unless given).
+    (smetric-out/knee-TRACE unless given); every probe is kept in OUT/runs/ID/, so running
+    the same command again runs only what is missing.
     """
     from smetric.report.simulation import write_knee_png
 
@@ -173,6 +127,7 @@ def knee(
             for p in base.policies
         }
         trace = load_with_progress(base.workload.trace, base.workload.format)
+        out = out or Path("smetric-out") / f"knee-{slug(trace.name)}"
         processes = jobs or default_jobs(len(cells) * seeds)
         with progress_bar() as bar:
             task = bar.add_task("searching knees", total=None)
@@ -181,15 +136,15 @@ def knee(
                 bar.update(task, description=f"knee search: round {round_}, {runs} runs")
                 bar.advance(task)
 
-            knees = search_knees(cells, range(seeds), settings, processes, trace, on_round)
+            store = RunStore(out / "runs")
+            knees = search_knees(cells, range(seeds), settings, processes, trace, on_round, store)
     summary = knee_summary([(g, m) for g in levels for m in modes], base.policies, knees)
     summary["seeds"] = seeds
     summary["settings"] = dataclasses.asdict(settings)
-    out = out or Path("smetric-out") / f"knee-{slug(trace.name)}"
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(base, out / "config.yaml")
     (out / "knee.json").write_text(json.dumps(summary, indent=1))
-    (out / "knee.md").write_text(knee_markdown(summary, default))
+    (out / "knee.md").write_text(knee_markdown(summary, (default,)))
     write_knee_png(summary, out / "knee.png")
     console.print(knee_table(summary, default))
     console.print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")

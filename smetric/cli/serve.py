@@ -12,7 +12,7 @@ import yaml
 
 from smetric.cli.app import app, console, user_errors
 from smetric.core.kv_events import EventIndex
-from smetric.core.policy import POLICY_NAMES
+from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.disagg import DECODE_POLICIES, disaggregation_from
 from smetric.serve.engines import Engine
@@ -124,7 +124,7 @@ def serve(
     ] = None,
     policy: Annotated[
         str, typer.Option("--policy", "-p", help=f"One of {', '.join(POLICY_NAMES)}.")
-    ] = "smetric",
+    ] = DEFAULT_POLICY,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000,
     block_size: Annotated[

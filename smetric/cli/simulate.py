@@ -19,7 +19,7 @@ from smetric.cli.app import (
     slug,
     user_errors,
 )
-from smetric.core.policy import POLICY_NAMES, make_policy
+from smetric.core.policy import POLICY_NAMES, hardware_params, make_policy
 from smetric.report.runs import run_file_name
 from smetric.sim.config import (
     SimConfig,
@@ -220,7 +220,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
         )
     policies = flags.get("policies")
     if policies:
-        names = POLICY_NAMES if policies == "all" else _split_policies(policies)
+        names = POLICY_NAMES if policies == "all" else split_policies(policies)
         config = dataclasses.replace(config, policies=tuple(names))
     for spec in config.policies:
         make_policy(spec)  # fails early, with the valid names, on a typo
@@ -230,7 +230,7 @@ def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> S
     return config
 
 
-def _split_policies(text: str) -> tuple[str, ...]:
+def split_policies(text: str) -> tuple[str, ...]:
     """'smetric,linear:lam=0.95' -> two specs; a ',' inside name:k=v,k=v stays with it."""
     out: list[str] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
@@ -325,6 +325,17 @@ def _num(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
+def hardware_lines(results: dict[str, RunResult]) -> list[str]:
+    """What each policy assumed of the hardware, where the simulator derived it."""
+    lines = []
+    for policy, result in results.items():
+        derived = hardware_params(policy.partition(":")[0].strip())
+        if derived:
+            values = ", ".join(f"{k}={result.policy_params[k]:g}" for k in derived)
+            lines.append(f"{policy} assumed {values}")
+    return lines
+
+
 def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -> int:
     """Configuration, summaries, per-request tables and plots; returns the plot count."""
     from smetric.report.simulation import write_simulation_pngs
@@ -335,6 +346,7 @@ def write_results(out: Path, config: SimConfig, results: dict[str, RunResult]) -
     summary = {
         "cluster_shape": vars(shape),
         "policies": {policy: r.summary for policy, r in results.items()},
+        "policy_params": {policy: r.policy_params for policy, r in results.items()},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for policy, result in results.items():
@@ -417,6 +429,8 @@ def simulate(
         f"{first['rejected']} requests longer than max_model_len "
         f"({shape.max_model_len:,}) rejected"
     )
+    for line in hardware_lines(ordered):
+        console.print(line)
     console.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet, {plots} plots)")
 
 

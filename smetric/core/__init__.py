@@ -5,6 +5,7 @@ policy from ``make_policy(spec)``, and call its ``route``.
 """
 
 from smetric.core.policy import (
+    DEFAULT_POLICY,
     POLICY_NAMES,
     ClusterView,
     Decision,
@@ -15,6 +16,7 @@ from smetric.core.policy import (
 )
 
 __all__ = [
+    "DEFAULT_POLICY",
     "POLICY_NAMES",
     "ClusterView",
     "Decision",

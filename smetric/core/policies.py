@@ -55,6 +55,13 @@ class RoundRobin:
         return chosen
 
 
+def _positive(name: str, value: float) -> float:
+    """A parameter that divides: finite and above zero."""
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return value
+
+
 def best_hit(hits: Sequence[int], loads: Sequence[float]) -> int:
     """The instance with the longest local hit; ties go to the lower load, then lower index."""
     top = max(hits)
@@ -98,40 +105,130 @@ class SMetric:
         return Decision(self._ties.argmin(loads), branch)
 
 
-class SMetricTokens:
-    """SMetric with load in in-flight prompt tokens, moving a session only where it is cheap.
+class SMetricCost:
+    """Send each request where it is expected to finish soonest, counting what a move costs.
 
-    Two changes to Figure 13, each for a reason the paper's own analysis gives. Agentic
-    prompts differ in length by 100x, so a count of requests says little about the work
-    an instance holds; load here is its in-flight prompt tokens (request counts where
-    the driver has no token counts). And a sticky session moves off an overloaded
-    instance only when the global tier holds at least the prefix it would leave behind,
-    so the move costs a fetch, not a recompute; with that cheap move the guard can be
-    tighter than the paper's 2x (1.25 by default). A follow-up whose history was evicted
-    everywhere is balanced as in SMetric.
+    SMetric's fixed guard cannot fit every regime: with a global tier a move costs a fetch
+    of 0.1-1 s, without one it costs recomputing the prefix (tens of seconds for 100 k
+    tokens on an H20, attention being quadratic), so the queue a move must save differs
+    by 50x. Here that cost is the threshold: a follow-up leaves the instance holding its
+    history only when the time it saves elsewhere exceeds the fetch or recompute there.
+    Per instance, in seconds:
+
+    - queue: its unprefilled tokens (``prefill_tokens``) at the prefill rate of work
+      ``queue_depth`` tokens deep into a prompt;
+    - compute: this prompt's prefill beyond what it reuses there, the larger of the
+      local hit and the global tier's hit (an unknown global tier counts as empty, so a
+      move off a local hit costs a recompute);
+    - fetch: what it takes from the global tier beyond its local hit, at ``fetch_tps``;
+    - decode: ``output_tokens`` steps, each reading the KV of the instance's in-flight
+      prompts (``token_load``) at ``kv_read_s`` per token, which is what makes a crowded
+      instance slow for every sequence it decodes.
+
+    The work (compute and fetch) counts ``work_weight`` times: once as this request's
+    wait, and once more as the wait it passes on to the requests that queue behind it on
+    that instance, which near the knee is about as long; counted once, the rule moved
+    sessions to recompute them whenever a queue was briefly longer than the recompute,
+    and spent the capacity it meant to save (README "Routing policies").
+
+    Prefilling tokens ``0..n`` takes ``(n + n**2 / (2 * attn_tokens)) / prefill_tps``:
+    linear work plus attention over the context so far, which at ``attn_tokens`` of
+    context costs as much per token as the rest. The defaults are the simulator's perf
+    model for Qwen3-Coder-30B-A3B on one H20 (8 k-token chunks: 14.3 k tokens/s with no
+    context, 1.4 k at 100 k; 32 ns per KV token per decode step), a GPU's share of its
+    server's NICs (87 GB/s over 8 GPUs at 98 KB a token, ~110 k tokens/s), and WEKA's
+    mean output (373 tokens). The simulator derives the four hardware constants the same
+    way for whatever cluster it simulates (``hardware_params``); an operator of a live
+    router passes them in the policy spec. Ties go to the longest local hit, then
+    round-robin.
+
+    First turns are balanced on ``token_load`` alone and ignore their cache hit: a first
+    turn decides where a session lives for its next hour of turns, so saving a few
+    seconds on a shared system prompt there herds sessions (without a global tier that
+    cost several per cent, README "Routing policies").
     """
 
-    name = "smetric_tokens"
-    branches = ("first_turn_balance", "sticky", "overload_move", "evicted_fallback")
-    __slots__ = ("_ties", "hit_ratio", "overload")
+    name = "smetric_cost"
+    branches = ("first_turn_balance", "sticky", "move_fetch", "move_recompute", "evicted")
+    # What the hardware sets: the simulator derives these from the cluster it simulates
+    # (sim/calibrate.py); the router takes them from the policy spec.
+    hardware_params = ("prefill_tps", "attn_tokens", "fetch_tps", "kv_read_s")
+    __slots__ = (
+        "_decode_s",
+        "_queue_s",
+        "_ties",
+        "attn_tokens",
+        "fetch_tps",
+        "kv_read_s",
+        "output_tokens",
+        "prefill_tps",
+        "queue_depth",
+        "work_weight",
+    )
 
-    def __init__(self, *, overload: float = 1.25, hit_ratio: float = 0.5) -> None:
-        self.overload = _checked("overload", overload)
-        self.hit_ratio = _checked("hit_ratio", hit_ratio)
+    def __init__(
+        self,
+        *,
+        prefill_tps: float = 14_300.0,
+        attn_tokens: float = 11_000.0,
+        fetch_tps: float = 110_000.0,
+        queue_depth: float = 50_000.0,
+        output_tokens: float = 373.0,
+        kv_read_s: float = 3.2e-8,
+        work_weight: float = 2.0,
+    ) -> None:
+        self.prefill_tps = _positive("prefill_tps", prefill_tps)
+        self.attn_tokens = _positive("attn_tokens", attn_tokens)
+        self.fetch_tps = _positive("fetch_tps", fetch_tps)
+        self.queue_depth = _checked("queue_depth", queue_depth)
+        self.output_tokens = _checked("output_tokens", output_tokens)
+        self.kv_read_s = _checked("kv_read_s", kv_read_s)
+        self.work_weight = _checked("work_weight", work_weight)
+        self._queue_s = (1.0 + self.queue_depth / self.attn_tokens) / self.prefill_tps
+        self._decode_s = self.output_tokens * self.kv_read_s
         self._ties = RoundRobin()
 
+    def prefill_s(self, tokens: float) -> float:
+        """Seconds to prefill a prompt's first ``tokens`` tokens from nothing."""
+        return (tokens + tokens * tokens / (2.0 * self.attn_tokens)) / self.prefill_tps
+
+    def costs(self, request: RoutingRequest, view: ClusterView) -> list[float]:
+        """Each instance's price for this request in seconds: the time it would take to
+        finish there, its work counted ``work_weight`` times."""
+        known = view.global_hit_tokens or 0
+        whole = self.prefill_s(request.prompt_tokens)
+        per_fetch = 1.0 / self.fetch_tps
+        queue_s, decode_s, weight = self._queue_s, self._decode_s, self.work_weight
+        # Without token counts the decode term is left out: request counts say nothing
+        # about the KV a step reads.
+        tokens = view.token_load or [0.0] * len(view.hit_tokens)
+        out = []
+        for hit, queued, held in zip(view.hit_tokens, view.prefill_tokens, tokens, strict=True):
+            reuse = max(hit, known)
+            work = whole - self.prefill_s(reuse) + (reuse - hit) * per_fetch
+            out.append(queued * queue_s + weight * work + held * decode_s)
+        return out
+
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        loads = view.load if view.token_load is None else view.token_load
         if request.turn == 0:
+            loads = view.load if view.token_load is None else view.token_load
             return Decision(self._ties.argmin(loads), "first_turn_balance")
+        costs = self.costs(request, view)
         hits = view.hit_tokens
-        target = best_hit(hits, loads)
-        if not hits[target] > self.hit_ratio * request.est_hit_tokens:
-            return Decision(self._ties.argmin(loads), "evicted_fallback")
-        backed = view.global_hit_tokens is None or view.global_hit_tokens >= hits[target]
-        if backed and loads[target] > self.overload * sum(loads) / len(loads):
-            return Decision(self._ties.argmin(loads), "overload_move")
-        return Decision(target, "sticky")
+        target = best_hit(hits, costs)
+        if costs[target] > min(costs) or hits[target] == 0:
+            target = self._ties.argmin(costs)
+        top = max(hits)
+        known = view.global_hit_tokens or 0
+        if hits[target] == top > 0:
+            branch = "sticky"
+        elif top == known == 0:
+            branch = "evicted"
+        elif known >= top:
+            branch = "move_fetch"
+        else:
+            branch = "move_recompute"
+        return Decision(target, branch)
 
 
 class _Scored:
@@ -325,7 +422,7 @@ POLICY_CLASSES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         SMetric,
-        SMetricTokens,
+        SMetricCost,
         Linear,
         LMetric,
         LeastLoad,

@@ -9,7 +9,7 @@ each routing choice the same way.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -95,8 +95,13 @@ POLICY_NAMES: tuple[str, ...] = (
     "round_robin",
     "session_hash",
     "cache_aware",
-    "smetric_tokens",
+    "smetric_cost",
 )
+
+
+# What ``smetric serve``, ``demo`` and ``knee`` use unless told otherwise: the policy that
+# earned it in the evaluation (README "Evaluation: each policy at its knee").
+DEFAULT_POLICY = "smetric_cost"
 
 
 def _policy_class(name: str) -> type[Policy]:
@@ -117,14 +122,22 @@ def policy_params(name: str) -> dict[str, float]:
     return {p.name: p.default for p in parameters}
 
 
-def make_policy(spec: str) -> Policy:
-    """A fresh policy from ``name`` or ``name:key=value,key=value``.
+def hardware_params(name: str) -> tuple[str, ...]:
+    """The parameters of a policy that depend on the hardware it routes for."""
+    return tuple(getattr(_policy_class(name), "hardware_params", ()))
 
-    For example ``smetric:overload=1.5,hit_ratio=0.3`` or ``linear:lam=0.95``.
+
+def resolve_policy(
+    spec: str, derived: Mapping[str, float] | None = None
+) -> tuple[str, dict[str, float]]:
+    """A spec's policy name and the value of each of its parameters.
+
+    A parameter takes the spec's value, else ``derived``'s when the policy lists it in
+    ``hardware_params`` (constants that depend on the hardware it routes for, which a
+    driver that knows the hardware, the simulator, derives), else the class default.
     """
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
-    cls = _policy_class(name)
     defaults = policy_params(name)
     params: dict[str, float] = {}
     for item in rest.split(",") if rest.strip() else ():
@@ -140,4 +153,20 @@ def make_policy(spec: str) -> Policy:
             params[key] = float(text)
         except ValueError:
             raise ValueError(f"policy {spec!r}: {key}={text!r} is not a number") from None
-    return cls(**params)
+    hardware = hardware_params(name)
+    for key, default in defaults.items():
+        if key not in params:
+            from_hardware = derived is not None and key in hardware and key in derived
+            params[key] = float(derived[key]) if from_hardware else default
+    return name, params
+
+
+def make_policy(spec: str, derived: Mapping[str, float] | None = None) -> Policy:
+    """A fresh policy from ``name`` or ``name:key=value,key=value``.
+
+    For example ``smetric:overload=1.5,hit_ratio=0.3`` or ``linear:lam=0.95``;
+    ``derived`` fills the policy's hardware-derived parameters the spec leaves out
+    (``resolve_policy``).
+    """
+    name, params = resolve_policy(spec, derived)
+    return _policy_class(name)(**params)

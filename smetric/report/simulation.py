@@ -1,4 +1,4 @@
-"""Matplotlib renderings of simulated runs and sweeps (the paper's Figures 11, 12 and 14-17).
+"""Matplotlib renderings of simulated runs and sweeps (the paper's Figures 11, 12, 14-17, 25).
 
 Built like ``figures``: ``Figure`` objects without pyplot, the report style applied only
 while figures are built. Each policy keeps one colour in every figure of a run and of a
@@ -365,7 +365,7 @@ def _max_tps_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     ax.grid(axis="x", visible=False)
     ax.set_xlabel("Global-tier provisioning")
     ax.set_ylabel(f"Max TPS within SLO ({_tokens_unit(sweep)})")
-    ax.set_title("Maximum TPS within SLO over the offered-rate sweep")
+    ax.set_title(sweep.get("title", "Maximum TPS within SLO over the offered-rate sweep"))
     _policy_legend(fig, colors)
     return fig
 
@@ -374,7 +374,8 @@ def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     """Figure 15a: where each policy's TPS within SLO saturates as the offered rate grows."""
     runs = _run_index(sweep)
     provisionings, rates = sweep["provisionings"], sorted(sweep["rates"])
-    fig = new_figure(min(4.0 * len(provisionings), 13), 4.4)
+    # At least 8 inches: the policy key below the panels needs the room.
+    fig = new_figure(min(max(4.0 * len(provisionings), 8), 13), 4.4)
     axes = fig.subplots(1, len(provisionings), sharey=True, squeeze=False).ravel()
     for ax, level in zip(axes, provisionings, strict=True):
         for policy in sweep["policies"]:
@@ -414,17 +415,97 @@ def _reuse_by_provisioning_figure(sweep: Section, colors: Mapping[str, str]) -> 
     return fig
 
 
-def write_sweep_pngs(sweep: dict, out: Path) -> dict[str, Path]:
-    """Write a sweep's figures; policies keep the sweep's order and so its colours."""
+SWEEP_FIGURES = {
+    "max_tps": _max_tps_figure,
+    "tps_vs_rate": _tps_vs_rate_figure,
+    "reuse_by_provisioning": _reuse_by_provisioning_figure,
+}
+
+
+def write_sweep_pngs(
+    sweep: dict, out: Path, names: Sequence[str] = tuple(SWEEP_FIGURES)
+) -> dict[str, Path]:
+    """Write a sweep's figures (``names`` of them); policies keep the sweep's order and so
+    its colours. ``sweep["title"]``, if given, titles the max-TPS figure."""
     colors = policy_colors(sweep["policies"])
-    return _save(
-        {
-            "max_tps": partial(_max_tps_figure, sweep, colors),
-            "tps_vs_rate": partial(_tps_vs_rate_figure, sweep, colors),
-            "reuse_by_provisioning": partial(_reuse_by_provisioning_figure, sweep, colors),
-        },
-        out,
+    return _save({name: partial(SWEEP_FIGURES[name], sweep, colors) for name in names}, out)
+
+
+def _guard_figure(guard: Section) -> Figure:
+    """Figure 14: per-window load imbalance with and without SMetric's overload guard, as
+    the paper plots it (its distribution) and over time, where a reader sees when the
+    guard acts."""
+    colors = policy_colors(guard)
+    fig = new_figure(11, 4.4)
+    spread, timeline = fig.subplots(1, 2)
+    for spec, data in guard.items():
+        label = f"{spec} (mean {times(data['mean'])})" if data["mean"] else spec
+        _cdf(spread, data["windows"], colors[spec], label)
+        width = data["window_s"] / 60
+        minutes = [(i + 0.5) * width for i in range(len(data["over_time"]))]
+        values = [math.nan if v is None else v for v in data["over_time"]]
+        timeline.plot(minutes, values, color=colors[spec], lw=1.4, label=spec)
+    warmup = next(iter(guard.values()))["warmup_s"] / 60
+    if warmup > 0:
+        timeline.axvspan(0, warmup, color="grey", alpha=0.12, lw=0, label="warm-up (left out)")
+    spread.axvline(1, color="grey", lw=0.8)
+    _cdf_axis(spread, "Per-window imbalance (max / mean in-flight tokens)")
+    spread.set_title("Distribution over windows after the warm-up (all seeds)")
+    timeline.set_xlabel("Time (minutes)")
+    timeline.set_ylabel("Imbalance (max / mean)")
+    timeline.set_ylim(bottom=1)
+    timeline.set_title("Over time (first seed)")
+    timeline.legend(loc="upper right", fontsize=8)
+    return fig
+
+
+def _sensitivity_figure(sensitivity: Section) -> Figure:
+    """Figure 25: SMetric's TPS within SLO (line) and hit split (bars) as OVERLOAD and
+    HIT_RATIO move away from their defaults."""
+    names = {
+        "overload": "OVERLOAD (not_overloaded guard)",
+        "hit_ratio": "HIT_RATIO (evicted guard)",
+    }
+    fig = new_figure(11, 4.4)
+    axes = fig.subplots(1, len(names), squeeze=False).ravel()
+    color = PALETTE[0]
+    for ax, (param, title) in zip(axes, names.items(), strict=True):
+        points = sensitivity[param]
+        x = np.arange(len(points))
+        local = np.array([p["reuse"]["local"] for p in points])
+        remote = np.array([p["reuse"]["global"] for p in points])
+        ax.bar(x, local, 0.6, color=to_rgba(color, FADED))
+        ax.bar(x, remote, 0.6, bottom=local, color="white", edgecolor=color, hatch="///", lw=0)
+        ax.set_ylim(0, 1)
+        percent_axis(ax, "y")
+        ax.set_ylabel("Share of prompt tokens (hits)")
+        ax.set_xticks(x, [p["label"] for p in points])
+        ax.grid(axis="x", visible=False)
+        ax.set_xlabel(title)
+        line = ax.twinx()
+        line.plot(x, [p["tps_within_slo"] for p in points], color=NEUTRAL, marker="o", lw=1.8)
+        line.set_ylim(bottom=0)
+        line.set_ylabel("TPS within SLO (tok/s)")
+        line.grid(False)
+    _key(
+        fig,
+        [
+            Patch(color=to_rgba(color, FADED), label=TIERS["local"]),
+            Patch(facecolor="white", edgecolor=color, hatch="///", lw=0, label=TIERS["global"]),
+            Patch(color=NEUTRAL, label="TPS within SLO (line)"),
+        ],
     )
+    return fig
+
+
+def write_guard_png(guard: dict, path: Path) -> Path:
+    """Figure 14 from ``reproduce``'s guard data, one series per SMetric setting."""
+    return _save({path.stem: partial(_guard_figure, guard)}, path.parent)[path.stem]
+
+
+def write_sensitivity_png(sensitivity: dict, path: Path) -> Path:
+    """Figure 25 from ``reproduce``'s sensitivity data."""
+    return _save({path.stem: partial(_sensitivity_figure, sensitivity)}, path.parent)[path.stem]
 
 
 def _knee_figure(summary: Section, colors: Mapping[str, str]) -> Figure:

@@ -41,7 +41,7 @@ from smetric.core.conversation import (
     analyze_request,
 )
 from smetric.core.parsing import decode_body
-from smetric.core.policy import ClusterView, make_policy, reusable_hit_tokens
+from smetric.core.policy import DEFAULT_POLICY, ClusterView, make_policy, reusable_hit_tokens
 from smetric.serve.auth import require_key
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error, error_body, error_response, errors_as_json
@@ -76,7 +76,7 @@ _ROUTES: dict[str, Api] = {
 
 @dataclass
 class RouterSettings:
-    policy: str = "smetric"
+    policy: str = DEFAULT_POLICY
     block_size: int = 16
     api_keys: frozenset[str] = frozenset()
     # Let scrapers read /metrics without a key (every other route but /health needs one).
@@ -329,6 +329,7 @@ class Router:
                         "global_hit_tokens": global_hit,
                         "loads": loads,
                         "token_loads": view.token_load,
+                        "prefill_tokens": view.prefill_tokens,
                     }
                 )
             )

@@ -81,7 +81,7 @@ class Engine:
         self._load[self._row, _INFLIGHT_TOKENS] = value
 
     def total_inflight_tokens(self) -> int:
-        """Every worker's in-flight prompt tokens here: ``smetric_tokens``' load."""
+        """Every worker's in-flight prompt tokens here: ``smetric_cost``'s ``token_load``."""
         return int(self._load[:, _INFLIGHT_TOKENS].sum())
 
     def total_unprefilled(self) -> int:

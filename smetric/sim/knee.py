@@ -17,8 +17,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from smetric.sim.config import SimConfig
-from smetric.sim.parallel import Job, run_jobs
+from smetric.sim.parallel import Job, RunStore, run_sweep
 from smetric.trace.schema import Trace
+
+
+def base_name(spec: str) -> str:
+    return spec.partition(":")[0].strip()
+
+
+def is_ours(spec: str) -> bool:
+    """The policies this project proposes are the SMetric family (``smetric``,
+    ``smetric_cost`` and any ``smetric_*`` added later, at any setting); every other
+    policy is a baseline."""
+    name = base_name(spec)
+    return name == "smetric" or name.startswith("smetric_")
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,13 @@ def knee_of(runs: Mapping[float, Sequence[float]]) -> Knee:
     return Knee(best, means[best], spread, values, dict(sorted(means.items())))
 
 
+def best_baseline(values: Mapping[str, float]) -> str | None:
+    """The baseline with the highest value (a knee's mean TPS, say), at its best setting:
+    of ``linear:lam=0.3`` and ``linear:lam=0.9`` the better one counts."""
+    rivals = [p for p in values if not is_ours(p)]
+    return max(rivals, key=lambda p: values[p]) if rivals else None
+
+
 def with_load(config: SimConfig, load: float) -> SimConfig:
     """The configuration at an offered load: session starts per second in closed loop, the
     replay speed-up in open loop (the recorded arrivals compressed by ``load``)."""
@@ -84,33 +103,47 @@ def with_load(config: SimConfig, load: float) -> SimConfig:
     return config.override("workload", session_rate=load)
 
 
+def probe_job(key: tuple, config: SimConfig, load: float, seed: int) -> Job:
+    """The run behind one seed of one probe of a cell (``config.policies[0]`` at ``load``):
+    the same job, so the same ``RunStore`` entry, whoever asks for it."""
+    return Job(
+        (key, load, seed),
+        with_load(config, load).override("workload", seed=seed),
+        config.policies[0],
+    )
+
+
 def search_knees(
     cells: Mapping[tuple, SimConfig],
     seeds: Sequence[int],
-    settings: KneeSettings,
+    settings: KneeSettings | Mapping[tuple, KneeSettings],
     processes: int,
     trace: Trace,
     on_round: Callable[[int, int], None] | None = None,
+    store: RunStore | None = None,
+    with_requests: bool = False,
 ) -> dict[tuple, Knee]:
     """Every cell's knee (a cell: a configuration and one policy, ``config.policies[0]``).
 
     All searches advance together, one probe each per round, so a round's runs (probes x
-    seeds) fill the worker processes. ``on_round(round, runs)`` reports progress.
+    seeds) fill the worker processes. ``settings`` may differ per cell (a start near each
+    cell's knee saves rounds). With a ``store``, every probe is kept there and one already
+    there is not run again, so an interrupted search resumes. ``on_round(round, runs)``
+    reports progress; ``with_requests`` stores each run's per-request table too (to score
+    it again under another SLO).
     """
     # Per cell and load, each seed's value: kept by seed, so that means do not depend on
     # the order in which worker processes finish.
     runs: dict[tuple, dict[float, dict[int, float]]] = {key: {} for key in cells}
     probes: dict[tuple, dict[float, float]] = {key: {} for key in cells}
-    first = next(iter(cells.values()))
+    per_cell = {
+        key: settings if isinstance(settings, KneeSettings) else settings[key] for key in cells
+    }
     rounds = 0
     while True:
-        wanted = {key: next_load(probes[key], settings) for key in cells}
+        wanted = {key: next_load(probes[key], per_cell[key]) for key in cells}
         jobs = [
-            Job(
-                (key, load, seed),
-                with_load(cells[key], load).override("workload", seed=seed),
-                cells[key].policies[0],
-            )
+            probe_job(key, cells[key], load, seed)
             for key, load in wanted.items()
             if load is not None
             for seed in seeds
@@ -120,10 +153,11 @@ def search_knees(
         rounds += 1
         if on_round is not None:
             on_round(rounds, len(jobs))
-        for (key, load, seed), result in run_jobs(
-            first.workload.trace, first.workload.format, jobs, processes, trace
-        ):
-            runs[key].setdefault(load, {})[seed] = result.summary["tps_within_slo"]
+        summaries, _ = run_sweep(
+            jobs, store, trace, processes=processes, with_requests=with_requests
+        )
+        for (key, load, seed), summary in summaries.items():
+            runs[key].setdefault(load, {})[seed] = summary["tps_within_slo"]
         for key, load in wanted.items():
             if load is not None:
                 probes[key][load] = statistics.fmean(by_seed(runs[key][load]))

@@ -191,6 +191,17 @@ def window_edges(window_s: float, horizon_s: float) -> np.ndarray:
     return edges if len(edges) >= 2 else np.array([0.0, horizon_s])
 
 
+def tps_under_slo(table: pl.DataFrame, summary: dict, slo: SLOConfig, instances: int) -> float:
+    """TPS within ``slo`` of a finished colocated run (its per-request table and summary):
+    the SLO only scores requests, so a run can be scored again under another without
+    running it again."""
+    horizon = summary["horizon_s"]
+    scored = with_latencies(table, slo, horizon)
+    return summarize(scored, slo, horizon, instances, summary["window_s"], summary["warmup_s"])[
+        "tps_within_slo"
+    ]
+
+
 def summarize(
     table: pl.DataFrame,
     slo: SLOConfig,

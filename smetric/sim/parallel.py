@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+
 from smetric.sim.config import SimConfig, dump_yaml
 from smetric.sim.run import RunResult, simulate
 from smetric.trace.load import load_trace
@@ -56,6 +58,11 @@ def run_result(trace: Trace, job: Job) -> RunResult:
 
 def run_summary(trace: Trace, job: Job) -> dict:
     return simulate(trace, job.config, job.policy).summary
+
+
+def run_summary_and_requests(trace: Trace, job: Job) -> tuple[dict, pl.DataFrame]:
+    result = simulate(trace, job.config, job.policy)
+    return result.summary, result.requests
 
 
 def _init(source: str, fmt: str | None) -> None:
@@ -114,22 +121,37 @@ class RunStore:
     Each folder holds the run's resolved ``config.yaml`` (to reproduce it alone with
     ``smetric simulate -c``) and its ``summary.json``, written last and atomically, so a
     folder with a summary is a finished run and an interruption leaves none half written.
+    A run stored with its per-request table (``requests.parquet``, written before the
+    summary) can give that back too; ``written`` counts the runs stored by this object.
     """
+
+    REQUESTS = "requests.parquet"
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.written = 0
 
-    def get(self, job: Job) -> dict | None:
-        path = self.folder / job.run_id / "summary.json"
-        return json.loads(path.read_text()) if path.exists() else None
+    def get(self, job: Job, *, with_requests: bool = False) -> dict | None:
+        run = self.folder / job.run_id
+        path = run / "summary.json"
+        if not path.exists() or (with_requests and not (run / self.REQUESTS).exists()):
+            return None
+        return json.loads(path.read_text())
 
-    def put(self, job: Job, summary: dict) -> None:
+    def requests(self, job: Job) -> pl.DataFrame:
+        """The per-request table of a run stored with one."""
+        return pl.read_parquet(self.folder / job.run_id / self.REQUESTS)
+
+    def put(self, job: Job, summary: dict, requests: pl.DataFrame | None = None) -> None:
         run = self.folder / job.run_id
         run.mkdir(parents=True, exist_ok=True)
         dump_yaml(job.resolved, run / "config.yaml")
+        if requests is not None:
+            requests.write_parquet(run / self.REQUESTS)
         partial = run / "summary.json.partial"
         partial.write_text(json.dumps(summary, indent=1))
         partial.replace(run / "summary.json")
+        self.written += 1
 
 
 # Runs finished so far, and runs in flight per node (a node's name for the user).
@@ -138,38 +160,44 @@ Progress = Callable[[int, dict[str, int]], None]
 
 def run_sweep(
     jobs: list[Job],
-    store: RunStore,
+    store: RunStore | None,
     trace: Trace,
     *,
     processes: int,
     ray_address: str | None = None,
     progress: Progress | None = None,
+    with_requests: bool = False,
 ) -> tuple[dict[tuple, dict], int]:
     """Every job's summary by key, running those ``store`` lacks; and how many ran now.
 
     Runs go to worker processes on this machine, or with ``ray_address`` to a Ray cluster
-    (``ray_runner``); either way each lands in ``store`` the moment it finishes.
+    (``ray_runner``); either way each lands in ``store`` (if any) the moment it finishes.
+    ``with_requests`` stores each run's per-request table too (``RunStore.requests``), and
+    counts a stored run without one as missing.
     """
     source, fmt = jobs[0].config.workload.trace, jobs[0].config.workload.format
     done: dict[tuple, dict] = {}
     todo = []
     for job in jobs:
-        stored = store.get(job)
+        stored = None if store is None else store.get(job, with_requests=with_requests)
         if stored is None:
             todo.append(job)
         else:
             done[job.key] = stored
     if progress is not None:
         progress(len(done), {})
+    task = run_summary_and_requests if with_requests else run_summary
     if ray_address is not None and todo:
         from smetric.sim.ray_runner import map_on_ray
 
-        finished = map_on_ray(ray_address, trace, todo, run_summary)
+        finished = map_on_ray(ray_address, trace, todo, task)
     else:
-        finished = _local(source, fmt, todo, processes, trace)
-    for job, summary, inflight in finished:
+        finished = _local(source, fmt, todo, processes, trace, task)
+    for job, output, inflight in finished:
         if job is not None:
-            store.put(job, summary)
+            summary, requests = output if with_requests else (output, None)
+            if store is not None:
+                store.put(job, summary, requests)
             done[job.key] = summary
         if progress is not None:
             progress(len(done), inflight)
@@ -181,10 +209,12 @@ def run_sweep(
 Events = Iterator[tuple[Job | None, Any, dict[str, int]]]
 
 
-def _local(source: str, fmt: str | None, jobs: list[Job], processes: int, trace: Trace) -> Events:
+def _local(
+    source: str, fmt: str | None, jobs: list[Job], processes: int, trace: Trace, task: Task
+) -> Events:
     remaining = len(jobs)
     workers = min(processes, remaining)
     yield None, None, {"localhost": workers} if workers else {}
-    for job, summary in map_jobs(source, fmt, jobs, workers, trace, run_summary):
+    for job, summary in map_jobs(source, fmt, jobs, workers, trace, task):
         remaining -= 1
         yield job, summary, {"localhost": min(workers, remaining)} if remaining else {}

@@ -38,8 +38,9 @@ import numpy as np
 import polars as pl
 
 from smetric.core.policies import RoundRobin
-from smetric.core.policy import ClusterView, Policy, make_policy
+from smetric.core.policy import ClusterView, Policy
 from smetric.core.prefix_cache import Handle
+from smetric.sim.calibrate import cluster_policy
 from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
 from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig
 from smetric.sim.instance import Instance, SimRequest
@@ -387,7 +388,8 @@ def simulate_disaggregated(
     if config.cluster.decode_instances < 0:
         raise ValueError("decode_instances must not be negative")
     workload = build_workload(trace, config.workload)
-    sim = DisaggSimulation(config.cluster, make_policy(policy), workload, progress)
+    router, params = cluster_policy(policy, config.cluster)
+    sim = DisaggSimulation(config.cluster, router, workload, progress)
     horizon = workload.horizon_s
     table = sim.run().join(handoff_table(sim), on="request_id", how="left")
     table = with_prefill_latency(with_latencies(table, config.slo, horizon), config.slo, horizon)
@@ -395,4 +397,4 @@ def simulate_disaggregated(
     prefill = sim.instances[: sim.routed]
     summary["global_tier_bytes"] = sum(i.route.bytes_moved for i in prefill)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
-    return RunResult(policy, table, summary, sim.shape)
+    return RunResult(policy, table, summary, sim.shape, params)

@@ -340,6 +340,11 @@ class StepTimeModel:
         self._overhead_s = c.step_overhead_s + layers * c.layer_overhead_s
         self._fixed_s = self._overhead_s + self._comm_fixed_s
 
+    @property
+    def kv_token_s(self) -> float:
+        """Seconds a decode step spends per token of KV it attends over."""
+        return self._kv_token_s
+
     def step_time(
         self,
         prefill_tokens: int,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from smetric.core.policy import make_policy
+from smetric.sim.calibrate import cluster_policy
 from smetric.sim.cluster import ClusterShape, Simulation
 from smetric.sim.config import SimConfig
 from smetric.sim.metrics import summarize, with_latencies
@@ -22,6 +22,8 @@ class RunResult:
     requests: pl.DataFrame
     summary: dict
     shape: ClusterShape
+    # Every parameter the policy ran with, hardware-derived ones included (sim/calibrate.py).
+    policy_params: dict[str, float]
 
 
 def simulate(
@@ -35,7 +37,8 @@ def simulate(
 
         return simulate_disaggregated(trace, config, policy, progress)
     workload = build_workload(trace, config.workload)
-    sim = Simulation(config.cluster, make_policy(policy), workload, progress)
+    router, params = cluster_policy(policy, config.cluster)
+    sim = Simulation(config.cluster, router, workload, progress)
     horizon = workload.horizon_s
     table = with_latencies(sim.run(), config.slo, horizon)
     summary = summarize(
@@ -43,4 +46,4 @@ def simulate(
     )
     summary["global_tier_bytes"] = sum(i.route.bytes_moved for i in sim.instances)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
-    return RunResult(policy, table, summary, sim.shape)
+    return RunResult(policy, table, summary, sim.shape, params)

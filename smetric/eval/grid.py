@@ -1,0 +1,187 @@
+"""The policy grid of issue 10: every policy's knee in every cell, and the verdict.
+
+A cell is a trace, a global tier, a fetch mode (``kv_load``) and a KV room (hardware and
+KV dtype). Each (cell, policy) pair is its own knee search whose first load depends only
+on the cell, so its probes, and hence its runs in the ``RunStore``, do not depend on which
+other policies ran: adding a policy later runs only that policy's probes. Every probe is
+stored with its per-request table, so the looser SLO scores the same runs again (the SLO
+never changes what the simulator does); its knee is the best of the loads probed for the
+default SLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from smetric.eval.grid_preset import GridPreset
+from smetric.sim.config import SimConfig, SLOConfig
+from smetric.sim.knee import (
+    Knee,
+    KneeSettings,
+    best_baseline,
+    is_ours,
+    knee_of,
+    probe_job,
+    search_knees,
+)
+from smetric.sim.metrics import tps_under_slo
+from smetric.sim.parallel import RunStore
+from smetric.trace.schema import Trace
+
+CELL_FIELDS = ("trace", "tier", "kv_load", "hardware")
+# The verdict's thresholds (issue 10 §3): within 1 % of the best baseline, at least 5 % ahead.
+WITHIN, AHEAD = -1.0, 5.0
+
+# Loads the trace a configuration names (once per trace of the preset).
+TraceLoader = Callable[[SimConfig], Trace]
+
+
+def grid_cells(preset: GridPreset) -> dict[tuple, tuple[SimConfig, float]]:
+    """Per cell ``(trace, tier, kv_load, hardware)``: its configuration and first load."""
+    cells = {}
+    for name, trace in preset.traces.items():
+        for tier, start in trace.tiers.items():
+            for mode in preset.kv_loads:
+                for label, room in preset.hardware.items():
+                    config = trace.config.override(
+                        "cluster",
+                        global_capacity=tier,
+                        kv_load=mode,
+                        hardware=room.hardware,
+                        kv_dtype=room.kv_dtype,
+                    )
+                    cells[name, tier, mode, label] = (config, start * trace.scale[label])
+    return cells
+
+
+def run_grid(
+    preset: GridPreset,
+    policies: Sequence[str],
+    load: TraceLoader,
+    store: RunStore,
+    processes: int,
+    on_round: Callable[[str, int, int], None],
+) -> dict:
+    """Every cell's knees under the default and the looser SLO, as JSON-able data."""
+    cells = grid_cells(preset)
+    seeds = range(preset.seeds)
+    out = []
+    for name in preset.traces:
+        mine = {key: value for key, value in cells.items() if key[0] == name}
+        trace = load(next(iter(mine.values()))[0])
+        searches = {
+            (*key, p): dataclasses.replace(config, policies=(p,))
+            for key, (config, _) in mine.items()
+            for p in policies
+        }
+        settings = {
+            key: KneeSettings(start=mine[key[:4]][1], grow=preset.grow, precision=preset.precision)
+            for key in searches
+        }
+        knees = search_knees(
+            searches,
+            seeds,
+            settings,
+            processes,
+            trace,
+            lambda round_, runs, name=name: on_round(name, round_, runs),
+            store,
+            with_requests=True,
+        )
+        for key in mine:
+            default = {p: knees[(*key, p)] for p in policies}
+            loose = {
+                p: rescored_knee(store, (*key, p), searches[(*key, p)], k, seeds, preset.loose_slo)
+                for p, k in default.items()
+            }
+            out.append(
+                {
+                    **dict(zip(CELL_FIELDS, key, strict=True)),
+                    "knees": {p: _brief(k) for p, k in default.items()},
+                    "loose": {p: _brief(k) for p, k in loose.items()},
+                }
+            )
+    return {
+        "preset": preset.name,
+        "policies": list(policies),
+        "seeds": preset.seeds,
+        "precision": preset.precision,
+        "slo": dataclasses.asdict(next(iter(preset.traces.values())).config.slo),
+        "loose_slo": dataclasses.asdict(preset.loose_slo),
+        "cells": out,
+    }
+
+
+def rescored_knee(
+    store: RunStore,
+    key: tuple,
+    config: SimConfig,
+    knee: Knee,
+    seeds: Sequence[int],
+    slo: SLOConfig,
+) -> Knee:
+    """The knee among ``knee``'s probed loads when their stored runs are scored under
+    ``slo``."""
+    runs = {}
+    for load in knee.probes:
+        values = []
+        for seed in seeds:
+            job = probe_job(key, config, load, seed)
+            summary = store.get(job, with_requests=True)
+            if summary is None:
+                raise ValueError(f"{store.folder}: run {job.run_id} is missing")
+            values.append(
+                tps_under_slo(store.requests(job), summary, slo, config.cluster.instances)
+            )
+        runs[load] = values
+    return knee_of(runs)
+
+
+def _brief(knee: Knee) -> dict:
+    return {
+        "load": knee.load,
+        "mean": knee.mean,
+        "stdev": knee.stdev,
+        "seeds": list(knee.seeds),
+        # Every probed load's mean: the curve behind the knee, where a cell is lost.
+        "probes": {f"{load:.6g}": value for load, value in knee.probes.items()},
+    }
+
+
+def cell_verdict(means: Mapping[str, float]) -> dict:
+    """A cell's best baseline at its best setting and each of our policies' lead over it
+    in percent (None where no baseline ran or the best made nothing)."""
+    rival = best_baseline(means)
+    top = means[rival] if rival is not None else 0.0
+    return {
+        "best_baseline": rival,
+        "value": top if rival is not None else None,
+        "lead": {p: (means[p] / top - 1) * 100 if top > 0 else None for p in means if is_ours(p)},
+    }
+
+
+def verdict_summary(cells: Sequence[Mapping[str, float]]) -> dict[str, dict[str, int]]:
+    """Per policy of ours, over the cells (each ``{policy: mean}``): how many cells it
+    is within 1 % of the best baseline (or ahead), and how many at least 5 % ahead."""
+    leads = [cell_verdict(means)["lead"] for means in cells]
+    ours = list(dict.fromkeys(p for lead in leads for p in lead))
+
+    def count(p: str, threshold: float) -> int:
+        # A lead is a ratio's rounding away from its threshold (99 / 100 - 1 is below
+        # -1 %), hence the tolerance.
+        return sum(1 for lead in leads if (v := lead.get(p)) is not None and v >= threshold - 1e-9)
+
+    return {
+        p: {
+            "cells": sum(1 for lead in leads if lead.get(p) is not None),
+            "within_1pct": count(p, WITHIN),
+            "ahead_5pct": count(p, AHEAD),
+        }
+        for p in ours
+    }
+
+
+def means_of(cell: Mapping, which: str = "knees") -> dict[str, float]:
+    """``{policy: mean TPS within SLO at its knee}`` of a result cell."""
+    return {p: k["mean"] for p, k in cell[which].items()}

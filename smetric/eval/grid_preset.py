@@ -1,0 +1,125 @@
+"""What ``smetric grid`` runs: the ``grid-quick`` preset or a YAML file of its shape.
+
+A grid preset is data: per trace a base simulation configuration (as ``smetric simulate
+-c`` reads it) and, per global tier, the first load its knee searches probe, and per KV
+room a factor on those loads (a GPU with more KV room and compute peaks at a higher load,
+by how much depends on the trace); the fetch modes; the KV rooms (hardware and KV dtype);
+seeds, the search's step and precision, and the looser SLO the same runs are scored again under.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from smetric.eval.preset import positive, read_preset
+from smetric.sim.config import (
+    SimConfig,
+    SLOConfig,
+    check_kv_load,
+    from_dict,
+    parse_global_capacity,
+)
+
+GRID_PRESETS = ("grid-quick",)
+KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")
+
+
+@dataclass(frozen=True)
+class GridTrace:
+    config: SimConfig
+    # Global tier -> first load probed (sessions/s closed loop, speed-up open loop).
+    tiers: dict[str, float]
+    # KV room -> factor on those first loads (1 where not given).
+    scale: dict[str, float]
+
+
+@dataclass(frozen=True)
+class KvRoom:
+    hardware: str
+    kv_dtype: str
+
+
+@dataclass(frozen=True)
+class GridPreset:
+    name: str
+    traces: dict[str, GridTrace]
+    kv_loads: tuple[str, ...]
+    hardware: dict[str, KvRoom]
+    seeds: int
+    # The search's first steps away from its start: near a knee, 2x overshoots into
+    # overload, where runs are slow and say little.
+    grow: float
+    precision: float
+    loose_slo: SLOConfig
+
+
+def load_grid_preset(spec: str) -> GridPreset:
+    """``grid-quick``, or the path of a YAML file shaped like it."""
+    data, where, name = read_preset(spec, GRID_PRESETS)
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping with keys {', '.join(KEYS)}")
+    unknown = sorted(set(data) - set(KEYS))
+    missing = [k for k in KEYS if k not in data]
+    if unknown or missing:
+        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    kv_loads = data["kv_loads"]
+    if not isinstance(kv_loads, list) or not kv_loads:
+        raise ValueError(f"{where}: kv_loads must be a non-empty list of sync, async")
+    loose = _mapping(data["loose_slo"], f"{where}: loose_slo")
+    try:
+        loose_slo = SLOConfig(
+            **{k: positive(v, f"{where}: loose_slo.{k}") for k, v in loose.items()}
+        )
+    except TypeError as exc:
+        raise ValueError(f"{where}: loose_slo: {exc}") from exc
+    hardware = {
+        str(h): _room(v, f"{where}: hardware.{h}")
+        for h, v in _mapping(data["hardware"], f"{where}: hardware").items()
+    }
+    return GridPreset(
+        name=name,
+        traces={
+            str(t): _trace(v, f"{where}: traces.{t}", hardware)
+            for t, v in _mapping(data["traces"], f"{where}: traces").items()
+        },
+        kv_loads=tuple(check_kv_load(str(m)) for m in kv_loads),
+        hardware=hardware,
+        seeds=int(positive(data["seeds"], f"{where}: seeds")),
+        grow=positive(data["grow"], f"{where}: grow"),
+        precision=positive(data["precision"], f"{where}: precision"),
+        loose_slo=loose_slo,
+    )
+
+
+def _mapping(value: Any, where: str) -> dict:
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{where}: expected a non-empty mapping")
+    return value
+
+
+def _trace(value: Any, where: str, hardware: dict[str, KvRoom]) -> GridTrace:
+    data = _mapping(value, where)
+    if not {"config", "tiers"} <= set(data) <= {"config", "tiers", "scale"}:
+        raise ValueError(f"{where}: expected the keys config, tiers and (optional) scale")
+    tiers = _mapping(data["tiers"], f"{where}.tiers")
+    for tier in tiers:
+        parse_global_capacity(str(tier))
+    scale = data.get("scale") or {}
+    if not isinstance(scale, dict):
+        raise ValueError(f"{where}.scale: expected a mapping of hardware to factors")
+    unknown = sorted(set(map(str, scale)) - set(hardware))
+    if unknown:
+        raise ValueError(f"{where}.scale: {unknown} not among hardware {sorted(hardware)}")
+    return GridTrace(
+        config=from_dict(data["config"] or {}, f"{where}.config"),
+        tiers={str(t): positive(v, f"{where}.tiers.{t}") for t, v in tiers.items()},
+        scale={h: positive(scale.get(h, 1), f"{where}.scale.{h}") for h in hardware},
+    )
+
+
+def _room(value: Any, where: str) -> KvRoom:
+    data = _mapping(value, where)
+    if set(data) != {"hardware", "kv_dtype"}:
+        raise ValueError(f"{where}: expected the keys hardware and kv_dtype")
+    return KvRoom(str(data["hardware"]), str(data["kv_dtype"]))

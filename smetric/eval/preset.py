@@ -1,0 +1,113 @@
+"""What ``smetric reproduce`` runs: a named preset (``quick``, ``full``) or a YAML file.
+
+A preset is data: the base simulation configuration (as ``smetric simulate -c`` reads it)
+and the sizes of the evaluation: global tiers with the first load their knee searches
+probe, seeds, the search's precision, the offered loads of the rate sweep and the values
+of the sensitivity sweeps. A YAML file of the same shape shrinks or grows any of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from smetric.sim.config import SimConfig, from_dict, parse_global_capacity
+
+PRESETS = ("quick", "full")
+# The tier every load is measured against (Figs. 14, 15, 17 and 25 use the full tier).
+REFERENCE_TIER = "full"
+KEYS = ("config", "tiers", "seeds", "precision", "load_multiples", "overloads", "hit_ratios")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    config: SimConfig
+    # Global tier -> first load probed by its knee searches (sessions/s).
+    tiers: dict[str, float]
+    seeds: int
+    precision: float
+    # The rate sweep's offered loads, as multiples of the load unit (``reproduce``).
+    load_multiples: tuple[float, ...]
+    overloads: tuple[float, ...]
+    hit_ratios: tuple[float, ...]
+
+    def describe(self) -> str:
+        c, w = self.config.cluster, self.config.workload
+        return (
+            f"{c.instances} x {c.hardware} · {c.model} · closed-loop runs of "
+            f"{w.duration_s / 60:g} min ({self.config.warmup_s / 60:g} min warm-up) · "
+            f"{self.seeds} seed{'s' if self.seeds > 1 else ''} · knee precision "
+            f"{self.precision:g}x · {self.config.window_s:g} s load windows"
+        )
+
+
+def load_preset(spec: str) -> Preset:
+    """``quick``, ``full``, or the path of a YAML file shaped like them."""
+    data, where, name = read_preset(spec, PRESETS)
+    return _parse(data, where, name)
+
+
+def read_preset(spec: str, names: Sequence[str]) -> tuple[Any, str, str]:
+    """A preset's YAML data, where it came from (for error messages) and its name: one of
+    the packaged ``names``, or the path of a YAML file."""
+    if spec in names:
+        text = resources.files("smetric.eval").joinpath(f"presets/{spec}.yaml").read_text()
+        where = f"preset {spec}"
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"--preset {spec!r}: use {' or '.join(names)}, or a YAML file")
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read: {exc}") from exc
+        where = str(path)
+    try:
+        return yaml.safe_load(text), where, Path(spec).stem
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where}: not YAML: {exc}") from exc
+
+
+def _parse(data: Any, where: str, name: str) -> Preset:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping with keys {', '.join(KEYS)}")
+    unknown = sorted(set(data) - set(KEYS))
+    missing = [k for k in KEYS if k not in data]
+    if unknown or missing:
+        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    tiers = data["tiers"]
+    if not isinstance(tiers, dict) or REFERENCE_TIER not in tiers:
+        raise ValueError(f"{where}: tiers must map global tiers to loads and include 'full'")
+    for tier in tiers:
+        parse_global_capacity(str(tier))
+    return Preset(
+        name=name,
+        config=from_dict(data["config"] or {}, f"{where}: config"),
+        tiers={str(t): positive(v, f"{where}: tiers.{t}") for t, v in tiers.items()},
+        seeds=int(positive(data["seeds"], f"{where}: seeds")),
+        precision=positive(data["precision"], f"{where}: precision"),
+        load_multiples=_values(data["load_multiples"], f"{where}: load_multiples"),
+        overloads=_values(data["overloads"], f"{where}: overloads"),
+        hit_ratios=_values(data["hit_ratios"], f"{where}: hit_ratios", zero=True),
+    )
+
+
+def positive(value: Any, where: str, zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    if value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{where}: expected a {'non-negative' if zero else 'positive'} number")
+    return float(value)
+
+
+def _values(values: Any, where: str, zero: bool = False) -> tuple[float, ...]:
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"{where}: expected a non-empty list of numbers")
+    return tuple(positive(v, where, zero) for v in values)

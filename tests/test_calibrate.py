@@ -1,0 +1,88 @@
+"""The simulator prices ``smetric_cost``'s moves for the hardware it simulates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from smetric.core.policies import SMetricCost
+from smetric.core.policy import hardware_params, make_policy, policy_params, resolve_policy
+from smetric.sim.calibrate import cluster_policy, policy_constants
+from smetric.sim.config import ClusterConfig, SimConfig
+from smetric.sim.parallel import Job
+from smetric.sim.perf import StepTimeModel, load_hardware, load_model
+from smetric.sim.run import simulate
+from smetric.trace.load import load_trace
+
+H200_FP8_KV = ClusterConfig(hardware="H200", kv_dtype="fp8")
+
+
+def test_the_default_cluster_derives_the_policys_defaults_exactly() -> None:
+    """Every result measured with the H20 defaults stays valid: they are what the default
+    cluster derives, to the bit."""
+    defaults = policy_params("smetric_cost")
+    derived = policy_constants(ClusterConfig())
+    assert set(derived) == set(hardware_params("smetric_cost"))
+    assert derived == {key: defaults[key] for key in derived}
+
+
+def test_derived_constants_follow_the_hardware_and_links() -> None:
+    h20, h200 = policy_constants(ClusterConfig()), policy_constants(H200_FP8_KV)
+    # Prefill is compute-bound: an H200 has 6.7x an H20's BF16 peak.
+    assert 6.0 < h200["prefill_tps"] / h20["prefill_tps"] < 7.0
+    # An FP8 KV token is half the bytes: twice the tokens over the same NICs.
+    assert h200["fetch_tps"] == 2 * h20["fetch_tps"]
+    assert h200["kv_read_s"] < h20["kv_read_s"]
+    # Half the NICs halve a GPU's share; a slow PCIe lane caps it instead.
+    assert policy_constants(ClusterConfig(nics_per_server=2))["fetch_tps"] == 55_000
+    narrow = policy_constants(ClusterConfig(pcie_gb_s=5.0))["fetch_tps"]
+    assert narrow == pytest.approx(5e9 / 98_304, rel=0.01)
+
+
+def test_the_attention_fit_reproduces_the_perf_models_rate_deep_in_a_prompt() -> None:
+    """The policy's prefill formula, with the derived constants, gives the step model's
+    rate for an 8 k chunk after 100 k tokens of context, to the rounding."""
+    derived = policy_constants(H200_FP8_KV)
+    perf = StepTimeModel(load_model("Qwen3-Coder-30B-A3B"), load_hardware("H200"), kv_dtype="fp8")
+    chunk = 8192
+    modelled = chunk / perf.step_time(chunk, chunk * (100_000 + chunk / 2), 0, 0)
+    policy = SMetricCost(**derived)
+    fitted = 1.0 / ((1.0 + 100_000 / policy.attn_tokens) / policy.prefill_tps)
+    assert fitted == pytest.approx(modelled, rel=0.03)
+
+
+def test_the_spec_wins_and_only_hardware_parameters_are_derived() -> None:
+    derived = {"prefill_tps": 90_000.0, "work_weight": 9.0, "overload": 9.0}
+    name, params = resolve_policy("smetric_cost:prefill_tps=9000", derived)
+    assert name == "smetric_cost"
+    assert params["prefill_tps"] == 9000.0
+    assert params["work_weight"] == policy_params("smetric_cost")["work_weight"]
+    assert resolve_policy("smetric_cost", derived)[1]["prefill_tps"] == 90_000.0
+    # A policy without hardware constants ignores them.
+    assert resolve_policy("smetric", derived)[1] == policy_params("smetric")
+    assert make_policy("smetric_cost", derived).prefill_tps == 90_000.0
+
+
+@pytest.mark.parametrize("pd", [False, True], ids=["colocated", "disaggregated"])
+def test_simulations_route_with_the_derived_constants(pd: bool) -> None:
+    cluster = dataclasses.replace(H200_FP8_KV, instances=2)
+    if pd:
+        cluster = dataclasses.replace(cluster, prefill_instances=2, decode_instances=1)
+    config = SimConfig(cluster=cluster).override("workload", duration_s=60.0, session_rate=0.1)
+    trace = load_trace("sample:weka")
+    derived = policy_constants(cluster)
+    result = simulate(trace, config, "smetric_cost")
+    assert {k: result.policy_params[k] for k in derived} == derived
+    policy, _ = cluster_policy("smetric_cost", cluster)
+    assert isinstance(policy, SMetricCost) and policy.fetch_tps == derived["fetch_tps"]
+    pinned = simulate(trace, config, "smetric_cost:fetch_tps=1000")
+    assert pinned.policy_params["fetch_tps"] == 1000.0
+
+
+def test_a_run_on_other_hardware_is_another_run() -> None:
+    """The derived constants follow from the cluster, which names the run in the RunStore."""
+    config = SimConfig()
+    h200 = dataclasses.replace(config, cluster=H200_FP8_KV)
+    ids = {Job((), c, "smetric_cost").run_id for c in (config, h200)}
+    assert len(ids) == 2

@@ -1,0 +1,201 @@
+"""``smetric grid``: the verdict as a pure function of knees, a tiny grid end to end, a
+policy added later running only its own probes, and clear errors for bad presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from smetric.cli import app
+from smetric.cli.grid import MARKERS
+from smetric.eval.grid import cell_verdict, grid_cells, verdict_summary
+from smetric.eval.grid_preset import load_grid_preset
+from smetric.report.grid import grid_table, verdict_line
+from smetric.sim.config import SLOConfig
+from smetric.sim.knee import probe_job
+from smetric.sim.metrics import tps_under_slo
+from smetric.sim.parallel import RunStore
+
+runner = CliRunner()
+
+TINY = """\
+traces:
+  weka:
+    config:
+      cluster: {instances: 2}
+      workload: {trace: sample:weka, duration_s: 180}
+      warmup_s: 30
+      window_s: 30
+    tiers: {none: 0.02, full: 0.04}
+kv_loads: [sync]
+hardware:
+  H20-bf16: {hardware: H20, kv_dtype: bf16}
+seeds: 1
+grow: 2.0
+precision: 2.0
+loose_slo: {ttft_base_s: 2.0, ttft_per_token_s: 0.0005, tpot_s: 0.03}
+"""
+
+
+def test_cell_verdict_compares_each_of_ours_with_the_best_baseline_at_its_best_setting() -> None:
+    means = {
+        "smetric": 95.0,
+        "smetric_cost": 106.0,
+        "least_load": 90.0,
+        "linear:lam=0.3": 100.0,
+        "linear:lam=0.9": 60.0,
+    }
+    verdict = cell_verdict(means)
+    assert verdict["best_baseline"] == "linear:lam=0.3"
+    assert verdict["value"] == 100.0
+    assert verdict["lead"] == pytest.approx({"smetric": -5.0, "smetric_cost": 6.0})
+
+
+def test_verdict_counts_cells_within_one_percent_and_five_percent_ahead() -> None:
+    cells = [
+        {"smetric_x": 99.0, "least_load": 100.0},  # -1 %: within
+        {"smetric_x": 98.9, "least_load": 100.0},  # -1.1 %: not within
+        {"smetric_x": 105.0, "cache_aware": 100.0},  # +5 %: within and ahead
+        {"smetric_x": 104.9, "cache_aware": 100.0},  # +4.9 %: within only
+        {"smetric_x": 50.0, "least_load": 0.0},  # nothing to compare with
+    ]
+    summary = verdict_summary(cells)
+    assert summary == {"smetric_x": {"cells": 4, "within_1pct": 3, "ahead_5pct": 1}}
+    assert verdict_line(cells) == (
+        "Verdict: `smetric_x` within 1 % of the best baseline (or ahead) in 3 of 4 cells, "
+        "at least 5 % ahead in 1."
+    )
+
+
+def test_grid_table_has_a_row_per_cell_with_the_best_baseline_and_our_lead() -> None:
+    def knee(mean: float, load: float) -> dict:
+        return {"mean": mean, "stdev": 2000.0, "load": load, "seeds": [mean - 2e3, mean + 2e3]}
+
+    result = {
+        "policies": ["smetric", "least_load", "cache_aware"],
+        "cells": [
+            {
+                "trace": "weka",
+                "tier": "1x",
+                "kv_load": "async",
+                "hardware": "H200-fp8",
+                "knees": {
+                    "smetric": knee(110e3, 0.3),
+                    "least_load": knee(100e3, 0.3),
+                    "cache_aware": knee(80e3, 0.2),
+                },
+            }
+        ],
+    }
+    table = grid_table(result).splitlines()
+    assert table[0] == "| cell | best baseline | smetric |"
+    assert table[2] == (
+        "| weka · 1x · async · H200-fp8 | least_load 100.0k ± 2.0k (@0.3) "
+        "| 110.0k ± 2.0k (@0.3), +10.0 % |"
+    )
+
+
+def test_cells_cover_the_product_and_scale_first_loads_by_hardware(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        TINY.replace("kv_loads: [sync]", "kv_loads: [sync, async]")
+        .replace(
+            "  H20-bf16: {hardware: H20, kv_dtype: bf16}",
+            "  H20-bf16: {hardware: H20, kv_dtype: bf16}\n"
+            "  H200-fp8: {hardware: H200, kv_dtype: fp8}",
+        )
+        .replace("    tiers:", "    scale: {H200-fp8: 3}\n    tiers:")
+    )
+    cells = grid_cells(load_grid_preset(str(path)))
+    assert len(cells) == 2 * 2 * 2
+    assert cells["weka", "full", "async", "H20-bf16"][1] == 0.04
+    config, start = cells["weka", "full", "async", "H200-fp8"]
+    assert (config.cluster.hardware, config.cluster.kv_dtype) == ("H200", "fp8")
+    assert (config.cluster.kv_load, config.cluster.global_capacity) == ("async", "full")
+    assert start == pytest.approx(0.12)
+    assert load_grid_preset("grid-quick").name == "grid-quick"
+
+
+def grid(preset: Path, out: Path, policies: str, *extra: str) -> str:
+    args = ["grid", "--preset", str(preset), "-p", policies, "-j", "1", "-o", str(out)]
+    result = runner.invoke(app, [*args, *extra])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_tiny_grid_and_a_policy_added_later_runs_only_its_probes(tmp_path: Path) -> None:
+    preset, out = tmp_path / "tiny.yaml", tmp_path / "out"
+    preset.write_text(TINY)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"top\n{MARKERS[0]}\nold\n{MARKERS[1]}\nbottom\n")
+    grid(preset, out, "smetric,least_load", "--readme", str(readme))
+    first = json.loads((out / "grid.json").read_text())
+    stored = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")}
+    probes = sum(len(c["knees"][p]["probes"]) for c in first["cells"] for p in first["policies"])
+    assert len(stored) == probes
+    text = readme.read_text()
+    assert text.startswith(f"top\n{MARKERS[0]}\nGenerated by `smetric grid")
+    assert text.endswith(f"{MARKERS[1]}\nbottom\n")
+    assert "| weka · none · sync · H20-bf16 | least_load" in text
+
+    output = grid(preset, out, "smetric,least_load,cache_aware")
+    second = json.loads((out / "grid.json").read_text())
+    added = sum(len(c["knees"]["cache_aware"]["probes"]) for c in second["cells"])
+    assert f"simulated {added} runs" in output
+    after = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")}
+    assert len(after) == probes + added
+    assert all(after[p] == t for p, t in stored.items())  # the others' runs untouched
+    for old, new in zip(first["cells"], second["cells"], strict=True):
+        for p in first["policies"]:
+            assert new["knees"][p] == old["knees"][p]
+            # A looser SLO admits every request the default one does, and maybe more.
+            assert new["loose"][p]["mean"] >= new["knees"][p]["mean"]
+
+
+def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) -> None:
+    preset, out = tmp_path / "tiny.yaml", tmp_path / "out"
+    preset.write_text(TINY)
+    grid(preset, out, "least_load")
+    store = RunStore(out / "runs")
+    config, _ = grid_cells(load_grid_preset(str(preset)))["weka", "full", "sync", "H20-bf16"]
+    result = json.loads((out / "grid.json").read_text())
+    load = result["cells"][1]["knees"]["least_load"]["load"]
+    job = probe_job(("x",), dataclasses.replace(config, policies=("least_load",)), load, 0)
+    summary = store.get(job, with_requests=True)
+    assert summary is not None
+    table = store.requests(job)
+    assert tps_under_slo(table, summary, SLOConfig(), 2) == summary["tps_within_slo"]
+    assert tps_under_slo(table, summary, SLOConfig(0.01, 0.0, 0.001), 2) < summary["tps_within_slo"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("seeds: 1", "seeds: 0"), "seeds: expected a positive number"),
+        (("kv_loads: [sync]", "kv_loads: [lazy]"), "kv_load 'lazy'"),
+        (("tiers: {none: 0.02, full: 0.04}", "tiers: {2y: 0.02}"), "2y"),
+        (("precision: 2.0\n", ""), "missing keys ['precision']"),
+        (("kv_dtype: bf16}", "kv_dtype: bf16, scale: 1}"), "hardware.H20-bf16"),
+        (("    tiers:", "    scale: {H100: 2}\n    tiers:"), "['H100'] not among hardware"),
+        (("    tiers:", "    scale: {H20-bf16: 0}\n    tiers:"), "scale.H20-bf16"),
+        (("loose_slo: {", "loose_slo: {ttft: 1, "), "loose_slo"),
+        (("traces:", "trace:"), "unknown keys ['trace']"),
+    ],
+)
+def test_bad_preset_is_a_clear_error(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(TINY.replace(*change))
+    result = runner.invoke(app, ["grid", "--preset", str(path), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unknown_preset_name_is_a_clear_error() -> None:
+    result = runner.invoke(app, ["grid", "--preset", "grid-huge"])
+    assert result.exit_code == 2
+    assert "grid-quick" in result.output

@@ -1,0 +1,189 @@
+"""``smetric reproduce`` on a tiny preset: every figure and table, the same numbers twice,
+a second run that simulates nothing, clear errors, and the README block replaced exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from markupsafe import escape
+from typer.testing import CliRunner
+
+from smetric.cli import app
+from smetric.eval.paper import comparisons
+from smetric.report.reproduce import BEGIN, END, replace_between_markers
+
+runner = CliRunner()
+
+TINY = """\
+config:
+  cluster: {instances: 2}
+  workload: {trace: sample:weka, duration_s: 180}
+  warmup_s: 30
+  window_s: 30
+tiers: {none: 0.02, full: 0.04}
+seeds: 1
+precision: 2.0
+load_multiples: [1.0, 1.5, 2.0]
+overloads: [1.0, 2.0, .inf]
+hit_ratios: [0.0, 0.5]
+"""
+POLICIES = "smetric,least_load,linear"
+FIGURES = (
+    "max_tps",
+    "knee",
+    "reuse_by_provisioning",
+    "tps_vs_rate",
+    "latency",
+    "heatmaps",
+    "stickiness",
+    "guard",
+    "sensitivity",
+)
+TITLES = (
+    "The paper's numbers beside ours",
+    "Max TPS within SLO per global tier (Figs. 11a, 16a)",
+    "Where prompt tokens came from at each knee (Figs. 11b, 16b)",
+    "TPS within SLO vs offered load, full global tier (Fig. 15a)",
+    "Figs. 12, 15b, 17",
+    "SMetric's overload guard on and off (Fig. 14)",
+    "Sensitivity to OVERLOAD and HIT_RATIO (Fig. 25)",
+)
+
+
+def reproduce(preset: Path, out: Path, *extra: str) -> str:
+    args = ["reproduce", "--preset", str(preset), "-p", POLICIES, "-j", "1", "-o", str(out)]
+    result = runner.invoke(app, [*args, *extra])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    folder = tmp_path_factory.mktemp("reproduce")
+    preset = folder / "tiny.yaml"
+    preset.write_text(TINY)
+    out = folder / "first"
+    return preset, out, reproduce(preset, out)
+
+
+def test_the_report_has_every_figure_and_table(tiny: tuple[Path, Path, str]) -> None:
+    _, out, output = tiny
+    assert "simulated" in output and "(every run reused" not in output
+    html = (out / "report.html").read_text()
+    assert html.count('src="data:image/png;base64,') == len(FIGURES)
+    for name in FIGURES:
+        assert (out / f"{name}.png").exists() or (out / "paper-load" / f"{name}.png").exists()
+    markdown = (out / "validation.md").read_text()
+    for title in TITLES:
+        assert title in markdown and str(escape(title)) in html
+    result = json.loads((out / "reproduce.json").read_text())
+    assert list(result["tiers"]) == ["none", "full"]
+    assert result["policies"] == POLICIES.split(",")
+    # 1.5x load is the best baseline's knee on the full tier, by definition.
+    unit = result["load_unit"]
+    full = result["tiers"]["full"]
+    assert unit["reference_policy"] == full["best_baseline"] in ("least_load", "linear")
+    assert (
+        result["at_paper_load"]["rate"]
+        == full["policies"][unit["reference_policy"]]["knee"]["load"]
+    )
+    # Every published number the paper gives for colocation gets a row, none left blank.
+    rows = comparisons(result)
+    assert {row.figure for row in rows} >= {
+        "11a",
+        "11b",
+        "12",
+        "14",
+        "15a",
+        "15b",
+        "16a",
+        "16b",
+        "17",
+        "25",
+    }
+    for row in rows:
+        assert row.ours and row.ours != "-", row
+        assert f"| {row.figure} | {row.claim} |" in markdown
+
+
+def test_a_second_run_simulates_nothing_and_gives_the_same_report(
+    tiny: tuple[Path, Path, str],
+) -> None:
+    preset, out, _ = tiny
+    before = (out / "reproduce.json").read_text(), (out / "validation.md").read_text()
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    output = reproduce(preset, out)
+    assert "simulated 0 runs (every run reused from runs/)" in output
+    assert sorted(p.name for p in (out / "runs").iterdir()) == runs
+    assert ((out / "reproduce.json").read_text(), (out / "validation.md").read_text()) == before
+
+
+def test_the_same_inputs_from_scratch_give_the_same_numbers(
+    tiny: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    preset, out, _ = tiny
+    again = tmp_path / "again"
+    output = reproduce(preset, again)
+    assert "simulated 0 runs" not in output
+    for name in ("reproduce.json", "validation.md"):
+        assert (again / name).read_text() == (out / name).read_text()
+
+
+def test_readme_option_writes_validation_between_the_markers(
+    tiny: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    preset, out, _ = tiny
+    readme = tmp_path / "README.md"
+    before, after = "# Title\n\n## Validation\n\n", "\n\n## Next\ntext\n"
+    readme.write_text(f"{before}{BEGIN}\nold text\n{END}{after}")
+    work = tmp_path / "out"
+    shutil.copytree(out / "runs", work / "runs")
+    output = reproduce(preset, work, "--readme", str(readme))
+    assert "simulated 0 runs" in output
+    validation = (work / "validation.md").read_text()
+    assert readme.read_text() == f"{before}{BEGIN}\n{validation.rstrip()}\n{END}{after}"
+
+
+def test_marker_replacement_is_exact_and_idempotent() -> None:
+    text = f"a\n{BEGIN}\nold\n{END}\nb"
+    once = replace_between_markers(text, "new\n\n")
+    assert once == f"a\n{BEGIN}\nnew\n{END}\nb"
+    assert replace_between_markers(once, "new") == once
+    assert replace_between_markers(once, "old\n") == text
+    for broken in ("no markers", f"{END}{BEGIN}", f"{BEGIN}{BEGIN}{END}", f"{BEGIN}x"):
+        with pytest.raises(ValueError, match="reproduce:begin"):
+            replace_between_markers(broken, "x")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "medium"], "use quick or full"),
+        (["-p", "smetrik"], "smetrik"),
+        (["sample:nothing"], "sample"),
+        (["--readme", "MISSING.md"], "MISSING.md"),
+    ],
+)
+def test_bad_input_is_a_clear_error_before_any_run(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["reproduce", *args, "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_a_bad_preset_file_names_the_key(tmp_path: Path) -> None:
+    preset = tmp_path / "bad.yaml"
+    preset.write_text(TINY.replace("tiers: {none: 0.02, full: 0.04}", "tiers: {none: 0.02}"))
+    result = runner.invoke(app, ["reproduce", "--preset", str(preset), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "include 'full'" in result.output
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    result = runner.invoke(app, ["reproduce", "--readme", str(readme), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "reproduce:begin" in result.output
+    assert not (tmp_path / "o").exists()
