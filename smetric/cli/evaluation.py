@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -22,6 +22,23 @@ PolicyListOpt = Annotated[
         "compared with the best of the rest.",
     ),
 ]
+
+
+def preset_option(names: Sequence[str], note: str = "") -> Any:
+    """``--preset``: one of the packaged ``names``, or a YAML file shaped like the first."""
+    return typer.Option(
+        "--preset",
+        help=f"{' or '.join(names)}{note}, or a YAML file of the same shape "
+        f"(smetric/eval/presets/{names[0]}.yaml) to shrink or grow it.",
+    )
+
+
+def readme_option(report: str, markers: tuple[str, str], note: str = "") -> Any:
+    """``--readme``: a file whose block between ``markers`` the ``report`` replaces."""
+    begin, end = markers
+    return typer.Option(
+        help=f"Also write {report} between the {begin} and {end} markers of this file{note}."
+    )
 
 
 def checked_policies(text: str) -> tuple[str, ...]:

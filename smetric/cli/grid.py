@@ -8,10 +8,14 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
-from smetric.cli.evaluation import PolicyListOpt, checked_policies, report_command
+from smetric.cli.evaluation import (
+    PolicyListOpt,
+    checked_policies,
+    preset_option,
+    readme_option,
+    report_command,
+)
 from smetric.cli.simulate import JobsOpt, OutOpt
 from smetric.eval.grid import grid_cells, run_grid
 from smetric.eval.grid_preset import GRID_PRESETS, load_grid_preset
@@ -31,23 +35,10 @@ MARKERS = ("<!-- grid:begin -->", "<!-- grid:end -->")
 
 @app.command(name="grid")
 def grid_command(
-    preset: Annotated[
-        str,
-        typer.Option(
-            "--preset",
-            help=f"{' or '.join(GRID_PRESETS)}, or a YAML file of the same shape "
-            "(smetric/eval/presets/grid-quick.yaml) to shrink or grow it.",
-        ),
-    ] = "grid-quick",
+    preset: Annotated[str, preset_option(GRID_PRESETS)] = "grid-quick",
     policies: PolicyListOpt = POLICY_LIST,
     out: OutOpt = None,
-    readme: Annotated[
-        Path | None,
-        typer.Option(
-            help="Also write grid.md between the <!-- grid:begin --> and <!-- grid:end --> "
-            "markers of this file."
-        ),
-    ] = None,
+    readme: Annotated[Path | None, readme_option("grid.md", MARKERS)] = None,
     jobs: JobsOpt = None,
 ) -> None:
     """Each policy's knee in every cell of trace x global tier x fetch mode x KV room,

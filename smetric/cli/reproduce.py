@@ -7,14 +7,18 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
-from smetric.cli.evaluation import PolicyListOpt, checked_policies, report_command
+from smetric.cli.evaluation import (
+    PolicyListOpt,
+    checked_policies,
+    preset_option,
+    readme_option,
+    report_command,
+)
 from smetric.cli.simulate import JobsOpt, OutOpt, SourceArg
 from smetric.eval.preset import PRESETS, load_preset
 from smetric.eval.reproduce import DEFAULT_POLICIES, paper_load_runs, reproduce
-from smetric.report.reproduce import read_readme, update_readme, write_report
+from smetric.report.reproduce import BEGIN, END, read_readme, update_readme, write_report
 from smetric.sim.parallel import RunStore, default_jobs
 
 POLICY_LIST = ",".join(DEFAULT_POLICIES)
@@ -23,22 +27,12 @@ POLICY_LIST = ",".join(DEFAULT_POLICIES)
 @app.command(name="reproduce")
 def reproduce_command(
     source: SourceArg = None,
-    preset: Annotated[
-        str,
-        typer.Option(
-            "--preset",
-            help=f"{' or '.join(PRESETS)} (sizes in the README), or a YAML file of the same "
-            "shape (smetric/eval/presets/quick.yaml) to shrink or grow it.",
-        ),
-    ] = "quick",
+    preset: Annotated[str, preset_option(PRESETS, " (sizes in the README)")] = "quick",
     policies: PolicyListOpt = POLICY_LIST,
     out: OutOpt = None,
     readme: Annotated[
         Path | None,
-        typer.Option(
-            help="Also write validation.md between the <!-- reproduce:begin --> and "
-            "<!-- reproduce:end --> markers of this file (the README's Validation section)."
-        ),
+        readme_option("validation.md", (BEGIN, END), " (the README's Validation section)"),
     ] = None,
     jobs: JobsOpt = None,
 ) -> None:
