@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from router_overhead import LOCALHOST, free_port, processes
+from router_overhead import LOCALHOST, processes
 from router_vs_sglang import Outcome, measure, report, routes_chat
 
 from smetric.replay import Replayer, ReplayOptions
-from smetric.testing.engines import BLOCK_SIZE, VLLMInstall, find_vllm, vllm_instances
+from smetric.testing.engines import BLOCK_SIZE, VLLMInstall, find_vllm, free_port, vllm_instances
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
 from smetric.trace.schema import Trace
 

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,19 +27,14 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
+from smetric.testing.engines import free_port
+
 LOCALHOST = "127.0.0.1"
 PROMPT_BYTES = 2_000
 WORDS = ("read", "file", "grep", "test", "patch", "build", "diff", "log", "run", "fix")
 
 
 # --- Subprocesses (also used by router_vs_sglang.py) ---------------------------------------
-
-
-def free_port() -> int:
-    """A port the OS just handed out; racy in theory, fine on a quiet loopback."""
-    with socket.socket() as sock:
-        sock.bind((LOCALHOST, 0))
-        return sock.getsockname()[1]
 
 
 class Processes:

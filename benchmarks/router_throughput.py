@@ -34,8 +34,10 @@ from pathlib import Path
 
 import numpy as np
 from agentic_bodies import agent_messages, chat_body
-from router_overhead import LOCALHOST, Processes, free_port, processes, wait_ready
+from router_overhead import LOCALHOST, Processes, processes, wait_ready
 from router_vs_sglang import routes_chat, sglang_available, start_sglang_router
+
+from smetric.testing.engines import free_port
 
 HERE = Path(__file__).parent
 LUA = """

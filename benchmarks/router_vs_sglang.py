@@ -31,7 +31,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from router_overhead import (
     LOCALHOST,
     Processes,
-    free_port,
     processes,
     quantile_ms,
     start_engine,
@@ -41,6 +40,7 @@ from router_overhead import (
 
 from smetric.demo import DemoOptions
 from smetric.replay import Replayer, ReplayOptions
+from smetric.testing.engines import free_port
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
 from smetric.trace.schema import Trace
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import textwrap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
+from hypothesis import strategies as st
 
 from smetric.trace.schema import Trace, finalize
 
@@ -25,6 +27,49 @@ def real_trace(relative: str) -> Path:
 def make_trace(rows: list[dict], *, has_clock: bool = False, name: str = "hand-made") -> Trace:
     """A trace from hand-written rows; columns left out take the schema's defaults."""
     return Trace(finalize(pl.DataFrame(rows)), name, "test", has_clock)
+
+
+def _chained(choices: list[int]) -> tuple[int, ...]:
+    value, out = 1, []
+    for choice in choices:
+        value = value * 4 + choice + 1
+        out.append(value)
+    return tuple(out)
+
+
+# Sequences from a small trie, so that cached prefixes are shared and diverge inside runs:
+# chained ids (an id encodes its whole prefix, as the traces' do) or raw ids from three
+# letters (the same id at several depths and paths: a tree must not rely on chaining).
+TRIE_SEQUENCES = st.one_of(
+    st.lists(st.integers(0, 2), max_size=14).map(_chained),
+    st.lists(st.integers(1, 3), max_size=10).map(tuple),
+)
+
+
+def tiny_sim_yaml(indent: int) -> str:
+    """A preset's ``config`` and ``tiers`` for the smallest simulation whose knee searches
+    still settle (two instances, three minutes of the bundled weka sample), ``indent``
+    spaces deep: ``reproduce`` and ``grid`` presets nest them at different depths."""
+    text = """\
+config:
+  cluster: {instances: 2}
+  workload: {trace: sample:weka, duration_s: 180}
+  warmup_s: 30
+  window_s: 30
+tiers: {none: 0.02, full: 0.04}
+"""
+    return textwrap.indent(text, " " * indent)
+
+
+def events_engine(port: int, events_port: int, replay_port: int, topic: str, **extra: str) -> str:
+    """One item of a router config's ``engines:`` list: an engine whose KV events the
+    router subscribes to on loopback (``extra``: more ``kv_events`` keys, as YAML)."""
+    keys = "".join(f", {key}: {value}" for key, value in extra.items())
+    return (
+        f"  - url: http://127.0.0.1:{port}\n"
+        f"    kv_events: {{endpoint: 'tcp://127.0.0.1:{events_port}', topic: {topic}, "
+        f"replay_endpoint: 'tcp://127.0.0.1:{replay_port}'{keys}}}\n"
+    )
 
 
 def block_stored(

@@ -28,7 +28,7 @@ from smetric.serve.engines import Engine
 from smetric.serve.global_tier import ServedPrompts, global_tier_from
 from smetric.serve.workers import PeerViews
 
-from conftest import until_heard
+from conftest import events_engine, until_heard
 
 BS = 16
 
@@ -65,13 +65,8 @@ def test_the_global_hit_comes_from_blocks_engines_report_on_a_cpu_medium(
         await engine_server.start_server()
         yaml_file = tmp_path / "engines.yaml"
         yaml_file.write_text(
-            "router:\n  global_tier: events\n"
-            "engines:\n"
-            f"  - url: http://127.0.0.1:{engine_server.port}\n"
-            "    kv_events:\n"
-            f"      endpoint: tcp://127.0.0.1:{events_port}\n"
-            f"      replay_endpoint: tcp://127.0.0.1:{replay_port}\n"
-            "      topic: kv\n"
+            "router:\n  global_tier: events\nengines:\n"
+            + events_engine(engine_server.port, events_port, replay_port, "kv")
         )
         engines, subscribers = engines_from([], yaml_file, 1000, BS)
         settings = RouterSettings(health_interval_s=60, **router_options(yaml_file))

@@ -20,17 +20,14 @@ from smetric.sim.knee import probe_job
 from smetric.sim.metrics import tps_under_slo
 from smetric.sim.parallel import RunStore
 
+from conftest import tiny_sim_yaml
+
 runner = CliRunner()
 
-TINY = """\
-traces:
-  weka:
-    config:
-      cluster: {instances: 2}
-      workload: {trace: sample:weka, duration_s: 180}
-      warmup_s: 30
-      window_s: 30
-    tiers: {none: 0.02, full: 0.04}
+TINY = (
+    "traces:\n  weka:\n"
+    + tiny_sim_yaml(4)
+    + """\
 kv_loads: [sync]
 hardware:
   H20-bf16: {hardware: H20, kv_dtype: bf16}
@@ -39,6 +36,7 @@ grow: 2.0
 precision: 2.0
 loose_slo: {ttft_base_s: 2.0, ttft_per_token_s: 0.0005, tpot_s: 0.03}
 """
+)
 
 
 def test_cell_verdict_compares_each_of_ours_with_the_best_baseline_at_its_best_setting() -> None:

@@ -31,7 +31,7 @@ from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import SubscriberCollector
 
-from conftest import block_stored, until_heard
+from conftest import block_stored, events_engine, until_heard
 
 BS = 16
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}
@@ -451,10 +451,7 @@ def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) ->
     )
     url = f"http://127.0.0.1:{port}"
     config = tmp_path / "engines.yaml"
-    config.write_text(
-        f"engines:\n  - url: {url}\n    kv_events: {{endpoint: 'tcp://127.0.0.1:{pub}', "
-        f"topic: kv, replay_endpoint: 'tcp://127.0.0.1:{replay}', bind: false}}\n"
-    )
+    config.write_text("engines:\n" + events_engine(port, pub, replay, "kv", bind="false"))
 
     async def main() -> None:
         async with aiohttp.ClientSession() as direct:

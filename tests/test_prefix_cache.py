@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from smetric.core.prefix_cache import Handle, PrefixCache
 
+from conftest import TRIE_SEQUENCES
+
 
 def ids(*blocks: int) -> np.ndarray:
     return np.array(blocks, dtype=np.int64)
@@ -259,26 +261,9 @@ def test_zero_capacity_holds_nothing() -> None:
     assert cache.node_count == 0
 
 
-# Random op sequences. Sequences come from a small trie so that prefixes are shared:
-# chained ids (each id encodes its whole prefix, as the traces' are) or raw ids from a
-# three-letter alphabet, which share and diverge at arbitrary positions.
-
-
-def _chained(choices: list[int]) -> tuple[int, ...]:
-    value, out = 1, []
-    for choice in choices:
-        value = value * 4 + choice + 1
-        out.append(value)
-    return tuple(out)
-
-
-SEQUENCES = st.one_of(
-    st.lists(st.integers(0, 2), max_size=14).map(_chained),
-    st.lists(st.integers(1, 3), max_size=10).map(tuple),
-)
 # Ops name sequences by index into a small pool so that the same sessions come back, get
 # locked while present and are cut to prefixes (a cut past the end takes the whole).
-POOLS = st.lists(SEQUENCES, min_size=1, max_size=6)
+POOLS = st.lists(TRIE_SEQUENCES, min_size=1, max_size=6)
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.integers(0, 5), st.integers(0, 16)),

@@ -15,21 +15,20 @@ from smetric.cli import app
 from smetric.eval.paper import comparisons
 from smetric.report.reproduce import BEGIN, END, replace_between_markers
 
+from conftest import tiny_sim_yaml
+
 runner = CliRunner()
 
-TINY = """\
-config:
-  cluster: {instances: 2}
-  workload: {trace: sample:weka, duration_s: 180}
-  warmup_s: 30
-  window_s: 30
-tiers: {none: 0.02, full: 0.04}
+TINY = (
+    tiny_sim_yaml(0)
+    + """\
 seeds: 1
 precision: 2.0
 load_multiples: [1.0, 1.5, 2.0]
 overloads: [1.0, 2.0, .inf]
 hit_ratios: [0.0, 0.5]
 """
+)
 POLICIES = "smetric,least_load,linear"
 FIGURES = (
     "max_tps",

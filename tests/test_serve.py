@@ -19,7 +19,7 @@ from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 
-from conftest import until_heard
+from conftest import events_engine, until_heard
 
 
 def closed_port() -> int:
@@ -515,12 +515,7 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
         await engine_server.start_server()
         yaml_file = tmp_path / "engines.yaml"
         yaml_file.write_text(
-            "engines:\n"
-            f"  - url: http://127.0.0.1:{engine_server.port}\n"
-            "    kv_events:\n"
-            f"      endpoint: tcp://127.0.0.1:{events_port}\n"
-            "      topic: kv-a\n"
-            f"      replay_endpoint: tcp://127.0.0.1:{replay_port}\n"
+            "engines:\n" + events_engine(engine_server.port, events_port, replay_port, "kv-a")
         )
         engines, subscribers = engines_from([], yaml_file, 1000, 16)
         router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
@@ -599,9 +594,7 @@ def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
         yaml_file.write_text(
             "engines:\n"
             + "".join(
-                f"  - url: http://127.0.0.1:{server.port}\n"
-                f"    kv_events: {{endpoint: 'tcp://127.0.0.1:{pub}', topic: kv-{i},"
-                f" replay_endpoint: 'tcp://127.0.0.1:{replay}', bind: false}}\n"
+                events_engine(server.port, pub, replay, f"kv-{i}", bind="false")
                 for i, (server, (pub, replay)) in enumerate(zip(servers, ports, strict=True))
             )
         )

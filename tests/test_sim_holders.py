@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from smetric.core.prefix_cache import Handle, PrefixCache
 from smetric.sim.holders import HolderIndex
 
+from conftest import TRIE_SEQUENCES
+
 
 def ids(*blocks: int) -> np.ndarray:
     return np.array(blocks, dtype=np.int64)
@@ -61,21 +63,6 @@ def test_evicting_everything_empties_the_index() -> None:
     assert index.matches(ids(1, 2, 5)) == [0, 0]
 
 
-# Sequences from a small trie so that instances share prefixes and diverge inside runs:
-# chained ids (an id encodes its prefix, as the traces' do) or raw ids from three letters
-# (the same id at several depths and paths: the index must not rely on chaining).
-def _chained(choices: list[int]) -> tuple[int, ...]:
-    value, out = 1, []
-    for choice in choices:
-        value = value * 4 + choice + 1
-        out.append(value)
-    return tuple(out)
-
-
-SEQUENCES = st.one_of(
-    st.lists(st.integers(0, 2), max_size=14).map(_chained),
-    st.lists(st.integers(1, 3), max_size=10).map(tuple),
-)
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.integers(0, 4), st.integers(0, 5), st.integers(0, 16)),
@@ -101,7 +88,7 @@ def probes(pool: list[tuple[int, ...]]) -> list[np.ndarray]:
 @settings(max_examples=300, deadline=None)
 @given(
     capacities=st.lists(st.one_of(st.none(), st.integers(0, 30)), min_size=1, max_size=5),
-    pool=st.lists(SEQUENCES, min_size=1, max_size=6),
+    pool=st.lists(TRIE_SEQUENCES, min_size=1, max_size=6),
     ops=OPS,
 )
 def test_index_matches_every_cache_after_every_operation(

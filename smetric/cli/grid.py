@@ -4,66 +4,41 @@ from __future__ import annotations
 
 import json
 import resource
-import shlex
 import time
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
-from smetric.cli.simulate import JobsOpt, OutOpt, split_policies
-from smetric.core.policy import make_policy
+from smetric.cli.evaluation import (
+    PolicyListOpt,
+    checked_policies,
+    preset_option,
+    readme_option,
+    report_command,
+)
+from smetric.cli.simulate import JobsOpt, OutOpt
 from smetric.eval.grid import grid_cells, run_grid
 from smetric.eval.grid_preset import GRID_PRESETS, load_grid_preset
+from smetric.eval.reproduce import DEFAULT_POLICIES
 from smetric.report.grid import grid_markdown
 from smetric.report.reproduce import read_readme, update_readme
 from smetric.sim.config import SimConfig
 from smetric.sim.parallel import RunStore, default_jobs
 from smetric.trace.schema import Trace
 
-# The baselines that lead somewhere in the README's knee tables (cache-aware without a
-# global tier, least-load and Linear λ=0.3 at 1x and full, LMetric close behind);
-# Linear λ=0.5 stays within 1 % of λ=0.3 and the paper's λ=0.9 never leads, so both
-# are left out.
-DEFAULT_POLICIES = (
-    "smetric",
-    "smetric_cost",
-    "least_load",
-    "cache_aware",
-    "lmetric",
-    "linear:lam=0.3",
-)
+# reproduce's policies but Linear at the paper's λ=0.9 (``linear``), which never leads:
+# the baselines that lead somewhere in the README's knee tables are cache-aware without a
+# global tier, least-load and Linear λ=0.3 at 1x and full, LMetric close behind.
+POLICY_LIST = ",".join(p for p in DEFAULT_POLICIES if p != "linear")
 MARKERS = ("<!-- grid:begin -->", "<!-- grid:end -->")
 
 
 @app.command(name="grid")
 def grid_command(
-    preset: Annotated[
-        str,
-        typer.Option(
-            "--preset",
-            help=f"{' or '.join(GRID_PRESETS)}, or a YAML file of the same shape "
-            "(smetric/eval/presets/grid-quick.yaml) to shrink or grow it.",
-        ),
-    ] = "grid-quick",
-    policies: Annotated[
-        str,
-        typer.Option(
-            "--policies",
-            "-p",
-            help="Comma-separated policies; each of the SMetric family (smetric, smetric_*) "
-            "is compared with the best of the rest.",
-        ),
-    ] = ",".join(DEFAULT_POLICIES),
+    preset: Annotated[str, preset_option(GRID_PRESETS)] = "grid-quick",
+    policies: PolicyListOpt = POLICY_LIST,
     out: OutOpt = None,
-    readme: Annotated[
-        Path | None,
-        typer.Option(
-            help="Also write grid.md between the <!-- grid:begin --> and <!-- grid:end --> "
-            "markers of this file."
-        ),
-    ] = None,
+    readme: Annotated[Path | None, readme_option("grid.md", MARKERS)] = None,
     jobs: JobsOpt = None,
 ) -> None:
     """Each policy's knee in every cell of trace x global tier x fetch mode x KV room,
@@ -75,18 +50,11 @@ def grid_command(
     is kept in OUT/runs/ID/, so running again, or with one more policy, runs only what
     is missing.
     """
-    words = ["--preset", preset]
-    if policies != ",".join(DEFAULT_POLICIES):
-        words += ["-p", policies]
-    command = shlex.join(["smetric", "grid", *words])
+    command = report_command("grid", ["--preset", preset], policies, POLICY_LIST)
     started, cpu = time.monotonic(), _cpu_s()
     with user_errors():
         chosen = load_grid_preset(preset)
-        specs = split_policies(policies)
-        if not specs:
-            raise ValueError("--policies: name at least one policy")
-        for spec in specs:
-            make_policy(spec)  # fails early, with the valid names, on a typo
+        specs = checked_policies(policies)
         if readme is not None:
             read_readme(readme, MARKERS)
         out = out or Path("smetric-out") / f"grid-{slug(chosen.name)}"

@@ -23,7 +23,7 @@ from smetric.cli.simulate import (
     PrefillOpt,
     SourceArg,
     WarmupOpt,
-    build_config,
+    command_config,
     global_levels,
 )
 from smetric.core.policy import DEFAULT_POLICY
@@ -101,22 +101,13 @@ def knee(
     (smetric-out/knee-TRACE unless given); every probe is kept in OUT/runs/ID/, so running
     the same command again runs only what is missing.
     """
+    params = locals()
     from smetric.report.simulation import write_knee_png
 
     with user_errors():
         levels = global_levels(provisionings)
         modes = [check_kv_load(m.strip()) for m in kv_loads.split(",") if m.strip()]
-        base = build_config(
-            config_path,
-            source,
-            policies=policies,
-            instances=instances,
-            prefill_instances=prefill_instances,
-            decode_instances=decode_instances,
-            hardware=hardware,
-            duration=duration,
-            warmup=warmup,
-        )
+        base = command_config(params)
         settings = KneeSettings(start=start, precision=precision)
         cells: dict[tuple, SimConfig] = {
             (g, m, p): dataclasses.replace(

@@ -4,48 +4,35 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
-from smetric.cli.simulate import JobsOpt, OutOpt, SourceArg, split_policies
-from smetric.core.policy import make_policy
+from smetric.cli.evaluation import (
+    PolicyListOpt,
+    checked_policies,
+    preset_option,
+    readme_option,
+    report_command,
+)
+from smetric.cli.simulate import JobsOpt, OutOpt, SourceArg
 from smetric.eval.preset import PRESETS, load_preset
 from smetric.eval.reproduce import DEFAULT_POLICIES, paper_load_runs, reproduce
-from smetric.report.reproduce import read_readme, update_readme, write_report
+from smetric.report.reproduce import BEGIN, END, read_readme, update_readme, write_report
 from smetric.sim.parallel import RunStore, default_jobs
+
+POLICY_LIST = ",".join(DEFAULT_POLICIES)
 
 
 @app.command(name="reproduce")
 def reproduce_command(
     source: SourceArg = None,
-    preset: Annotated[
-        str,
-        typer.Option(
-            "--preset",
-            help=f"{' or '.join(PRESETS)} (sizes in the README), or a YAML file of the same "
-            "shape (smetric/eval/presets/quick.yaml) to shrink or grow it.",
-        ),
-    ] = "quick",
-    policies: Annotated[
-        str,
-        typer.Option(
-            "--policies",
-            "-p",
-            help="Comma-separated policies; the SMetric family (smetric, smetric_*) is "
-            "compared with the best of the rest.",
-        ),
-    ] = ",".join(DEFAULT_POLICIES),
+    preset: Annotated[str, preset_option(PRESETS, " (sizes in the README)")] = "quick",
+    policies: PolicyListOpt = POLICY_LIST,
     out: OutOpt = None,
     readme: Annotated[
         Path | None,
-        typer.Option(
-            help="Also write validation.md between the <!-- reproduce:begin --> and "
-            "<!-- reproduce:end --> markers of this file (the README's Validation section)."
-        ),
+        readme_option("validation.md", (BEGIN, END), " (the README's Validation section)"),
     ] = None,
     jobs: JobsOpt = None,
 ) -> None:
@@ -60,17 +47,10 @@ def reproduce_command(
     running the command again runs only what is missing.
     """
     words = [source] if source else []
-    words += ["--preset", preset]
-    if policies != ",".join(DEFAULT_POLICIES):
-        words += ["-p", policies]
-    command = shlex.join(["smetric", "reproduce", *words])
+    command = report_command("reproduce", [*words, "--preset", preset], policies, POLICY_LIST)
     with user_errors():
         chosen = load_preset(preset)
-        specs = split_policies(policies)
-        if not specs:
-            raise ValueError("--policies: name at least one policy")
-        for spec in specs:
-            make_policy(spec)  # fails early, with the valid names, on a typo
+        specs = checked_policies(policies)
         if source is not None:
             chosen = dataclasses.replace(
                 chosen, config=chosen.config.override("workload", trace=source)

@@ -171,44 +171,49 @@ JobsOpt = Annotated[
 ]
 
 
-def build_config(config_path: Path | None, trace: str | None, **flags: Any) -> SimConfig:
+# Each command's override flag (its parameter name) -> the field it sets.
+CLUSTER_FLAGS = {
+    "instances": "instances",
+    "model": "model",
+    "hardware": "hardware",
+    "gpus": "gpus_per_instance",
+    "weight_dtype": "weight_dtype",
+    "kv_dtype": "kv_dtype",
+    "mem_util": "gpu_memory_utilization",
+    "kv_tokens": "kv_capacity_tokens",
+    "max_model_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "max_batched_tokens": "max_num_batched_tokens",
+    "global_capacity": "global_capacity",
+    "nic_bandwidth": "nic_gb_s",
+    "nics_per_server": "nics_per_server",
+    "kv_load": "kv_load",
+    "prefill_instances": "prefill_instances",
+    "decode_instances": "decode_instances",
+    "decode_policy": "decode_policy",
+}
+WORKLOAD_FLAGS = {
+    "rate": "session_rate",
+    "duration": "duration_s",
+    "open_loop": "open_loop",
+    "sample": "sample",
+    "speed": "speed",
+    "seed": "seed",
+}
+SLO_FLAGS = {"ttft_base": "ttft_base_s", "ttft_per_token": "ttft_per_token_s", "tpot": "tpot_s"}
+CONFIG_FLAGS = {*CLUSTER_FLAGS, *WORKLOAD_FLAGS, *SLO_FLAGS, "warmup", "policies"}
+
+
+def command_config(params: dict[str, Any]) -> SimConfig:
+    """The configuration a command's parameters (its ``locals()`` on entry) describe: its
+    config file and trace with whichever override flags it offers, so that a flag added
+    to a command reaches the configuration without being named twice."""
+    flags = {k: v for k, v in params.items() if k in CONFIG_FLAGS}
+    config_path, trace = params.get("config_path"), params.get("source")
     config = load_yaml(config_path) if config_path else SimConfig()
-    cluster_keys = {
-        "instances": "instances",
-        "model": "model",
-        "hardware": "hardware",
-        "gpus": "gpus_per_instance",
-        "weight_dtype": "weight_dtype",
-        "kv_dtype": "kv_dtype",
-        "mem_util": "gpu_memory_utilization",
-        "kv_tokens": "kv_capacity_tokens",
-        "max_model_len": "max_model_len",
-        "max_num_seqs": "max_num_seqs",
-        "max_batched_tokens": "max_num_batched_tokens",
-        "global_capacity": "global_capacity",
-        "nic_bandwidth": "nic_gb_s",
-        "nics_per_server": "nics_per_server",
-        "kv_load": "kv_load",
-        "prefill_instances": "prefill_instances",
-        "decode_instances": "decode_instances",
-        "decode_policy": "decode_policy",
-    }
-    workload_keys = {
-        "rate": "session_rate",
-        "duration": "duration_s",
-        "open_loop": "open_loop",
-        "sample": "sample",
-        "speed": "speed",
-        "seed": "seed",
-    }
-    slo_keys = {
-        "ttft_base": "ttft_base_s",
-        "ttft_per_token": "ttft_per_token_s",
-        "tpot": "tpot_s",
-    }
-    config = config.override("cluster", **{v: flags.get(k) for k, v in cluster_keys.items()})
-    config = config.override("workload", **{v: flags.get(k) for k, v in workload_keys.items()})
-    config = config.override("slo", **{v: flags.get(k) for k, v in slo_keys.items()})
+    config = config.override("cluster", **{v: flags.get(k) for k, v in CLUSTER_FLAGS.items()})
+    config = config.override("workload", **{v: flags.get(k) for k, v in WORKLOAD_FLAGS.items()})
+    config = config.override("slo", **{v: flags.get(k) for k, v in SLO_FLAGS.items()})
     if trace is not None:
         config = config.override("workload", trace=trace)
     if flags.get("warmup") is not None:
@@ -397,9 +402,9 @@ def simulate(
     Writes the resolved configuration, a summary JSON, one per-request Parquet table per
     policy and plots to the result folder [default: smetric-out/simulate-TRACE].
     """
-    flags = {k: v for k, v in locals().items() if k not in ("source", "config_path", "out", "jobs")}
+    params = locals()
     with user_errors():
-        config = build_config(config_path, source, **flags)
+        config = command_config(params)
         trace_source = config.workload.trace
         trace = load_with_progress(trace_source, config.workload.format)
         runs = [Job((p,), config, p) for p in config.policies]
@@ -563,24 +568,13 @@ def sweep(
     changed setting is a different run (the trace counts by its path). Delete OUT/runs to
     start over.
     """
+    params = locals()
     from smetric.report.simulation import write_sweep_pngs
 
     with user_errors():
         rate_values = _floats(rates, "--rates")
         levels = global_levels(provisionings)
-        base = build_config(
-            config_path,
-            source,
-            policies=policies,
-            instances=instances,
-            prefill_instances=prefill_instances,
-            decode_instances=decode_instances,
-            model=model,
-            hardware=hardware,
-            duration=duration,
-            warmup=warmup,
-            seed=seed,
-        )
+        base = command_config(params)
         runs = [
             Job(
                 (r, g, p),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from smetric.eval.preset import positive, read_preset
+from smetric.eval.preset import check_keys, positive, read_preset
 from smetric.sim.config import (
     SimConfig,
     SLOConfig,
@@ -56,13 +56,8 @@ class GridPreset:
 
 def load_grid_preset(spec: str) -> GridPreset:
     """``grid-quick``, or the path of a YAML file shaped like it."""
-    data, where, name = read_preset(spec, GRID_PRESETS)
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping with keys {', '.join(KEYS)}")
-    unknown = sorted(set(data) - set(KEYS))
-    missing = [k for k in KEYS if k not in data]
-    if unknown or missing:
-        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    raw, where, name = read_preset(spec, GRID_PRESETS)
+    data = check_keys(raw, where, KEYS)
     kv_loads = data["kv_loads"]
     if not isinstance(kv_loads, list) or not kv_loads:
         raise ValueError(f"{where}: kv_loads must be a non-empty list of sync, async")

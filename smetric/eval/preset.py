@@ -75,13 +75,20 @@ def read_preset(spec: str, names: Sequence[str]) -> tuple[Any, str, str]:
         raise ValueError(f"{where}: not YAML: {exc}") from exc
 
 
-def _parse(data: Any, where: str, name: str) -> Preset:
+def check_keys(data: Any, where: str, keys: Sequence[str]) -> dict:
+    """``data`` as a mapping with exactly ``keys``: a preset file is checked whole before
+    any of it is read, so a misspelt key is named rather than silently defaulted."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping with keys {', '.join(KEYS)}")
-    unknown = sorted(set(data) - set(KEYS))
-    missing = [k for k in KEYS if k not in data]
+        raise ValueError(f"{where}: expected a mapping with keys {', '.join(keys)}")
+    unknown = sorted(set(data) - set(keys))
+    missing = [k for k in keys if k not in data]
     if unknown or missing:
         raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    return data
+
+
+def _parse(data: Any, where: str, name: str) -> Preset:
+    data = check_keys(data, where, KEYS)
     tiers = data["tiers"]
     if not isinstance(tiers, dict) or REFERENCE_TIER not in tiers:
         raise ValueError(f"{where}: tiers must map global tiers to loads and include 'full'")

@@ -15,8 +15,9 @@ cluster, so every result measured with those defaults stands.
 from __future__ import annotations
 
 from smetric.core.policy import Policy, make_policy, resolve_policy
+from smetric.sim.cluster import instances_per_server, step_time_model
 from smetric.sim.config import ClusterConfig
-from smetric.sim.perf import StepTimeModel, kv_bytes_per_token, load_hardware, load_model
+from smetric.sim.perf import kv_bytes_per_token, load_model
 
 # The context depth at which the prefill rate is read to fit the attention term.
 _DEEP_CONTEXT_TOKENS = 100_000
@@ -38,23 +39,16 @@ def policy_constants(cluster: ClusterConfig) -> dict[str, float]:
     - ``fetch_tps``: tokens of KV a second over the slower of the instance's PCIe lanes
       and its share of its server's NICs (all GPUs of a full server fetching at once).
     """
-    model = load_model(cluster.model)
-    hardware = load_hardware(cluster.hardware, gpus=cluster.gpus_per_instance)
-    perf = StepTimeModel(
-        model,
-        hardware,
-        weight_dtype=cluster.weight_dtype or model.weight_dtype,
-        kv_dtype=cluster.kv_dtype,
-    )
+    perf = step_time_model(cluster)
     chunk = cluster.max_num_batched_tokens
     fresh_tps = chunk / perf.step_time(chunk, chunk * chunk / 2, 0, 0)
     deep_context = chunk * (_DEEP_CONTEXT_TOKENS + chunk / 2)
     deep_tps = chunk / perf.step_time(chunk, deep_context, 0, 0)
     attn_tokens = _DEEP_CONTEXT_TOKENS / (fresh_tps / deep_tps - 1.0)
-    instances_per_server = max(1, cluster.gpus_per_server // cluster.gpus_per_instance)
-    nic_share = cluster.nics_per_server * cluster.nic_gb_s / instances_per_server
+    nic_share = cluster.nics_per_server * cluster.nic_gb_s / instances_per_server(cluster)
     pcie = cluster.gpus_per_instance * cluster.pcie_gb_s
-    fetch_tps = min(nic_share, pcie) * 1e9 / kv_bytes_per_token(model, cluster.kv_dtype)
+    kv_bytes = kv_bytes_per_token(load_model(cluster.model), cluster.kv_dtype)
+    fetch_tps = min(nic_share, pcie) * 1e9 / kv_bytes
     return {
         "prefill_tps": _significant(fresh_tps, 3),
         "attn_tokens": _significant(attn_tokens, 2),

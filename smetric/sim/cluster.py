@@ -75,28 +75,40 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
     )
 
 
+def instances_per_server(config: ClusterConfig) -> int:
+    """How many instances share a server, and so its NICs (one at least: an instance may
+    span more GPUs than a server has)."""
+    return max(1, config.gpus_per_server // config.gpus_per_instance)
+
+
 def routes(config: ClusterConfig) -> list[Route]:
     """Each instance's route to the global tier: its own PCIe lanes, its server's NICs.
 
-    Instances fill servers in index order, ``gpus_per_server // gpus_per_instance`` each.
+    Instances fill servers in index order, ``instances_per_server`` each.
     """
-    per_server = max(1, config.gpus_per_server // config.gpus_per_instance)
+    per_server = instances_per_server(config)
     servers = -(-config.instances // per_server)
     nics = [Link(config.nics_per_server * config.nic_gb_s * 1e9) for _ in range(servers)]
     pcie_bytes_s = config.gpus_per_instance * config.pcie_gb_s * 1e9
     return [Route(Link(pcie_bytes_s), nics[i // per_server]) for i in range(config.instances)]
 
 
-def engine_model(config: ClusterConfig, shape: ClusterShape) -> tuple[StepTimeModel, EngineLimits]:
-    """The step-time model and engine limits every instance of the cluster shares."""
+def step_time_model(config: ClusterConfig) -> StepTimeModel:
+    """One instance's step-time model: the cluster's model on its GPUs, at its dtypes (the
+    weights at the model's own unless the cluster names one)."""
     model = load_model(config.model)
     hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
-    perf = StepTimeModel(
+    return StepTimeModel(
         model,
         hardware,
         weight_dtype=config.weight_dtype or model.weight_dtype,
         kv_dtype=config.kv_dtype,
     )
+
+
+def engine_model(config: ClusterConfig, shape: ClusterShape) -> tuple[StepTimeModel, EngineLimits]:
+    """The step-time model and engine limits every instance of the cluster shares."""
+    perf = step_time_model(config)
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

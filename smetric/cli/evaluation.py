@@ -1,0 +1,59 @@
+"""What the preset-driven evaluations (``smetric reproduce``, ``smetric grid``) share: an
+open list of policies in, checked before any run, and the command line their reports
+name as their source."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import typer
+
+from smetric.cli.simulate import split_policies
+from smetric.core.policy import make_policy
+
+PolicyListOpt = Annotated[
+    str,
+    typer.Option(
+        "--policies",
+        "-p",
+        help="Comma-separated policies; each of the SMetric family (smetric, smetric_*) is "
+        "compared with the best of the rest.",
+    ),
+]
+
+
+def preset_option(names: Sequence[str], note: str = "") -> Any:
+    """``--preset``: one of the packaged ``names``, or a YAML file shaped like the first."""
+    return typer.Option(
+        "--preset",
+        help=f"{' or '.join(names)}{note}, or a YAML file of the same shape "
+        f"(smetric/eval/presets/{names[0]}.yaml) to shrink or grow it.",
+    )
+
+
+def readme_option(report: str, markers: tuple[str, str], note: str = "") -> Any:
+    """``--readme``: a file whose block between ``markers`` the ``report`` replaces."""
+    begin, end = markers
+    return typer.Option(
+        help=f"Also write {report} between the {begin} and {end} markers of this file{note}."
+    )
+
+
+def checked_policies(text: str) -> tuple[str, ...]:
+    """The policy specs in ``text``; a typo fails here, with the valid names, rather than
+    minutes into the runs."""
+    specs = split_policies(text)
+    if not specs:
+        raise ValueError("--policies: name at least one policy")
+    for spec in specs:
+        make_policy(spec)
+    return specs
+
+
+def report_command(command: str, words: Sequence[str], policies: str, default: str) -> str:
+    """The command line that regenerates a report: its words, and the policies only where
+    they are not the command's default, so the default run's report names the short form."""
+    extra = ["-p", policies] if policies != default else []
+    return shlex.join(["smetric", command, *words, *extra])
