@@ -30,11 +30,12 @@ def view(
     global_hit: int | None,
     hits: list[int] | None = None,
     tokens: list[float] | None = None,
+    loads: list[float] | None = None,
 ) -> ClusterView:
     n = len(queued)
     return ClusterView(
         hit_tokens=[1000] + [0] * (n - 1) if hits is None else hits,
-        load=[1.0] * n,
+        load=[1.0] * n if loads is None else loads,
         prefill_tokens=queued,
         token_load=[0.0] * n if tokens is None else tokens,
         global_hit_tokens=global_hit,
@@ -81,6 +82,13 @@ CASES = [
     # Work counted twice (the default): a recompute move must save 2 x 1.5 = 3 s of queue.
     (HAND.replace("work_weight=1", "work_weight=2"), view([2999, 0, 0], 0), (0, "sticky")),
     (HAND.replace("work_weight=1", "work_weight=2"), view([3001, 0, 0], 0), (1, "move_recompute")),
+    # Work also counted 0.5 times per request in flight where it runs (``decode_weight``):
+    # with one request on each, a recompute costs 1.5 x 1.705 s and staying 1.501 s plus
+    # 1.5 x 0.205 s, so the queue that moved the follow-up above no longer does.
+    (HAND + ",decode_weight=0.5", view([1501, 0, 0], 0), (0, "sticky")),
+    # Among the instances it could move to, the one with fewer decodes to slow wins: 1.705 s
+    # on the idle instance 2 against 3 x 1.705 s on instance 1, and 3 s + 1.5 x 0.205 s home.
+    (HAND + ",decode_weight=0.5", view([3000, 0, 0], 0, loads=[1, 4, 0]), (2, "move_recompute")),
     # History gone from every tier: the least queued instance, as a fresh prompt.
     (HAND, view([300, 200, 100], 0, hits=[0, 0, 0]), (2, "evicted")),
     # A first turn is balanced on in-flight tokens, even against a cache hit and a queue.

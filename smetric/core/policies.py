@@ -142,6 +142,13 @@ class SMetricCost:
     router passes them in the policy spec. Ties go to the longest local hit, then
     round-robin.
 
+    ``decode_weight`` charges the work once more per request in flight on the instance
+    (``load``): a prefill runs in the same steps as those requests' decodes, so each of
+    them waits about as long again, which is what makes a recompute move fail TPOT on
+    fast hardware where the work itself looks cheap (README "Where ``smetric_cost``
+    loses"). Default 0: the rule without that term. Only for PD colocation, where
+    ``load`` counts requests; a prefill-only pool's ``load`` is tokens.
+
     First turns are balanced on ``token_load`` alone and ignore their cache hit: a first
     turn decides where a session lives for its next hour of turns, so saving a few
     seconds on a shared system prompt there herds sessions (without a global tier that
@@ -158,6 +165,7 @@ class SMetricCost:
         "_queue_s",
         "_ties",
         "attn_tokens",
+        "decode_weight",
         "fetch_tps",
         "kv_read_s",
         "output_tokens",
@@ -176,6 +184,7 @@ class SMetricCost:
         output_tokens: float = 373.0,
         kv_read_s: float = 3.2e-8,
         work_weight: float = 2.0,
+        decode_weight: float = 0.0,
     ) -> None:
         self.prefill_tps = _positive("prefill_tps", prefill_tps)
         self.attn_tokens = _positive("attn_tokens", attn_tokens)
@@ -184,6 +193,7 @@ class SMetricCost:
         self.output_tokens = _checked("output_tokens", output_tokens)
         self.kv_read_s = _checked("kv_read_s", kv_read_s)
         self.work_weight = _checked("work_weight", work_weight)
+        self.decode_weight = _checked("decode_weight", decode_weight)
         self._queue_s = (1.0 + self.queue_depth / self.attn_tokens) / self.prefill_tps
         self._decode_s = self.output_tokens * self.kv_read_s
         self._ties = RoundRobin()
@@ -194,19 +204,22 @@ class SMetricCost:
 
     def costs(self, request: RoutingRequest, view: ClusterView) -> list[float]:
         """Each instance's price for this request in seconds: the time it would take to
-        finish there, its work counted ``work_weight`` times."""
+        finish there, its work counted ``work_weight`` times plus ``decode_weight`` per
+        request in flight there."""
         known = view.global_hit_tokens or 0
         whole = self.prefill_s(request.prompt_tokens)
         per_fetch = 1.0 / self.fetch_tps
         queue_s, decode_s, weight = self._queue_s, self._decode_s, self.work_weight
+        shared = self.decode_weight
         # Without token counts the decode term is left out: request counts say nothing
         # about the KV a step reads.
         tokens = view.token_load or [0.0] * len(view.hit_tokens)
         out = []
-        for hit, queued, held in zip(view.hit_tokens, view.prefill_tokens, tokens, strict=True):
+        rows = zip(view.hit_tokens, view.prefill_tokens, tokens, view.load, strict=True)
+        for hit, queued, held, running in rows:
             reuse = max(hit, known)
             work = whole - self.prefill_s(reuse) + (reuse - hit) * per_fetch
-            out.append(queued * queue_s + weight * work + held * decode_s)
+            out.append(queued * queue_s + (weight + shared * running) * work + held * decode_s)
         return out
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
