@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -69,6 +70,47 @@ def test_an_interrupted_sweep_runs_only_what_is_missing(tmp_path: Path) -> None:
     assert "8 of 8 runs reused" in output and again == first
 
 
+def test_a_sweep_over_two_seeds_is_the_mean_of_the_two_single_seed_sweeps(
+    tmp_path: Path,
+) -> None:
+    # One provisioning is enough here (the last --globals counts).
+    _, seed0 = sweep(tmp_path / "s0", "--globals", "none", "--seed", "0")
+    _, seed1 = sweep(tmp_path / "s1", "--globals", "none", "--seed", "1")
+    output, both = sweep(tmp_path / "both", "--globals", "none", "--seeds", "2")
+    assert " ± " in output and both["seeds"] == 2
+    assert seed0["runs"] != seed1["runs"]  # the seeds differ, or the mean proves nothing
+    for run, a, b in zip(both["runs"], seed0["runs"], seed1["runs"], strict=True):
+        assert (run["rate"], run["global"], run["policy"]) == (a["rate"], a["global"], a["policy"])
+        tps = [a["summary"]["tps_within_slo"], b["summary"]["tps_within_slo"]]
+        assert run["seeds_tps"] == tps
+        assert run["summary"]["tps_within_slo"] == statistics.fmean(tps)
+        assert run["stdev"] == statistics.stdev(tps)
+        assert run["summary"]["slo_attainment"] == statistics.fmean(
+            [a["summary"]["slo_attainment"], b["summary"]["slo_attainment"]]
+        )
+    # The best rate is taken on the mean curve.
+    for g, by_policy in both["max_tps"].items():
+        for p, best in by_policy.items():
+            means = {
+                r["rate"]: r["summary"]["tps_within_slo"]
+                for r in both["runs"]
+                if r["global"] == g and r["policy"] == p
+            }
+            assert best["tps"] == max(means.values()) == means[best["rate"]]
+    # Each seed is its own stored run: the two-seed sweep holds both single-seed sweeps' runs.
+    ids = {p.name for d in ("s0", "s1") for p in (tmp_path / d / "runs").iterdir()}
+    assert {p.name for p in (tmp_path / "both" / "runs").iterdir()} == ids
+
+
+def test_more_seeds_rerun_nothing_already_stored(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    sweep(out, "--globals", "none")
+    output, _ = sweep(out, "--globals", "none", "--seeds", "2")
+    assert "4 of 8 runs reused" in output
+    output, _ = sweep(out, "--globals", "none", "--seeds", "2")
+    assert "8 of 8 runs reused" in output
+
+
 def test_store_keeps_the_runs_resolved_config(tmp_path: Path) -> None:
     store = RunStore(tmp_path)
     job = Job(("x",), SimConfig(), "smetric")
@@ -84,9 +126,9 @@ def test_store_keeps_the_runs_resolved_config(tmp_path: Path) -> None:
     reason="ray is not installed: pip install 'smetric[ray]' (or .venv/bin/pip install ray)",
 )
 def test_ray_sweep_matches_the_process_pool(tmp_path: Path) -> None:
-    _, local = sweep(tmp_path / "local", "-j", "2")
+    _, local = sweep(tmp_path / "local", "-j", "2", "--seeds", "2")
     # A one-machine Ray cluster started by the sweep itself, on loopback only.
-    _, on_ray = sweep(tmp_path / "ray", "--ray", "local")
+    _, on_ray = sweep(tmp_path / "ray", "--ray", "local", "--seeds", "2")
     assert on_ray == local
     ids = sorted(p.name for p in (tmp_path / "local" / "runs").iterdir())
     assert sorted(p.name for p in (tmp_path / "ray" / "runs").iterdir()) == ids

@@ -31,6 +31,7 @@ from smetric.sim.config import (
 )
 from smetric.sim.parallel import Job, RunStore, default_jobs, run_jobs, run_sweep
 from smetric.sim.run import RunResult
+from smetric.sim.seeds import mean_summary, spread
 
 CLUSTER = "Cluster"
 WORKLOAD = "Workload"
@@ -482,13 +483,25 @@ def global_levels(text: str) -> list[str]:
 def sweep_summary(
     rates: list[float], provisionings: list[str], policies: tuple[str, ...], results: dict
 ) -> dict:
-    """Every run's summary, and each policy's best TPS within SLO per provisioning."""
-    runs = [
-        {"rate": r, "global": g, "policy": p, "summary": results[(r, g, p)]}
-        for g in provisionings
-        for p in policies
-        for r in rates
-    ]
+    """Every cell's summary, and each policy's best TPS within SLO per provisioning.
+
+    ``results`` holds each (rate, provisioning, policy) cell's summaries, one per seed.
+    With several seeds a cell's summary is their mean (``mean_summary``) with the seeds'
+    TPS within SLO and its standard deviation beside it, and the best rate is the one with
+    the best mean; with one seed the cell is that run's summary as it is.
+    """
+    runs = []
+    for g in provisionings:
+        for p in policies:
+            for r in rates:
+                seeds = results[(r, g, p)]
+                run: dict = {"rate": r, "global": g, "policy": p, "summary": seeds[0]}
+                if len(seeds) > 1:
+                    tps = [s["tps_within_slo"] for s in seeds]
+                    run["summary"] = mean_summary(seeds)
+                    run["seeds_tps"] = tps
+                    run["stdev"] = spread(tps)
+                runs.append(run)
     best: dict[str, dict[str, dict[str, float]]] = {}
     for run in runs:
         slot = best.setdefault(run["global"], {})
@@ -496,17 +509,22 @@ def sweep_summary(
         tps = run["summary"]["tps_within_slo"]
         if current is None or tps > current["tps"]:
             slot[run["policy"]] = {"tps": tps, "rate": run["rate"]}
-    return {
+            if "stdev" in run:
+                slot[run["policy"]]["stdev"] = run["stdev"]
+    summary = {
         "rates": rates,
         "provisionings": provisionings,
         "policies": list(policies),
         "runs": runs,
         "max_tps": best,
     }
+    seeds = max(len(v) for v in results.values())
+    return summary | {"seeds": seeds} if seeds > 1 else summary
 
 
 def sweep_table(summary: dict) -> Table:
-    table = Table(title="Max TPS within SLO (at offered rate, sessions/s)")
+    seeds = " (mean ± sd over seeds)" if summary.get("seeds", 1) > 1 else ""
+    table = Table(title=f"Max TPS within SLO{seeds} (at offered rate, sessions/s)")
     table.add_column("policy")
     for g in summary["provisionings"]:
         table.add_column(f"global {g}", justify="right")
@@ -515,7 +533,8 @@ def sweep_table(summary: dict) -> Table:
         for g in summary["provisionings"]:
             row = summary["max_tps"][g][p]
             top = max(v["tps"] for v in summary["max_tps"][g].values())
-            text = f"{row['tps']:,.0f} (@{row['rate']:g})"
+            sd = f" ± {row['stdev']:,.0f}" if "stdev" in row else ""
+            text = f"{row['tps']:,.0f}{sd} (@{row['rate']:g})"
             cells.append(f"[bold green]{text}[/]" if row["tps"] == top and top > 0 else text)
         table.add_row(p, *cells)
     return table
@@ -558,15 +577,26 @@ def sweep(
     out: OutOpt = None,
     jobs: JobsOpt = None,
     ray: RayOpt = None,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Run every cell with seeds SEED..SEED+N-1 and report each cell's mean and "
+            "standard deviation over them; a policy's max TPS is the best rate on its mean "
+            "curve.",
+        ),
+    ] = 1,
 ) -> None:
-    """Offered rate x global-tier provisioning x policy, in parallel processes or on Ray.
+    """Offered rate x global-tier provisioning x policy (x seed), in parallel processes or
+    on Ray.
 
     Reports each policy's maximum TPS within SLO per provisioning (the paper's Figures
     11a/16a) and writes sweep.json and plots [default: smetric-out/sweep-TRACE]. Each
     finished run is kept in OUT/runs/ID/ (its resolved config.yaml and summary.json), so
     running the same command again after an interruption runs only what is missing; a
     changed setting is a different run (the trace counts by its path). Delete OUT/runs to
-    start over.
+    start over. With --seeds N each seed is its own run there, so a sweep with more seeds
+    reuses the runs of one with fewer.
     """
     params = locals()
     from smetric.report.simulation import write_sweep_pngs
@@ -575,15 +605,19 @@ def sweep(
         rate_values = _floats(rates, "--rates")
         levels = global_levels(provisionings)
         base = command_config(params)
+        first = base.workload.seed
         runs = [
             Job(
-                (r, g, p),
-                base.override("workload", session_rate=r).override("cluster", global_capacity=g),
+                (r, g, p, s),
+                base.override("workload", session_rate=r, seed=s).override(
+                    "cluster", global_capacity=g
+                ),
                 p,
             )
             for g in levels
             for p in base.policies
             for r in rate_values
+            for s in range(first, first + seeds)
         ]
         trace = load_with_progress(base.workload.trace, base.workload.format)
         out = out or Path("smetric-out") / f"sweep-{slug(trace.name)}"
@@ -604,7 +638,10 @@ def sweep(
                 ray_address=ray,
                 progress=show,
             )
-    summary = sweep_summary(rate_values, levels, base.policies, results)
+    cells: dict[tuple, list[dict]] = {}
+    for job in runs:  # in seed order, whatever order the runs finished in
+        cells.setdefault(job.key[:3], []).append(results[job.key])
+    summary = sweep_summary(rate_values, levels, base.policies, cells)
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(base, out / "config.yaml")
     (out / "sweep.json").write_text(json.dumps(summary, indent=1))

@@ -355,9 +355,12 @@ def _max_tps_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     fig = new_figure(8, 4.6)
     ax = fig.add_subplot()
     for i, policy in enumerate(policies):
-        tps = [float(sweep["max_tps"][g][policy]["tps"]) for g in provisionings]
+        best = [sweep["max_tps"][g][policy] for g in provisionings]
+        tps = [float(b["tps"]) for b in best]
+        # A sweep over seeds plots each mean with its standard deviation.
+        sd = [float(b["stdev"]) for b in best] if "stdev" in best[0] else None
         offset = (i - (len(policies) - 1) / 2) * width
-        bars = ax.bar(x + offset, tps, width * 0.9, color=colors[policy])
+        bars = ax.bar(x + offset, tps, width * 0.9, color=colors[policy], yerr=sd, capsize=2)
         labels = [f"{v:,.0f}" for v in tps]
         ax.bar_label(bars, labels=labels, padding=2, fontsize=8, rotation=90)
     ax.margins(y=0.2)  # headroom for the rotated value labels
