@@ -86,3 +86,18 @@ def test_a_run_on_other_hardware_is_another_run() -> None:
     h200 = dataclasses.replace(config, cluster=H200_FP8_KV)
     ids = {Job((), c, "smetric_cost").run_id for c in (config, h200)}
     assert len(ids) == 2
+
+
+def test_a_run_is_named_by_the_parameters_its_policy_routes_with(monkeypatch) -> None:
+    """A stored run is reused only when the policy would route the same: the default
+    spelled out is the same run, another value is another, and so is a default changed in
+    the code behind an unchanged spec."""
+    config = SimConfig()
+    bare = Job((), config, "smetric_cost").run_id
+    assert Job((), config, "smetric_cost:work_weight=2").run_id == bare
+    assert Job((), config, "smetric_cost:work_weight=3").run_id != bare
+    monkeypatch.setattr(
+        "smetric.core.policy.policy_params",
+        lambda name: {**policy_params(name), "work_weight": 3.0},
+    )
+    assert Job((), config, "smetric_cost").run_id != bare

@@ -21,6 +21,8 @@ from typing import Any
 
 import polars as pl
 
+from smetric.core.policy import resolve_policy
+from smetric.sim.calibrate import policy_constants
 from smetric.sim.config import SimConfig, dump_yaml
 from smetric.sim.run import RunResult, simulate
 from smetric.trace.load import load_trace
@@ -42,9 +44,14 @@ class Job:
 
     @property
     def run_id(self) -> str:
-        """A name for the run that changes whenever anything that shapes its result does."""
-        text = json.dumps(self.resolved.to_dict(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:20]
+        """A name for the run that changes whenever anything that shapes its result does:
+        its configuration and every parameter its policy routes with, so a policy default
+        changed in the code, or a constant derived from other hardware, is another run
+        rather than a stored one reused under the same spec."""
+        name, params = resolve_policy(self.policy, policy_constants(self.config.cluster))
+        config = dataclasses.replace(self.config, policies=(name,))
+        shape = {**config.to_dict(), "policy_params": params}
+        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:20]
 
 
 # What a worker computes for a job: the run, or just its summary (a sweep's runs send
