@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import textwrap
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import polars as pl
 import pytest
+from aiohttp import web
 from hypothesis import strategies as st
 
 from smetric.trace.schema import Trace, finalize
@@ -106,3 +109,21 @@ async def until_heard(
                 return
             await asyncio.sleep(0.01)
     raise AssertionError(f"no KV-event batch was heard after {tries} requests")
+
+
+@contextlib.asynccontextmanager
+async def router_client(
+    app: web.Application, handler_cancellation: bool, timeout_s: float
+) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
+    """A router app served on loopback and a client without a connection cap, every
+    request within ``timeout_s``. Not a TestServer: that always cancels the handlers of
+    clients that went away, which the hang-up tests must be able to turn off."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        unlimited = aiohttp.TCPConnector(limit=0)
+        async with asyncio.timeout(timeout_s), aiohttp.ClientSession(connector=unlimited) as client:
+            yield client, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

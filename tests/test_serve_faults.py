@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import CHAT, FAST, conversation, eventually, run
 
@@ -27,6 +26,8 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 from smetric.testing.faulty import Fault, FaultyEngine
+
+from conftest import router_client
 
 # Timeouts a busy machine never reaches with a mock engine, and quick health checks...
 QUICK = {"first_byte_timeout_s": 10, "idle_timeout_s": 10, "health_interval_s": 0.05}
@@ -55,18 +56,10 @@ async def with_mixed(
         RouterSettings(**{**QUICK, **settings}),
         tokenizer=tokenizer or ByteTokenizer(),
     )
-    # Not a TestServer: it always cancels handlers of clients that went away.
-    runner = web.AppRunner(router.app(), handler_cancellation=handler_cancellation)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     try:
-        unlimited = aiohttp.TCPConnector(limit=0)
-        async with asyncio.timeout(30), aiohttp.ClientSession(connector=unlimited) as client:
-            return await body(client, f"http://127.0.0.1:{port}", router, fakes)
+        async with router_client(router.app(), handler_cancellation, 30) as (client, url):
+            return await body(client, url, router, fakes)
     finally:
-        await runner.cleanup()
         for fake in fakes:
             await fake.close()
         for mock in mocks:

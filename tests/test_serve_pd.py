@@ -24,6 +24,8 @@ from smetric.serve.disagg import DECODE_HEADER, PREFILL_HEADER, Disaggregation
 from smetric.serve.engines import Engine
 from smetric.testing.faulty import Fault, FaultyEngine
 
+from conftest import router_client
+
 FAST = {"speed": 0.001, "kv_blocks": 2048}
 
 
@@ -114,17 +116,10 @@ async def with_pd(
         RouterSettings(**{"health_interval_s": 60, **settings}),
         disagg=Disaggregation(frozenset(prefills), frozenset(decodes), decode_policy),
     )
-    # Not a TestServer: it always cancels the handlers of clients that went away.
-    runner = web.AppRunner(router.app(), handler_cancellation=handler_cancellation)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        unlimited = aiohttp.TCPConnector(limit=0)
-        async with asyncio.timeout(60), aiohttp.ClientSession(connector=unlimited) as client:
-            return await body(client, f"http://127.0.0.1:{runner.addresses[0][1]}", router, cluster)
+        async with router_client(router.app(), handler_cancellation, 60) as (client, url):
+            return await body(client, url, router, cluster)
     finally:
-        await runner.cleanup()
         await cluster.close()
 
 
