@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from smetric.cli.help import ProseGroup
 from smetric.report.runs import safe_name
 from smetric.trace.load import FORMATS, count_units, load_trace
 from smetric.trace.schema import Trace, TraceError
@@ -25,6 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=ProseGroup,
 )
 trace_app = typer.Typer(help="Inspect and convert request traces.", no_args_is_help=True)
 app.add_typer(trace_app, name="trace")
