@@ -227,3 +227,10 @@ def test_a_request_without_a_body_is_picked_at_its_headers() -> None:
         assert all(e.inflight == 0 for e in exchange.picker.router.engines)
 
     run(go())
+
+
+def test_the_docs_ship_the_envoy_configuration_the_tests_run() -> None:
+    from smetric.testing.gateway import GATEWAY_CONFIG
+
+    page = (GATEWAY_CONFIG.parents[2] / "docs" / "guides" / "gateway.md").read_text()
+    assert "```yaml\n" + GATEWAY_CONFIG.read_text() + "```" in page
