@@ -197,7 +197,7 @@ def dataclass_table(cls: type, keys: tuple[str, ...] | None = None) -> list[str]
 
 
 def config_page() -> str:
-    from smetric.cli.serve import TUNABLE
+    from smetric.serve.config import TUNABLE
     from smetric.serve.app import RouterSettings
     from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
 

@@ -48,9 +48,9 @@ from smetric.serve.pool import EnginePool
 from smetric.serve.routing import RoutingCore
 from smetric.serve.upstream import Timeouts
 
-__all__ = ["ENGINE_HEADER", "PREDICTED_HIT_HEADER", "Router", "RouterSettings"]
+__all__ = ["ENGINE_HEADER", "PREDICTED_HIT_HEADER", "ROUTES", "Router", "RouterSettings"]
 
-_ROUTES: dict[str, Api] = {
+ROUTES: dict[str, Api] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "messages",
@@ -163,8 +163,10 @@ class Router:
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
-        wiring = Wiring(self.pool, self.core, self.forwarder, self.metrics)
-        self.dispatcher = Colocated(wiring) if self.disagg is None else self.disagg.attach(wiring)
+        self.wiring = Wiring(self.pool, self.core, self.forwarder, self.metrics)
+        self.dispatcher = (
+            Colocated(self.wiring) if self.disagg is None else self.disagg.attach(self.wiring)
+        )
 
     @property
     def observers(self) -> list[CompletionObserver]:
@@ -180,15 +182,17 @@ class Router:
             middlewares=[errors_as_json, require_key(self.settings.api_keys, open_paths)],
             handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
-        for path, api in _ROUTES.items():
+        for path, api in ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
-        app.cleanup_ctx.append(self._lifecycle)
+        app.cleanup_ctx.append(self.lifecycle)
         return app
 
-    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """The cleanup context of any app that fronts this router: the engines' checks,
+        scrapes and KV-event subscriptions run while it does."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
         # No cap on connections (aiohttp's default is 100): a hidden queue in the router
         # would hold requests past their first-byte timeout and blame healthy engines.

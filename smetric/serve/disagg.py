@@ -146,7 +146,7 @@ class Disaggregation:
         def choose_prefill(engines: list[Engine]) -> tuple[Engine, int]:
             """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29)."""
             loads = [float(e.total_unprefilled()) for e in engines]
-            decision = wiring.decide(call, engines, loads)
+            decision = wiring.decide_call(call, engines, loads)
             return decision.engine, decision.predicted_hit_tokens
 
         async def prefill(attempt: Attempt, predicted: int) -> Prefilled | web.Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from aiohttp import web
 from smetric.core.conversation import RequestFacts
 from smetric.serve.engines import Engine
 from smetric.serve.forwarding import Completion, Delivery, Forwarder, is_stream
+from smetric.serve.identity import ANONYMOUS, AgentIdentity
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.pool import EnginePool
 from smetric.serve.routing import Decision, RoutingCore, explain
@@ -62,26 +64,37 @@ class Wiring:
     metrics: RouterMetrics
 
     def decide(
-        self, call: Call, engines: list[Engine], loads: list[float] | None = None
+        self,
+        facts: RequestFacts,
+        engines: Sequence[Engine],
+        loads: Sequence[float] | None = None,
+        identity: AgentIdentity = ANONYMOUS,
     ) -> Decision:
-        """The core's decision, counted, logged and noted in the completion record."""
-        decision = self.core.decide(call.facts, engines, loads)
+        """The core's decision, counted and logged (every front door's decisions alike)."""
+        decision = self.core.decide(facts, engines, loads)
         self.metrics.decisions.labels(decision.branch).inc()
-        completion = call.completion
-        completion.branch = decision.branch
-        completion.predicted_hit_tokens = decision.predicted_hit_tokens
         if log.isEnabledFor(logging.INFO):  # the line costs more than the decision
-            log.info(json.dumps(explain(decision, call.facts, completion.identity)))
+            log.info(json.dumps(explain(decision, facts, identity)))
         return decision
 
-    def served(self, call: Call, predicted: int) -> Any:
-        """What to do once an engine took ``call``: remember its prompt there."""
+    def decide_call(
+        self, call: Call, engines: list[Engine], loads: list[float] | None = None
+    ) -> Decision:
+        """``decide`` for a dispatched call, noted in its completion record."""
+        completion = call.completion
+        decision = self.decide(call.facts, engines, loads, completion.identity)
+        completion.branch = decision.branch
+        completion.predicted_hit_tokens = decision.predicted_hit_tokens
+        return decision
 
-        def served(engine: Engine) -> None:
-            self.core.served(engine, call.facts.blocks)
-            self.metrics.predicted.labels(engine.url).inc(predicted)
+    def record_served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
+        """The engine took the request and prefilled it: it now caches the prompt."""
+        self.core.served(engine, facts.blocks)
+        self.metrics.predicted.labels(engine.url).inc(predicted)
 
-        return served
+    def served(self, call: Call, predicted: int) -> Callable[[Engine], None]:
+        """What to do once an engine took ``call``."""
+        return lambda engine: self.record_served(engine, call.facts, predicted)
 
 
 class Colocated:
@@ -99,7 +112,7 @@ class Colocated:
         stream = is_stream(call.body)
 
         def choose(engines: list[Engine]) -> tuple[Engine, int]:
-            decision = wiring.decide(call, engines)
+            decision = wiring.decide_call(call, engines)
             return decision.engine, decision.predicted_hit_tokens
 
         async def send(attempt: Attempt, predicted: int) -> web.StreamResponse:
