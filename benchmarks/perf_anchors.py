@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smetric.sim.perf import (
+from smetric.model.perf import (
     StepTimeModel,
     kv_capacity_tokens,
     load_hardware,

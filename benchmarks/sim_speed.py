@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from smetric.sim.calibrate import cluster_policy
+from smetric.model.calibrate import cluster_policy
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
 from smetric.sim.workload import build_workload

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import aiohttp
 import polars as pl
 
+from smetric.metrics.summary import summarize, with_latencies
 from smetric.report.runs import run_file_name
 from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.serve.disagg import (
@@ -34,7 +35,6 @@ from smetric.serve.disagg import (
     PREFILL_SECONDS_HEADER,
 )
 from smetric.sim.config import SimConfig, SLOConfig
-from smetric.sim.metrics import summarize, with_latencies
 from smetric.sim.pd import disaggregated_summary, with_prefill_latency
 from smetric.sim.workload import sample_sessions
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals

@@ -8,10 +8,10 @@ import pytest
 
 from smetric.core.policies import SMetricCost
 from smetric.core.policy import hardware_params, make_policy, policy_params, resolve_policy
-from smetric.sim.calibrate import cluster_policy, policy_constants
+from smetric.model.calibrate import cluster_policy, policy_constants
+from smetric.model.perf import StepTimeModel, load_hardware, load_model
 from smetric.sim.config import ClusterConfig, SimConfig
 from smetric.sim.parallel import Job
-from smetric.sim.perf import StepTimeModel, load_hardware, load_model
 from smetric.sim.run import simulate
 from smetric.trace.load import load_trace
 

@@ -14,10 +14,10 @@ from smetric.cli import app
 from smetric.cli.grid import MARKERS
 from smetric.eval.grid import cell_verdict, grid_cells, verdict_summary
 from smetric.eval.grid_preset import load_grid_preset
+from smetric.metrics.summary import tps_under_slo
 from smetric.report.grid import grid_table, verdict_line
 from smetric.sim.config import SLOConfig
 from smetric.sim.knee import probe_job
-from smetric.sim.metrics import tps_under_slo
 from smetric.sim.parallel import RunStore
 
 from conftest import tiny_sim_yaml

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from smetric.sim.perf import (
+from smetric.model.perf import (
     HARDWARE_NAMES,
     MODEL_NAMES,
     Corrections,

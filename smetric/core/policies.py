@@ -158,7 +158,7 @@ class SMetricCost:
     name = "smetric_cost"
     branches = ("first_turn_balance", "sticky", "move_fetch", "move_recompute", "evicted")
     # What the hardware sets: the simulator derives these from the cluster it simulates
-    # (sim/calibrate.py); the router takes them from the policy spec.
+    # (model/calibrate.py); the router takes them from the policy spec.
     hardware_params = ("prefill_tps", "attn_tokens", "fetch_tps", "kv_read_s")
     __slots__ = (
         "_decode_s",

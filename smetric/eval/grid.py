@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from smetric.eval.grid_preset import GridPreset
+from smetric.metrics.summary import tps_under_slo
 from smetric.sim.config import SimConfig, SLOConfig
 from smetric.sim.knee import (
     Knee,
@@ -25,7 +26,6 @@ from smetric.sim.knee import (
     probe_job,
     search_knees,
 )
-from smetric.sim.metrics import tps_under_slo
 from smetric.sim.parallel import RunStore
 from smetric.trace.schema import Trace
 

@@ -16,18 +16,18 @@ from dataclasses import dataclass
 import polars as pl
 
 from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
-from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
-from smetric.sim.holders import HolderIndex
-from smetric.sim.instance import EngineLimits, Instance, SimRequest
-from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
-from smetric.sim.metrics import RequestLog
-from smetric.sim.perf import (
+from smetric.metrics.summary import RequestLog
+from smetric.model.kv import GlobalTier, Link, LocalPool, Route
+from smetric.model.perf import (
     StepTimeModel,
     kv_bytes_per_token,
     kv_capacity_tokens,
     load_hardware,
     load_model,
 )
+from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
+from smetric.sim.holders import HolderIndex
+from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.workload import SimWorkload
 from smetric.trace.compose import ClosedLoopIssuer
 

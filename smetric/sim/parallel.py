@@ -22,7 +22,7 @@ from typing import Any
 import polars as pl
 
 from smetric.core.policy import resolve_policy
-from smetric.sim.calibrate import policy_constants
+from smetric.model.calibrate import policy_constants
 from smetric.sim.config import SimConfig, dump_yaml
 from smetric.sim.run import RunResult, simulate
 from smetric.trace.load import load_trace

@@ -40,18 +40,18 @@ import polars as pl
 from smetric.core.policies import RoundRobin
 from smetric.core.policy import ClusterView, Policy
 from smetric.core.prefix_cache import Handle
-from smetric.sim.calibrate import cluster_policy
-from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
-from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig
-from smetric.sim.instance import Instance, SimRequest
-from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
-from smetric.sim.metrics import (
+from smetric.metrics.summary import (
     _percentiles,
     imbalance,
     summarize,
     window_edges,
     with_latencies,
 )
+from smetric.model.calibrate import cluster_policy
+from smetric.model.kv import GlobalTier, Link, LocalPool, Route
+from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
+from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig
+from smetric.sim.instance import Instance, SimRequest
 from smetric.sim.workload import SimWorkload, build_workload
 from smetric.trace.analysis.balance import window_loads
 from smetric.trace.schema import Trace

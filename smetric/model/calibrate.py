@@ -15,9 +15,9 @@ cluster, so every result measured with those defaults stands.
 from __future__ import annotations
 
 from smetric.core.policy import Policy, make_policy, resolve_policy
+from smetric.model.perf import kv_bytes_per_token, load_model
 from smetric.sim.cluster import instances_per_server, step_time_model
 from smetric.sim.config import ClusterConfig
-from smetric.sim.perf import kv_bytes_per_token, load_model
 
 # The context depth at which the prefill rate is read to fit the attention term.
 _DEEP_CONTEXT_TOKENS = 100_000
