@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smetric.core.policy import POLICY_NAMES, make_policy
+from smetric.core.policies import POLICY_NAMES, make_policy
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig

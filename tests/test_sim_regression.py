@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from smetric.metrics.summary import RequestLog
 from smetric.sim.config import SimConfig
+from smetric.sim.request_log import RequestLog
 from smetric.sim.run import simulate
 from smetric.trace.load import load_trace
 

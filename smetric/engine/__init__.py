@@ -1,6 +1,6 @@
 """``smetric engine``: a GPU-free stand-in for vLLM, to test and demo the router against.
 
-Its timing and prefix cache come from the simulator's own modules (``model.perf``,
+Its timing and prefix cache are the simulator's (``model.perf``,
 ``model.kv``, ``core.prefix_cache``), so the mock and the simulator tell the same story.
 """
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from smetric.core.policy import reusable_hit_blocks
+from smetric.core.blocks import reusable_hit_blocks
 from smetric.core.prefix_cache import Handle, PrefixCache
 from smetric.engine.kv_report import CacheReport
 from smetric.model.kv import LocalPool

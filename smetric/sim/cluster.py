@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
-from smetric.metrics.summary import RequestLog
+from smetric.core.blocks import reusable_hit_tokens
+from smetric.core.policies import ClusterView, Policy, RoutingRequest
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.model.perf import (
     StepTimeModel,
@@ -28,6 +28,7 @@ from smetric.model.perf import (
 from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
 from smetric.sim.holders import HolderIndex
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
+from smetric.sim.request_log import RequestLog
 from smetric.sim.workload import SimWorkload
 from smetric.trace.compose import ClosedLoopIssuer
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from smetric.core.policy import reusable_hit_blocks, reusable_hit_tokens
+from smetric.core.blocks import reusable_hit_blocks, reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
 from smetric.model.kv import GlobalTier, LocalPool, Route
 from smetric.model.perf import StepTimeModel

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import polars as pl
 
 from smetric.metrics.summary import summarize, with_latencies
-from smetric.model.calibrate import cluster_policy
 from smetric.sim.cluster import ClusterShape, Simulation
 from smetric.sim.config import SimConfig
+from smetric.sim.policy import cluster_policy
 from smetric.sim.workload import build_workload
 from smetric.trace.schema import Trace
 
