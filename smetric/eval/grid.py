@@ -1,4 +1,4 @@
-"""The policy grid of issue 10: every policy's knee in every cell, and the verdict.
+"""The policy grid: every policy's knee in every cell, and the verdict.
 
 A cell is a trace, a global tier, a fetch mode (``kv_load``) and a KV room (hardware and
 KV dtype). Each (cell, policy) pair is its own knee search whose first load depends only
@@ -24,7 +24,7 @@ from smetric.sim.parallel import RunStore
 from smetric.trace.schema import Trace
 
 CELL_FIELDS = ("trace", "tier", "kv_load", "hardware")
-# The verdict's thresholds (issue 10 §3): within 1 % of the best baseline, at least 5 % ahead.
+# The verdict's thresholds: within 1 % of the best baseline (a tie), at least 5 % ahead (a win).
 WITHIN, AHEAD = -1.0, 5.0
 
 # Loads the trace a configuration names (once per trace of the preset).
