@@ -68,7 +68,7 @@ class SMetricCost(RoutingPolicy):
     # What the hardware sets (``source="hardware"``): the simulator derives these from the
     # cluster it simulates (``model.calibrate``); the router takes them from the policy spec.
     prefill_tps: float = setting(
-        14_300.0, "Prefill rate with no context before the chunk, tokens/s.",
+        14_200.0, "Prefill rate with no context before the chunk, tokens/s.",
         gt=0, lt=math.inf, source="hardware",
     )  # fmt: skip
     attn_tokens: float = setting(
