@@ -8,8 +8,8 @@ import typer
 
 from smetric.cli.app import app, console, user_errors
 from smetric.engine import EngineConfig, run_engine
+from smetric.model.perf import load_hardware, load_model
 from smetric.serve.listen import listen
-from smetric.sim.perf import load_hardware, load_model
 
 
 @app.command()

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from smetric.cli.app import app, console, user_errors
-from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import disaggregation_from, engines_from, router_options
 from smetric.serve.disagg import DECODE_POLICIES

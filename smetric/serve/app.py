@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestError
 from smetric.core.parsing import decode_body
-from smetric.core.policy import DEFAULT_POLICY
+from smetric.core.policies import DEFAULT_POLICY
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.auth import require_key
 from smetric.serve.disagg import Disaggregation

@@ -42,7 +42,7 @@ from typing import Any
 
 from aiohttp import web
 
-from smetric.core.policies import RoundRobin
+from smetric.core.policies.ties import TieBreaker
 from smetric.serve.dispatch import PREDICTED_HIT_HEADER, Call, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error
@@ -91,7 +91,7 @@ class Disaggregation:
     decode_urls: frozenset[str]
     decode_policy: str = "least_kv"
     staleness_s: float = 5.0
-    _turns: RoundRobin = field(default_factory=RoundRobin)
+    _turns: TieBreaker = field(default_factory=TieBreaker)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

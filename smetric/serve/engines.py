@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.kv_events import EventIndex
-from smetric.core.policy import reusable_hit_tokens
 from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.backends import VLLM, EngineBackend
 from smetric.serve.scrape import EngineReport

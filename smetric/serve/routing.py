@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.conversation import RequestFacts
-from smetric.core.policy import ClusterView, make_policy, reusable_hit_tokens
+from smetric.core.policies import ClusterView, make_policy
 from smetric.serve.engines import Engine
 from smetric.serve.global_tier import GlobalTierView
 from smetric.serve.identity import ANONYMOUS, AgentIdentity
