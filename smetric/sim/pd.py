@@ -48,6 +48,7 @@ from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.metrics import (
     _percentiles,
     imbalance,
+    measured_windows,
     summarize,
     window_edges,
     with_latencies,
@@ -322,7 +323,7 @@ def disaggregated_summary(
     summary["tps_within_slo"] = float(met["prompt_tokens"].sum()) / measured
     summary["tps"] = float(done["prompt_tokens"].sum()) / measured
     summary["load_heatmap"] = loads.tolist()
-    summary["imbalance"] = imbalance(loads)
+    summary["imbalance"] = imbalance(loads, measured_windows(warmup_s, window_s))
     if not full:
         summary["tpot_s"] = _percentiles(np.array([]))
     prefill_ttft = after.filter(pl.col("prefill_done_s") <= horizon)["prefill_ttft_s"]
