@@ -24,9 +24,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
 from smetric.report.terminal import Section, pct, seconds, times
-from smetric.sim.metrics import measured_windows
 
 # Tableau 10 without its grey, which would read as the "miss" segment of the reuse bars.
 PALETTE = (
