@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +42,8 @@ from smetric.core.conversation import (
 )
 from smetric.core.parsing import decode_body
 from smetric.core.policy import DEFAULT_POLICY, ClusterView, make_policy, reusable_hit_tokens
+from smetric.record.identity import body_trigger, harness_identity
+from smetric.record.recorder import Observation, Recorder
 from smetric.serve.auth import require_key
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error, error_body, error_response, errors_as_json
@@ -118,6 +120,8 @@ class Delivery:
     tags: dict[str, str]
     facts: RequestFacts | None = None
     predicted: int = 0
+    # Told of the response once it ended well, with what the engine reported (recorder).
+    observe: Callable[[Engine, UsageTap], None] | None = None
 
 
 @dataclass
@@ -133,6 +137,8 @@ class Router:
     subscribers: dict[str, KVEventSubscriber] = field(default_factory=dict)
     # Prefill and decode roles of the engines, when they serve disaggregated (disagg.py).
     disagg: Disaggregation | None = None
+    # Writes a trace of the requests served (``smetric.record``).
+    recorder: Recorder | None = None
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -190,6 +196,8 @@ class Router:
         )
         for subscriber in self.subscribers.values():
             await subscriber.start()
+        if self.recorder is not None:
+            self.recorder.start()
         tasks = [asyncio.create_task(self._check_health_forever())]
         if self.settings.scrape_interval_s > 0:
             tasks.append(asyncio.create_task(self._scrape_forever()))
@@ -204,6 +212,8 @@ class Router:
             await asyncio.gather(*tasks)
         for subscriber in self.subscribers.values():
             await subscriber.close()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
         await self.client.close()
 
     # -- proxying ------------------------------------------------------------------------
@@ -215,6 +225,7 @@ class Router:
         return handle
 
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
+        arrival = time.time()
         try:
             raw = await self._read_body(request)
         except BodyError as exc:
@@ -235,7 +246,10 @@ class Router:
         try:
             if self.disagg is not None:
                 return await self.disagg.serve(self, request, path, body, facts)
-            return await self._forward(request, path, raw, facts)
+            observe = None
+            if self.recorder is not None:
+                observe = self._observer(request, body, facts, arrival)
+            return await self._forward(request, path, raw, facts, observe)
         finally:
             self.metrics.latency.labels(api).observe(time.perf_counter() - started)
 
@@ -283,8 +297,16 @@ class Router:
     def route(
         self, facts: RequestFacts, engines: list[Engine], loads: list[float] | None = None
     ) -> tuple[Engine, int]:
-        """The policy's pick among ``engines`` and its predicted hit; ``loads`` replaces
-        the in-flight requests as load (disaggregated prefills: unprefilled tokens).
+        """The policy's pick among ``engines`` and its predicted hit (``decide``)."""
+        engine, predicted, _ = self.decide(facts, engines, loads)
+        return engine, predicted
+
+    def decide(
+        self, facts: RequestFacts, engines: list[Engine], loads: list[float] | None = None
+    ) -> tuple[Engine, int, str]:
+        """The policy's pick among ``engines``, its predicted hit and the decision's
+        branch; ``loads`` replaces the in-flight requests as load (disaggregated
+        prefills: unprefilled tokens).
 
         The predicted hit is the better of the engine's local hit and the global tier's,
         as the simulator's instance counts a queued request's unprefilled tokens and as
@@ -333,21 +355,67 @@ class Router:
                     }
                 )
             )
-        return engine, predicted
+        return engine, predicted, decision.branch
+
+    def _observer(
+        self, request: web.Request, body: dict, facts: RequestFacts, arrival: float
+    ) -> Callable[[Engine, UsageTap, str], None]:
+        """What the recorder is told once the response ended; read from the request now,
+        queued then (``Recorder.observe`` never waits)."""
+        recorder = self.recorder
+        assert recorder is not None
+        identity = harness_identity(request.headers, body)
+        trigger = body_trigger(body)
+
+        def observe(engine: Engine, usage: UsageTap, branch: str) -> None:
+            recorder.observe(
+                Observation(
+                    arrival_s=arrival,
+                    completion_s=time.time(),
+                    blocks=facts.blocks,
+                    prompt_tokens=facts.prompt_tokens,
+                    output_tokens=usage.output_tokens(),
+                    cached_tokens=usage.cached_tokens(),
+                    turn=facts.turn,
+                    conversation=facts.session_key,
+                    engine=engine.url,
+                    branch=branch,
+                    trigger=trigger,
+                    session=identity.session,
+                    agent=identity.agent,
+                    parent_agent=identity.parent_agent,
+                )
+            )
+
+        return observe
 
     async def _forward(
-        self, request: web.Request, path: str, raw: bytes, facts: RequestFacts
+        self,
+        request: web.Request,
+        path: str,
+        raw: bytes,
+        facts: RequestFacts,
+        observe: Callable[[Engine, UsageTap, str], None] | None = None,
     ) -> web.StreamResponse:
         headers = self.upstream_headers(request)
+        branch = ""
+
+        def choose(candidates: list[Engine]) -> tuple[Engine, int]:
+            nonlocal branch
+            engine, predicted, branch = self.decide(facts, candidates)
+            return engine, predicted
+
+        def observed(engine: Engine, usage: UsageTap) -> None:
+            assert observe is not None
+            observe(engine, usage, branch)
 
         async def send(attempt: Attempt, predicted: int) -> web.StreamResponse:
             await attempt.send(path, raw, headers)
             tags = {ENGINE_HEADER: attempt.engine.url, PREDICTED_HIT_HEADER: str(predicted)}
-            return await self.answer(request, attempt, Delivery(tags, facts, predicted))
+            delivery = Delivery(tags, facts, predicted, observed if observe else None)
+            return await self.answer(request, attempt, delivery)
 
-        return await self.try_engines(
-            "engine", self.engines, lambda c: self.route(facts, c), facts.prompt_tokens, send
-        )
+        return await self.try_engines("engine", self.engines, choose, facts.prompt_tokens, send)
 
     async def try_engines(
         self,
@@ -429,8 +497,11 @@ class Router:
             response = engine_error(upstream.status, body)
         else:
             if delivery.facts is not None:
+                usage = UsageTap.of(body)
                 self.served(attempt.engine, delivery.facts, delivery.predicted)
-                self.count_cached(attempt.engine, UsageTap.of(body))
+                self.count_cached(attempt.engine, usage)
+                if delivery.observe is not None:
+                    delivery.observe(attempt.engine, usage)
             response = web.Response(body=body, status=upstream.status)
             response.content_type = upstream.content_type or "application/json"
         response.headers.update(delivery.tags)
@@ -461,6 +532,8 @@ class Router:
                 chunk = await attempt.read()
             if delivery.facts is not None:  # before the client can see the end and ask
                 self.count_cached(engine, usage)
+                if delivery.observe is not None:
+                    delivery.observe(engine, usage)
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
             log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
@@ -640,16 +713,30 @@ class UsageTap:
             self.kept -= len(self.chunks.popleft())
 
     def cached_tokens(self) -> int | None:
-        tail = b"".join(self.chunks)[-self.KEEP :]
-        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
-            if b'"usage"' not in piece:
-                continue
-            try:
-                usage = json.loads(piece).get("usage") or {}
-            except (ValueError, AttributeError):
-                continue
+        for usage in self._usages():
             details = usage.get("prompt_tokens_details") or {}
             cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
             if isinstance(cached, int):
                 return cached
         return None
+
+    def output_tokens(self) -> int | None:
+        """OpenAI's ``completion_tokens`` or Anthropic's ``output_tokens``."""
+        for usage in self._usages():
+            tokens = usage.get("completion_tokens", usage.get("output_tokens"))
+            if isinstance(tokens, int):
+                return tokens
+        return None
+
+    def _usages(self) -> Iterator[dict]:
+        """The ``usage`` objects in the kept tail, last first."""
+        tail = b"".join(self.chunks)[-self.KEEP :]
+        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
+            if b'"usage"' not in piece:
+                continue
+            try:
+                usage = json.loads(piece).get("usage")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(usage, dict):
+                yield usage
