@@ -532,8 +532,6 @@ class Router:
                 chunk = await attempt.read()
             if delivery.facts is not None:  # before the client can see the end and ask
                 self.count_cached(engine, usage)
-                if delivery.observe is not None:
-                    delivery.observe(engine, usage)
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
             log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
@@ -542,6 +540,11 @@ class Router:
             message = error_body(502, f"engine connection lost: {fault}")
             with contextlib.suppress(ConnectionResetError):
                 await response.write(f"data: {json.dumps(message)}\n\n".encode())
+        finally:
+            # However the stream ended: a client that read [DONE] and hung up before the
+            # engine's end of stream cancels this handler, its request served all the same.
+            if delivery.observe is not None:
+                delivery.observe(engine, usage)
         return response
 
     def served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
