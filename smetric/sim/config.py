@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 import yaml
 
-from smetric.core.policy import POLICY_NAMES
+from smetric.core.policies import POLICY_NAMES
+from smetric.metrics.slo import SLOConfig
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ClusterConfig:
     nics_per_server: int = 4
     nic_gb_s: float = 21.7
     pcie_gb_s: float = 50.0
+    # What the connector reaches end to end on top of those links (presets/tiers.toml):
+    # "line-rate" (the paper's testbed), "lmcache-cpu", "mooncake-rdma", "mooncake-tcp".
+    global_medium: str = "line-rate"
     # How an admitted request reads the global tier: "sync" loads before the forward pass
     # and stretches that step (LMCache's default), "async" holds the request, not the batch.
     kv_load: str = "sync"
@@ -57,6 +61,27 @@ class ClusterConfig:
     decode_instances: int = 0
     decode_policy: str = "least_kv"
     assumed_tpot_s: float = 0.03
+    # Perturbations of the simulated world that the policies are not told about (their
+    # hardware constants come from the nominal cluster, ``nominal``): every global-tier
+    # link's rate scaled, every engine's compute-bound prefill work slowed, every
+    # instance's KV room scaled.
+    tier_bandwidth_scale: float = 1.0
+    prefill_slowdown: float = 1.0
+    kv_room_scale: float = 1.0
+
+
+PERTURBATIONS = ("tier_bandwidth_scale", "prefill_slowdown", "kv_room_scale")
+
+
+def nominal(cluster: ClusterConfig) -> ClusterConfig:
+    """The cluster as its operator believes it to be: no perturbation."""
+    return dataclasses.replace(cluster, **{name: 1.0 for name in PERTURBATIONS})
+
+
+def check_perturbations(cluster: ClusterConfig) -> None:
+    for name in PERTURBATIONS:
+        if not getattr(cluster, name) > 0:
+            raise ValueError(f"{name} must be positive, got {getattr(cluster, name)}")
 
 
 @dataclass(frozen=True)
@@ -73,21 +98,6 @@ class WorkloadConfig:
     sample: float = 1.0
     speed: float = 1.0
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class SLOConfig:
-    """TTFT SLO = ttft_base_s + ttft_per_token_s x input tokens; TPOT SLO fixed.
-
-    Defaults: 1 s plus 0.25 ms per prompt token, about four times what an H20 needs to
-    prefill a token of Qwen3-30B-A3B without any cache hit (16.6 k tokens/s measured), so
-    a request meets it unless it queues or recomputes far more than its share; 30 ms TPOT
-    as in the paper.
-    """
-
-    ttft_base_s: float = 1.0
-    ttft_per_token_s: float = 0.00025
-    tpot_s: float = 0.030
 
 
 @dataclass(frozen=True)
