@@ -10,7 +10,6 @@ import polars as pl
 import pytest
 
 from smetric.core.blocks import chain_hashes
-from smetric.record.identity import body_trigger, harness_identity
 from smetric.record.recorder import (
     MANIFEST,
     SEGMENT_GLOB,
@@ -20,6 +19,7 @@ from smetric.record.recorder import (
     read_salt,
 )
 from smetric.record.salt import siphash24
+from smetric.record.trigger import body_trigger
 from smetric.trace.load import count_units, detect_format, load_trace
 from smetric.trace.schema import Trigger
 
@@ -185,16 +185,7 @@ def test_a_salt_file_must_be_long_enough(tmp_path: Path) -> None:
     assert read_salt(short) == SALT
 
 
-def test_harness_headers_and_the_body_say_who_and_why() -> None:
-    headers = {
-        "x-claude-code-session-id": "s1",
-        "x-claude-code-agent-id": "a2",
-        "x-claude-code-parent-agent-id": "a1",
-    }
-    assert harness_identity(headers, {}) == harness_identity(headers, {"prompt_cache_key": "k"})
-    assert harness_identity(headers, {}).parent_agent == "a1"
-    assert harness_identity({}, {"prompt_cache_key": "k"}).session == "k"
-    assert harness_identity({}, {}).session is None
+def test_the_body_says_whether_a_user_or_the_agent_loop_sent_it() -> None:
     tool = {"messages": [{"role": "user", "content": "go"}, {"role": "tool", "content": "ok"}]}
     result = {"role": "user", "content": [{"type": "tool_result", "content": "ok"}]}
     assert body_trigger(tool) == Trigger.AGENT

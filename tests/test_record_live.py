@@ -21,7 +21,10 @@ from typer.testing import CliRunner
 
 from smetric.cli import app
 from smetric.engine import EngineConfig, create_app
+from smetric.record.recorder import Recorder, RecordSettings
 from smetric.replay import Replayer, ReplayOptions
+from smetric.serve.app import Router, RouterSettings
+from smetric.serve.engines import Engine
 from smetric.testing.engines import free_port
 from smetric.trace.analysis import analyze
 from smetric.trace.load import load_trace
@@ -162,3 +165,51 @@ def test_the_recording_replays_at_its_own_arrivals(recording: tuple[Path, Replay
     again = asyncio.run(replay())
     done = [r for r in again.records.values() if r.finished_s is not None]
     assert len(done) > 5 and any(r.turn > 0 and r.cached_tokens > 0 for r in done)
+
+
+def test_harness_headers_name_the_session_and_the_spawning_agent(tmp_path: Path) -> None:
+    """Claude Code's headers, through the router: a root agent and the sub-agent it
+    spawns share a session, and the sub-agent's first call continues the root's."""
+
+    async def scenario() -> None:
+        engine = TestServer(create_app(EngineConfig(speed=0.0001)), host="127.0.0.1")
+        await engine.start_server()
+        recorder = Recorder(RecordSettings(tmp_path, salt=b"a salt for this test only"))
+        router = Router(
+            [Engine(f"http://127.0.0.1:{engine.port}", 4096)],
+            RouterSettings(health_interval_s=60),
+            recorder=recorder,
+        )
+        front = TestServer(router.app(), host="127.0.0.1")
+        await front.start_server()
+        root = {"x-claude-code-session-id": "s-1", "x-claude-code-agent-id": "root"}
+        child = {**root, "x-claude-code-agent-id": "sub", "x-claude-code-parent-agent-id": "root"}
+        task = [{"role": "user", "content": "fix the build " * 20}]
+        calls = [
+            (root, task),
+            (root, [*task, {"role": "assistant", "content": "on it"},
+                    {"role": "tool", "content": "log " * 40}]),
+            (child, [{"role": "user", "content": "find the failing test " * 20}]),
+        ]  # fmt: skip
+        try:
+            async with aiohttp.ClientSession() as client:
+                for headers, messages in calls:
+                    body = {"messages": messages, "max_tokens": 4}
+                    async with client.post(
+                        f"http://127.0.0.1:{front.port}/v1/chat/completions",
+                        json=body,
+                        headers=headers,
+                    ) as reply:
+                        assert reply.status == 200
+                        await reply.read()
+        finally:
+            await front.close()  # the router's shutdown writes the last segment
+            await engine.close()
+
+    asyncio.run(scenario())
+    rows = load_trace(tmp_path).requests
+    assert rows.height == 3 and rows["session_id"].n_unique() == 1
+    assert rows["agent_id"].to_list()[:2] == ["main", "main"]
+    assert rows["trigger"].to_list() == ["user", "agent", "agent"]
+    assert rows["parent_id"].to_list() == [None, 0, 1]
+    assert rows["output_tokens"].to_list() == [4, 4, 4]
