@@ -34,7 +34,7 @@ from smetric.cli.simulate import (
     command_config,
     global_levels,
 )
-from smetric.core.policy import DEFAULT_POLICY
+from smetric.core.policies import DEFAULT_POLICY
 from smetric.report.knee import knee_markdown
 from smetric.report.run_tables import knee_table
 from smetric.report.tables import check_format, emit

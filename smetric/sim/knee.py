@@ -16,21 +16,10 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from smetric.core.policies import is_ours
 from smetric.sim.config import SimConfig
 from smetric.sim.parallel import Job, RunStore, run_sweep
 from smetric.trace.schema import Trace
-
-
-def base_name(spec: str) -> str:
-    return spec.partition(":")[0].strip()
-
-
-def is_ours(spec: str) -> bool:
-    """The policies this project proposes are the SMetric family (``smetric``,
-    ``smetric_cost`` and any ``smetric_*`` added later, at any setting); every other
-    policy is a baseline."""
-    name = base_name(spec)
-    return name == "smetric" or name.startswith("smetric_")
 
 
 @dataclass(frozen=True)
@@ -84,6 +73,21 @@ def knee_of(runs: Mapping[float, Sequence[float]]) -> Knee:
     means = {load: statistics.fmean(values) for load, values in runs.items()}
     best = max(sorted(means), key=lambda load: (means[load], -load))
     values = tuple(runs[best])
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return Knee(best, means[best], spread, values, dict(sorted(means.items())))
+
+
+def best_of(knee: Knee, runs: Mapping[float, Sequence[float]]) -> Knee:
+    """The knee over the search's probes and further runs of the same cell (a rate
+    sweep's points, each with its per-seed values): a policy's maximum TPS within SLO is
+    its best over every load it was run at, whichever figure ran it."""
+    means = dict(knee.probes)
+    per_seed = {knee.load: knee.seeds}
+    for load, values in runs.items():
+        means[load] = statistics.fmean(values)
+        per_seed[load] = tuple(values)
+    best = max(sorted(per_seed), key=lambda load: (means[load], -load))
+    values = per_seed[best]
     spread = statistics.stdev(values) if len(values) > 1 else 0.0
     return Knee(best, means[best], spread, values, dict(sorted(means.items())))
 
