@@ -13,8 +13,9 @@ import yaml
 from smetric.cli.app import app, console, user_errors
 from smetric.core.kv_events import EventIndex
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
-from smetric.serve.disagg import DECODE_POLICIES, disaggregation_from
+from smetric.serve.disagg import disaggregation_from
 from smetric.serve.engines import Engine
 from smetric.serve.global_tier import GLOBAL_TIERS
 from smetric.serve.kv_subscriber import KVEventSubscriber
@@ -225,7 +226,7 @@ def serve(
     ] = None,
     decode_policy: Annotated[
         str,
-        typer.Option(help=f"How the decode engine is chosen: {', '.join(DECODE_POLICIES)}."),
+        typer.Option(help=f"How the decode engine is chosen: {', '.join(DECODE_POLICY_NAMES)}."),
     ] = "least_kv",
     tokenizer: Annotated[
         str,
