@@ -153,12 +153,21 @@ class RouterMetrics:
         for url in engines:
             self.engine_joined(url, True)
 
-    _PER_ENGINE = ("inflight", "unprefilled", "healthy", "view_blocks", "predicted", "reported")
+    _PER_ENGINE = (
+        "inflight",
+        "unprefilled",
+        "healthy",
+        "view_blocks",
+        "predicted",
+        "reported",
+        "stalls",
+    )
 
     def engine_joined(self, url: str, healthy: bool) -> None:
         self.healthy.labels(url).set(1 if healthy else 0)
         self.inflight.labels(url).set(0)
         self.unprefilled.labels(url).set(0)
+        self.stalls.labels(url)
 
     def exposition(self, engines: Iterable[Engine]) -> bytes:
         """The text format, with the engines' gauges read now."""
