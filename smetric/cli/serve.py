@@ -265,7 +265,9 @@ def serve(
             "global_tier_tokens": global_tier_tokens,
         }
         options.update({name: value for name, value in flags.items() if value is not None})
-        settings = RouterSettings(api_keys=frozenset(api_key or []), **options)
+        if api_key:
+            options["api_keys"] = frozenset(api_key)
+        settings = RouterSettings(**options)
         disaggregated = disaggregation_from(
             prefill_engine or [], decode_engine or [], config, kv_blocks, decode_policy
         )
