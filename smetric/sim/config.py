@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from smetric.core.policies import POLICY_NAMES
+from smetric.core.policies.decode import make_decode_policy
 from smetric.metrics.slo import SLOConfig
 
 
@@ -173,7 +174,6 @@ def dump_yaml(config: SimConfig, path: Path) -> None:
 
 
 KV_LOAD_MODES = ("sync", "async")
-DECODE_POLICIES = ("least_kv", "least_requests", "round_robin")
 
 
 def check_disaggregation(cluster: ClusterConfig) -> None:
@@ -182,10 +182,7 @@ def check_disaggregation(cluster: ClusterConfig) -> None:
         raise ValueError("prefill and decode instance counts must not be negative")
     if cluster.decode_instances and not cluster.prefill_instances:
         raise ValueError("decode instances need prefill instances (--prefill-instances N)")
-    if cluster.decode_policy not in DECODE_POLICIES:
-        raise ValueError(
-            f"decode policy {cluster.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
-        )
+    make_decode_policy(cluster.decode_policy)
 
 
 def check_kv_load(mode: str) -> str:
