@@ -15,11 +15,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import events_engine
 from smetric.testing.engines import free_port, http_get
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import FaultyEngine
 from smetric.testing.prometheus import prometheus_binary, run_prometheus
+
+from conftest import events_engine
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "smetric.json"
 

@@ -74,7 +74,7 @@ def test_manifest_validates(name: str, doc: dict[str, Any]) -> None:
 
 
 def test_a_broken_manifest_is_caught() -> None:
-    name, doc = next((n, d) for n, d in documents() if d["kind"] == "Deployment")
+    doc = next(d for _, d in documents() if d["kind"] == "Deployment")
     broken = json.loads(json.dumps(doc))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["periodSecond"] = 5
     with pytest.raises(kubernetes_validate.ValidationError):

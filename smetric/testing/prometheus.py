@@ -92,9 +92,11 @@ def _wait_ready(prometheus: Prometheus, process: subprocess.Popen, timeout_s: fl
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(prometheus.url + "/-/ready", timeout=2) as reply:
-                if reply.status == 200:
-                    return True
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(prometheus.url + "/-/ready", timeout=2) as reply,
+        ):
+            if reply.status == 200:
+                return True
         time.sleep(0.2)
     raise RuntimeError("prometheus did not become ready")
