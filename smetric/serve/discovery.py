@@ -20,14 +20,17 @@ import contextlib
 import ipaddress
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import dns.asyncresolver
 import dns.exception
 import dns.rdatatype
 import dns.resolver
+
+from smetric.serve.engines import Engine
 
 log = logging.getLogger("smetric.serve")
 
@@ -197,3 +200,63 @@ async def first_engines(
         if loop.time() >= deadline:
             raise ValueError(f"no engine found at {target.name} within {wait_s:g} s")
         await asyncio.sleep(interval_s)
+
+
+class Membership(Protocol):
+    """What discovery changes: an engine pool (``serve.pool.EnginePool``)."""
+
+    engines: list[Engine]
+
+    async def add(self, engine: Engine) -> None: ...
+
+    async def remove(self, url: str) -> Engine | None: ...
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """``--discover``, ``--discover-interval`` and ``--dns-server``, checked."""
+
+    target: DnsTarget
+    interval_s: float = 5.0
+    server: str | None = None
+    # How long to look for the first engines before giving up.
+    wait_s: float = 60.0
+
+    @classmethod
+    def parse(cls, spec: str, interval_s: float, server: str | None) -> Discovery:
+        resolver_for(server)  # a bad server address fails here, before anything starts
+        return cls(DnsTarget.parse(spec), interval_s, server)
+
+    def resolver(self) -> dns.asyncresolver.Resolver:
+        return resolver_for(self.server, timeout_s=min(2.0, max(0.2, self.interval_s)))
+
+    def first(self) -> set[str]:
+        """The engines to start with (blocking: called before the server starts)."""
+        return asyncio.run(first_engines(self.target, self.resolver(), self.wait_s, 1.0))
+
+    def keep(
+        self, pool: Membership, make_engine: Callable[[str], Engine]
+    ) -> Callable[[object], AsyncIterator[None]]:
+        """An aiohttp cleanup context that keeps ``pool`` in step with DNS while it runs."""
+
+        async def join(url: str) -> None:
+            await pool.add(make_engine(url))
+
+        async def leave(url: str) -> None:
+            await pool.remove(url)
+
+        async def context(app: object) -> AsyncIterator[None]:
+            discovery = DnsDiscovery(
+                self.target,
+                self.resolver(),
+                lambda: {e.url for e in pool.engines},
+                join,
+                leave,
+                self.interval_s,
+            )
+            await discovery.refresh()
+            discovery.start()
+            yield
+            await discovery.close()
+
+        return context
