@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 
 from smetric.cli.app import app, console, load_with_progress, user_errors
-from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.demo import DemoOptions, DemoState, run_demo
 from smetric.trace.load import DEFAULT_SAMPLE
 
@@ -38,7 +38,7 @@ def branch_counts(state: DemoState) -> dict[str, float]:
         return {}
     registry = state.router.metrics.registry
     counts = {}
-    for branch in state.router.policy.branches:
+    for branch in state.router.core.policy.branches:
         value = registry.get_sample_value("smetric_routing_decisions_total", {"branch": branch})
         counts[branch] = value or 0.0
     return counts

@@ -12,7 +12,7 @@ import typer
 
 from smetric.cli.app import app, console, err_console, user_errors
 from smetric.cli.serve import engines_from, router_options
-from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.tokenizers import make_tokenizer
 
@@ -101,11 +101,13 @@ def pick(
         router = Router(
             engines,
             RouterSettings(
-                policy=policy,
-                block_size=block_size,
-                health_interval_s=health_interval,
-                scrape_interval_s=scrape_interval,
-                **router_options(config),
+                **{
+                    **router_options(config),
+                    "policy": policy,
+                    "block_size": block_size,
+                    "health_interval_s": health_interval,
+                    "scrape_interval_s": scrape_interval,
+                }
             ),
             tokenizer=encoder,
             template=template,

@@ -13,13 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from smetric.eval.preset import check_keys, positive, read_preset
-from smetric.sim.config import (
-    SimConfig,
-    SLOConfig,
-    check_kv_load,
-    from_dict,
-    parse_global_capacity,
-)
+from smetric.metrics.slo import SLOConfig
+from smetric.sim.config import SimConfig, check_kv_load, from_dict, parse_global_capacity
 
 GRID_PRESETS = ("grid-quick",)
 KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")

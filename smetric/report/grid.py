@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from smetric.core.policies import is_ours
 from smetric.eval.grid import AHEAD, WITHIN, cell_verdict, means_of, verdict_summary
 from smetric.report.markdown import markdown_table
-from smetric.sim.knee import is_ours
 
 
 def _k(value: float) -> str:

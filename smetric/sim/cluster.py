@@ -15,18 +15,10 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
-from smetric.sim.config import (
-    ClusterConfig,
-    check_kv_load,
-    check_perturbations,
-    parse_global_capacity,
-)
-from smetric.sim.holders import HolderIndex
-from smetric.sim.instance import EngineLimits, Instance, SimRequest
-from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
-from smetric.sim.metrics import RequestLog
-from smetric.sim.perf import (
+from smetric.core.blocks import reusable_hit_tokens
+from smetric.core.policies import ClusterView, Policy, RoutingRequest
+from smetric.model.kv import GlobalTier, Link, LocalPool, Route
+from smetric.model.perf import (
     Corrections,
     StepTimeModel,
     kv_bytes_per_token,
@@ -35,6 +27,15 @@ from smetric.sim.perf import (
     load_medium,
     load_model,
 )
+from smetric.sim.config import (
+    ClusterConfig,
+    check_kv_load,
+    check_perturbations,
+    parse_global_capacity,
+)
+from smetric.sim.holders import HolderIndex
+from smetric.sim.instance import EngineLimits, Instance, SimRequest
+from smetric.sim.request_log import RequestLog
 from smetric.sim.workload import SimWorkload
 from smetric.trace.compose import ClosedLoopIssuer
 
