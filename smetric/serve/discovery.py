@@ -214,49 +214,50 @@ class Membership(Protocol):
 
 @dataclass(frozen=True)
 class Discovery:
-    """``--discover``, ``--discover-interval`` and ``--dns-server``, checked."""
+    """``--discover``, ``--discover-interval`` and ``--dns-server``, checked; engines found
+    get ``kv_blocks`` for their prefix index, as ``--kv-blocks`` gives listed ones."""
 
     target: DnsTarget
     interval_s: float = 5.0
     server: str | None = None
+    kv_blocks: int = 16384
     # How long to look for the first engines before giving up.
     wait_s: float = 60.0
 
     @classmethod
-    def parse(cls, spec: str, interval_s: float, server: str | None) -> Discovery:
+    def parse(cls, spec: str, interval_s: float, server: str | None, kv_blocks: int) -> Discovery:
         resolver_for(server)  # a bad server address fails here, before anything starts
-        return cls(DnsTarget.parse(spec), interval_s, server)
+        return cls(DnsTarget.parse(spec), interval_s, server, kv_blocks)
 
     def resolver(self) -> dns.asyncresolver.Resolver:
         return resolver_for(self.server, timeout_s=min(2.0, max(0.2, self.interval_s)))
 
-    def first(self) -> set[str]:
+    def first(self) -> list[str]:
         """The engines to start with (blocking: called before the server starts)."""
-        return asyncio.run(first_engines(self.target, self.resolver(), self.wait_s, 1.0))
+        found = asyncio.run(first_engines(self.target, self.resolver(), self.wait_s, 1.0))
+        return sorted(found)
 
-    def keep(
-        self, pool: Membership, make_engine: Callable[[str], Engine]
-    ) -> Callable[[object], AsyncIterator[None]]:
-        """An aiohttp cleanup context that keeps ``pool`` in step with DNS while it runs."""
+    @contextlib.asynccontextmanager
+    async def kept(self, pool: Membership) -> AsyncIterator[None]:
+        """Keep ``pool`` in step with DNS while the block runs."""
 
         async def join(url: str) -> None:
-            await pool.add(make_engine(url))
+            await pool.add(Engine(url, self.kv_blocks))
 
         async def leave(url: str) -> None:
             await pool.remove(url)
 
-        async def context(app: object) -> AsyncIterator[None]:
-            discovery = DnsDiscovery(
-                self.target,
-                self.resolver(),
-                lambda: {e.url for e in pool.engines},
-                join,
-                leave,
-                self.interval_s,
-            )
-            await discovery.refresh()
-            discovery.start()
+        discovery = DnsDiscovery(
+            self.target,
+            self.resolver(),
+            lambda: {e.url for e in pool.engines},
+            join,
+            leave,
+            self.interval_s,
+        )
+        await discovery.refresh()
+        discovery.start()
+        try:
             yield
+        finally:
             await discovery.close()
-
-        return context
