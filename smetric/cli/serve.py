@@ -10,6 +10,7 @@ import typer
 
 from smetric.cli.app import app, console, user_errors
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
+from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import disaggregation_from, engines_from, router_options
 from smetric.serve.disagg import DECODE_POLICIES
@@ -236,6 +237,41 @@ def serve(
     discover_interval: DiscoverIntervalOpt = 5.0,
     dns_server: DnsServerOpt = None,
     drain_timeout: DrainTimeoutOpt = None,
+    record: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a trace of the requests served into this folder: per request its "
+            "salted block ids, arrival and completion times, token counts, turn, session, "
+            "agent, trigger, engine and branch, nothing else (no text, no header values). "
+            "Read it with analyze, simulate, replay and plan.",
+            rich_help_panel="Recording",
+        ),
+    ] = None,
+    record_max_mb: Annotated[
+        int,
+        typer.Option(
+            help="Megabytes the recording may hold; the oldest segments go first.",
+            min=1,
+            rich_help_panel="Recording",
+        ),
+    ] = 1024,
+    record_rotate: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between recording segments (each one zstd-compressed Parquet).",
+            min=0.1,
+            rich_help_panel="Recording",
+        ),
+    ] = 300.0,
+    record_salt_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The deployment's salt (16 bytes or more, e.g. head -c 32 /dev/urandom): "
+            "recordings with the same salt compare across restarts and replicas. Without "
+            "one, a fresh salt lives in memory only and the recording stands alone.",
+            rich_help_panel="Recording",
+        ),
+    ] = None,
     log_level: Annotated[
         str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
     ] = "info",
@@ -298,6 +334,19 @@ def serve(
             share_metrics_between_processes()
         by_engine = tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
+        recorder = None
+        if record is not None:
+            salt = None if record_salt_file is None else read_salt(record_salt_file)
+            recorder = Recorder(
+                RecordSettings(
+                    record,
+                    max_bytes=record_max_mb << 20,
+                    rotate_s=record_rotate,
+                    salt=salt,
+                    block_size=settings.block_size,
+                    tokenizer=tokenizer,
+                )
+            )
         router = Router(
             engines,
             settings,
@@ -307,6 +356,7 @@ def serve(
             subscribers=subscribers,
             disagg=disagg,
             discovery=discovery,
+            recorder=recorder,
         )
         # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
         sockets = listen(host, port, workers)

@@ -9,7 +9,9 @@ This module is wiring only. The parts, each behind a small interface:
   HTTP, shared with other front doors;
 - ``serve.forwarding.Forwarder``: attempts, retries, relay, usage, and the completion
   observers (``Router.observers``);
-- ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``.
+- ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``;
+- ``record.Recorder``, where one is given: a completion observer writing a trace of the
+  requests served (``serve --record``).
 
 A request counts as in flight from the moment it is routed until its response ends, fails
 or the client goes away (``serve.upstream``).
@@ -32,6 +34,8 @@ from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestError
 from smetric.core.parsing import decode_body
 from smetric.core.policies import DEFAULT_POLICY
+from smetric.record.recorder import Observation, Recorder
+from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.auth import require_key
 from smetric.serve.disagg import Disaggregation
@@ -116,6 +120,8 @@ class Router:
     disagg: Disaggregation | None = None
     # Engines that join and leave as DNS says (serve.discovery), beside those listed.
     discovery: Discovery | None = None
+    # Writes a trace of the requests served (``smetric.record``).
+    recorder: Recorder | None = None
 
     def __post_init__(self) -> None:
         settings = self.settings
@@ -173,6 +179,8 @@ class Router:
         self.dispatcher = (
             Colocated(self.wiring) if self.disagg is None else self.disagg.attach(self.wiring)
         )
+        if self.recorder is not None:
+            self.observers.append(self.record)
 
     @property
     def observers(self) -> list[CompletionObserver]:
@@ -207,11 +215,15 @@ class Router:
             timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
         )
         await self.pool.start(client)
+        if self.recorder is not None:
+            self.recorder.start()  # here, so that each forked worker runs its own writer
         async with contextlib.AsyncExitStack() as stack:
             if self.discovery is not None:
                 await stack.enter_async_context(self.discovery.kept(self.pool))
             yield
         await self.pool.close()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
         await client.close()
 
     # -- proxying ------------------------------------------------------------------------
@@ -244,6 +256,7 @@ class Router:
             identity.harness or "none", identity.role, identity.call(facts.turn)
         ).inc()
         completion = Completion(api, path, is_stream(body), facts, identity)
+        completion.trigger = body_trigger(body)
         call = Call(request, path, raw, body, facts, completion)
         try:
             response = await self.dispatcher.dispatch(call)
@@ -265,6 +278,37 @@ class Router:
             raise BodyError(413, f"request body too large: over {limit} bytes")
         encoding = request.headers.get("Content-Encoding", "")
         return decoded_body(await request.read(), encoding, limit)
+
+    def record(self, completion: Completion) -> None:
+        """Queue a request an engine served (the client hanging up included) for the
+        recorder; a disaggregated one under its prefill engine, where its prompt is."""
+        assert self.recorder is not None
+        engine = completion.prefill_engine or completion.engine
+        if engine is None or not 200 <= completion.status < 400:
+            return
+        facts, identity = completion.facts, completion.identity
+        self.recorder.observe(
+            Observation(
+                arrival_s=completion.received_at,
+                completion_s=completion.received_at + completion.duration_s,
+                blocks=facts.blocks,
+                prompt_tokens=facts.prompt_tokens,
+                output_tokens=completion.output_tokens,
+                cached_tokens=(
+                    completion.cached_tokens
+                    if completion.prefill_engine is None
+                    else completion.prefill_cached_tokens
+                ),
+                turn=facts.turn,
+                conversation=facts.session_key,
+                engine=engine,
+                branch=completion.branch or "",
+                trigger=completion.trigger,
+                session=identity.session,
+                agent=identity.agent,
+                parent_agent=identity.parent,
+            )
+        )
 
     # -- small endpoints -----------------------------------------------------------------
 

@@ -61,8 +61,8 @@ class AgentIdentity:
 
     def call(self, turn: int) -> str:
         """``first`` for the first call of this (sub-)agent's conversation (the body's
-        turn is 1: no earlier assistant message), else ``follow_up``."""
-        return "first" if turn <= 1 else "follow_up"
+        turn is 0: no earlier assistant message), else ``follow_up``."""
+        return "first" if turn == 0 else "follow_up"
 
     def labels(self, turn: int) -> dict[str, Any]:
         return {
