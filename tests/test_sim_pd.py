@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from test_sim import small_traces
 
 from smetric.core.policies import POLICY_NAMES, ClusterView, Decision, make_policy
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
-from smetric.sim.pd import DECODE_RULES, DisaggSimulation
+from smetric.sim.pd import DisaggSimulation
 from smetric.sim.run import simulate
 from smetric.sim.workload import build_workload
 
@@ -48,7 +49,7 @@ def run_to_completion(trace, config: SimConfig, policy: str) -> DisaggSimulation
     kv_tokens=st.integers(24, 60).map(lambda b: b * 16),
     glob=st.sampled_from(["none", "1x", "full"]),
     policy=st.sampled_from(POLICY_NAMES),
-    rule=st.sampled_from(sorted(DECODE_RULES)),
+    rule=st.sampled_from(sorted(DECODE_POLICY_NAMES)),
 )
 def test_disaggregated_runs_free_every_block_and_are_deterministic(
     trace, prefill, decode, kv_tokens, glob, policy, rule
@@ -179,7 +180,7 @@ def test_the_policys_load_is_unprefilled_prompt_tokens_on_prefill_instances_only
 
 def test_decode_rules_spread_a_burst_over_the_decode_instances() -> None:
     trace = first_turns(6, 4, 50)
-    for rule in DECODE_RULES:
+    for rule in DECODE_POLICY_NAMES:
         config = pd_config(1, 3, decode_policy=rule, kv_capacity_tokens=4096)
         config = config.override("workload", session_rate=100.0, duration_s=0.06)
         sim = run_to_completion(trace, config, "least_load")

@@ -10,10 +10,10 @@ import typer
 
 from smetric.cli.app import app, console, user_errors
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import disaggregation_from, engines_from, router_options
-from smetric.serve.disagg import DECODE_POLICIES
 from smetric.serve.discovery import Discovery
 from smetric.serve.listen import listen
 from smetric.serve.metrics import share_metrics_between_processes
@@ -196,7 +196,7 @@ def serve(
     ] = None,
     decode_policy: Annotated[
         str,
-        typer.Option(help=f"How the decode engine is chosen: {', '.join(DECODE_POLICIES)}."),
+        typer.Option(help=f"How the decode engine is chosen: {', '.join(DECODE_POLICY_NAMES)}."),
     ] = "least_kv",
     tokenizer: Annotated[
         str,

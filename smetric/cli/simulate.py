@@ -20,6 +20,7 @@ from smetric.cli.app import (
     user_errors,
 )
 from smetric.core.policies import POLICY_NAMES, base_name, hardware_params, make_policy
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.model.perf import load_medium
 from smetric.report.run_tables import (
     branches_table,
@@ -147,7 +148,7 @@ DecodeOpt = Annotated[
 ]
 DecodePolicyOpt = Annotated[
     str | None,
-    _opt("How the decode instance is chosen: least_kv, least_requests, round_robin.", CLUSTER),
+    _opt(f"How the decode instance is chosen: {', '.join(DECODE_POLICY_NAMES)}.", CLUSTER),
 ]
 RateOpt = Annotated[float | None, _opt("Session starts per second.", WORKLOAD, min=1e-6)]
 DurationOpt = Annotated[
