@@ -9,8 +9,9 @@ machine state: agent sessions (``agentic_bodies``: system prompt, tools, a histo
 calls and outputs growing by one exchange per request, ~20-120 kB), several sessions in
 flight at once as an agent fleet sends them, and tiny bodies (one short message). Every
 phase sends bodies no phase sent before, so neither router finds the other's prompts
-cached. The recording router rotates a segment every second, so its writer thread hashes,
-encodes and writes while the load runs.
+cached. The recording router rotates a segment every second by default (``--rotate``;
+``serve``'s default is 300 s), so its writer thread hashes, encodes and writes while the
+load runs.
 
 Prints, per body shape, requests/s, p50/p99 latency and the router process's CPU time per
 request (its writer thread's included, read from /proc) as the median over rounds, and
@@ -81,12 +82,14 @@ class Phase:
     cpu_per_request_s: float
 
 
-def start_router(procs: Processes, engine: str, record: Path | None) -> tuple[str, int]:
+def start_router(
+    procs: Processes, engine: str, record: Path | None, rotate_s: float = 1.0
+) -> tuple[str, int]:
     port = free_port()
     args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "-e", engine]
     args += ["--kv-blocks", "65536", "--health-interval", "1", "--log-level", "warning"]
     if record is not None:
-        args += ["--record", str(record), "--record-rotate", "1"]
+        args += ["--record", str(record), "--record-rotate", str(rotate_s)]
     proc = procs.start(args)
     return f"http://{LOCALHOST}:{port}", proc.pid
 
@@ -115,7 +118,9 @@ def ratios(plain: Sequence[Phase], recording: Sequence[Phase]) -> str:
     )
 
 
-async def run(rounds: int, requests: int, concurrency: int, sessions: int) -> None:
+async def run(
+    rounds: int, requests: int, concurrency: int, sessions: int, rotate_s: float, shapes: str
+) -> None:
     with tempfile.TemporaryDirectory() as scratch, processes() as procs:
         folder = Path(scratch) / "recording"
         engine_port = free_port()
@@ -124,14 +129,15 @@ async def run(rounds: int, requests: int, concurrency: int, sessions: int) -> No
         procs.start([sys.executable, "-m", "smetric", "engine", *args])
         await wait_ready([engine])
         plain, plain_pid = start_router(procs, engine, None)
-        recording, recording_pid = start_router(procs, engine, folder)
+        recording, recording_pid = start_router(procs, engine, folder, rotate_s)
         await wait_ready([plain, recording])
         pids = {plain: plain_pid, recording: recording_pid}
         results: dict[tuple[str, str], list[Phase]] = {}
-        shapes = {
+        makers = {
             "agent": lambda r, tag: agent_bodies(r, tag, sessions),
             "tiny": lambda r, tag: tiny_bodies(r, tag, requests),
         }
+        shapes = {name: makers[name] for name in shapes.split(",")}
         for url, tag in ((plain, "warm-plain"), (recording, "warm-rec")):
             await drive(url, agent_bodies(99, tag, 2), concurrency, "warm")
         for r in range(rounds):
@@ -169,9 +175,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400, help="Tiny bodies per round.")
     parser.add_argument("--sessions", type=int, default=8, help="Agent sessions per round.")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--rotate", type=float, default=1.0, help="Seconds between the recording's segments."
+    )
+    parser.add_argument("--shapes", default="agent,tiny", help="Body shapes: agent, tiny.")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    asyncio.run(run(args.rounds, args.requests, args.concurrency, args.sessions))
+    asyncio.run(
+        run(args.rounds, args.requests, args.concurrency, args.sessions, args.rotate, args.shapes)
+    )
     print(f"total time {time.perf_counter() - t0:.1f} s")
 
 

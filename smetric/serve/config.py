@@ -126,6 +126,7 @@ TUNABLE = (
     "open_metrics",
     "global_tier",
     "global_tier_tokens",
+    "drain_timeout_s",
 )
 
 
