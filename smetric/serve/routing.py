@@ -21,7 +21,7 @@ import numpy as np
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.conversation import RequestFacts
 from smetric.core.policies import ClusterView, make_policy
-from smetric.serve.engines import Engine
+from smetric.serve.engines import INFLIGHT, INFLIGHT_TOKENS, UNPREFILLED, Engine
 from smetric.serve.global_tier import GlobalTierView
 from smetric.serve.identity import ANONYMOUS, AgentIdentity
 
@@ -65,9 +65,13 @@ class RoutingCore:
         requests as load (disaggregated prefills: unprefilled tokens)."""
         bs = self.block_size
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
+        totals = [e.totals() for e in engines]
         if loads is None:
             now = time.monotonic()
-            loads = [e.load(now, self.staleness_s) for e in engines]
+            loads = [
+                e.load(now, self.staleness_s, t[INFLIGHT])
+                for e, t in zip(engines, totals, strict=True)
+            ]
         tier = self.global_tier
         global_hit = (
             None
@@ -77,9 +81,9 @@ class RoutingCore:
         view = ClusterView(
             hit_tokens=hits,
             load=list(loads),
-            prefill_tokens=[float(e.total_unprefilled()) for e in engines],
+            prefill_tokens=[float(t[UNPREFILLED]) for t in totals],
             instance_ids=[e.number for e in engines],
-            token_load=[float(e.total_inflight_tokens()) for e in engines],
+            token_load=[float(t[INFLIGHT_TOKENS]) for t in totals],
             global_hit_tokens=global_hit,
         )
         return view, hits, global_hit
