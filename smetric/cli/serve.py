@@ -14,10 +14,49 @@ from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import disaggregation_from, engines_from, router_options
+from smetric.serve.discovery import Discovery
 from smetric.serve.listen import listen
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
+
+# Options serve and pick share: engines found in DNS, and the drain on SIGTERM.
+DiscoverOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--discover",
+        help="Find engines in DNS, as a Kubernetes headless Service lists its ready pods: "
+        "dns://NAME:PORT (A/AAAA records, engines on PORT) or dns+srv://NAME (SRV "
+        "records); re-resolved every --discover-interval, so engines join and leave "
+        "without a restart. Beside or instead of --engine.",
+    ),
+]
+DiscoverIntervalOpt = Annotated[
+    float, typer.Option(help="Seconds between DNS lookups of --discover.", min=0.05)
+]
+DnsServerOpt = Annotated[
+    str | None,
+    typer.Option(help="Ask this DNS server (IP or IP:PORT) for --discover. Default: the system's."),
+]
+DrainTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="On SIGTERM, stop accepting at once and give the requests in flight this many "
+        "seconds to finish before they are cut. Default: 30.",
+        min=0.0,
+    ),
+]
+
+
+def discovered(
+    urls: list[str], spec: str | None, interval_s: float, server: str | None, kv_blocks: int
+) -> tuple[list[str], Discovery | None]:
+    """``urls`` plus the engines DNS lists now (waiting up to a minute for one to appear),
+    and the discovery that keeps them current."""
+    if spec is None:
+        return urls, None
+    discovery = Discovery.parse(spec, interval_s, server, kv_blocks)
+    return [*urls, *discovery.first()], discovery
 
 
 @app.command()
@@ -194,6 +233,10 @@ def serve(
             min=0,
         ),
     ] = None,
+    discover: DiscoverOpt = None,
+    discover_interval: DiscoverIntervalOpt = 5.0,
+    dns_server: DnsServerOpt = None,
+    drain_timeout: DrainTimeoutOpt = None,
     record: Annotated[
         Path | None,
         typer.Option(
@@ -263,21 +306,27 @@ def serve(
             "max_prompt_tokens": max_prompt_tokens,
             "global_tier": global_tier,
             "global_tier_tokens": global_tier_tokens,
+            "drain_timeout_s": drain_timeout,
         }
         options.update({name: value for name, value in flags.items() if value is not None})
-        settings = RouterSettings(api_keys=frozenset(api_key or []), **options)
+        if api_key:
+            options["api_keys"] = frozenset(api_key)
+        settings = RouterSettings(**options)
         disaggregated = disaggregation_from(
             prefill_engine or [], decode_engine or [], config, kv_blocks, decode_policy
         )
         disagg = None
+        if discover is not None and (disaggregated is not None or workers > 1):
+            raise ValueError("--discover serves colocated engines with one worker")
         if disaggregated is None:
-            engines, subscribers = engines_from(
-                engine or [], config, kv_blocks, settings.block_size
+            urls, discovery = discovered(
+                engine or [], discover, discover_interval, dns_server, kv_blocks
             )
+            engines, subscribers = engines_from(urls, config, kv_blocks, settings.block_size)
         elif engine:
             raise ValueError("give --engine for a colocated cluster, or prefill and decode engines")
         else:
-            (engines, disagg), subscribers = disaggregated, {}
+            (engines, disagg), subscribers, discovery = disaggregated, {}, None
         level = logging.getLevelName(log_level.upper())
         if not isinstance(level, int):
             raise ValueError(f"unknown log level {log_level!r}")
@@ -308,6 +357,7 @@ def serve(
             engine_tokenizer=by_engine,
             subscribers=subscribers,
             disagg=disagg,
+            discovery=discovery,
             recorder=recorder,
         )
         # Bound before any banner: a port in use is said plainly, and nothing claims to serve.

@@ -127,7 +127,7 @@ class Disaggregation:
             fresh = report is not None and now - report.at <= self.staleness_s
             return report.kv_usage if fresh and report is not None else None
 
-        view = DecodeView([e.inflight for e in engines], [kv_used(e) for e in engines])
+        view = DecodeView([e.total_inflight() for e in engines], [kv_used(e) for e in engines])
         decision = self._decode.choose(view)
         engine = engines[decision.instance]
         event = {"event": "route_decode", "engine": engine.url, "rule": self.decode_policy}

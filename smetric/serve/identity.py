@@ -6,11 +6,11 @@ Agent harnesses name their session and agent in headers: Claude Code sends
 ``thread-id``); OpenCode ``x-session-id`` or ``x-session-affinity``; Dynamo reads
 ``x-dynamo-session-id``; an OpenAI request may carry ``prompt_cache_key`` in its body.
 
-The router stays stateless (DESIGN.md): the turn is derived from the body, and nothing is
-stored under these ids. They label the decision log, a metric of bounded cardinality
-(harness and role, never the ids), and the completion record a recorder writes; and,
-with the body's turn, they tell a sub-agent's first call (its history starts here) from
-its follow-ups.
+The router stays stateless (docs/concepts/architecture.md): the turn is derived from the
+body, and nothing is stored under these ids. They label the decision log, a metric of
+bounded cardinality (harness and role, never the ids), and the completion record a
+recorder writes; and, with the body's turn, they tell a sub-agent's first call (its
+history starts here) from its follow-ups.
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ class ClusterConfig:
     # "none", "full" (never evicts) or a multiple of the cluster's total local capacity.
     global_capacity: str = "full"
     # Links to the global tier (kv.Route). The paper's testbed: servers of 8 H20 GPUs with
-    # 200 Gbps RDMA NICs (about 21.7 GB/s effective each, perf-anchors.md); the paper does
-    # not say how many NICs a server has, so the default is Mooncake's reference setup of
-    # four (87 GB/s per server, Mooncake README). The GPUs of a server share its NICs;
+    # 200 Gbps RDMA NICs (about 21.7 GB/s effective each, as measured for such NICs); the
+    # paper does not say how many NICs a server has, so the default is Mooncake's reference
+    # setup of four (87 GB/s per server, Mooncake README). The GPUs of a server share its NICs;
     # each GPU also has its own PCIe Gen5 x16 lane to host memory (~50 GB/s measured).
     gpus_per_server: int = 8
     nics_per_server: int = 4

@@ -36,7 +36,7 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 # What ``smetric serve``, ``demo`` and ``knee`` use unless told otherwise: the policy that
-# earned it in the evaluation (README "Evaluation: each policy at its knee").
+# earned it in the evaluation (docs/results/knees.md).
 DEFAULT_POLICY = "smetric_cost"
 
 

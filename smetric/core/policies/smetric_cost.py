@@ -35,7 +35,7 @@ class SMetricCost(RoutingPolicy):
     wait, and once more as the wait it passes on to the requests that queue behind it on
     that instance, which near the knee is about as long; counted once, the rule moved
     sessions to recompute them whenever a queue was briefly longer than the recompute,
-    and spent the capacity it meant to save (README "Routing policies").
+    and spent the capacity it meant to save (docs/concepts/policies.md).
 
     Prefilling tokens ``0..n`` takes ``(n + n**2 / (2 * attn_tokens)) / prefill_tps``:
     linear work plus attention over the context so far, which at ``attn_tokens`` of
@@ -51,13 +51,13 @@ class SMetricCost(RoutingPolicy):
     ``decode_weight`` charges the work once more per request in flight on the instance
     (``inflight_requests``): a prefill runs in the same steps as those requests' decodes,
     so each of them waits about as long again, which is what makes a recompute move fail
-    TPOT on fast hardware where the work itself looks cheap (README "Where
-    ``smetric_cost`` loses"). Default 0: the rule without that term.
+    TPOT on fast hardware where the work itself looks cheap
+    (docs/results/grid-losses.md). Default 0: the rule without that term.
 
     First turns are balanced on ``inflight_prompt_tokens`` (else requests in flight) and
     ignore their cache hit: a first turn decides where a session lives for its next hour
     of turns, so saving a few seconds on a shared system prompt there herds sessions
-    (without a global tier that cost several per cent, README "Routing policies").
+    (without a global tier that cost several per cent; docs/concepts/policies.md).
     """
 
     name = "smetric_cost"
