@@ -339,7 +339,9 @@ def serve(
             "drain_timeout_s": drain_timeout,
         }
         options.update({name: value for name, value in flags.items() if value is not None})
-        settings = RouterSettings(api_keys=frozenset(api_key or []), **options)
+        if api_key:
+            options["api_keys"] = frozenset(api_key)
+        settings = RouterSettings(**options)
         disaggregated = disaggregation_from(
             prefill_engine or [], decode_engine or [], config, kv_blocks, decode_policy
         )
