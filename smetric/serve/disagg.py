@@ -142,9 +142,9 @@ class Disaggregation:
         headers = forwarder.upstream_headers(call.request)
 
         def choose_prefill(engines: list[Engine]) -> tuple[Engine, int]:
-            """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29)."""
-            loads = [float(e.total_unprefilled()) for e in engines]
-            decision = wiring.decide_call(call, engines, loads)
+            """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29):
+            the router's policy balances them when it serves disaggregated."""
+            decision = wiring.decide_call(call, engines)
             return decision.engine, decision.predicted_hit_tokens
 
         async def prefill(attempt: Attempt, predicted: int) -> Prefilled | web.Response:

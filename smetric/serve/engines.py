@@ -205,11 +205,11 @@ class Engine:
         return self.totals()[INFLIGHT]
 
     def total_inflight_tokens(self) -> int:
-        """Every worker's in-flight prompt tokens here: ``smetric_cost``'s ``token_load``."""
+        """Every worker's in-flight prompt tokens here: ``ClusterView.inflight_prompt_tokens``."""
         return self.totals()[INFLIGHT_TOKENS]
 
     def total_unprefilled(self) -> int:
-        """Every worker's unprefilled tokens here: Dynamo's ``prefill_tokens`` load."""
+        """Every worker's unprefilled tokens here: ``ClusterView.unprefilled_tokens``."""
         return self.totals()[UNPREFILLED]
 
     def share_load(self, table: np.ndarray, row: int) -> None:
