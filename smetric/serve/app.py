@@ -20,6 +20,7 @@ or the client goes away (``serve.upstream``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.auth import require_key
 from smetric.serve.disagg import Disaggregation
+from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import ENGINE_HEADER, PREDICTED_HIT_HEADER, Call, Colocated, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import error_response, errors_as_json
@@ -99,6 +101,8 @@ class RouterSettings:
     # or full (every prompt served, within global_tier_tokens if set); serve.global_tier.
     global_tier: str = "none"
     global_tier_tokens: int = 0
+    # On SIGTERM: no new connections, and this long for the requests in flight to finish.
+    drain_timeout_s: float = 30.0
 
 
 @dataclass
@@ -114,6 +118,8 @@ class Router:
     subscribers: dict[str, KVEventSubscriber] = field(default_factory=dict)
     # Prefill and decode roles of the engines, when they serve disaggregated (disagg.py).
     disagg: Disaggregation | None = None
+    # Engines that join and leave as DNS says (serve.discovery), beside those listed.
+    discovery: Discovery | None = None
     # Writes a trace of the requests served (``smetric.record``).
     recorder: Recorder | None = None
 
@@ -129,6 +135,9 @@ class Router:
                 settings.block_size,
                 self.engines,
             ),
+            # Disaggregated, the policy places prefills: on unprefilled tokens (Figure 13,
+            # line 29).
+            load="inflight_requests" if self.disagg is None else "unprefilled_tokens",
         )
         self.metrics = RouterMetrics(self.core.policy.name, [])
         self.pool = EnginePool(
@@ -184,7 +193,7 @@ class Router:
     # -- application --------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        open_paths = {"/health", "/metrics"} if self.settings.open_metrics else {"/health"}
+        open_paths = {"/health", "/live"} | ({"/metrics"} if self.settings.open_metrics else set())
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
             middlewares=[errors_as_json, require_key(self.settings.api_keys, open_paths)],
@@ -194,6 +203,7 @@ class Router:
             app.router.add_post(path, self._handler(path, api))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/live", alive)
         app.router.add_get("/metrics", self.prometheus)
         app.cleanup_ctx.append(self.lifecycle)
         return app
@@ -210,7 +220,10 @@ class Router:
         await self.pool.start(client)
         if self.recorder is not None:
             self.recorder.start()  # here, so that each forked worker runs its own writer
-        yield
+        async with contextlib.AsyncExitStack() as stack:
+            if self.discovery is not None:
+                await stack.enter_async_context(self.discovery.kept(self.pool))
+            yield
         await self.pool.close()
         if self.recorder is not None:
             await asyncio.to_thread(self.recorder.close)
@@ -327,3 +340,9 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         body = self.metrics.exposition(self.engines)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def alive(request: web.Request) -> web.Response:
+    """Liveness, apart from readiness (``/health``): the process answers, engines or not,
+    so a router without engines is taken out of rotation but not restarted."""
+    return web.json_response({"status": "alive"})

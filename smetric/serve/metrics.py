@@ -129,6 +129,13 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.ejections = Counter(
+            "smetric_engine_ejections",
+            "Times the engine was taken out of rotation: a failed health check, failures in "
+            "a row, a lost connection or a stall.",
+            ["engine"],
+            registry=self.registry,
+        )
         self.pd_routed = Counter(
             "smetric_pd_routed",
             "Requests sent to each engine, by leg (prefill or decode).",
@@ -160,6 +167,7 @@ class RouterMetrics:
         "view_blocks",
         "predicted",
         "reported",
+        "ejections",
         "stalls",
     )
 
@@ -167,6 +175,8 @@ class RouterMetrics:
         self.healthy.labels(url).set(1 if healthy else 0)
         self.inflight.labels(url).set(0)
         self.unprefilled.labels(url).set(0)
+        # Counters start at 0, so a rate over them exists before the first event.
+        self.ejections.labels(url)
         self.stalls.labels(url)
 
     def exposition(self, engines: Iterable[Engine]) -> bytes:
