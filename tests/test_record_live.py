@@ -24,10 +24,12 @@ from smetric.engine import EngineConfig, create_app
 from smetric.record.recorder import Recorder, RecordSettings
 from smetric.replay import Replayer, ReplayOptions
 from smetric.serve.app import Router, RouterSettings
+from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.testing.engines import free_port
 from smetric.trace.analysis import analyze
 from smetric.trace.load import load_trace
+from smetric.trace.recording import read_segments
 from smetric.trace.schema import SCHEMA, Trace, finalize
 
 # The recording's ideal reuse ratio, and each share of its breakdown, may differ from the
@@ -213,3 +215,45 @@ def test_harness_headers_name_the_session_and_the_spawning_agent(tmp_path: Path)
     assert rows["trigger"].to_list() == ["user", "agent", "agent"]
     assert rows["parent_id"].to_list() == [None, 0, 1]
     assert rows["output_tokens"].to_list() == [4, 4, 4]
+
+
+def test_a_disaggregated_request_is_recorded_under_its_prefill_engine(tmp_path: Path) -> None:
+    async def scenario() -> list[str]:
+        roles = ("prefill", "prefill", "decode")
+        servers = [
+            TestServer(create_app(EngineConfig(speed=0.0001, role=r)), host="127.0.0.1")
+            for r in roles
+        ]
+        for server in servers:
+            await server.start_server()
+        urls = [f"http://127.0.0.1:{s.port}" for s in servers]
+        router = Router(
+            [Engine(u, 4096) for u in urls],
+            RouterSettings(health_interval_s=60),
+            disagg=Disaggregation(frozenset(urls[:2]), frozenset(urls[2:])),
+            recorder=Recorder(RecordSettings(tmp_path, salt=b"a salt for this test only")),
+        )
+        front = TestServer(router.app(), host="127.0.0.1")
+        await front.start_server()
+        history = [{"role": "user", "content": "plan the change " * 30}]
+        try:
+            async with aiohttp.ClientSession() as client:
+                for turn in range(3):
+                    body = {"messages": history, "max_tokens": 4, "stream": turn % 2 == 0}
+                    url = f"http://127.0.0.1:{front.port}/v1/chat/completions"
+                    async with client.post(url, json=body) as reply:
+                        assert reply.status == 200
+                        await reply.read()
+                    history = [*history, {"role": "assistant", "content": "ok"}]
+                    history.append({"role": "user", "content": f"next {turn} " * 10})
+        finally:
+            await front.close()
+            for server in servers:
+                await server.close()
+        return urls
+
+    urls = asyncio.run(scenario())
+    rows = read_segments(tmp_path)[0]
+    assert rows.height == 3 and set(rows["engine"]) <= set(urls[:2])
+    assert rows["branch"].str.len_chars().min() > 0
+    assert load_trace(tmp_path).requests["parent_id"].to_list() == [None, 0, 1]

@@ -133,3 +133,28 @@ def test_metrics_sum_over_workers_and_never_go_back() -> None:
             await engine.close()
 
     run(scenario)
+
+
+def test_the_config_refuses_unknown_keys_and_sets_what_flags_set(tmp_path) -> None:
+    from smetric.serve.config import router_options
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("engine: [http://127.0.0.1:8100]\n")
+    with pytest.raises(ValueError, match="unknown key"):
+        engines_from([], typo, 1000, 16)
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "engines: [http://127.0.0.1:8100]\n"
+        "router: {api_keys: [k1], stall_timeout_s: 3, stream_headers_timeout_s: 2.5, "
+        "policy: least_load, block_size: 32}\n"
+    )
+    options = router_options(config)
+    settings = RouterSettings(**options)
+    assert settings.api_keys == frozenset({"k1"}) and settings.block_size == 32
+    assert (settings.stall_timeout_s, settings.stream_headers_timeout_s) == (3, 2.5)
+    config.write_text("router: {api_keys: k1}\n")
+    with pytest.raises(ValueError, match="api_keys"):
+        router_options(config)
+    config.write_text("router: {stall_timeout_s: soon}\n")
+    with pytest.raises(ValueError, match="stall_timeout_s"):
+        router_options(config)

@@ -13,6 +13,7 @@ from smetric.core.policies import POLICY_NAMES, ClusterView, Decision, make_poli
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
 from smetric.sim.pd import DisaggSimulation
+from smetric.sim.policy import cluster_policy
 from smetric.sim.run import simulate
 from smetric.sim.workload import build_workload
 
@@ -139,7 +140,7 @@ def test_full_pd_counts_prompt_tokens_within_both_slos_and_reports_end_to_end_tp
 
 
 class Recorder:
-    """Routes like least-load on the view's load and keeps each view it was shown."""
+    """Routes like least-load on unprefilled tokens and keeps each view it was shown."""
 
     name = "recorder"
     branches = ("only",)
@@ -148,8 +149,9 @@ class Recorder:
         self.views: list[ClusterView] = []
 
     def route(self, request, view: ClusterView) -> Decision:
-        self.views.append(dataclasses.replace(view, load=list(view.load)))
-        return Decision(min(range(len(view.load)), key=view.load.__getitem__), "only")
+        queued = list(view.unprefilled_tokens)
+        self.views.append(dataclasses.replace(view, unprefilled_tokens=queued))
+        return Decision(min(range(len(queued)), key=queued.__getitem__), "only")
 
 
 def first_turns(sessions: int, blocks: int, output: int):
@@ -173,9 +175,12 @@ def test_the_policys_load_is_unprefilled_prompt_tokens_on_prefill_instances_only
     workload = build_workload(first_turns(6, 20, 4), config.workload)
     recorder = Recorder()
     DisaggSimulation(config.cluster, recorder, workload).run()
-    assert all(len(v.load) == 2 for v in recorder.views)
-    assert all(v.load == list(v.prefill_tokens) for v in recorder.views)
-    assert any(max(v.load) >= 320 for v in recorder.views)  # a queued prompt counts whole
+    assert all(len(v.unprefilled_tokens) == 2 for v in recorder.views)
+    assert all(len(v.inflight_requests) == 2 for v in recorder.views)
+    assert any(max(v.unprefilled_tokens) >= 320 for v in recorder.views)  # counted whole
+    assert cluster_policy("least_load", config.cluster)[0].load == "unprefilled_tokens"
+    colocated = dataclasses.replace(config.cluster, prefill_instances=0, decode_instances=0)
+    assert cluster_policy("least_load", colocated)[0].load == "inflight_requests"
 
 
 def test_decode_rules_spread_a_burst_over_the_decode_instances() -> None:

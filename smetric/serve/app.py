@@ -135,6 +135,9 @@ class Router:
                 settings.block_size,
                 self.engines,
             ),
+            # Disaggregated, the policy places prefills: on unprefilled tokens (Figure 13,
+            # line 29).
+            load="inflight_requests" if self.disagg is None else "unprefilled_tokens",
         )
         self.metrics = RouterMetrics(self.core.policy.name, [])
         self.pool = EnginePool(

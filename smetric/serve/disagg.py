@@ -127,7 +127,7 @@ class Disaggregation:
             fresh = report is not None and now - report.at <= self.staleness_s
             return report.kv_usage if fresh and report is not None else None
 
-        view = DecodeView([e.inflight for e in engines], [kv_used(e) for e in engines])
+        view = DecodeView([e.total_inflight() for e in engines], [kv_used(e) for e in engines])
         decision = self._decode.choose(view)
         engine = engines[decision.instance]
         event = {"event": "route_decode", "engine": engine.url, "rule": self.decode_policy}
@@ -142,9 +142,9 @@ class Disaggregation:
         headers = forwarder.upstream_headers(call.request)
 
         def choose_prefill(engines: list[Engine]) -> tuple[Engine, int]:
-            """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29)."""
-            loads = [float(e.total_unprefilled()) for e in engines]
-            decision = wiring.decide_call(call, engines, loads)
+            """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29):
+            the router's policy balances them when it serves disaggregated."""
+            decision = wiring.decide_call(call, engines)
             return decision.engine, decision.predicted_hit_tokens
 
         async def prefill(attempt: Attempt, predicted: int) -> Prefilled | web.Response:

@@ -1,7 +1,7 @@
 """PD disaggregation: prefill-only instances hand their KV to decode instances over links.
 
 The paper's Figure 4c. The router picks a prefill instance with the policy under test,
-whose load is then the instance's unprefilled prompt tokens (Figure 13, line 29), and a
+balancing the instances' unprefilled prompt tokens as load (Figure 13, line 29), and a
 decode instance with a decode policy (``core.policies.decode``). Only prefill instances read
 and write the global tier. What each side does is what vLLM does with its NIXL
 connector behind the disaggregated proxy:
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from smetric.core.policies import ClusterView, Policy
+from smetric.core.policies import Policy
 from smetric.core.policies.decode import DecodeView, make_decode_policy
 from smetric.core.prefix_cache import Handle
 from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
@@ -171,11 +171,6 @@ class DisaggSimulation(Simulation):
         self.instances += self.decoders
         self.plan_version += [0] * decode
         self.handoffs: dict[int, Handoff] = {}
-
-    def view(self, req: SimRequest) -> ClusterView:
-        """Load is unprefilled prompt tokens under disaggregation (Figure 13, line 29)."""
-        view = super().view(req)
-        return dataclasses.replace(view, load=view.prefill_tokens)
 
     def work(self, req: SimRequest) -> SimRequest:
         """The proxy's prefill request: the same prompt, one token (``max_tokens=1``)."""
