@@ -153,6 +153,12 @@ class SMetricCost:
     turn decides where a session lives for its next hour of turns, so saving a few
     seconds on a shared system prompt there herds sessions (without a global tier that
     cost several per cent, README "Routing policies").
+
+    With ``learn=1`` (the default) the constants in ``learned_params`` that the spec does
+    not give are only starting values: the driver feeds every completed request to a
+    ``PriceLearner`` (core/prices.py) and passes its estimates to ``retune``, so the
+    prices come from what the router observes of its engines, not from a model of them.
+    ``learn=0`` keeps them as given or derived.
     """
 
     name = "smetric_cost"
@@ -160,6 +166,8 @@ class SMetricCost:
     # What the hardware sets: the simulator derives these from the cluster it simulates
     # (sim/calibrate.py); the router takes them from the policy spec.
     hardware_params = ("prefill_tps", "attn_tokens", "fetch_tps", "kv_read_s")
+    # What the router learns online when ``learn`` is set (core/prices.py).
+    learned_params = (*hardware_params, "output_tokens")
     __slots__ = (
         "_decode_s",
         "_queue_s",
@@ -168,6 +176,7 @@ class SMetricCost:
         "decode_weight",
         "fetch_tps",
         "kv_read_s",
+        "learn",
         "output_tokens",
         "prefill_tps",
         "queue_depth",
@@ -185,18 +194,32 @@ class SMetricCost:
         kv_read_s: float = 3.2e-8,
         work_weight: float = 2.0,
         decode_weight: float = 0.0,
+        learn: float = 1.0,
     ) -> None:
-        self.prefill_tps = _positive("prefill_tps", prefill_tps)
-        self.attn_tokens = _positive("attn_tokens", attn_tokens)
-        self.fetch_tps = _positive("fetch_tps", fetch_tps)
         self.queue_depth = _checked("queue_depth", queue_depth)
-        self.output_tokens = _checked("output_tokens", output_tokens)
-        self.kv_read_s = _checked("kv_read_s", kv_read_s)
         self.work_weight = _checked("work_weight", work_weight)
         self.decode_weight = _checked("decode_weight", decode_weight)
+        if learn not in (0.0, 1.0):
+            raise ValueError(f"learn must be 0 or 1, got {learn}")
+        self.learn = learn
+        self._ties = RoundRobin()
+        self.retune(
+            prefill_tps=prefill_tps,
+            attn_tokens=attn_tokens,
+            fetch_tps=fetch_tps,
+            kv_read_s=kv_read_s,
+            output_tokens=output_tokens,
+        )
+
+    def retune(self, **values: float) -> None:
+        """Take new values of some of ``learned_params`` (a learner's estimates)."""
+        for name, value in values.items():
+            if name not in self.learned_params:
+                raise ValueError(f"{self.name}: {name!r} is not one of its learned constants")
+            check = _positive if name in ("prefill_tps", "attn_tokens", "fetch_tps") else _checked
+            setattr(self, name, check(name, value))
         self._queue_s = (1.0 + self.queue_depth / self.attn_tokens) / self.prefill_tps
         self._decode_s = self.output_tokens * self.kv_read_s
-        self._ties = RoundRobin()
 
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill a prompt's first ``tokens`` tokens from nothing."""

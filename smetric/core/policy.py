@@ -136,6 +136,18 @@ def resolve_policy(
     ``hardware_params`` (constants that depend on the hardware it routes for, which a
     driver that knows the hardware, the simulator, derives), else the class default.
     """
+    name, params = spec_params(spec)
+    defaults = policy_params(name)
+    hardware = hardware_params(name)
+    for key, default in defaults.items():
+        if key not in params:
+            from_hardware = derived is not None and key in hardware and key in derived
+            params[key] = float(derived[key]) if from_hardware else default
+    return name, params
+
+
+def spec_params(spec: str) -> tuple[str, dict[str, float]]:
+    """A spec's policy name and the parameters it gives, checked against the policy's."""
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
     defaults = policy_params(name)
@@ -153,11 +165,6 @@ def resolve_policy(
             params[key] = float(text)
         except ValueError:
             raise ValueError(f"policy {spec!r}: {key}={text!r} is not a number") from None
-    hardware = hardware_params(name)
-    for key, default in defaults.items():
-        if key not in params:
-            from_hardware = derived is not None and key in hardware and key in derived
-            params[key] = float(derived[key]) if from_hardware else default
     return name, params
 
 

@@ -29,7 +29,10 @@ from smetric.sim.metrics import tps_under_slo
 from smetric.sim.parallel import RunStore
 from smetric.trace.schema import Trace
 
-CELL_FIELDS = ("trace", "tier", "kv_load", "hardware")
+CELL_FIELDS = ("trace", "tier", "kv_load", "hardware", "world")
+# The tier of a cell that gives its group a ceiling: the same cluster with a free global
+# tier that never evicts (``World.free_tier``), under every policy, the best of them.
+FREE_TIER = "free"
 # The verdict's thresholds (issue 10 §3): within 1 % of the best baseline, at least 5 % ahead.
 WITHIN, AHEAD = -1.0, 5.0
 
@@ -38,20 +41,29 @@ TraceLoader = Callable[[SimConfig], Trace]
 
 
 def grid_cells(preset: GridPreset) -> dict[tuple, tuple[SimConfig, float]]:
-    """Per cell ``(trace, tier, kv_load, hardware)``: its configuration and first load."""
+    """Per cell ``(trace, tier, kv_load, hardware, world)``: its configuration and first
+    load. With ``preset.ceiling``, each (trace, kv_load, hardware, world) has one more
+    cell, tier ``free``, started at the highest tier's first load."""
     cells = {}
     for name, trace in preset.traces.items():
-        for tier, start in trace.tiers.items():
+        tiers = dict(trace.tiers)
+        if preset.ceiling:
+            tiers[FREE_TIER] = max(trace.tiers.values())
+        for tier, start in tiers.items():
             for mode in preset.kv_loads:
                 for label, room in preset.hardware.items():
-                    config = trace.config.override(
-                        "cluster",
-                        global_capacity=tier,
-                        kv_load=mode,
-                        hardware=room.hardware,
-                        kv_dtype=room.kv_dtype,
-                    )
-                    cells[name, tier, mode, label] = (config, start * trace.scale[label])
+                    for world_name, world in preset.worlds.items():
+                        free = tier == FREE_TIER
+                        config = trace.config.override(
+                            "cluster",
+                            global_capacity="full" if free else tier,
+                            kv_load=mode,
+                            hardware=room.hardware,
+                            kv_dtype=room.kv_dtype,
+                            world=dataclasses.replace(world, free_tier=True) if free else world,
+                        )
+                        key = (name, tier, mode, label, world_name)
+                        cells[key] = (config, start * trace.scale[label])
     return cells
 
 
@@ -76,7 +88,7 @@ def run_grid(
             for p in policies
         }
         settings = {
-            key: KneeSettings(start=mine[key[:4]][1], grow=preset.grow, precision=preset.precision)
+            key: KneeSettings(start=mine[key[:-1]][1], grow=preset.grow, precision=preset.precision)
             for key in searches
         }
         knees = search_knees(
@@ -105,6 +117,7 @@ def run_grid(
     return {
         "preset": preset.name,
         "policies": list(policies),
+        "worlds": {name: dataclasses.asdict(w) for name, w in preset.worlds.items()},
         "seeds": preset.seeds,
         "precision": preset.precision,
         "slo": dataclasses.asdict(next(iter(preset.traces.values())).config.slo),

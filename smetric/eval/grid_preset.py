@@ -9,7 +9,7 @@ seeds, the search's step and precision, and the looser SLO the same runs are sco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from smetric.eval.preset import check_keys, positive, read_preset
@@ -20,9 +20,15 @@ from smetric.sim.config import (
     from_dict,
     parse_global_capacity,
 )
+from smetric.sim.world import World, world_of
 
-GRID_PRESETS = ("grid-quick",)
+GRID_PRESETS = ("grid-quick", "robustness")
 KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")
+# ``worlds``: name -> how the simulated engines differ from the configuration
+# (sim/world.py), every cell run in each; without it, the configured world alone.
+# ``ceiling``: true adds a free-tier cell per group, the knee tables' ceiling.
+OPTIONAL_KEYS = ("worlds", "ceiling")
+CONFIGURED = "configured"
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,14 @@ class GridPreset:
     grow: float
     precision: float
     loose_slo: SLOConfig
+    worlds: dict[str, World] = field(default_factory=lambda: {CONFIGURED: World()})
+    ceiling: bool = False
 
 
 def load_grid_preset(spec: str) -> GridPreset:
     """``grid-quick``, or the path of a YAML file shaped like it."""
     raw, where, name = read_preset(spec, GRID_PRESETS)
-    data = check_keys(raw, where, KEYS)
+    data = check_keys(raw, where, KEYS, OPTIONAL_KEYS)
     kv_loads = data["kv_loads"]
     if not isinstance(kv_loads, list) or not kv_loads:
         raise ValueError(f"{where}: kv_loads must be a non-empty list of sync, async")
@@ -84,7 +92,29 @@ def load_grid_preset(spec: str) -> GridPreset:
         grow=positive(data["grow"], f"{where}: grow"),
         precision=positive(data["precision"], f"{where}: precision"),
         loose_slo=loose_slo,
+        worlds=_worlds(data.get("worlds"), f"{where}: worlds"),
+        ceiling=_flag(data.get("ceiling", False), f"{where}: ceiling"),
     )
+
+
+def _worlds(value: Any, where: str) -> dict[str, World]:
+    if value is None:
+        return {CONFIGURED: World()}
+    worlds = {}
+    for name, factors in _mapping(value, where).items():
+        try:
+            worlds[str(name)] = world_of(factors or {})
+        except ValueError as exc:
+            raise ValueError(f"{where}.{name}: {exc}") from None
+        if worlds[str(name)].free_tier:
+            raise ValueError(f"{where}.{name}: the free tier is the ceiling (ceiling: true)")
+    return worlds
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
 
 
 def _mapping(value: Any, where: str) -> dict:

@@ -75,12 +75,13 @@ def read_preset(spec: str, names: Sequence[str]) -> tuple[Any, str, str]:
         raise ValueError(f"{where}: not YAML: {exc}") from exc
 
 
-def check_keys(data: Any, where: str, keys: Sequence[str]) -> dict:
-    """``data`` as a mapping with exactly ``keys``: a preset file is checked whole before
-    any of it is read, so a misspelt key is named rather than silently defaulted."""
+def check_keys(data: Any, where: str, keys: Sequence[str], optional: Sequence[str] = ()) -> dict:
+    """``data`` as a mapping with exactly ``keys``, and maybe some of ``optional``: a
+    preset file is checked whole before any of it is read, so a misspelt key is named
+    rather than silently defaulted."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a mapping with keys {', '.join(keys)}")
-    unknown = sorted(set(data) - set(keys))
+    unknown = sorted(set(data) - set(keys) - set(optional))
     missing = [k for k in keys if k not in data]
     if unknown or missing:
         raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")

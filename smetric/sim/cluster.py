@@ -10,12 +10,14 @@ hit for this request and the load (requests in flight), plus queued prefill toke
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import polars as pl
 
 from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
+from smetric.core.prices import Completion, PriceLearner
 from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
 from smetric.sim.holders import HolderIndex
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
@@ -29,6 +31,7 @@ from smetric.sim.perf import (
     load_model,
 )
 from smetric.sim.workload import SimWorkload
+from smetric.sim.world import SlowerPrefill, engine_perf
 from smetric.trace.compose import ClosedLoopIssuer
 
 STEP_END, WAKE, ARRIVAL = 0, 1, 2
@@ -54,6 +57,7 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
         kv_dtype=config.kv_dtype,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
+    capacity = int(capacity * config.world.kv_room)
     if capacity <= 0:
         raise ValueError(
             f"{config.model} ({config.weight_dtype or model.weight_dtype}) leaves no KV room on "
@@ -64,7 +68,7 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
     limit = min(model.max_context, capacity)
     if config.max_model_len is not None:
         limit = min(limit, config.max_model_len)
-    ratio = parse_global_capacity(config.global_capacity)
+    ratio = None if config.world.free_tier else parse_global_capacity(config.global_capacity)
     local_blocks = capacity // block_size
     global_blocks = None if ratio is None else int(ratio * local_blocks * config.instances)
     return ClusterShape(
@@ -88,8 +92,9 @@ def routes(config: ClusterConfig) -> list[Route]:
     """
     per_server = instances_per_server(config)
     servers = -(-config.instances // per_server)
-    nics = [Link(config.nics_per_server * config.nic_gb_s * 1e9) for _ in range(servers)]
-    pcie_bytes_s = config.gpus_per_instance * config.pcie_gb_s * 1e9
+    scale = math.inf if config.world.free_tier else config.world.tier_bandwidth * 1e9
+    nics = [Link(config.nics_per_server * config.nic_gb_s * scale) for _ in range(servers)]
+    pcie_bytes_s = config.gpus_per_instance * config.pcie_gb_s * scale
     return [Route(Link(pcie_bytes_s), nics[i // per_server]) for i in range(config.instances)]
 
 
@@ -106,9 +111,12 @@ def step_time_model(config: ClusterConfig) -> StepTimeModel:
     )
 
 
-def engine_model(config: ClusterConfig, shape: ClusterShape) -> tuple[StepTimeModel, EngineLimits]:
-    """The step-time model and engine limits every instance of the cluster shares."""
-    perf = step_time_model(config)
+def engine_model(
+    config: ClusterConfig, shape: ClusterShape
+) -> tuple[StepTimeModel | SlowerPrefill, EngineLimits]:
+    """The step-time model and engine limits every instance of the cluster shares, in the
+    cluster's world (``step_time_model`` alone is the configured one)."""
+    perf = engine_perf(step_time_model(config), config.world)
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -127,6 +135,7 @@ class Simulation:
         policy: Policy,
         workload: SimWorkload,
         progress: Callable[[float], None] | None = None,
+        learner: PriceLearner | None = None,
     ) -> None:
         self.policy = policy
         self.workload = workload
@@ -161,6 +170,35 @@ class Simulation:
         # Requests issued and not yet finished; finished ones live on as rows in ``log``.
         self.inflight: dict[int, SimRequest] = {}
         self.log = RequestLog(workload.horizon_s)
+        # Learns the policy's prices from the requests' outcomes, as a live router would.
+        self.learner = learner
+        # (completions observed, estimates) after each refit: how the prices converged.
+        self.learned: list[tuple[int, dict[str, float]]] = []
+
+    def completion(self, req: SimRequest) -> Completion:
+        """What a router saw of a finished request: its usage, its first token's time,
+        its decode time, the prompt tokens in flight on its engine while it decoded (the
+        mean of the counts at its first token and at its last, itself included) and the
+        unprefilled tokens routed there meanwhile."""
+        instance = self.instances[req.instance]
+        return Completion(
+            prompt_tokens=req.prompt,
+            cached_tokens=req.local_hit + req.global_hit,
+            predicted_local_tokens=req.seen_local_hit,
+            queued_tokens=req.seen_queued,
+            ttft_s=req.first_token_at - req.arrival,
+            output_tokens=req.output,
+            decode_s=req.finished_at - req.first_token_at,
+            decode_tokens=(req.first_token_tokens + instance.inflight_tokens + req.prompt) / 2,
+            decode_prefill_tokens=instance.routed_unprefilled - req.first_token_routed,
+        )
+
+    def learn(self, done: Completion) -> None:
+        assert self.learner is not None
+        values = self.learner.observe(done)
+        if values is not None:
+            self.policy.retune(**values)  # type: ignore[attr-defined]
+            self.learned.append((self.learner.observed, self.learner.learned()))
 
     def push(self, time: float, kind: int, payload: int, version: int = 0) -> None:
         heapq.heappush(self.events, (time, kind, self.sequence, payload, version))
@@ -200,10 +238,13 @@ class Simulation:
             req.finished_at = now
             self.completed(req, now)
             return
+        view = self.view(req)
         decision = self.policy.route(
-            RoutingRequest(req.turn, req.prompt, req.est_hit, req.session), self.view(req)
+            RoutingRequest(req.turn, req.prompt, req.est_hit, req.session), view
         )
         req.instance, req.branch = decision
+        req.seen_local_hit = view.hit_tokens[decision.instance]
+        req.seen_queued = view.prefill_tokens[decision.instance]
         self.dispatch(self.instances[decision.instance], self.work(req), now)
 
     def work(self, req: SimRequest) -> SimRequest:
@@ -260,6 +301,8 @@ class Simulation:
     def completed(self, req: SimRequest, now: float) -> None:
         del self.inflight[req.rid]
         self.log.add(req)
+        if self.learner is not None and not req.rejected:
+            self.learn(self.completion(req))
         if self.issuer is None:
             return
         for t, rid in self.issuer.complete(req.rid, now):

@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from smetric.core.policy import POLICY_NAMES
+from smetric.sim.world import World, world_of
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class ClusterConfig:
     decode_instances: int = 0
     decode_policy: str = "least_kv"
     assumed_tpot_s: float = 0.03
+    # How the simulated engines differ from the above, unknown to the policies
+    # (sim/world.py); the default is the world as configured.
+    world: World = field(default_factory=World)
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ class SimConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["policies"] = list(self.policies)
+        if self.cluster.world.nominal:  # the configured world goes without saying
+            del data["cluster"]["world"]
         return data
 
 
@@ -124,6 +130,11 @@ def _section(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+    if "world" in data:
+        try:
+            data = {**data, "world": world_of(data["world"] or {})}
+        except ValueError as exc:
+            raise ValueError(f"{where}: world: {exc}") from None
     try:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:
