@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean pd-figures reproduce grid
+.PHONY: run test lint docs docs-serve setup clean pd-figures reproduce grid
 
 setup: $(STAMP)
 
@@ -23,20 +23,27 @@ run: $(STAMP)
 pd-figures: $(STAMP)
 	SMETRIC=$(BIN)/smetric scripts/pd_figures.sh smetric-out/pd-figures
 
-# The paper's colocation evaluation (quick preset), its validation.md into README.md.
+# The paper's colocation evaluation (quick preset), and its results page.
 reproduce: $(STAMP)
-	$(BIN)/smetric reproduce --preset quick -o smetric-out/reproduce-quick --readme README.md
+	$(BIN)/smetric reproduce --preset quick -o smetric-out/reproduce-quick --page docs/results/reproduce.md
 
-# Issue 10's policy grid (grid-quick preset), its grid.md into README.md.
+# The policy grid (grid-quick preset), and its results page.
 grid: $(STAMP)
-	$(BIN)/smetric grid --preset grid-quick -o smetric-out/grid-quick --readme README.md
+	$(BIN)/smetric grid --preset grid-quick -o smetric-out/grid-quick --page docs/results/grid.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts
 	$(BIN)/ruff format --check smetric tests benchmarks scripts
 
-test: lint
+# The documentation site, into site/; --strict fails on a broken link or a missing page.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+test: lint docs
 	$(BIN)/pytest
 
 clean:
-	rm -rf $(VENV) smetric-out .pytest_cache .ruff_cache
+	rm -rf $(VENV) smetric-out site .pytest_cache .ruff_cache

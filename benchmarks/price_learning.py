@@ -21,14 +21,13 @@ from smetric.core.prices import LEARNABLE, PriceLearner
 from smetric.sim.calibrate import policy_constants
 from smetric.sim.config import SimConfig
 from smetric.sim.run import simulate
-from smetric.sim.world import World
 from smetric.testing.prices import H20_PRICES, model_engines, requests_to_converge
 from smetric.trace.load import load_trace
 
 WORLDS = {
-    "configured": World(),
-    "prefill 1.25x slower": World(prefill_slowdown=1.25),
-    "tier at 1/8 bandwidth": World(tier_bandwidth=1 / 8),
+    "configured": {},
+    "prefill 1.25x slower": {"prefill_slowdown": 1.25},
+    "tier at 1/8 bandwidth": {"tier_bandwidth_scale": 1 / 8},
 }
 
 
@@ -72,7 +71,7 @@ def simulated(instances: int) -> None:
         f"{priced.prefill_s(30_000):.2f} | {30_000 / priced.fetch_tps:.2f} |"
     )
     for name, world in WORLDS.items():
-        summary = simulate(trace, base.override("cluster", world=world), "smetric_cost").summary
+        summary = simulate(trace, base.override("cluster", **world), "smetric_cost").summary
         got = summary["learned_params"]
         priced = SMetricCost(**got)
         print(

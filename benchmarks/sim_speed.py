@@ -2,7 +2,7 @@
 
     python benchmarks/sim_speed.py [TRACE] [--rate 0.4] [--duration 3600] [--instances 32]
 
-The target (issue 3): 32 instances x one hour of agentic traffic (about 50 k requests) in at
+The target: 32 instances x one hour of agentic traffic (about 50 k requests) in at
 most 60 s on one core. Runs one policy in this process (one core) and reports the work
 split: building the workload vs the event loop.
 """

@@ -29,8 +29,9 @@ def test_the_default_cluster_derives_the_policys_defaults_exactly() -> None:
 
 def test_derived_constants_follow_the_hardware_and_links() -> None:
     h20, h200 = policy_constants(ClusterConfig()), policy_constants(H200_FP8_KV)
-    # Prefill is compute-bound: an H200 has 6.7x an H20's BF16 peak.
-    assert 6.0 < h200["prefill_tps"] / h20["prefill_tps"] < 7.0
+    # Prefill is compute-bound: an H200 has 6.7x an H20's BF16 peak, but Hopper GEMMs
+    # reach a smaller share of theirs (0.62-0.67 against the H20's 0.83-0.92).
+    assert 4.0 < h200["prefill_tps"] / h20["prefill_tps"] < 5.5
     # An FP8 KV token is half the bytes: twice the tokens over the same NICs.
     assert h200["fetch_tps"] == 2 * h20["fetch_tps"]
     assert h200["kv_read_s"] < h20["kv_read_s"]

@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 
 from smetric.cli import app
 from smetric.eval.paper import comparisons
-from smetric.report.reproduce import BEGIN, END, replace_between_markers
 
 from conftest import tiny_sim_yaml
 
@@ -27,6 +26,7 @@ precision: 2.0
 load_multiples: [1.0, 1.5, 2.0]
 overloads: [1.0, 2.0, .inf]
 hit_ratios: [0.0, 0.5]
+ceiling: true
 """
 )
 POLICIES = "smetric,least_load,linear"
@@ -81,6 +81,14 @@ def test_the_report_has_every_figure_and_table(tiny: tuple[Path, Path, str]) -> 
     result = json.loads((out / "reproduce.json").read_text())
     assert list(result["tiers"]) == ["none", "full"]
     assert result["policies"] == POLICIES.split(",")
+    # The ceiling: every policy's knee with a free global tier, the best of them.
+    ceiling = result["ceiling"]
+    assert set(ceiling["knees"]) == set(result["policies"])
+    top = ceiling["knees"][ceiling["best"]]["mean"]
+    assert top == max(k["mean"] for k in ceiling["knees"].values())
+    none = result["tiers"]["none"]["policies"]
+    assert top > max(v["knee"]["mean"] for v in none.values())
+    assert f"| ceiling: free global tier, best of all ({ceiling['best']}) |" in markdown
     # 1.5x load is the best baseline's knee on the full tier, by definition.
     unit = result["load_unit"]
     full = result["tiers"]["full"]
@@ -131,30 +139,21 @@ def test_the_same_inputs_from_scratch_give_the_same_numbers(
         assert (again / name).read_text() == (out / name).read_text()
 
 
-def test_readme_option_writes_validation_between_the_markers(
+def test_page_option_writes_validation_as_a_stamped_results_page(
     tiny: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
     preset, out, _ = tiny
-    readme = tmp_path / "README.md"
-    before, after = "# Title\n\n## Validation\n\n", "\n\n## Next\ntext\n"
-    readme.write_text(f"{before}{BEGIN}\nold text\n{END}{after}")
+    page = tmp_path / "reproduce.md"
     work = tmp_path / "out"
     shutil.copytree(out / "runs", work / "runs")
-    output = reproduce(preset, work, "--readme", str(readme))
+    output = reproduce(preset, work, "--page", str(page))
     assert "simulated 0 runs" in output
     validation = (work / "validation.md").read_text()
-    assert readme.read_text() == f"{before}{BEGIN}\n{validation.rstrip()}\n{END}{after}"
-
-
-def test_marker_replacement_is_exact_and_idempotent() -> None:
-    text = f"a\n{BEGIN}\nold\n{END}\nb"
-    once = replace_between_markers(text, "new\n\n")
-    assert once == f"a\n{BEGIN}\nnew\n{END}\nb"
-    assert replace_between_markers(once, "new") == once
-    assert replace_between_markers(once, "old\n") == text
-    for broken in ("no markers", f"{END}{BEGIN}", f"{BEGIN}{BEGIN}{END}", f"{BEGIN}x"):
-        with pytest.raises(ValueError, match="reproduce:begin"):
-            replace_between_markers(broken, "x")
+    text = page.read_text()
+    assert text.startswith("# The paper's colocation evaluation\n")
+    assert f"**Command:** `smetric reproduce --preset {preset}" in text
+    assert "**Machine:** " in text and "**Date:** " in text
+    assert text.endswith(validation.strip() + "\n")
 
 
 @pytest.mark.parametrize(
@@ -163,7 +162,7 @@ def test_marker_replacement_is_exact_and_idempotent() -> None:
         (["--preset", "medium"], "use quick or full"),
         (["-p", "smetrik"], "smetrik"),
         (["sample:nothing"], "sample"),
-        (["--readme", "MISSING.md"], "MISSING.md"),
+        (["--page", "missing/reproduce.md"], "missing"),
     ],
 )
 def test_bad_input_is_a_clear_error_before_any_run(
@@ -181,8 +180,4 @@ def test_a_bad_preset_file_names_the_key(tmp_path: Path) -> None:
     preset.write_text(TINY.replace("tiers: {none: 0.02, full: 0.04}", "tiers: {none: 0.02}"))
     result = runner.invoke(app, ["reproduce", "--preset", str(preset), "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "include 'full'" in result.output
-    readme = tmp_path / "README.md"
-    readme.write_text("no markers here\n")
-    result = runner.invoke(app, ["reproduce", "--readme", str(readme), "-o", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "reproduce:begin" in result.output
     assert not (tmp_path / "o").exists()

@@ -1,10 +1,10 @@
 """The simulator's results are pinned: a change of representation must not move a number.
 
-``sim_golden.json`` holds, for a few small runs, the summary and a digest of the per-request
-table as the simulator produced them before issue 13 (block ids materialised per request,
-every request kept to the end). Issue 13 rebuilt how a run holds its requests; this test
-proves it changed no result. A deliberate change of the model's behaviour regenerates the
-file, with the commit that changes it:
+``sim_golden.json`` holds the summary and a digest of the per-request table of a few small
+runs, as a straightforward representation of the workload produced them (block ids
+materialised per request, every request kept to the end); the compact representation the
+simulator uses must reproduce them exactly. A deliberate change of the model's behaviour
+regenerates the file, together with the change:
 
     python tests/test_sim_regression.py        # rewrites tests/sim_golden.json
 """

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from smetric.cli.help import ProseGroup
 from smetric.report.runs import safe_name
 from smetric.trace.load import FORMATS, count_units, load_trace
 from smetric.trace.schema import Trace, TraceError
@@ -19,11 +20,13 @@ app = typer.Typer(
         "SMetric: balanced session-centric scheduling for agentic LLM serving.\n\n"
         "Route agent traffic across engines (serve; engine and demo run it without GPUs), "
         "simulate a cluster under every routing policy (simulate, sweep), study a trace's "
-        "KV reuse (analyze), inspect and convert traces (trace)."
+        "KV reuse (analyze), size a cluster for a trace (plan), inspect and convert traces "
+        "(trace)."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=ProseGroup,
 )
 trace_app = typer.Typer(help="Inspect and convert request traces.", no_args_is_help=True)
 app.add_typer(trace_app, name="trace")
@@ -35,7 +38,8 @@ TraceArg = Annotated[
     str,
     typer.Argument(
         help="Trace file or folder (WEKA folder, Mooncake/Bailian .jsonl, Azure .csv, "
-        "SMetric .parquet), or sample:weka / sample:mooncake for the embedded samples."
+        "SMetric .parquet, a folder recorded by serve --record), or sample:weka / "
+        "sample:mooncake for the embedded samples."
     ),
 ]
 FormatOpt = Annotated[

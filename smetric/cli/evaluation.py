@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -33,12 +34,19 @@ def preset_option(names: Sequence[str], note: str = "") -> Any:
     )
 
 
-def readme_option(report: str, markers: tuple[str, str], note: str = "") -> Any:
-    """``--readme``: a file whose block between ``markers`` the ``report`` replaces."""
-    begin, end = markers
+def page_option(report: str) -> Any:
+    """``--page``: where to write the result as a stamped docs page as well."""
     return typer.Option(
-        help=f"Also write {report} between the {begin} and {end} markers of this file{note}."
+        "--page",
+        help=f"Also write {report} as a results page at this path (docs/results/*.md), "
+        "stamped with the commit, date, machine and command that produced it.",
     )
+
+
+def check_page(page: Path | None) -> None:
+    """A results page's folder must exist: checked before a long run, not after."""
+    if page is not None and not page.parent.is_dir():
+        raise ValueError(f"--page {page}: folder {page.parent} does not exist")
 
 
 def checked_policies(text: str) -> tuple[str, ...]:

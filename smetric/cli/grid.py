@@ -1,4 +1,4 @@
-"""``smetric grid``: every policy's knee across issue 10's grid, and the verdict."""
+"""``smetric grid``: every policy's knee across a grid of traces and clusters, and the verdict."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Annotated
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
 from smetric.cli.evaluation import (
     PolicyListOpt,
+    check_page,
     checked_policies,
+    page_option,
     preset_option,
-    readme_option,
     report_command,
 )
 from smetric.cli.simulate import JobsOpt, OutOpt
@@ -21,16 +22,21 @@ from smetric.eval.grid import grid_cells, run_grid
 from smetric.eval.grid_preset import GRID_PRESETS, load_grid_preset
 from smetric.eval.reproduce import DEFAULT_POLICIES
 from smetric.report.grid import grid_markdown
-from smetric.report.reproduce import read_readme, update_readme
+from smetric.report.stamp import write_results_page
 from smetric.sim.config import SimConfig
 from smetric.sim.parallel import RunStore, default_jobs
 from smetric.trace.schema import Trace
 
 # reproduce's policies but Linear at the paper's λ=0.9 (``linear``), which never leads:
-# the baselines that lead somewhere in the README's knee tables are cache-aware without a
-# global tier, least-load and Linear λ=0.3 at 1x and full, LMetric close behind.
+# the baselines that lead somewhere in the knee searches (docs/results/) are cache-aware
+# without a global tier, least-load and Linear λ=0.3 at 1x and full, LMetric close behind.
 POLICY_LIST = ",".join(p for p in DEFAULT_POLICIES if p != "linear")
-MARKERS = ("<!-- grid:begin -->", "<!-- grid:end -->")
+GRID_INTRO = """\
+Each policy's knee (its maximum TPS within SLO over offered load) in every cell of trace x
+global tier x global-tier fetch mode x KV room, and per cell the best baseline at its best
+setting. A policy of the SMetric family counts as level with the best baseline within 1 %
+of it and as ahead at 5 % or more. How to run it and read it:
+[Simulate, sweep, knee, grid and reproduce](../guides/simulate.md#the-policy-grid)."""
 
 
 @app.command(name="grid")
@@ -38,7 +44,7 @@ def grid_command(
     preset: Annotated[str, preset_option(GRID_PRESETS)] = "grid-quick",
     policies: PolicyListOpt = POLICY_LIST,
     out: OutOpt = None,
-    readme: Annotated[Path | None, readme_option("grid.md", MARKERS)] = None,
+    page: Annotated[Path | None, page_option("grid.md")] = None,
     jobs: JobsOpt = None,
 ) -> None:
     """Each policy's knee in every cell of trace x global tier x fetch mode x KV room,
@@ -55,8 +61,7 @@ def grid_command(
     with user_errors():
         chosen = load_grid_preset(preset)
         specs = checked_policies(policies)
-        if readme is not None:
-            read_readme(readme, MARKERS)
+        check_page(page)
         out = out or Path("smetric-out") / f"grid-{slug(chosen.name)}"
         store = RunStore(out / "runs")
         cells = len(grid_cells(chosen)) // len(chosen.traces)
@@ -77,14 +82,14 @@ def grid_command(
     (out / "grid.json").write_text(json.dumps(result, indent=1))
     markdown = out / "grid.md"
     markdown.write_text(grid_markdown(result, command))
-    if readme is not None:
+    if page is not None:
         with user_errors():
-            update_readme(readme, markdown.read_text(), MARKERS)
+            write_results_page(page, "The policy grid", markdown.read_text(), command, GRID_INTRO)
     console.print(markdown.read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"simulated {store.written} runs in {time.monotonic() - started:,.0f} s wall, "
         f"{_cpu_s() - cpu:,.0f} CPU-s (this process and its workers)\nwrote {out}/ "
-        "(grid.json, grid.md)" + (f"\nupdated {readme}" if readme is not None else "")
+        "(grid.json, grid.md)" + (f"\nwrote {page}" if page is not None else "")
     )
 
 

@@ -10,30 +10,34 @@ from typing import Annotated
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
 from smetric.cli.evaluation import (
     PolicyListOpt,
+    check_page,
     checked_policies,
+    page_option,
     preset_option,
-    readme_option,
     report_command,
 )
 from smetric.cli.simulate import JobsOpt, OutOpt, SourceArg
 from smetric.eval.preset import PRESETS, load_preset
 from smetric.eval.reproduce import DEFAULT_POLICIES, paper_load_runs, reproduce
-from smetric.report.reproduce import BEGIN, END, read_readme, update_readme, write_report
+from smetric.report.reproduce import write_report
+from smetric.report.stamp import write_results_page
 from smetric.sim.parallel import RunStore, default_jobs
 
 POLICY_LIST = ",".join(DEFAULT_POLICIES)
+INTRO = """\
+The paper's colocation evaluation (its Figures 11, 12, 14-17 and 25) regenerated on a
+simulated cluster, with the paper's published numbers beside ours. The figures are in
+`report.html` in the command's output folder. How to run it and what each part measures:
+[Simulate, sweep, knee, grid and reproduce](../guides/simulate.md)."""
 
 
 @app.command(name="reproduce")
 def reproduce_command(
     source: SourceArg = None,
-    preset: Annotated[str, preset_option(PRESETS, " (sizes in the README)")] = "quick",
+    preset: Annotated[str, preset_option(PRESETS)] = "quick",
     policies: PolicyListOpt = POLICY_LIST,
     out: OutOpt = None,
-    readme: Annotated[
-        Path | None,
-        readme_option("validation.md", (BEGIN, END), " (the README's Validation section)"),
-    ] = None,
+    page: Annotated[Path | None, page_option("validation.md")] = None,
     jobs: JobsOpt = None,
 ) -> None:
     """Regenerate the paper's colocation figures (11, 12, 14-17, 25) and its published
@@ -55,8 +59,7 @@ def reproduce_command(
             chosen = dataclasses.replace(
                 chosen, config=chosen.config.override("workload", trace=source)
             )
-        if readme is not None:
-            read_readme(readme)
+        check_page(page)
         trace = load_with_progress(chosen.config.workload.trace, chosen.config.workload.format)
         out = out or Path("smetric-out") / f"reproduce-{slug(chosen.name)}-{slug(trace.name)}"
         store = RunStore(out / "runs")
@@ -75,11 +78,13 @@ def reproduce_command(
     out.mkdir(parents=True, exist_ok=True)
     (out / "reproduce.json").write_text(json.dumps(result, indent=1))
     html, markdown = write_report(result, summaries, tables, command, out)
-    if readme is not None:
+    if page is not None:
         with user_errors():
-            update_readme(readme, markdown.read_text())
+            write_results_page(
+                page, "The paper's colocation evaluation", markdown.read_text(), command, INTRO
+            )
     reused = "" if store.written else " (every run reused from runs/)"
     console.print(
         f"simulated {store.written} runs{reused}\nwrote {html}, {markdown}, reproduce.json "
-        "and the figures" + (f"\nupdated {readme}" if readme is not None else "")
+        "and the figures" + (f"\nwrote {page}" if page is not None else "")
     )

@@ -30,6 +30,7 @@ from smetric.sim.config import (
     parse_global_capacity,
 )
 from smetric.sim.parallel import Job, RunStore, default_jobs, run_jobs, run_sweep
+from smetric.sim.perf import load_medium
 from smetric.sim.run import RunResult
 from smetric.sim.seeds import mean_summary, spread
 
@@ -100,6 +101,15 @@ NicsOpt = Annotated[
         "RDMA NICs per server, shared by its 8 GPUs' global-tier traffic (4).",
         CLUSTER,
         min=1,
+    ),
+]
+MediumOpt = Annotated[
+    str | None,
+    _opt(
+        "How the global tier moves KV end to end: line-rate (the paper's testbed), "
+        "lmcache-cpu (41 GB/s), mooncake-rdma (6.4 GB/s) or mooncake-tcp (3.2 GB/s); "
+        "`smetric model` shows each one's cost [default: line-rate].",
+        CLUSTER,
     ),
 ]
 KvLoadOpt = Annotated[
@@ -188,6 +198,7 @@ CLUSTER_FLAGS = {
     "global_capacity": "global_capacity",
     "nic_bandwidth": "nic_gb_s",
     "nics_per_server": "nics_per_server",
+    "global_medium": "global_medium",
     "kv_load": "kv_load",
     "prefill_instances": "prefill_instances",
     "decode_instances": "decode_instances",
@@ -232,6 +243,7 @@ def command_config(params: dict[str, Any]) -> SimConfig:
         make_policy(spec)  # fails early, with the valid names, on a typo
     parse_global_capacity(config.cluster.global_capacity)
     check_kv_load(config.cluster.kv_load)
+    load_medium(config.cluster.global_medium)  # fails early, with the valid names
     check_disaggregation(config.cluster)
     return config
 
@@ -381,6 +393,7 @@ def simulate(
     global_capacity: GlobalOpt = None,
     nic_bandwidth: BandwidthOpt = None,
     nics_per_server: NicsOpt = None,
+    global_medium: MediumOpt = None,
     kv_load: KvLoadOpt = None,
     prefill_instances: PrefillOpt = None,
     decode_instances: DecodeOpt = None,

@@ -1,7 +1,7 @@
 """What the live router learns from one request body alone: turn, expected hit, blocks.
 
-The router keeps no session table (DESIGN.md), so everything a policy needs must come from
-the body of each request:
+The router keeps no session table (docs/concepts/architecture.md), so everything a policy
+needs must come from the body of each request:
 
 - **turn**: the number of assistant messages in it. An agent resends its whole conversation
   on every call, so the count says how many earlier calls this session made; 0 means a

@@ -186,7 +186,7 @@ class SMetricCost:
     def __init__(
         self,
         *,
-        prefill_tps: float = 14_300.0,
+        prefill_tps: float = 14_200.0,
         attn_tokens: float = 11_000.0,
         fetch_tps: float = 110_000.0,
         queue_depth: float = 50_000.0,

@@ -1,4 +1,4 @@
-"""The policy grid of issue 10: every policy's knee in every cell, and the verdict.
+"""The policy grid: every policy's knee in every cell, and the verdict.
 
 A cell is a trace, a global tier, a fetch mode (``kv_load``) and a KV room (hardware and
 KV dtype). Each (cell, policy) pair is its own knee search whose first load depends only
@@ -12,6 +12,7 @@ default SLO.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 from smetric.eval.grid_preset import GridPreset
@@ -31,9 +32,14 @@ from smetric.trace.schema import Trace
 
 CELL_FIELDS = ("trace", "tier", "kv_load", "hardware", "world")
 # The tier of a cell that gives its group a ceiling: the same cluster with a free global
-# tier that never evicts (``World.free_tier``), under every policy, the best of them.
+# tier (never evicts, moves KV in no time), under every policy, the best of them.
 FREE_TIER = "free"
-# The verdict's thresholds (issue 10 §3): within 1 % of the best baseline, at least 5 % ahead.
+FREE_GLOBAL_TIER = {
+    "global_capacity": "full",
+    "global_medium": "line-rate",
+    "tier_bandwidth_scale": math.inf,
+}
+# The verdict's thresholds: within 1 % of the best baseline (a tie), at least 5 % ahead (a win).
 WITHIN, AHEAD = -1.0, 5.0
 
 # Loads the trace a configuration names (once per trace of the preset).
@@ -53,15 +59,16 @@ def grid_cells(preset: GridPreset) -> dict[tuple, tuple[SimConfig, float]]:
             for mode in preset.kv_loads:
                 for label, room in preset.hardware.items():
                     for world_name, world in preset.worlds.items():
-                        free = tier == FREE_TIER
                         config = trace.config.override(
                             "cluster",
-                            global_capacity="full" if free else tier,
+                            global_capacity=tier,
                             kv_load=mode,
                             hardware=room.hardware,
                             kv_dtype=room.kv_dtype,
-                            world=dataclasses.replace(world, free_tier=True) if free else world,
+                            **world,
                         )
+                        if tier == FREE_TIER:
+                            config = config.override("cluster", **FREE_GLOBAL_TIER)
                         key = (name, tier, mode, label, world_name)
                         cells[key] = (config, start * trace.scale[label])
     return cells
@@ -117,7 +124,7 @@ def run_grid(
     return {
         "preset": preset.name,
         "policies": list(policies),
-        "worlds": {name: dataclasses.asdict(w) for name, w in preset.worlds.items()},
+        "worlds": preset.worlds,
         "seeds": preset.seeds,
         "precision": preset.precision,
         "slo": dataclasses.asdict(next(iter(preset.traces.values())).config.slo),

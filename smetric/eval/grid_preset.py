@@ -12,20 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from smetric.eval.preset import check_keys, positive, read_preset
+from smetric.eval.preset import check_keys, flag, positive, read_preset
 from smetric.sim.config import (
+    PERTURBATIONS,
     SimConfig,
     SLOConfig,
     check_kv_load,
     from_dict,
     parse_global_capacity,
 )
-from smetric.sim.world import World, world_of
 
 GRID_PRESETS = ("grid-quick", "robustness")
 KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")
-# ``worlds``: name -> how the simulated engines differ from the configuration
-# (sim/world.py), every cell run in each; without it, the configured world alone.
+# ``worlds``: name -> perturbations of the simulated engines that the policies are not
+# told about (``ClusterConfig``'s ``PERTURBATIONS``), every cell run in each; without it,
+# the configured world alone.
 # ``ceiling``: true adds a free-tier cell per group, the knee tables' ceiling.
 OPTIONAL_KEYS = ("worlds", "ceiling")
 CONFIGURED = "configured"
@@ -58,7 +59,7 @@ class GridPreset:
     grow: float
     precision: float
     loose_slo: SLOConfig
-    worlds: dict[str, World] = field(default_factory=lambda: {CONFIGURED: World()})
+    worlds: dict[str, dict[str, float]] = field(default_factory=lambda: {CONFIGURED: {}})
     ceiling: bool = False
 
 
@@ -93,58 +94,22 @@ def load_grid_preset(spec: str) -> GridPreset:
         precision=positive(data["precision"], f"{where}: precision"),
         loose_slo=loose_slo,
         worlds=_worlds(data.get("worlds"), f"{where}: worlds"),
-        ceiling=_flag(data.get("ceiling", False), f"{where}: ceiling"),
+        ceiling=flag(data.get("ceiling", False), f"{where}: ceiling"),
     )
 
 
-def _worlds(value: Any, where: str) -> dict[str, World]:
+def _worlds(value: Any, where: str) -> dict[str, dict[str, float]]:
     if value is None:
-        return {CONFIGURED: World()}
+        return {CONFIGURED: {}}
     worlds = {}
     for name, factors in _mapping(value, where).items():
-        try:
-            worlds[str(name)] = world_of(factors or {})
-        except ValueError as exc:
-            raise ValueError(f"{where}.{name}: {exc}") from None
-        if worlds[str(name)].free_tier:
-            raise ValueError(f"{where}.{name}: the free tier is the ceiling (ceiling: true)")
+        factors = factors or {}
+        if not isinstance(factors, dict):
+            raise ValueError(f"{where}.{name}: expected a mapping of perturbations")
+        unknown = sorted(set(factors) - set(PERTURBATIONS))
+        if unknown:
+            raise ValueError(
+                f"{where}.{name}: unknown perturbations {unknown}; known: {list(PERTURBATIONS)}"
+            )
+        worlds[str(name)] = {k: positive(v, f"{where}.{name}.{k}") for k, v in factors.items()}
     return worlds
-
-
-def _flag(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: expected true or false, got {value!r}")
-    return value
-
-
-def _mapping(value: Any, where: str) -> dict:
-    if not isinstance(value, dict) or not value:
-        raise ValueError(f"{where}: expected a non-empty mapping")
-    return value
-
-
-def _trace(value: Any, where: str, hardware: dict[str, KvRoom]) -> GridTrace:
-    data = _mapping(value, where)
-    if not {"config", "tiers"} <= set(data) <= {"config", "tiers", "scale"}:
-        raise ValueError(f"{where}: expected the keys config, tiers and (optional) scale")
-    tiers = _mapping(data["tiers"], f"{where}.tiers")
-    for tier in tiers:
-        parse_global_capacity(str(tier))
-    scale = data.get("scale") or {}
-    if not isinstance(scale, dict):
-        raise ValueError(f"{where}.scale: expected a mapping of hardware to factors")
-    unknown = sorted(set(map(str, scale)) - set(hardware))
-    if unknown:
-        raise ValueError(f"{where}.scale: {unknown} not among hardware {sorted(hardware)}")
-    return GridTrace(
-        config=from_dict(data["config"] or {}, f"{where}.config"),
-        tiers={str(t): positive(v, f"{where}.tiers.{t}") for t, v in tiers.items()},
-        scale={h: positive(scale.get(h, 1), f"{where}.scale.{h}") for h in hardware},
-    )
-
-
-def _room(value: Any, where: str) -> KvRoom:
-    data = _mapping(value, where)
-    if set(data) != {"hardware", "kv_dtype"}:
-        raise ValueError(f"{where}: expected the keys hardware and kv_dtype")
-    return KvRoom(str(data["hardware"]), str(data["kv_dtype"]))

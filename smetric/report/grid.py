@@ -130,8 +130,8 @@ def robustness_table(result: Mapping[str, Any], which: str = "knees") -> str:
     return markdown_table(["world", *columns], rows).rstrip("\n")
 
 
-def _world_line(name: str, factors: Mapping[str, Any]) -> str:
-    changed = [f"{k} {v:g}x" for k, v in factors.items() if k != "free_tier" and v != 1]
+def _world_line(name: str, factors: Mapping[str, float]) -> str:
+    changed = [f"{k} {v:.3g}" for k, v in factors.items() if v != 1]
     return f"- `{name}`: " + (", ".join(changed) if changed else "as configured")
 
 

@@ -41,7 +41,7 @@ def knee_rows(
 
 
 def knee_markdown(summary: Mapping[str, Any], compared: Sequence[str]) -> str:
-    """The knee table as Markdown, for the README."""
+    """The knee table as Markdown, for results pages."""
     head = [f"global {c['global']}, {c['kv_load']} load" for c in summary["cells"]]
     rows = knee_rows(summary, compared, lambda v: f"{v / 1000:,.1f}k", lambda t: f"**{t}**")
     return markdown_table(["policy", *head], rows)

@@ -1,4 +1,4 @@
-"""Markdown tables, for the README and ``validation.md``."""
+"""Markdown tables, for results pages and ``validation.md``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``smetric reproduce``'s outputs: figures, one self-contained ``report.html`` and
-``validation.md`` (the README's Validation section), all from one list of sections so the
-page and the Markdown always show the same numbers."""
+``validation.md`` (also a stamped results page with ``--page``), all from one list of
+sections so the page and the Markdown always show the same numbers."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from smetric.report.simulation import (
 from smetric.sim.knee import is_ours
 
 Result = Mapping[str, Any]
-BEGIN, END = "<!-- reproduce:begin -->", "<!-- reproduce:end -->"
 
 
 class Section(NamedTuple):
@@ -138,7 +137,7 @@ def _tier_sections(result: Result) -> list[Section]:
             "setting.",
             ("max_tps", "knee"),
             head,
-            knee_rows(knees, ours, kilo, lambda text: f"**{text}**"),
+            knee_rows(knees, ours, kilo, lambda text: f"**{text}**") + ceiling_rows(result),
         ),
         Section(
             "Where prompt tokens came from at each knee (Figs. 11b, 16b)",
@@ -148,6 +147,27 @@ def _tier_sections(result: Result) -> list[Section]:
             head,
             split,
         ),
+    ]
+
+
+def ceiling_rows(result: Result) -> list[list[str]]:
+    """The knee table's ceiling, where the evaluation searched one: the best knee of any
+    policy with a free global tier (never evicts, moves KV in no time), and the best
+    policy of each tier as a share of it (none without a ceiling)."""
+    ceiling = result.get("ceiling")
+    if not ceiling:
+        return []
+    top = ceiling["knees"][ceiling["best"]]
+    columns = len(result["tiers"])
+    shares = []
+    for cell in result["tiers"].values():
+        best = max(cell["policies"], key=lambda p: cell["policies"][p]["knee"]["mean"])
+        share = cell["policies"][best]["knee"]["mean"] / top["mean"] if top["mean"] else 0
+        shares.append(f"{share:.0%} ({best})")
+    return [
+        [f"ceiling: free global tier, best of all ({ceiling['best']})"]
+        + [f"{kilo(top['mean'])} (@{top['load']:.3g})"] * columns,
+        ["best policy / ceiling", *shares],
     ]
 
 
@@ -348,17 +368,6 @@ def write_html(result: Result, pngs: Mapping[str, Path], command: str, path: Pat
     path.write_text(page, encoding="utf-8")
 
 
-def replace_between_markers(text: str, block: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
-    """``text`` with what lies between the markers (the reproduce ones unless given)
-    replaced by ``block``; the markers stay, and everything outside them is kept byte for
-    byte."""
-    begin, finish = markers
-    start, end = text.find(begin), text.find(finish)
-    if start < 0 or end < 0 or end < start or text.count(begin) != 1 or text.count(finish) != 1:
-        raise ValueError(f"expected one {begin} followed by one {finish}")
-    return text[: start + len(begin)] + "\n" + block.rstrip("\n") + "\n" + text[end:]
-
-
 def write_report(
     result: Result,
     summaries: Mapping[str, dict],
@@ -372,20 +381,3 @@ def write_report(
     write_html(result, pngs, command, html)
     markdown.write_text(validation_markdown(result, command))
     return html, markdown
-
-
-def read_readme(readme: Path, markers: tuple[str, str] = (BEGIN, END)) -> str:
-    """The README's text, checked to hold the markers (before a long run, not after)."""
-    try:
-        text = readme.read_text()
-    except OSError as exc:
-        raise ValueError(f"{readme}: cannot read: {exc}") from exc
-    try:
-        replace_between_markers(text, "", markers)
-    except ValueError as exc:
-        raise ValueError(f"{readme}: {exc}") from exc
-    return text
-
-
-def update_readme(readme: Path, markdown: str, markers: tuple[str, str] = (BEGIN, END)) -> None:
-    readme.write_text(replace_between_markers(read_readme(readme, markers), markdown, markers))

@@ -3,8 +3,8 @@
 One Python process decides on one core; agent bodies are large enough that the router
 needs them all. Each worker is a forked copy of the configured router listening on the same
 port with ``SO_REUSEPORT``, so the kernel spreads connections over them, and each stays a
-stateless replica (DESIGN.md): what they must agree on is load and the KV view, not
-sessions.
+stateless replica (docs/concepts/architecture.md): what they must agree on is load and the
+KV view, not sessions.
 
 - **Load.** Every engine's in-flight requests and unprefilled tokens live in an anonymous
   shared mapping made before the fork, one row per worker (``Engine.share_load``): a

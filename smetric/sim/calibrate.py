@@ -15,8 +15,8 @@ cluster, so every result measured with those defaults stands.
 from __future__ import annotations
 
 from smetric.core.policy import Policy, make_policy, resolve_policy
-from smetric.sim.cluster import instances_per_server, step_time_model
-from smetric.sim.config import ClusterConfig
+from smetric.sim.cluster import instances_per_server, lane_gb_s, step_time_model
+from smetric.sim.config import ClusterConfig, nominal
 from smetric.sim.perf import kv_bytes_per_token, load_model
 
 # The context depth at which the prefill rate is read to fit the attention term.
@@ -36,9 +36,13 @@ def policy_constants(cluster: ClusterConfig) -> dict[str, float]:
       fitted so that ``(1 + c / attn_tokens) / prefill_tps`` is a chunk's time per token
       after ``c`` = 100 k tokens of context;
     - ``kv_read_s``: what a decode step spends per token of KV it reads;
-    - ``fetch_tps``: tokens of KV a second over the slower of the instance's PCIe lanes
-      and its share of its server's NICs (all GPUs of a full server fetching at once).
+    - ``fetch_tps``: tokens of KV a second over the slower of the instance's own lane
+      (PCIe, capped by the medium's connector rate) and its share of its server's NICs
+      (all GPUs of a full server fetching at once).
+
+    They are derived from the nominal cluster: a perturbed world's policy is not told.
     """
+    cluster = nominal(cluster)
     perf = step_time_model(cluster)
     chunk = cluster.max_num_batched_tokens
     fresh_tps = chunk / perf.step_time(chunk, chunk * chunk / 2, 0, 0)
@@ -46,7 +50,7 @@ def policy_constants(cluster: ClusterConfig) -> dict[str, float]:
     deep_tps = chunk / perf.step_time(chunk, deep_context, 0, 0)
     attn_tokens = _DEEP_CONTEXT_TOKENS / (fresh_tps / deep_tps - 1.0)
     nic_share = cluster.nics_per_server * cluster.nic_gb_s / instances_per_server(cluster)
-    pcie = cluster.gpus_per_instance * cluster.pcie_gb_s
+    pcie = lane_gb_s(cluster)
     kv_bytes = kv_bytes_per_token(load_model(cluster.model), cluster.kv_dtype)
     fetch_tps = min(nic_share, pcie) * 1e9 / kv_bytes
     return {

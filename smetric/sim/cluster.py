@@ -10,7 +10,6 @@ hit for this request and the load (requests in flight), plus queued prefill toke
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,20 +17,26 @@ import polars as pl
 
 from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
 from smetric.core.prices import Completion, PriceLearner
-from smetric.sim.config import ClusterConfig, check_kv_load, parse_global_capacity
+from smetric.sim.config import (
+    ClusterConfig,
+    check_kv_load,
+    check_perturbations,
+    parse_global_capacity,
+)
 from smetric.sim.holders import HolderIndex
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.metrics import RequestLog
 from smetric.sim.perf import (
+    Corrections,
     StepTimeModel,
     kv_bytes_per_token,
     kv_capacity_tokens,
     load_hardware,
+    load_medium,
     load_model,
 )
 from smetric.sim.workload import SimWorkload
-from smetric.sim.world import SlowerPrefill, engine_perf
 from smetric.trace.compose import ClosedLoopIssuer
 
 STEP_END, WAKE, ARRIVAL = 0, 1, 2
@@ -48,6 +53,7 @@ class ClusterShape:
 
 
 def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
+    check_perturbations(config)
     model = load_model(config.model)
     hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
     capacity = config.kv_capacity_tokens or kv_capacity_tokens(
@@ -56,8 +62,9 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
         weight_dtype=config.weight_dtype or model.weight_dtype,
         kv_dtype=config.kv_dtype,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
-    capacity = int(capacity * config.world.kv_room)
+    capacity = int(capacity * config.kv_room_scale)
     if capacity <= 0:
         raise ValueError(
             f"{config.model} ({config.weight_dtype or model.weight_dtype}) leaves no KV room on "
@@ -68,7 +75,7 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
     limit = min(model.max_context, capacity)
     if config.max_model_len is not None:
         limit = min(limit, config.max_model_len)
-    ratio = None if config.world.free_tier else parse_global_capacity(config.global_capacity)
+    ratio = parse_global_capacity(config.global_capacity)
     local_blocks = capacity // block_size
     global_blocks = None if ratio is None else int(ratio * local_blocks * config.instances)
     return ClusterShape(
@@ -85,17 +92,29 @@ def instances_per_server(config: ClusterConfig) -> int:
     return max(1, config.gpus_per_server // config.gpus_per_instance)
 
 
+def lane_gb_s(config: ClusterConfig) -> float:
+    """One instance's own lane to the global tier: its PCIe lanes, capped by what its
+    connector reaches on the medium, both scaled by the tier's bandwidth perturbation."""
+    pcie = config.gpus_per_instance * config.pcie_gb_s
+    medium = load_medium(config.global_medium)
+    rate = min(pcie, medium.gb_s) if medium.gb_s > 0 else pcie
+    return rate * config.tier_bandwidth_scale
+
+
 def routes(config: ClusterConfig) -> list[Route]:
-    """Each instance's route to the global tier: its own PCIe lanes, its server's NICs.
+    """Each instance's route to the global tier: its own lane, its server's NICs.
 
     Instances fill servers in index order, ``instances_per_server`` each.
     """
     per_server = instances_per_server(config)
     servers = -(-config.instances // per_server)
-    scale = math.inf if config.world.free_tier else config.world.tier_bandwidth * 1e9
-    nics = [Link(config.nics_per_server * config.nic_gb_s * scale) for _ in range(servers)]
-    pcie_bytes_s = config.gpus_per_instance * config.pcie_gb_s * scale
-    return [Route(Link(pcie_bytes_s), nics[i // per_server]) for i in range(config.instances)]
+    nic_bytes_s = config.nics_per_server * config.nic_gb_s * 1e9 * config.tier_bandwidth_scale
+    nics = [Link(nic_bytes_s) for _ in range(servers)]
+    setup = load_medium(config.global_medium).setup_s
+    lane_bytes_s = lane_gb_s(config) * 1e9
+    return [
+        Route(Link(lane_bytes_s, setup), nics[i // per_server]) for i in range(config.instances)
+    ]
 
 
 def step_time_model(config: ClusterConfig) -> StepTimeModel:
@@ -108,15 +127,13 @@ def step_time_model(config: ClusterConfig) -> StepTimeModel:
         hardware,
         weight_dtype=config.weight_dtype or model.weight_dtype,
         kv_dtype=config.kv_dtype,
+        corrections=Corrections(prefill=config.prefill_slowdown),
     )
 
 
-def engine_model(
-    config: ClusterConfig, shape: ClusterShape
-) -> tuple[StepTimeModel | SlowerPrefill, EngineLimits]:
-    """The step-time model and engine limits every instance of the cluster shares, in the
-    cluster's world (``step_time_model`` alone is the configured one)."""
-    perf = engine_perf(step_time_model(config), config.world)
+def engine_model(config: ClusterConfig, shape: ClusterShape) -> tuple[StepTimeModel, EngineLimits]:
+    """The step-time model and engine limits every instance of the cluster shares."""
+    perf = step_time_model(config)
     limits = EngineLimits(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

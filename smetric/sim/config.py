@@ -16,7 +16,6 @@ import msgspec
 import yaml
 
 from smetric.core.policy import POLICY_NAMES
-from smetric.sim.world import World, world_of
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,9 @@ class ClusterConfig:
     nics_per_server: int = 4
     nic_gb_s: float = 21.7
     pcie_gb_s: float = 50.0
+    # What the connector reaches end to end on top of those links (presets/tiers.toml):
+    # "line-rate" (the paper's testbed), "lmcache-cpu", "mooncake-rdma", "mooncake-tcp".
+    global_medium: str = "line-rate"
     # How an admitted request reads the global tier: "sync" loads before the forward pass
     # and stretches that step (LMCache's default), "async" holds the request, not the batch.
     kv_load: str = "sync"
@@ -58,9 +60,27 @@ class ClusterConfig:
     decode_instances: int = 0
     decode_policy: str = "least_kv"
     assumed_tpot_s: float = 0.03
-    # How the simulated engines differ from the above, unknown to the policies
-    # (sim/world.py); the default is the world as configured.
-    world: World = field(default_factory=World)
+    # Perturbations of the simulated world that the policies are not told about (their
+    # hardware constants come from the nominal cluster, ``nominal``): every global-tier
+    # link's rate scaled, every engine's compute-bound prefill work slowed, every
+    # instance's KV room scaled.
+    tier_bandwidth_scale: float = 1.0
+    prefill_slowdown: float = 1.0
+    kv_room_scale: float = 1.0
+
+
+PERTURBATIONS = ("tier_bandwidth_scale", "prefill_slowdown", "kv_room_scale")
+
+
+def nominal(cluster: ClusterConfig) -> ClusterConfig:
+    """The cluster as its operator believes it to be: no perturbation."""
+    return dataclasses.replace(cluster, **{name: 1.0 for name in PERTURBATIONS})
+
+
+def check_perturbations(cluster: ClusterConfig) -> None:
+    for name in PERTURBATIONS:
+        if not getattr(cluster, name) > 0:
+            raise ValueError(f"{name} must be positive, got {getattr(cluster, name)}")
 
 
 @dataclass(frozen=True)
@@ -116,8 +136,6 @@ class SimConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["policies"] = list(self.policies)
-        if self.cluster.world.nominal:  # the configured world goes without saying
-            del data["cluster"]["world"]
         return data
 
 
@@ -130,11 +148,6 @@ def _section(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
-    if "world" in data:
-        try:
-            data = {**data, "world": world_of(data["world"] or {})}
-        except ValueError as exc:
-            raise ValueError(f"{where}: world: {exc}") from None
     try:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:

@@ -37,7 +37,6 @@ from smetric.core.policy import reusable_hit_blocks, reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
 from smetric.sim.kv import GlobalTier, LocalPool, Route
 from smetric.sim.perf import StepTimeModel
-from smetric.sim.world import SlowerPrefill
 
 # Longest run of decode-only steps planned at once, so that progress stays visible.
 MAX_RUN_STEPS = 4096
@@ -104,7 +103,7 @@ class Instance:
     pool: LocalPool
     route: Route
     global_tier: GlobalTier
-    perf: StepTimeModel | SlowerPrefill
+    perf: StepTimeModel
     limits: EngineLimits
     # Global-tier loads: False stretches the admitting step, True holds only the request.
     async_load: bool = False

@@ -75,17 +75,18 @@ class GlobalTier:
 
 class Link:
     """One link (a PCIe lane, or a server's NICs together): transfers queue first come,
-    first served."""
+    first served, each paying ``setup_s`` before its bytes."""
 
-    def __init__(self, bytes_per_s: float) -> None:
+    def __init__(self, bytes_per_s: float, setup_s: float = 0.0) -> None:
         self.bytes_per_s = bytes_per_s
+        self.setup_s = setup_s
         self.busy_until = 0.0
         self.bytes_moved = 0.0
 
     def transfer(self, now: float, nbytes: float) -> float:
         """When a transfer of ``nbytes`` issued at ``now`` completes."""
         start = max(now, self.busy_until)
-        self.busy_until = start + nbytes / self.bytes_per_s
+        self.busy_until = start + self.setup_s + nbytes / self.bytes_per_s
         self.bytes_moved += nbytes
         return self.busy_until
 

@@ -1,4 +1,4 @@
-"""The paper's metrics from one run's per-request records (DESIGN.md, "Metrics").
+"""The paper's metrics from one run's per-request records (docs/concepts/metrics.md).
 
 A run measures what completes within its horizon (the period in which sessions start or
 requests arrive): TPS within SLO counts the prompt and output tokens of the requests that

@@ -9,7 +9,8 @@ batches), so each kernel class is bound by its own resource: the step time is th
 over terms of each term's own roofline ``max(compute time, memory time)``, not one max
 over the step. Hardware and model numbers are presets (``presets/*.toml``), not code; the
 per-term ``Corrections`` let a measured run rescale any term without touching them.
-Calibration against public measurements: ``benchmarks/perf_anchors.py``.
+Checked against public measurements, fitted rows apart from held-out ones, by
+``smetric fidelity`` (the anchors: ``presets/anchors.toml``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _presets(filename: str) -> dict[str, dict[str, Any]]:
 
 HARDWARE_NAMES: tuple[str, ...] = tuple(_presets("hardware.toml"))
 MODEL_NAMES: tuple[str, ...] = tuple(_presets("models.toml"))
+MEDIUM_NAMES: tuple[str, ...] = tuple(_presets("tiers.toml"))
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -52,9 +54,12 @@ def _dtype_bytes(dtype: str) -> int:
 class Hardware:
     """One instance's GPUs: per-GPU peaks and achieved fractions, times ``gpus``.
 
-    Efficiencies are what real kernels reach of a peak (perf-anchors.md, H20 column); a
+    Efficiencies are what real kernels reach of a peak, measured on that GPU family; a
     term's time is its work over ``peak x efficiency``. A tensor-parallel instance is
     worth ``gpus x tp_efficiency`` single GPUs and pays two all-reduces per layer.
+    ``memory_mib`` is what the device reports (nvidia-smi, ``torch.cuda.mem_get_info``),
+    the figure vLLM sizes its pool from. The overheads and the profiled activation bytes
+    are fitted per GPU on measured engines (the presets say which).
     """
 
     name: str
@@ -62,17 +67,21 @@ class Hardware:
     bf16_tflops: float
     fp8_tflops: float
     hbm_tb_s: float
-    memory_gb: float
+    memory_mib: float
     gemm_efficiency: float
     grouped_gemm_efficiency: float
     fp8_gemm_derate: float
     attention_efficiency: float
     decode_attention_bw_efficiency: float
+    decode_seq_bw_efficiency: float
     memory_efficiency: float
     nvlink_gb_s: float
     allreduce_bw_efficiency: float
     allreduce_latency_s: float
     tp_efficiency: float
+    step_overhead_s: float
+    layer_overhead_s: float
+    activation_bytes_per_token: float
 
     @property
     def scale(self) -> float:
@@ -144,6 +153,34 @@ class ModelSpec:
         return self.dense_params + moe + self.lm_head_params
 
 
+@dataclass(frozen=True)
+class Medium:
+    """How one instance's connector moves KV to and from the global tier.
+
+    LMCache's ``start_load_kv`` retrieves a request's chunks from the store before the
+    forward pass; end to end that costs a fixed ``setup_s`` (lookup, bookkeeping) plus the
+    bytes at ``gb_s``, the rate one connector reaches on the medium, 0 meaning only the
+    links' line rates limit it (``presets/tiers.toml`` gives each figure's source).
+    """
+
+    name: str
+    setup_s: float
+    gb_s: float
+    source: str
+
+    def seconds(self, nbytes: float, line_rate_gb_s: float) -> float:
+        """One transfer alone: setup plus the bytes at the slower of medium and links."""
+        rate = min(self.gb_s, line_rate_gb_s) if self.gb_s > 0 else line_rate_gb_s
+        return self.setup_s + nbytes / (rate * 1e9)
+
+
+def load_medium(name: str) -> Medium:
+    presets = _presets("tiers.toml")
+    if name not in presets:
+        raise ValueError(f"unknown global-tier medium {name!r}; presets: {', '.join(MEDIUM_NAMES)}")
+    return Medium(name=name, **presets[name])
+
+
 def load_hardware(name: str, gpus: int = 1) -> Hardware:
     presets = _presets("hardware.toml")
     if name not in presets:
@@ -197,18 +234,20 @@ def kv_capacity_tokens(
     weight_dtype: str,
     kv_dtype: str,
     gpu_memory_utilization: float = 0.9,
-    activation_reserve_gb: float = 3.0,
+    max_num_batched_tokens: int = 8192,
 ) -> int:
     """KV tokens one instance holds, as vLLM sizes its pool (0 when the weights do not fit).
 
-    vLLM claims ``gpu_memory_utilization`` of each GPU, loads the weights, profiles a peak
-    forward pass and gives the rest to KV blocks. ``activation_reserve_gb`` per GPU stands
-    in for that profiled peak (activations of an 8 k-token chunk, CUDA graphs, NCCL
-    buffers): 3 GB leaves Qwen3-30B-A3B in BF16 on one H20 about 22 GB, 227 k tokens.
+    vLLM's worker requests ``gpu_memory_utilization`` x the bytes the device reports
+    (``Worker.init_device``: ``requested_memory``), then ``determine_available_memory``
+    runs a dummy forward pass of ``max_num_batched_tokens`` tokens (``profile_run``) and
+    gives the KV pool what is left of the request after the weights, the torch peak of
+    that pass and the memory allocated outside torch. That profiled remainder is
+    ``activation_bytes_per_token`` per batched token, per GPU (fitted in the presets).
     """
-    usable = hardware.memory_gb * 1e9 * hardware.gpus * gpu_memory_utilization
-    reserve = activation_reserve_gb * 1e9 * hardware.gpus
-    free = usable - weight_bytes(model, weight_dtype) - reserve
+    usable = hardware.memory_mib * 2**20 * hardware.gpus * gpu_memory_utilization
+    profiled = hardware.activation_bytes_per_token * max_num_batched_tokens * hardware.gpus
+    free = usable - weight_bytes(model, weight_dtype) - profiled
     return max(0, int(free // kv_bytes_per_token(model, kv_dtype)))
 
 
@@ -218,20 +257,21 @@ class Corrections:
 
     ``compute`` scales the GEMMs' compute-bound times (dense, experts, lm_head), ``memory``
     their weight-streaming times, ``attention`` both prefill attention FLOPs and decode KV
-    reads, ``comm`` the tensor-parallel all-reduces. The overheads are what an engine step
-    costs besides its GEMMs and attention: per step, scheduling, input preparation and
-    sampling; per layer, the small kernels (norms, RoPE, KV-cache write, routing top-k,
-    expert sort, activation) at a few microseconds each. Their defaults, 1 ms + 25 us a
-    layer, are fitted to the small-batch anchors (H20 single stream, H100 at concurrency
-    10), which without them come out 13-47 % fast.
+    reads, ``comm`` the tensor-parallel all-reduces, ``prefill`` every compute-bound term
+    (GEMM FLOPs and prefill attention) at once: an engine whose prefill runs slower than
+    the kernels' measurements say. The overheads are what an engine step costs besides
+    its GEMMs and attention: per step, scheduling, input preparation and sampling; per
+    layer, the small kernels (norms, RoPE, KV-cache write, routing top-k, expert sort,
+    activation). None takes the hardware preset's fitted values.
     """
 
     compute: float = 1.0
     memory: float = 1.0
     attention: float = 1.0
-    step_overhead_s: float = 1.0e-3
-    layer_overhead_s: float = 25e-6
+    step_overhead_s: float | None = None
+    layer_overhead_s: float | None = None
     comm: float = 1.0
+    prefill: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -265,7 +305,10 @@ class StepTimeModel:
     - attention: prefill's quadratic part from ``prefill_attn_tokens2`` (query-key pairs:
       ``4 x q_heads x head_dim`` FLOPs each per layer), counted as compute only since a
       chunk reuses each KV read across its rows and the GQA group (memory only wins
-      below ~5-token chunks); decode's KV-cache reads;
+      below ~5-token chunks); decode's KV-cache reads, at the HBM rate decode kernels
+      reach once enough sequences run (``decode_attention_bw_efficiency``), and at
+      ``decode_seq_bw_efficiency`` per sequence below that: one sequence's attention
+      cannot fill the GPU;
     - all-reduces of the activations, twice per layer, when the instance spans GPUs;
     - fixed per-step and per-layer overheads (``Corrections``).
     """
@@ -277,6 +320,7 @@ class StepTimeModel:
         "_dense_s_per_token",
         "_expert_read_s",
         "_fixed_s",
+        "_kv_seqs_to_fill",
         "_kv_token_s",
         "_lm_read_s",
         "_lm_s_per_token",
@@ -296,6 +340,7 @@ class StepTimeModel:
         corrections: Corrections = Corrections(),
     ) -> None:
         c = corrections
+        compute = c.compute * c.prefill
         w = _dtype_bytes(weight_dtype)
         fp8 = weight_dtype == "fp8"
         scale = hardware.scale
@@ -310,23 +355,26 @@ class StepTimeModel:
         kv_bw = hardware.hbm_tb_s * 1e12 * scale * hardware.decode_attention_bw_efficiency
         layers = model.layers
 
-        self._dense_s_per_token = 2 * model.dense_params / dense_rate * c.compute
+        self._dense_s_per_token = 2 * model.dense_params / dense_rate * compute
         dense_bytes = layers * (
             model.attention_params * w + model.router_params * _UNQUANTIZED_BYTES
         )
         self._dense_read_s = dense_bytes / weight_bw * c.memory
-        self._lm_s_per_token = 2 * model.lm_head_params / lm_rate * c.compute
+        self._lm_s_per_token = 2 * model.lm_head_params / lm_rate * compute
         self._lm_read_s = model.lm_head_params * _UNQUANTIZED_BYTES / weight_bw * c.memory
         active_expert_params = layers * model.top_k * model.expert_params
-        self._moe_s_per_token = 2 * active_expert_params / moe_rate * c.compute
+        self._moe_s_per_token = 2 * active_expert_params / moe_rate * compute
         all_expert_bytes = layers * model.experts * model.expert_params * w
         self._expert_read_s = all_expert_bytes / weight_bw * c.memory
         self._miss = 1.0 - model.top_k / model.experts
         attn_flops = 4 * model.q_heads * model.head_dim * layers
-        self._pair_s = attn_flops / attn_rate * c.attention
+        self._pair_s = attn_flops / attn_rate * c.attention * c.prefill
         # Decode attention is linear in context for both resources: the larger wins.
         kv_read_s = kv_bytes_per_token(model, kv_dtype) / kv_bw
         self._kv_token_s = max(kv_read_s, attn_flops / attn_rate) * c.attention
+        self._kv_seqs_to_fill = (
+            hardware.decode_attention_bw_efficiency / hardware.decode_seq_bw_efficiency
+        )
         if hardware.gpus > 1:
             # Ring all-reduce moves 2(g-1)/g of the message over each GPU's link.
             g = hardware.gpus
@@ -337,7 +385,11 @@ class StepTimeModel:
         else:
             self._comm_fixed_s = 0.0
             self._comm_s_per_token = 0.0
-        self._overhead_s = c.step_overhead_s + layers * c.layer_overhead_s
+        step_overhead = hardware.step_overhead_s if c.step_overhead_s is None else c.step_overhead_s
+        layer_overhead = (
+            hardware.layer_overhead_s if c.layer_overhead_s is None else c.layer_overhead_s
+        )
+        self._overhead_s = step_overhead + layers * layer_overhead
         self._fixed_s = self._overhead_s + self._comm_fixed_s
 
     @property
@@ -368,9 +420,14 @@ class StepTimeModel:
             + max(logits * self._lm_s_per_token, self._lm_read_s)
             + max(tokens * self._moe_s_per_token, (1.0 - self._miss**tokens) * self._expert_read_s)
             + prefill_attn_tokens2 * self._pair_s
-            + decode_context_tokens * self._kv_token_s
+            + self._decode_attention(decode_seqs, decode_context_tokens)
             + tokens * self._comm_s_per_token
         )
+
+    def _decode_attention(self, decode_seqs: int, decode_context_tokens: int) -> float:
+        if decode_seqs == 0 or decode_seqs >= self._kv_seqs_to_fill:
+            return decode_context_tokens * self._kv_token_s
+        return decode_context_tokens * self._kv_token_s * self._kv_seqs_to_fill / decode_seqs
 
     def breakdown(
         self,
@@ -393,6 +450,6 @@ class StepTimeModel:
                 (1.0 - self._miss**tokens) * self._expert_read_s,
             ),
             attention=prefill_attn_tokens2 * self._pair_s
-            + decode_context_tokens * self._kv_token_s,
+            + self._decode_attention(decode_seqs, decode_context_tokens),
             comm=self._comm_fixed_s + tokens * self._comm_s_per_token,
         )

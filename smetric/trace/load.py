@@ -10,10 +10,10 @@ from pathlib import Path
 
 import polars as pl
 
-from smetric.trace import azure, bailian, mooncake, weka
+from smetric.trace import azure, bailian, mooncake, recording, weka
 from smetric.trace.schema import SCHEMA, Trace, TraceError
 
-FORMATS = ("weka", "mooncake", "bailian", "azure", "parquet")
+FORMATS = ("weka", "mooncake", "bailian", "azure", "parquet", "recording")
 SAMPLES = {
     "weka": "weka-claude-code",
     "mooncake": "mooncake/conversation_trace_head.jsonl",
@@ -56,6 +56,8 @@ def _first_line(path: Path) -> str:
 def detect_format(path: Path) -> str:
     """Guess the format from the name and, for JSON lines, the first record's fields."""
     name = path.name.lower()
+    if recording.is_recording(path):
+        return "recording"
     if path.is_dir() or name.endswith((".json", ".json.gz")):
         return "weka"
     if name.endswith(".parquet"):
@@ -92,6 +94,7 @@ def load_trace(
         "bailian": bailian.load,
         "azure": azure.load,
         "parquet": read_parquet,
+        "recording": recording.load,
     }
     if fmt not in loaders:
         raise TraceError(path, f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -101,7 +104,9 @@ def load_trace(
 def count_units(source: str | Path) -> int:
     """How many progress steps loading takes (session files for a WEKA folder, else 1)."""
     path = resolve(source)
-    return len(weka.session_files(path)) if path.is_dir() else 1
+    if not path.is_dir() or recording.is_recording(path):
+        return 1
+    return len(weka.session_files(path))
 
 
 def write_parquet(trace: Trace, path: Path) -> None:

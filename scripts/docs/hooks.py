@@ -1,0 +1,306 @@
+"""MkDocs hooks: the reference pages, generated from the code at every build.
+
+``mkdocs build`` imports this file (``hooks:`` in mkdocs.yml) and adds three pages that
+exist in no file, so they cannot drift from the code they describe:
+
+- ``reference/cli.md``: every command of the typer app, walked as the click tree it
+  builds (arguments, options, defaults, help);
+- ``reference/configuration.md``: the settings dataclasses behind ``--config`` YAML files,
+  their fields, types and defaults, and the comment or docstring that explains each;
+- ``reference/metrics.md``: every metric the router's Prometheus registry exports.
+
+Run it directly to print one page: ``python scripts/docs/hooks.py cli``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rich.text import Text
+
+CLI_PAGE = "reference/cli.md"
+CONFIG_PAGE = "reference/configuration.md"
+METRICS_PAGE = "reference/metrics.md"
+
+
+def cell(text: object) -> str:
+    """``text`` fit for one Markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def plain(help_text: str | None) -> str:
+    """Help as the terminal shows it, without rich markup or its escapes."""
+    return Text.from_markup(help_text or "").plain
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+# typer builds its commands on a click of its own: parameters and commands are read by
+# their attributes here, not by click's classes.
+
+
+def _is_option(param: Any) -> bool:
+    return param.param_type_name == "option"
+
+
+def _default(param: Any) -> str:
+    default = param.default
+    if callable(default) or default is None or default == () or not param.show_default:
+        return ""
+    if _is_option(param) and param.is_flag and param.secondary_opts:
+        return f"`{param.opts[0] if default else param.secondary_opts[0]}`"
+    return f"`{default}`"
+
+
+def _name(param: Any) -> str:
+    if _is_option(param):
+        names = [*param.opts, *param.secondary_opts]
+        return ", ".join(f"`{n}`" for n in names)
+    return f"`{param.name.upper()}`"
+
+
+def _commands(group: Any, path: str) -> Iterator[tuple[str, Any]]:
+    for name in sorted(group.commands):
+        command = group.commands[name]
+        if command.hidden:
+            continue
+        full = f"{path} {name}"
+        if hasattr(command, "commands"):
+            yield from _commands(command, full)
+        else:
+            yield full, command
+
+
+def cli_page() -> str:
+    import typer
+    import typer.main
+
+    from smetric.cli import app
+
+    root = typer.main.get_command(app)
+    out = [
+        "# Command line",
+        "",
+        "Every `smetric` command, its arguments and options, generated from the code at",
+        "each build of this site (the same text `smetric COMMAND --help` prints).",
+        "",
+        plain(root.help),
+        "",
+    ]
+    commands = list(_commands(root, "smetric"))
+    out += [f"- [`{full}`](#{full.replace(' ', '-')})" for full, _ in commands]
+    for full, command in commands:
+        ctx = typer.Context(command, info_name=full)
+        out += ["", f"## {full} {{#{full.replace(' ', '-')}}}", ""]
+        out.append(f"```text\n{full} {' '.join(command.collect_usage_pieces(ctx))}\n```")
+        out += ["", plain(command.help), ""]
+        params = [p for p in command.params if p.name != "help"]
+        if params:
+            out += ["| argument or option | default | what it does |", "|---|---|---|"]
+            for param in params:
+                help_text = plain(getattr(param, "help", None))
+                if getattr(param, "required", False):
+                    help_text += " (required)"
+                out.append(f"| {_name(param)} | {_default(param)} | {cell(help_text)} |")
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------- configuration
+
+
+def _field_notes(cls: type) -> dict[str, str]:
+    """Per field of ``cls``: its attribute docstring, else the comment lines above it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    body = ast.parse(source).body[0]
+    assert isinstance(body, ast.ClassDef)
+    notes: dict[str, str] = {}
+    statements = body.body
+    for i, node in enumerate(statements):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        name = node.target.id
+        after = statements[i + 1] if i + 1 < len(statements) else None
+        if (
+            isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            notes[name] = inspect.cleandoc(after.value.value)
+            continue
+        comments = []
+        row = node.lineno - 2
+        while row >= 0 and lines[row].strip().startswith("#"):
+            comments.insert(0, lines[row].strip().lstrip("#").strip())
+            row -= 1
+        notes[name] = " ".join(comments)
+    return notes
+
+
+def _type_name(annotation: Any) -> str:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return str(text or annotation).replace("typing.", "")
+
+
+def _field_default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        if dataclasses.is_dataclass(value):
+            return "(section)"
+    else:
+        return "required"
+    if isinstance(value, tuple | frozenset):
+        value = list(value)
+    return f"`{value}`"
+
+
+def dataclass_table(cls: type, keys: tuple[str, ...] | None = None) -> list[str]:
+    """One row per field of ``cls`` (only ``keys`` if given): name, type, default, notes."""
+    notes = _field_notes(cls)
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if keys is not None and f.name not in keys:
+            continue
+        if dataclasses.is_dataclass(f.type) or f.name in ("cluster", "workload", "slo"):
+            continue
+        note = f.metadata.get("help") or notes.get(f.name, "")
+        rows.append(
+            f"| `{f.name}` | `{cell(_type_name(f.type))}` | {_field_default(f)} | {cell(note)} |"
+        )
+    return rows
+
+
+def config_page() -> str:
+    from smetric.cli.serve import TUNABLE
+    from smetric.serve.app import RouterSettings
+    from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
+
+    def doc(cls: type) -> str:
+        text = inspect.getdoc(cls) or ""
+        return "" if text.startswith(cls.__name__ + "(") else text
+
+    out = [
+        "# Configuration",
+        "",
+        "The keys a `--config` YAML file may set, generated from the settings dataclasses at",
+        "each build of this site. Flags of the same meaning win over the file.",
+        "",
+        "## Simulation: `smetric simulate`, `sweep`, `knee` `--config`",
+        "",
+        "A run writes its resolved configuration as `config.yaml` beside its results;",
+        "`smetric simulate --config RESULT/config.yaml` runs it again exactly.",
+        "",
+        "```yaml",
+        "cluster: {instances: 16, global_capacity: 1x}",
+        "workload: {trace: sample:weka, session_rate: 0.1, duration_s: 1800}",
+        "slo: {ttft_base_s: 1.0}",
+        "policies: [smetric, smetric_cost, least_load]",
+        "warmup_s: 600",
+        "```",
+        "",
+        f"### Top level ({SimConfig.__name__})",
+        "",
+        *dataclass_table(SimConfig),
+    ]
+    for section, cls in (("cluster", ClusterConfig), ("workload", WorkloadConfig)):
+        out += ["", f"### `{section}:` ({cls.__name__})", "", doc(cls), "", *dataclass_table(cls)]
+    out += ["", f"### `slo:` ({SLOConfig.__name__})", "", doc(SLOConfig), ""]
+    out += dataclass_table(SLOConfig)
+    out += [
+        "",
+        "## Router: `smetric serve --config`",
+        "",
+        "Besides `engines:` (or `prefill_engines:` and `decode_engines:`), a list of URLs or",
+        "`{url, kv_blocks, kv_events}` mappings, the file's `router:` section may set:",
+        "",
+        *dataclass_table(RouterSettings, TUNABLE),
+    ]
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+def _families() -> Iterator[tuple[str, str, str, list[str]]]:
+    """(name, type, help, labels) of every metric a router's registry exports."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from smetric.serve.kv_subscriber import SubscriberCounters
+    from smetric.serve.metrics import RouterMetrics, SubscriberCollector
+
+    engine = "http://engine:8000"
+    metrics = RouterMetrics("smetric", [engine])
+    stand_in = types.SimpleNamespace(exact=True, counters=SubscriberCounters())
+    metrics.registry.register(SubscriberCollector({engine: stand_in}))  # type: ignore[dict-item]
+    wrappers = {
+        m._name: list(m._labelnames)
+        for m in vars(metrics).values()
+        if isinstance(m, MetricWrapperBase)
+    }
+    for family in metrics.registry.collect():
+        labels = sorted({k for s in family.samples for k in s.labels} - {"le"})
+        name = family.name + ("_total" if family.type == "counter" else "")
+        yield name, family.type, family.documentation, labels or wrappers.get(family.name, [])
+
+
+def metrics_page() -> str:
+    out = [
+        "# Prometheus metrics",
+        "",
+        "What `smetric serve` exports on `/metrics`, generated from the router's registry at",
+        "each build of this site. With `--workers N`, each worker answers with its own",
+        "counters; in-flight requests and unprefilled tokens are shared by all workers.",
+        "`/metrics` needs the API key when `--api-key` is set, unless `--open-metrics`.",
+        "",
+        "| metric | type | labels | meaning |",
+        "|---|---|---|---|",
+    ]
+    for name, kind, help_text, labels in sorted(_families()):
+        shown = ", ".join(f"`{label}`" for label in labels) or "—"
+        out.append(f"| `{name}` | {kind} | {shown} | {cell(help_text)} |")
+    out += [
+        "",
+        "`smetric_kv_events_total{kind}` takes one `kind` per field of the subscriber's",
+        "counters: "
+        + ", ".join(f"`{f.name}`" for f in _subscriber_fields())
+        + ". The mock engine (`smetric engine`) exports vLLM's own metric names.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def _subscriber_fields() -> list[dataclasses.Field]:
+    from smetric.serve.kv_subscriber import SubscriberCounters
+
+    return list(dataclasses.fields(SubscriberCounters))
+
+
+# --------------------------------------------------------------------------- hooks
+
+PAGES: dict[str, Callable[[], str]] = {
+    CLI_PAGE: cli_page,
+    CONFIG_PAGE: config_page,
+    METRICS_PAGE: metrics_page,
+}
+
+
+def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.structure.files import File
+
+    for uri, page in PAGES.items():
+        files.append(File.generated(config, uri, content=page()))
+    return files
+
+
+if __name__ == "__main__":
+    wanted = {"cli": CLI_PAGE, "configuration": CONFIG_PAGE, "metrics": METRICS_PAGE}
+    print(PAGES[wanted[sys.argv[1]]](), end="")

@@ -1,0 +1,232 @@
+"""Capacity planning: the fewest instances, and the global tier, that serve a trace within SLO.
+
+A cluster of ``n`` instances *serves* a trace when, at the trace's own offered load (its
+recorded arrivals at speed 1, or for a trace without a clock, sessions at the configured
+rate):
+
+* its knee lies at or beyond that load: more load would still raise its TPS within SLO,
+  so the trace does not push it past saturation (``sim.knee``, searched from the trace's
+  own load upward, so that load is always the search's first probe); and
+* at least ``attainment`` of the requests completed in the measured window meet both SLOs.
+
+For each policy and global-tier setting the smallest such ``n`` is found by doubling from
+``min_instances`` until one serves, then bisecting; more instances are assumed never to
+serve worse. Every probe of every knee search goes through the ``RunStore``, so asking
+again (with more policies, another SLO attainment, a wider search) simulates only what is
+new. A policy's plan is its fewest instances, with the smallest global tier that achieves
+them (tiers in the order given, smallest first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from smetric.sim.cluster import resolve_shape
+from smetric.sim.config import SimConfig
+from smetric.sim.knee import Knee, KneeSettings, probe_job, search_knees
+from smetric.sim.parallel import RunStore, run_sweep
+from smetric.trace.schema import Trace
+
+HOURS = 3600.0
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    # Global tiers tried, smallest first: none, a multiple of local capacity, full.
+    globals: tuple[str, ...] = ("none", "1x", "full")
+    min_instances: int = 1
+    max_instances: int = 64
+    # Share of completed requests that must meet both SLOs at the trace's own load.
+    attainment: float = 0.95
+    seeds: tuple[int, ...] = (0,)
+    # The knee search's bracket and probes at most (``KneeSettings``).
+    precision: float = 1.2
+    max_probes: int = 10
+    # Price of one GPU for an hour, for the cost per million tokens (None: not priced).
+    price_per_gpu_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_instances <= self.max_instances:
+            raise ValueError("instances: need 1 <= --min-instances <= --max-instances")
+        if not 0 < self.attainment <= 1:
+            raise ValueError("attainment must lie in (0, 1]")
+        if not self.globals or not self.seeds:
+            raise ValueError("plan needs at least one global tier and one seed")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One instance count's figures for one policy and global tier."""
+
+    instances: int
+    knee: Knee
+    # At the trace's own load, mean over seeds.
+    tps_within_slo: float
+    attainment: float
+    serves: bool
+
+
+@dataclass
+class _Bisection:
+    """Smallest serving count in ``[least, most]``: ``fails`` is the largest known not to
+    serve, ``serves`` the smallest known to."""
+
+    least: int
+    most: int
+    fails: int = 0
+    serves: int | None = None
+
+    def next(self) -> int | None:
+        if self.serves is None:
+            if self.fails >= self.most:
+                return None
+            return self.least if self.fails < self.least else min(self.fails * 2, self.most)
+        if self.serves - self.fails <= 1 or self.serves == self.least:
+            return None
+        return max((self.fails + self.serves) // 2, self.least)
+
+
+def trace_load(config: SimConfig) -> float:
+    """The trace's own offered load in the knee search's unit (``sim.knee.with_load``)."""
+    return config.workload.speed if config.workload.open_loop else config.workload.session_rate
+
+
+def search_plan(
+    base: SimConfig,
+    trace: Trace,
+    settings: PlanSettings,
+    processes: int,
+    store: RunStore,
+    on_round: Callable[[int, int], None] | None = None,
+) -> dict[tuple[str, str], list[Point]]:
+    """Every probed instance count per (policy, global tier), in increasing count."""
+    if base.cluster.prefill_instances or base.cluster.decode_instances:
+        raise ValueError("plan sizes colocated clusters; drop the prefill/decode instances")
+    load = trace_load(base)
+    knee_settings = KneeSettings(
+        start=load, precision=settings.precision, max_probes=settings.max_probes
+    )
+    families = [(p, g) for p in base.policies for g in settings.globals]
+    searches = {key: _Bisection(settings.min_instances, settings.max_instances) for key in families}
+    points: dict[tuple[str, str], dict[int, Point]] = {key: {} for key in families}
+    while True:
+        wanted = {key: s.next() for key, s in searches.items()}
+        cells = {
+            (policy, glob, n): dataclasses.replace(
+                base.override("cluster", instances=n, global_capacity=glob), policies=(policy,)
+            )
+            for (policy, glob), n in wanted.items()
+            if n is not None
+        }
+        if not cells:
+            break
+        knees = search_knees(
+            cells, settings.seeds, knee_settings, processes, trace, on_round, store
+        )
+        # The first probe of every search ran at the trace's own load: stored already.
+        jobs = [probe_job(key, cells[key], load, s) for key in cells for s in settings.seeds]
+        summaries, _ = run_sweep(jobs, store, trace, processes=processes)
+        for key in cells:
+            policy, glob, n = key
+            runs = [summaries[(key, load, s)] for s in settings.seeds]
+            knee = knees[key]
+            attainment = statistics.fmean(r["slo_attainment"] for r in runs)
+            serves = knee.load >= load and attainment >= settings.attainment
+            points[(policy, glob)][n] = Point(
+                n,
+                knee,
+                statistics.fmean(r["tps_within_slo"] for r in runs),
+                attainment,
+                serves,
+            )
+            search = searches[(policy, glob)]
+            if serves:
+                search.serves = n
+            else:
+                search.fails = n
+    return {key: [found[n] for n in sorted(found)] for key, found in points.items()}
+
+
+def fewest(points: Sequence[Point]) -> Point | None:
+    serving = [p for p in points if p.serves]
+    return min(serving, key=lambda p: p.instances) if serving else None
+
+
+def global_tier_bytes(config: SimConfig, glob: str, instances: int, block_size: int) -> int | None:
+    """The global tier's size for ``instances`` instances (None: unbounded, never evicts)."""
+    cluster = dataclasses.replace(config.cluster, instances=instances, global_capacity=glob)
+    shape = resolve_shape(cluster, block_size)
+    if shape.global_capacity_blocks is None:
+        return None
+    return shape.global_capacity_blocks * block_size * shape.kv_bytes_per_token
+
+
+def plan_summary(
+    base: SimConfig,
+    points: dict[tuple[str, str], list[Point]],
+    settings: PlanSettings,
+    block_size: int,
+) -> dict:
+    """The plans and every probed point, JSON-ready."""
+    gpus = base.cluster.gpus_per_instance
+    curves: dict[str, dict[str, list[dict]]] = {}
+    plans: dict[str, dict | None] = {}
+    for policy in base.policies:
+        curves[policy] = {}
+        best: tuple[Point, str] | None = None
+        for glob in settings.globals:
+            found = points[(policy, glob)]
+            curves[policy][glob] = [
+                {
+                    "instances": p.instances,
+                    "tps_within_slo": p.tps_within_slo,
+                    "slo_attainment": p.attainment,
+                    "knee_load": p.knee.load,
+                    "knee_tps_within_slo": p.knee.mean,
+                    "serves": p.serves,
+                }
+                for p in found
+            ]
+            smallest = fewest(found)
+            if smallest is not None and (best is None or smallest.instances < best[0].instances):
+                best = (smallest, glob)
+        if best is None:
+            plans[policy] = None
+            continue
+        point, glob = best
+        cost = None
+        if settings.price_per_gpu_hour is not None and point.tps_within_slo > 0:
+            per_hour = point.instances * gpus * settings.price_per_gpu_hour
+            cost = per_hour / (point.tps_within_slo * HOURS / 1e6)
+        plans[policy] = {
+            "instances": point.instances,
+            "gpus": point.instances * gpus,
+            "global": glob,
+            "global_bytes": global_tier_bytes(base, glob, point.instances, block_size),
+            "tps_within_slo": point.tps_within_slo,
+            "slo_attainment": point.attainment,
+            "knee_load": point.knee.load,
+            "cost_per_million_tokens": cost,
+        }
+    ranked = [p for p in base.policies if plans[p] is not None]
+    choice = min(
+        ranked,
+        key=lambda p: (plans[p]["instances"], settings.globals.index(plans[p]["global"])),
+        default=None,
+    )
+    return {
+        "trace_load": trace_load(base),
+        "load_unit": "speed-up" if base.workload.open_loop else "sessions/s",
+        "attainment": settings.attainment,
+        "seeds": list(settings.seeds),
+        "instances_searched": [settings.min_instances, settings.max_instances],
+        "price_per_gpu_hour": settings.price_per_gpu_hour,
+        "policies": list(base.policies),
+        "globals": list(settings.globals),
+        "plans": plans,
+        "choice": choice,
+        "curves": curves,
+    }

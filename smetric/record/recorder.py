@@ -1,0 +1,322 @@
+"""A trace of the traffic a front door routes, written off the request path.
+
+The front door (``smetric serve``, or any other that routes with ``smetric.core``) hands
+one ``Observation`` per completed request to ``Recorder.observe``, which only appends it
+to a queue: no hashing, no encoding, no I/O, no lock held by the writer. A writer thread
+drains the queue a few times a second, salts the ids, and every ``rotate_s`` seconds (or
+``rotate_requests`` rows) writes the rows as one zstd-compressed Parquet segment, renamed
+into place whole so a reader never sees half a file. After each segment it deletes the
+oldest ones until the folder is within ``max_bytes``. When the writer falls behind by
+``max_pending`` observations, new ones are dropped and counted, never waited for.
+
+What is written is exactly the trace's columns (``SEGMENT_SCHEMA``): no text, no header
+value, no key. Block ids are the router's own chained hashes passed through keyed BLAKE2b
+(a pseudo-random function) under a per-deployment salt, so an id cannot be tested against
+guessed content without the salt; session and agent names go through the same function.
+The same salt (``--record-salt-file``) keeps ids comparable across restarts and router
+replicas; without one, a fresh salt lives only in memory and the recording stands alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from smetric.trace.schema import Trigger
+
+log = logging.getLogger("smetric.record")
+
+FORMAT = "smetric-recording"
+VERSION = 1
+MANIFEST = "recording.json"
+SEGMENT_GLOB = "requests-*.parquet"
+METADATA_KEY = "smetric.recording"
+SALT_BYTES = 32
+
+SEGMENT_SCHEMA: dict[str, pl.DataType] = {
+    # Wall-clock seconds (Unix time) when the request arrived and when its response ended.
+    "arrival_s": pl.Float64(),
+    "completion_s": pl.Float64(),
+    # Prompt tokens as the router counted them (the units of its blocks), the output
+    # tokens and cached prompt tokens the engine reported (null where it did not).
+    "prompt_tokens": pl.Int64(),
+    "output_tokens": pl.Int64(),
+    "cached_tokens": pl.Int64(),
+    "turn": pl.Int32(),
+    # Salted names: the harness's session (else the conversation), the agent (the
+    # harness's, else the conversation) and the agent that spawned it (harness only).
+    "session": pl.Int64(),
+    "agent": pl.Int64(),
+    "parent_agent": pl.Int64(),
+    # user, agent or unknown from the body; the loader adds compaction.
+    "trigger": pl.String(),
+    "engine": pl.String(),
+    "branch": pl.String(),
+    "block_ids": pl.List(pl.Int64()),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One completed request as its front door saw it (times: Unix seconds)."""
+
+    arrival_s: float
+    completion_s: float
+    # The router's chained block ids of the prompt, unsalted (``RequestFacts.blocks``).
+    blocks: np.ndarray
+    prompt_tokens: int
+    output_tokens: int | None
+    cached_tokens: int | None
+    turn: int
+    # The conversation's opening digest (``RequestFacts.session_key``).
+    conversation: str
+    engine: str
+    branch: str
+    trigger: Trigger = Trigger.UNKNOWN
+    session: str | None = None
+    agent: str | None = None
+    parent_agent: str | None = None
+
+
+@dataclass(frozen=True)
+class RecordSettings:
+    folder: Path
+    # Bytes of segments the folder may hold; the oldest go first.
+    max_bytes: int = 1 << 30
+    # A segment closes after this many seconds or rows, whichever comes first.
+    rotate_s: float = 300.0
+    rotate_requests: int = 100_000
+    # Observations the writer may fall behind by before new ones are dropped.
+    max_pending: int = 100_000
+    # None: a fresh salt for this process's recording only.
+    salt: bytes | None = None
+    block_size: int = 16
+    tokenizer: str = "bytes"
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0 or self.rotate_s <= 0 or self.rotate_requests <= 0:
+            raise ValueError("recording limits must be positive")
+        if self.salt is not None and len(self.salt) < 16:
+            raise ValueError("a recording salt needs at least 16 bytes")
+
+
+def read_salt(path: Path) -> bytes:
+    """A salt file's bytes (at least 16; ``head -c 32 /dev/urandom > FILE`` makes one)."""
+    try:
+        salt = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the recording salt: {exc}") from exc
+    if len(salt) < 16:
+        raise ValueError(f"{path}: a recording salt needs at least 16 bytes, got {len(salt)}")
+    return salt
+
+
+class Salter:
+    """Keyed BLAKE2b-64 of ids and names; a bounded memo spares the ids a follow-up
+    re-sends (its history's blocks were salted with its parent)."""
+
+    MEMO_ENTRIES = 1 << 20
+
+    def __init__(self, salt: bytes) -> None:
+        self._key = hashlib.blake2b(salt, digest_size=32).digest()
+        self._prototype = hashlib.blake2b(key=self._key, digest_size=8)
+        self._memo: dict[int, int] = {}
+        # Names this salt without revealing it: segments with other ids do not mix.
+        self.salt_id = self.name("smetric-recording-salt-id").to_bytes(8, "big", signed=True).hex()
+
+    def _digest(self, data: bytes) -> int:
+        h = self._prototype.copy()
+        h.update(data)
+        return int.from_bytes(h.digest(), "little", signed=True)
+
+    def name(self, text: str) -> int:
+        return self._digest(b"name:" + text.encode("utf-8", "surrogatepass"))
+
+    def block_ids(self, ids: np.ndarray) -> list[int]:
+        memo = self._memo
+        if len(memo) > self.MEMO_ENTRIES:
+            memo.clear()
+        out = []
+        for block in ids.tolist():
+            salted = memo.get(block)
+            if salted is None:
+                salted = memo[block] = self._digest(block.to_bytes(8, "little", signed=True))
+            out.append(salted)
+        return out
+
+
+@dataclass
+class _Segment:
+    """Rows salted and waiting for their segment file."""
+
+    opened: float = field(default_factory=time.monotonic)
+    rows: dict[str, list] = field(default_factory=lambda: {c: [] for c in SEGMENT_SCHEMA})
+
+    def __len__(self) -> int:
+        return len(self.rows["arrival_s"])
+
+
+class Recorder:
+    """The queue a front door appends to, and the thread that writes it out.
+
+    ``start`` in the process that serves (a forked worker starts its own writer), then
+    ``observe`` per request and ``close`` at shutdown, which writes what is left.
+    """
+
+    DRAIN_EVERY_S = 0.25
+
+    def __init__(self, settings: RecordSettings) -> None:
+        self.settings = settings
+        self.salter = Salter(settings.salt or secrets.token_bytes(SALT_BYTES))
+        self.dropped = 0
+        self.written = 0
+        self._pending: deque[Observation] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._segment = _Segment()
+        self._sequence = 0
+        self._prepare_folder()
+
+    # -- the request path ------------------------------------------------------------------
+
+    def observe(self, observation: Observation) -> None:
+        """Queue one request for the writer; never waits (a full queue drops it)."""
+        if len(self._pending) >= self.settings.max_pending:
+            self.dropped += 1
+            return
+        self._pending.append(observation)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="smetric-record", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the writer and write every queued request."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._drain()
+        self._write_segment()
+
+    # -- the writer ------------------------------------------------------------------------
+
+    def _prepare_folder(self) -> None:
+        folder = self.settings.folder
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{folder}: cannot create the recording folder: {exc}") from exc
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "block_size": self.settings.block_size,
+            "tokenizer": self.settings.tokenizer,
+            "salt_id": self.salter.salt_id,
+        }
+        path = folder / MANIFEST
+        if path.exists():
+            try:
+                existing = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path}: unreadable recording manifest: {exc}") from exc
+            if existing != manifest:
+                raise ValueError(
+                    f"{folder} holds a recording made with another salt, block size or "
+                    "tokenizer, whose ids would not compare with these; record into a new "
+                    "folder, or pass the same --record-salt-file and settings"
+                )
+            return
+        try:
+            path.write_text(json.dumps(manifest, indent=1) + "\n")
+        except OSError as exc:
+            raise ValueError(f"{folder}: cannot write the recording manifest: {exc}") from exc
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.DRAIN_EVERY_S):
+            try:
+                self._drain()
+                segment = self._segment
+                if len(segment) and (
+                    len(segment) >= self.settings.rotate_requests
+                    or time.monotonic() - segment.opened >= self.settings.rotate_s
+                ):
+                    self._write_segment()
+            except Exception:  # the recording must never take the router down
+                log.exception("recording writer failed; requests since the last segment lost")
+                self._segment = _Segment()
+
+    def _drain(self) -> None:
+        rows, salter = self._segment.rows, self.salter
+        while self._pending:
+            o = self._pending.popleft()
+            rows["arrival_s"].append(o.arrival_s)
+            rows["completion_s"].append(o.completion_s)
+            rows["prompt_tokens"].append(o.prompt_tokens)
+            rows["output_tokens"].append(o.output_tokens)
+            rows["cached_tokens"].append(o.cached_tokens)
+            rows["turn"].append(o.turn)
+            conversation = salter.name(o.conversation)
+            rows["session"].append(conversation if o.session is None else salter.name(o.session))
+            rows["agent"].append(conversation if o.agent is None else salter.name(o.agent))
+            parent = o.parent_agent
+            rows["parent_agent"].append(None if parent is None else salter.name(parent))
+            rows["trigger"].append(o.trigger.value)
+            rows["engine"].append(o.engine)
+            rows["branch"].append(o.branch)
+            rows["block_ids"].append(salter.block_ids(o.blocks))
+            if len(rows["arrival_s"]) >= self.settings.rotate_requests:
+                self._write_segment()
+                rows = self._segment.rows
+
+    def _write_segment(self) -> None:
+        segment, self._segment = self._segment, _Segment()
+        if not len(segment):
+            return
+        folder = self.settings.folder
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self._sequence += 1
+        name = f"requests-{stamp}-{os.getpid()}-{self._sequence:05d}.parquet"
+        meta = {"salt_id": self.salter.salt_id, "dropped": self.dropped}
+        frame = pl.DataFrame(segment.rows, schema=SEGMENT_SCHEMA)
+        temporary = folder / f".{name}.tmp"
+        frame.write_parquet(
+            temporary, compression="zstd", metadata={METADATA_KEY: json.dumps(meta)}
+        )
+        os.replace(temporary, folder / name)
+        self.written += len(segment)
+        self._enforce_bound()
+
+    def _enforce_bound(self) -> None:
+        """Oldest segments out until the folder is within ``max_bytes`` (every worker
+        enforces it over all segments, so one may find another's file already gone)."""
+        sizes = []
+        for path in self.settings.folder.glob(SEGMENT_GLOB):
+            with contextlib.suppress(FileNotFoundError):
+                stat = path.stat()
+                sizes.append((stat.st_mtime, path.name, stat.st_size, path))
+        total = sum(size for _, _, size, _ in sizes)
+        for _, _, size, path in sorted(sizes):
+            if total <= self.settings.max_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                log.info(json.dumps({"event": "recording_segment_deleted", "file": path.name}))
+            total -= size
