@@ -113,3 +113,34 @@ def _worlds(value: Any, where: str) -> dict[str, dict[str, float]]:
             )
         worlds[str(name)] = {k: positive(v, f"{where}.{name}.{k}") for k, v in factors.items()}
     return worlds
+def _mapping(value: Any, where: str) -> dict:
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{where}: expected a non-empty mapping")
+    return value
+
+
+def _trace(value: Any, where: str, hardware: dict[str, KvRoom]) -> GridTrace:
+    data = _mapping(value, where)
+    if not {"config", "tiers"} <= set(data) <= {"config", "tiers", "scale"}:
+        raise ValueError(f"{where}: expected the keys config, tiers and (optional) scale")
+    tiers = _mapping(data["tiers"], f"{where}.tiers")
+    for tier in tiers:
+        parse_global_capacity(str(tier))
+    scale = data.get("scale") or {}
+    if not isinstance(scale, dict):
+        raise ValueError(f"{where}.scale: expected a mapping of hardware to factors")
+    unknown = sorted(set(map(str, scale)) - set(hardware))
+    if unknown:
+        raise ValueError(f"{where}.scale: {unknown} not among hardware {sorted(hardware)}")
+    return GridTrace(
+        config=from_dict(data["config"] or {}, f"{where}.config"),
+        tiers={str(t): positive(v, f"{where}.tiers.{t}") for t, v in tiers.items()},
+        scale={h: positive(scale.get(h, 1), f"{where}.scale.{h}") for h in hardware},
+    )
+
+
+def _room(value: Any, where: str) -> KvRoom:
+    data = _mapping(value, where)
+    if set(data) != {"hardware", "kv_dtype"}:
+        raise ValueError(f"{where}: expected the keys hardware and kv_dtype")
+    return KvRoom(str(data["hardware"]), str(data["kv_dtype"]))
