@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs docs-serve setup clean pd-figures reproduce grid
+.PHONY: run test lint docs docs-serve setup clean pd-figures reproduce grid fidelity
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ reproduce: $(STAMP)
 # The policy grid (grid-quick preset), and its results page.
 grid: $(STAMP)
 	$(BIN)/smetric grid --preset grid-quick -o smetric-out/grid-quick --page docs/results/grid.md
+
+# The performance model against every public measurement, into the docs.
+fidelity: $(STAMP)
+	$(BIN)/smetric fidelity --page docs/results/fidelity.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts

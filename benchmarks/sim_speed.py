@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from smetric.sim.calibrate import cluster_policy
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
+from smetric.sim.policy import cluster_policy
 from smetric.sim.workload import build_workload
 from smetric.trace.load import load_trace
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import polars as pl
 
+from smetric.metrics.slo import SLOConfig
+from smetric.metrics.summary import summarize, with_latencies
 from smetric.report.runs import run_file_name
-from smetric.sim.config import SLOConfig, load_yaml
-from smetric.sim.metrics import summarize, with_latencies
+from smetric.sim.config import load_yaml
 
 
 def rescore(folder: Path, slo: SLOConfig) -> dict[str, tuple[float, float]]:

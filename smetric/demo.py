@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp.test_utils import TestServer
 
-from smetric.core.policy import DEFAULT_POLICY
+from smetric.core.policies import DEFAULT_POLICY
 from smetric.engine import EngineConfig, create_app
 from smetric.replay import Replayer, ReplayOptions
 from smetric.serve.app import Router, RouterSettings

@@ -25,6 +25,9 @@ from typing import Any, Literal
 import aiohttp
 import polars as pl
 
+from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
+from smetric.metrics.slo import SLOConfig
+from smetric.metrics.summary import summarize, with_latencies
 from smetric.report.runs import run_file_name
 from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.serve.disagg import (
@@ -33,9 +36,7 @@ from smetric.serve.disagg import (
     PREFILL_HEADER,
     PREFILL_SECONDS_HEADER,
 )
-from smetric.sim.config import SimConfig, SLOConfig
-from smetric.sim.metrics import summarize, with_latencies
-from smetric.sim.pd import disaggregated_summary, with_prefill_latency
+from smetric.sim.config import SimConfig
 from smetric.sim.workload import sample_sessions
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals
 from smetric.trace.schema import Trace

@@ -6,12 +6,19 @@ import dataclasses
 
 import pytest
 
-from smetric.core.policies import SMetricCost
-from smetric.core.policy import hardware_params, make_policy, policy_params, resolve_policy
-from smetric.sim.calibrate import cluster_policy, policy_constants
+from smetric.core.policies import (
+    POLICY_NAMES,
+    hardware_params,
+    make_policy,
+    policy_params,
+    resolve_policy,
+)
+from smetric.core.policies.smetric_cost import SMetricCost
+from smetric.model.calibrate import HardwareRates
+from smetric.model.perf import StepTimeModel, load_hardware, load_model
 from smetric.sim.config import ClusterConfig, SimConfig
 from smetric.sim.parallel import Job
-from smetric.sim.perf import StepTimeModel, load_hardware, load_model
+from smetric.sim.policy import cluster_policy, policy_constants
 from smetric.sim.run import simulate
 from smetric.trace.load import load_trace
 
@@ -25,6 +32,12 @@ def test_the_default_cluster_derives_the_policys_defaults_exactly() -> None:
     derived = policy_constants(ClusterConfig())
     assert set(derived) == set(hardware_params("smetric_cost"))
     assert derived == {key: defaults[key] for key in derived}
+
+
+def test_every_hardware_parameter_of_every_policy_is_a_rate_the_calibration_derives() -> None:
+    rates = {f.name for f in dataclasses.fields(HardwareRates)}
+    for name in POLICY_NAMES:
+        assert set(hardware_params(name)) <= rates, name
 
 
 def test_derived_constants_follow_the_hardware_and_links() -> None:
@@ -98,7 +111,7 @@ def test_a_run_is_named_by_the_parameters_its_policy_routes_with(monkeypatch) ->
     assert Job((), config, "smetric_cost:work_weight=2").run_id == bare
     assert Job((), config, "smetric_cost:work_weight=3").run_id != bare
     monkeypatch.setattr(
-        "smetric.core.policy.policy_params",
+        "smetric.core.policies.registry.policy_params",
         lambda name: {**policy_params(name), "work_weight": 3.0},
     )
     assert Job((), config, "smetric_cost").run_id != bare

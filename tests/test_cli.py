@@ -231,7 +231,7 @@ def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path
 def test_rescoring_a_run_under_its_own_slo_gives_its_numbers(tmp_path: Path) -> None:
     import importlib.util
 
-    from smetric.sim.config import SLOConfig
+    from smetric.metrics.slo import SLOConfig
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "rescore_slo.py"
     spec = importlib.util.spec_from_file_location("rescore_slo", path)

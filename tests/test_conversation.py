@@ -24,7 +24,7 @@ from smetric.core.conversation import (
     analyze_request,
     render_chat,
 )
-from smetric.core.policy import RoutingRequest
+from smetric.core.policies import RoutingRequest
 
 TOKENIZER = ByteTokenizer()
 

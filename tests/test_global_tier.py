@@ -20,7 +20,8 @@ from test_router_view import conversation as held_conversation
 from test_serve import chat, closed_port, conversation, eventually, run, with_cluster, with_router
 
 from smetric.cli.serve import engines_from, router_options
-from smetric.core.policy import ClusterView, RoutingRequest, make_policy, reusable_hit_tokens
+from smetric.core.blocks import reusable_hit_tokens
+from smetric.core.policies import ClusterView, RoutingRequest, make_policy
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router, RouterSettings

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 from smetric.cli import app
 from smetric.eval.grid import cell_verdict, grid_cells, verdict_summary
 from smetric.eval.grid_preset import load_grid_preset
+from smetric.metrics.slo import SLOConfig
+from smetric.metrics.summary import tps_under_slo
 from smetric.report.grid import grid_markdown, grid_table, robustness_table, verdict_line
-from smetric.sim.config import SLOConfig
 from smetric.sim.knee import probe_job
-from smetric.sim.metrics import tps_under_slo
 from smetric.sim.parallel import RunStore
 
 from conftest import tiny_sim_yaml
@@ -55,16 +55,16 @@ def test_cell_verdict_compares_each_of_ours_with_the_best_baseline_at_its_best_s
 
 def test_verdict_counts_cells_within_one_percent_and_five_percent_ahead() -> None:
     cells = [
-        {"smetric_x": 99.0, "least_load": 100.0},  # -1 %: within
-        {"smetric_x": 98.9, "least_load": 100.0},  # -1.1 %: not within
-        {"smetric_x": 105.0, "cache_aware": 100.0},  # +5 %: within and ahead
-        {"smetric_x": 104.9, "cache_aware": 100.0},  # +4.9 %: within only
-        {"smetric_x": 50.0, "least_load": 0.0},  # nothing to compare with
+        {"smetric_cost": 99.0, "least_load": 100.0},  # -1 %: within
+        {"smetric_cost": 98.9, "least_load": 100.0},  # -1.1 %: not within
+        {"smetric_cost": 105.0, "cache_aware": 100.0},  # +5 %: within and ahead
+        {"smetric_cost": 104.9, "cache_aware": 100.0},  # +4.9 %: within only
+        {"smetric_cost": 50.0, "least_load": 0.0},  # nothing to compare with
     ]
     summary = verdict_summary(cells)
-    assert summary == {"smetric_x": {"cells": 4, "within_1pct": 3, "ahead_5pct": 1}}
+    assert summary == {"smetric_cost": {"cells": 4, "within_1pct": 3, "ahead_5pct": 1}}
     assert verdict_line(cells) == (
-        "Verdict: `smetric_x` within 1 % of the best baseline (or ahead) in 3 of 4 cells, "
+        "Verdict: `smetric_cost` within 1 % of the best baseline (or ahead) in 3 of 4 cells, "
         "at least 5 % ahead in 1."
     )
 

@@ -436,9 +436,10 @@ def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
 
 
 def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) -> None:
-    """The README's recipe for several routers on one engine, with the real CLI: the
-    engine binds ``tcp://*:PORT`` as vLLM does, both routers connect (``bind: false``),
-    and a turn served through one router is predicted by the other from events alone."""
+    """The documented recipe for several routers on one engine (docs/guides/serve-vllm.md),
+    with the real CLI: the engine binds ``tcp://*:PORT`` as vLLM does, both routers connect
+    (``bind: false``), and a turn served through one router is predicted by the other from
+    events alone."""
     pub, replay, port = free_port(), free_port(), free_port()
     process = subprocess.Popen(
         [

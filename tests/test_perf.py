@@ -1,7 +1,7 @@
 """The step-time model: presets, sanity properties, and the public measurements it must meet.
 
 The anchor rows live in presets/anchors.toml and how each benchmark is rebuilt in
-smetric/sim/fidelity.py (``smetric fidelity`` prints the table); here every row must land
+smetric/model/fidelity.py (``smetric fidelity`` prints the table); here every row must land
 within the tolerance or say why it does not.
 """
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from smetric.sim import fidelity
-from smetric.sim.perf import (
+from smetric.model import fidelity
+from smetric.model.perf import (
     HARDWARE_NAMES,
     MODEL_NAMES,
     Corrections,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from smetric.core import ClusterView, Decision, RoutingRequest, make_policy
-from smetric.core.policies import SMetricCost
+from smetric.core.policies.smetric_cost import SMetricCost
 
 HAND = (
     "smetric_cost:prefill_tps=1000,attn_tokens=1000,fetch_tps=10000,"

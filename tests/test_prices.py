@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from smetric.core import ClusterView, RoutingRequest, make_policy
-from smetric.core.policy import spec_params
+from smetric.core.policies import spec_params
 from smetric.core.prices import (
     LEARNABLE,
     Completion,

@@ -1,5 +1,5 @@
 """``smetric reproduce`` on a tiny preset: every figure and table, the same numbers twice,
-a second run that simulates nothing, clear errors, and the README block replaced exactly."""
+a second run that simulates nothing, clear errors, and the stamped results page."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import analyze_request
-from smetric.core.policy import make_policy
+from smetric.core.policies import make_policy
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine

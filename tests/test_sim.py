@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smetric.core.policy import POLICY_NAMES, make_policy
+from smetric.core.policies import POLICY_NAMES, make_policy
+from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
-from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.run import simulate
 from smetric.sim.workload import build_workload, sample_sessions
 

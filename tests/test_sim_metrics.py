@@ -5,8 +5,8 @@ import math
 import polars as pl
 import pytest
 
-from smetric.sim.config import SLOConfig
-from smetric.sim.metrics import stickiness, summarize, with_latencies
+from smetric.metrics.slo import SLOConfig
+from smetric.metrics.summary import stickiness, summarize, with_latencies
 
 SLO = SLOConfig(ttft_base_s=1.0, ttft_per_token_s=0.001, tpot_s=0.030)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sim import small_traces
 
-from smetric.core.policy import POLICY_NAMES, ClusterView, Decision, make_policy
+from smetric.core.policies import POLICY_NAMES, ClusterView, Decision, make_policy
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
 from smetric.sim.pd import DECODE_RULES, DisaggSimulation
 from smetric.sim.run import simulate

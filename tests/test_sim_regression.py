@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from smetric.sim.config import SimConfig
-from smetric.sim.metrics import RequestLog
+from smetric.sim.request_log import RequestLog
 from smetric.sim.run import simulate
 from smetric.trace.load import load_trace
 

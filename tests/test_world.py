@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from smetric.core.policies import SMetricCost
+from smetric.core.policies.smetric_cost import SMetricCost
 from smetric.eval.grid import FREE_GLOBAL_TIER
 from smetric.sim.cluster import routes
 from smetric.sim.config import ClusterConfig, SimConfig

@@ -164,6 +164,22 @@ def _field_default(f: dataclasses.Field) -> str:
     return f"`{value}`"
 
 
+def _declared_help(f: dataclasses.Field) -> str:
+    """The help a field declares in its metadata (a ``help`` string, or an object with a
+    ``help`` and optionally its bounds and choices), or ""."""
+    if isinstance(f.metadata.get("help"), str):
+        return f.metadata["help"]
+    for value in f.metadata.values():
+        if isinstance(getattr(value, "help", None), str):
+            text = value.help
+            if getattr(value, "choices", None):
+                text += f" One of: {', '.join(map(str, value.choices))}."
+            elif getattr(value, "bounded", False):
+                text += f" Range: {value.range()}."
+            return text
+    return ""
+
+
 def dataclass_table(cls: type, keys: tuple[str, ...] | None = None) -> list[str]:
     """One row per field of ``cls`` (only ``keys`` if given): name, type, default, notes."""
     notes = _field_notes(cls)
@@ -173,7 +189,7 @@ def dataclass_table(cls: type, keys: tuple[str, ...] | None = None) -> list[str]
             continue
         if dataclasses.is_dataclass(f.type) or f.name in ("cluster", "workload", "slo"):
             continue
-        note = f.metadata.get("help") or notes.get(f.name, "")
+        note = _declared_help(f) or notes.get(f.name, "")
         rows.append(
             f"| `{f.name}` | `{cell(_type_name(f.type))}` | {_field_default(f)} | {cell(note)} |"
         )

@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 
 from smetric.cli.app import app, console, load_with_progress, user_errors
-from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.demo import DemoOptions, DemoState, run_demo
 from smetric.trace.load import DEFAULT_SAMPLE
 

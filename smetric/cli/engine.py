@@ -8,7 +8,7 @@ import typer
 
 from smetric.cli.app import app, console, user_errors
 from smetric.engine import EngineConfig, run_engine
-from smetric.sim.perf import load_hardware, load_model
+from smetric.model.perf import load_hardware, load_model
 
 
 @app.command()

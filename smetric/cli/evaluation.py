@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from smetric.cli.simulate import split_policies
-from smetric.core.policy import make_policy
+from smetric.core.policies import make_policy
 
 PolicyListOpt = Annotated[
     str,

@@ -26,7 +26,7 @@ from smetric.cli.simulate import (
     command_config,
     global_levels,
 )
-from smetric.core.policy import DEFAULT_POLICY
+from smetric.core.policies import DEFAULT_POLICY
 from smetric.report.knee import knee_markdown, knee_rows
 from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
 from smetric.sim.knee import KneeSettings, best_baseline, search_knees

@@ -12,7 +12,7 @@ import yaml
 
 from smetric.cli.app import app, console, user_errors
 from smetric.core.kv_events import EventIndex
-from smetric.core.policy import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.disagg import DECODE_POLICIES, disaggregation_from
 from smetric.serve.engines import Engine

@@ -19,7 +19,8 @@ from smetric.cli.app import (
     slug,
     user_errors,
 )
-from smetric.core.policy import POLICY_NAMES, hardware_params, make_policy
+from smetric.core.policies import POLICY_NAMES, base_name, hardware_params, make_policy
+from smetric.model.perf import load_medium
 from smetric.report.runs import run_file_name
 from smetric.sim.config import (
     SimConfig,
@@ -30,7 +31,6 @@ from smetric.sim.config import (
     parse_global_capacity,
 )
 from smetric.sim.parallel import Job, RunStore, default_jobs, run_jobs, run_sweep
-from smetric.sim.perf import load_medium
 from smetric.sim.run import RunResult
 from smetric.sim.seeds import mean_summary, spread
 
@@ -347,7 +347,7 @@ def hardware_lines(results: dict[str, RunResult]) -> list[str]:
     """What each policy assumed of the hardware, where the simulator derived it."""
     lines = []
     for policy, result in results.items():
-        derived = hardware_params(policy.partition(":")[0].strip())
+        derived = hardware_params(base_name(policy))
         if derived:
             values = ", ".join(f"{k}={result.policy_params[k]:g}" for k in derived)
             lines.append(f"{policy} assumed {values}")

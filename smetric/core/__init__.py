@@ -4,7 +4,7 @@ The routing API is re-exported here: build a ``ClusterView`` and a ``RoutingRequ
 policy from ``make_policy(spec)``, and call its ``route``.
 """
 
-from smetric.core.policy import (
+from smetric.core.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     ClusterView,

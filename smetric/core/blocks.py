@@ -98,3 +98,16 @@ def chain_hashes(
         seed = xxh3(data[i * stride : (i + 1) * stride], seed)
         ids[i] = seed
     return np.array(ids, dtype=np.uint64).view(np.int64)
+
+
+def reusable_hit_blocks(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """The leading prompt blocks an instance can take from its cache, given how many it
+    holds: never the whole prompt, because vLLM computes at least the last prompt token
+    to produce the first output token. The router's prediction, the simulator's view and
+    scheduler, and the mock engine all cap a hit this way, so they agree."""
+    return min(matched_blocks, max(prompt_tokens - 1, 0) // block_size)
+
+
+def reusable_hit_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """``reusable_hit_blocks`` in tokens: the hit a policy sees."""
+    return reusable_hit_blocks(matched_blocks, prompt_tokens, block_size) * block_size

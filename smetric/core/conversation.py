@@ -54,7 +54,7 @@ from smetric.core.block_memo import BlockMemo, hash_segments
 from smetric.core.blocks import Tokenizer, chain_hashes
 from smetric.core.openai_api import chat_messages, completion_prompt
 from smetric.core.parsing import Message, RequestError, digest, kind, to_json
-from smetric.core.policy import RoutingRequest
+from smetric.core.policies import RoutingRequest
 
 __all__ = ["Api", "ChatTemplate", "RequestError", "RequestFacts", "analyze_request"]
 

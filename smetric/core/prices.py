@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from smetric.core.policies.base import RoutingPolicy
+from smetric.core.policies.registry import learnable_params
+
 # The constants a pricing policy may learn, in the names ``smetric_cost`` takes them.
 LEARNABLE = ("prefill_tps", "attn_tokens", "fetch_tps", "kv_read_s", "output_tokens")
 
@@ -254,12 +257,14 @@ class PriceLearner:
         }
 
 
-def price_learner(policy: object, given: Collection[str], **settings: float) -> PriceLearner | None:
+def price_learner(
+    policy: RoutingPolicy, given: Collection[str], **settings: float
+) -> PriceLearner | None:
     """The learner a driver feeds for ``policy``, or None when it learns nothing (a policy
-    without ``learned_params``, or ``learn=0``): started from the policy's own values,
-    with those the spec ``given`` fixed."""
-    names = getattr(policy, "learned_params", ())
-    if not names or not getattr(policy, "learn", 0):
+    with nothing to learn, or ``learn=0``): started from the policy's own values, with
+    those the spec ``given`` fixed."""
+    names = learnable_params(policy.name)
+    if not set(LEARNABLE) <= set(names) or not getattr(policy, "learn", 0):
         return None
-    prior = {name: getattr(policy, name) for name in names}
+    prior = {name: getattr(policy, name) for name in LEARNABLE}
     return PriceLearner(prior, given, **settings)

@@ -1,7 +1,7 @@
 """``smetric engine``: a GPU-free stand-in for vLLM, to test and demo the router against.
 
-Its timing and prefix cache come from the simulator's own modules (``sim.perf``,
-``sim.kv``, ``core.prefix_cache``), so the mock and the simulator tell the same story.
+Its timing and prefix cache are the simulator's (``model.perf``,
+``model.kv``, ``core.prefix_cache``), so the mock and the simulator tell the same story.
 """
 
 from smetric.engine.scheduler import Engine, EngineConfig

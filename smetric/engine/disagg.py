@@ -15,7 +15,7 @@ cache and the simulator's link model:
 - A *decode* engine gets the original request with those parameters. Its connector
   (``get_num_new_matched_tokens`` with ``do_remote_prefill``) reads the blocks from the
   prefill engine before the request is scheduled; here the pull takes the link model's
-  time (``sim.kv.Link``: bandwidth, first come first served), after which the blocks sit
+  time (``model.kv.Link``: bandwidth, first come first served), after which the blocks sit
   in the decode engine's prefix cache (``BlockStored`` events included) and the request
   runs with them as a hit. ``cached_tokens`` in its usage then counts them, as vLLM's
   ``num_cached_tokens`` counts externally loaded tokens. Blocks the prefill side no longer
@@ -38,8 +38,8 @@ from aiohttp import web
 from smetric.core.conversation import RequestError, RequestFacts
 from smetric.core.prefix_cache import Handle
 from smetric.engine.scheduler import Engine, EngineRequest
-from smetric.sim.kv import Link
-from smetric.sim.perf import kv_bytes_per_token, load_model
+from smetric.model.kv import Link
+from smetric.model.perf import kv_bytes_per_token, load_model
 
 ROLES = ("both", "prefill", "decode")
 KV_TRANSFER_PARAMS = "kv_transfer_params"

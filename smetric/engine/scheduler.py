@@ -4,7 +4,7 @@ A router is only as good as its tests, and real engines need GPUs. This loop beh
 vLLM V1 where a router can observe it: requests wait until their KV fits, each step runs
 every decode plus prompt chunks under a token budget, a prompt's full blocks become a
 reusable prefix once its prefill completes, and the cache evicts least recently used
-prefixes. The KV pool is ``sim.kv.LocalPool`` (cached blocks in ``core.prefix_cache`` plus
+prefixes. The KV pool is ``model.kv.LocalPool`` (cached blocks in ``core.prefix_cache`` plus
 private blocks, one budget) and a step lasts ``StepTimeModel.step_time`` of what it
 computes, so the engine and the simulator cannot disagree about either.
 
@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from smetric.core.policy import reusable_hit_blocks
+from smetric.core.blocks import reusable_hit_blocks
 from smetric.core.prefix_cache import Handle, PrefixCache
 from smetric.engine.kv_report import CacheReport
-from smetric.sim.kv import LocalPool
-from smetric.sim.perf import StepTimeModel, load_hardware, load_model
+from smetric.model.kv import LocalPool
+from smetric.model.perf import StepTimeModel, load_hardware, load_model
 
 # What a finished request's queue receives last, after its tokens.
 END = None

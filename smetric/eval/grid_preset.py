@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smetric.eval.preset import check_keys, flag, positive, read_preset
+from smetric.metrics.slo import SLOConfig
 from smetric.sim.config import (
     PERTURBATIONS,
     SimConfig,
-    SLOConfig,
     check_kv_load,
     from_dict,
     parse_global_capacity,

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from smetric.core.policies import is_ours
 from smetric.eval.reproduce import GUARD_OFF, PAPER_LOAD
-from smetric.sim.knee import best_baseline, is_ours
+from smetric.sim.knee import best_baseline
 
 BAILIAN = "linear"
 LOAD_BALANCE = "least_load"

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from smetric.core.policy import DEFAULT_POLICY
+from smetric.core.policies import DEFAULT_POLICY, is_ours
 from smetric.eval.grid import (
     AHEAD,
     FREE_TIER,
@@ -17,7 +17,6 @@ from smetric.eval.grid import (
 )
 from smetric.eval.grid_preset import CONFIGURED
 from smetric.report.markdown import markdown_table
-from smetric.sim.knee import is_ours
 
 
 def _k(value: float) -> str:

@@ -14,6 +14,7 @@ import jinja2
 import polars as pl
 from markupsafe import Markup, escape
 
+from smetric.core.policies import is_ours
 from smetric.eval.paper import comparisons, pct, seconds, times
 from smetric.eval.reproduce import GUARD_OFF
 from smetric.report.knee import knee_rows
@@ -25,7 +26,6 @@ from smetric.report.simulation import (
     write_simulation_pngs,
     write_sweep_pngs,
 )
-from smetric.sim.knee import is_ours
 
 Result = Mapping[str, Any]
 

@@ -32,7 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from smetric.core.block_memo import BlockMemo
-from smetric.core.blocks import ByteTokenizer, Tokenizer
+from smetric.core.blocks import ByteTokenizer, Tokenizer, reusable_hit_tokens
 from smetric.core.conversation import (
     Api,
     ChatTemplate,
@@ -41,7 +41,7 @@ from smetric.core.conversation import (
     analyze_request,
 )
 from smetric.core.parsing import decode_body
-from smetric.core.policy import DEFAULT_POLICY, ClusterView, make_policy, reusable_hit_tokens
+from smetric.core.policies import DEFAULT_POLICY, ClusterView, make_policy
 from smetric.serve.auth import require_key
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error, error_body, error_response, errors_as_json

@@ -45,7 +45,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from smetric.core.conversation import RequestFacts
-from smetric.core.policies import RoundRobin
+from smetric.core.policies.ties import TieBreaker
 from smetric.serve.app import Delivery, Router, UsageTap
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error
@@ -105,7 +105,7 @@ class Disaggregation:
     prefill_urls: frozenset[str]
     decode_urls: frozenset[str]
     decode_policy: str = "least_kv"
-    _turns: RoundRobin = field(default_factory=RoundRobin)
+    _turns: TieBreaker = field(default_factory=TieBreaker)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.kv_events import EventIndex
-from smetric.core.policy import reusable_hit_tokens
 from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.scrape import EngineReport
 

@@ -13,7 +13,7 @@ recompute. The router learns what it holds from one of two sources (``--global-t
   its own, it overstates what another engine could load.
 - ``full``: a store that publishes nothing, assumed to keep every prompt the cluster has
   prefilled; the router's record of the prompts engines answered stands for it, the same
-  ``sim.kv.GlobalTier`` the simulator writes at each completed prefill, unbounded or
+  ``model.kv.GlobalTier`` the simulator writes at each completed prefill, unbounded or
   bounded in tokens (least recently used first out).
 
 ``none`` (the default) leaves the hit unknown (None), as before.
@@ -27,8 +27,8 @@ from typing import Protocol
 
 import numpy as np
 
+from smetric.model.kv import GlobalTier
 from smetric.serve.engines import Engine
-from smetric.sim.kv import GlobalTier
 
 GLOBAL_TIERS = ("none", "events", "full")
 

@@ -15,19 +15,11 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from smetric.core.policy import ClusterView, Policy, RoutingRequest, reusable_hit_tokens
+from smetric.core.blocks import reusable_hit_tokens
+from smetric.core.policies import ClusterView, Policy, RoutingRequest
 from smetric.core.prices import Completion, PriceLearner
-from smetric.sim.config import (
-    ClusterConfig,
-    check_kv_load,
-    check_perturbations,
-    parse_global_capacity,
-)
-from smetric.sim.holders import HolderIndex
-from smetric.sim.instance import EngineLimits, Instance, SimRequest
-from smetric.sim.kv import GlobalTier, Link, LocalPool, Route
-from smetric.sim.metrics import RequestLog
-from smetric.sim.perf import (
+from smetric.model.kv import GlobalTier, Link, LocalPool, Route
+from smetric.model.perf import (
     Corrections,
     StepTimeModel,
     kv_bytes_per_token,
@@ -36,6 +28,15 @@ from smetric.sim.perf import (
     load_medium,
     load_model,
 )
+from smetric.sim.config import (
+    ClusterConfig,
+    check_kv_load,
+    check_perturbations,
+    parse_global_capacity,
+)
+from smetric.sim.holders import HolderIndex
+from smetric.sim.instance import EngineLimits, Instance, SimRequest
+from smetric.sim.request_log import RequestLog
 from smetric.sim.workload import SimWorkload
 from smetric.trace.compose import ClosedLoopIssuer
 

@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 import yaml
 
-from smetric.core.policy import POLICY_NAMES
+from smetric.core.policies import POLICY_NAMES
+from smetric.metrics.slo import SLOConfig
 
 
 @dataclass(frozen=True)
@@ -97,21 +98,6 @@ class WorkloadConfig:
     sample: float = 1.0
     speed: float = 1.0
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class SLOConfig:
-    """TTFT SLO = ttft_base_s + ttft_per_token_s x input tokens; TPOT SLO fixed.
-
-    Defaults: 1 s plus 0.25 ms per prompt token, about four times what an H20 needs to
-    prefill a token of Qwen3-30B-A3B without any cache hit (16.6 k tokens/s measured), so
-    a request meets it unless it queues or recomputes far more than its share; 30 ms TPOT
-    as in the paper.
-    """
-
-    ttft_base_s: float = 1.0
-    ttft_per_token_s: float = 0.00025
-    tpot_s: float = 0.030
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from smetric.core.policy import reusable_hit_blocks, reusable_hit_tokens
+from smetric.core.blocks import reusable_hit_blocks, reusable_hit_tokens
 from smetric.core.prefix_cache import Handle
-from smetric.sim.kv import GlobalTier, LocalPool, Route
-from smetric.sim.perf import StepTimeModel
+from smetric.model.kv import GlobalTier, LocalPool, Route
+from smetric.model.perf import StepTimeModel
 
 # Longest run of decode-only steps planned at once, so that progress stays visible.
 MAX_RUN_STEPS = 4096

@@ -16,21 +16,10 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from smetric.core.policies import is_ours
 from smetric.sim.config import SimConfig
 from smetric.sim.parallel import Job, RunStore, run_sweep
 from smetric.trace.schema import Trace
-
-
-def base_name(spec: str) -> str:
-    return spec.partition(":")[0].strip()
-
-
-def is_ours(spec: str) -> bool:
-    """The policies this project proposes are the SMetric family (``smetric``,
-    ``smetric_cost`` and any ``smetric_*`` added later, at any setting); every other
-    policy is a baseline."""
-    name = base_name(spec)
-    return name == "smetric" or name.startswith("smetric_")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import Any
 
 import polars as pl
 
-from smetric.core.policy import resolve_policy
-from smetric.sim.calibrate import policy_constants
+from smetric.core.policies import resolve_policy
 from smetric.sim.config import SimConfig, dump_yaml
+from smetric.sim.policy import policy_constants
 from smetric.sim.run import RunResult, simulate
 from smetric.trace.load import load_trace
 from smetric.trace.schema import Trace

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from smetric.core.policy import Policy, spec_params
+from smetric.core.policies import Policy, spec_params
 from smetric.core.prices import PriceLearner, price_learner
-from smetric.sim.calibrate import cluster_policy
+from smetric.metrics.summary import summarize, with_latencies
 from smetric.sim.cluster import ClusterShape, Simulation
 from smetric.sim.config import SimConfig
-from smetric.sim.metrics import summarize, with_latencies
+from smetric.sim.policy import cluster_policy
 from smetric.sim.workload import build_workload
 from smetric.trace.schema import Trace
 
@@ -24,7 +24,7 @@ class RunResult:
     requests: pl.DataFrame
     summary: dict
     shape: ClusterShape
-    # Every parameter the policy ran with, hardware-derived ones included (sim/calibrate.py).
+    # Every parameter the policy ran with, hardware-derived ones included (model/calibrate.py).
     policy_params: dict[str, float]
 
 

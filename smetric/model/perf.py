@@ -32,7 +32,7 @@ _PARAM_TOLERANCE = 0.02
 
 @cache
 def _presets(filename: str) -> dict[str, dict[str, Any]]:
-    text = resources.files("smetric.sim").joinpath("presets", filename).read_text("utf-8")
+    text = resources.files("smetric.model").joinpath("presets", filename).read_text("utf-8")
     return tomllib.loads(text)
 
 

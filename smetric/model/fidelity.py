@@ -16,7 +16,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from smetric.sim.perf import (
+from smetric.model.perf import (
     StepTimeModel,
     kv_capacity_tokens,
     load_hardware,
@@ -63,7 +63,7 @@ _FIELDS = {"id", "setup", "kind", "measured", "unit", "fit", "source", "why"}
 
 @cache
 def anchors() -> tuple[Anchor, ...]:
-    text = resources.files("smetric.sim").joinpath("presets", "anchors.toml").read_text("utf-8")
+    text = resources.files("smetric.model").joinpath("presets", "anchors.toml").read_text("utf-8")
     rows = tomllib.loads(text)["anchor"]
     out = []
     for row in rows:

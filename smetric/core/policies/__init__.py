@@ -1,0 +1,39 @@
+"""The routing policies: one module each, the types they share, and the one registry.
+
+Build a ``ClusterView`` and a ``RoutingRequest``, get a policy from ``make_policy(spec)``,
+and call its ``route``.
+"""
+
+from smetric.core.policies.base import ClusterView, Decision, Policy, RoutingPolicy, RoutingRequest
+from smetric.core.policies.registry import (
+    DEFAULT_POLICY,
+    POLICIES,
+    POLICY_NAMES,
+    base_name,
+    hardware_params,
+    is_ours,
+    learnable_params,
+    make_policy,
+    policy_params,
+    resolve_policy,
+    spec_params,
+)
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "POLICY_NAMES",
+    "ClusterView",
+    "Decision",
+    "Policy",
+    "RoutingPolicy",
+    "RoutingRequest",
+    "base_name",
+    "hardware_params",
+    "is_ours",
+    "learnable_params",
+    "make_policy",
+    "policy_params",
+    "resolve_policy",
+    "spec_params",
+]

@@ -1,0 +1,21 @@
+"""Cyclic order: the baseline that sees nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.policies.ties import TieBreaker
+
+
+@dataclass(slots=True, kw_only=True)
+class RoundRobin(RoutingPolicy):
+    """Cyclic order, blind to load and cache."""
+
+    name = "round_robin"
+    branches = ("round_robin",)
+
+    _turns: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
+
+    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+        return Decision(self._turns.take(len(view.load)), "round_robin")

@@ -1,0 +1,180 @@
+"""SMetric's cost rule: each request where it would finish soonest, counting what a move costs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.policies.ties import TieBreaker, best_hit
+from smetric.core.settings import setting, settings_of
+
+
+@dataclass(slots=True, kw_only=True)
+class SMetricCost(RoutingPolicy):
+    """Send each request where it is expected to finish soonest, counting what a move costs.
+
+    SMetric's fixed guard cannot fit every regime: with a global tier a move costs a fetch
+    of 0.1-1 s, without one it costs recomputing the prefix (tens of seconds for 100 k
+    tokens on an H20, attention being quadratic), so the queue a move must save differs
+    by 50x. Here that cost is the threshold: a follow-up leaves the instance holding its
+    history only when the time it saves elsewhere exceeds the fetch or recompute there.
+    Per instance, in seconds:
+
+    - queue: its unprefilled tokens (``prefill_tokens``) at the prefill rate of work
+      ``queue_depth`` tokens deep into a prompt;
+    - compute: this prompt's prefill beyond what it reuses there, the larger of the
+      local hit and the global tier's hit (an unknown global tier counts as empty, so a
+      move off a local hit costs a recompute);
+    - fetch: what it takes from the global tier beyond its local hit, at ``fetch_tps``;
+    - decode: ``output_tokens`` steps, each reading the KV of the instance's in-flight
+      prompts (``token_load``) at ``kv_read_s`` per token, which is what makes a crowded
+      instance slow for every sequence it decodes.
+
+    The work (compute and fetch) counts ``work_weight`` times: once as this request's
+    wait, and once more as the wait it passes on to the requests that queue behind it on
+    that instance, which near the knee is about as long; counted once, the rule moved
+    sessions to recompute them whenever a queue was briefly longer than the recompute,
+    and spent the capacity it meant to save (README "Routing policies").
+
+    Prefilling tokens ``0..n`` takes ``(n + n**2 / (2 * attn_tokens)) / prefill_tps``:
+    linear work plus attention over the context so far, which at ``attn_tokens`` of
+    context costs as much per token as the rest. The defaults are the simulator's perf
+    model for Qwen3-Coder-30B-A3B on one H20 (8 k-token chunks: 14.3 k tokens/s with no
+    context, 1.4 k at 100 k; 32 ns per KV token per decode step), a GPU's share of its
+    server's NICs (87 GB/s over 8 GPUs at 98 KB a token, ~110 k tokens/s), and WEKA's
+    mean output (373 tokens). The simulator derives the four hardware constants (declared
+    ``source="hardware"``) the same way for whatever cluster it simulates; an operator of a
+    live router passes them in the policy spec. Ties go to the longest local hit, then
+    round-robin.
+
+    ``decode_weight`` charges the work once more per request in flight on the instance
+    (``load``): a prefill runs in the same steps as those requests' decodes, so each of
+    them waits about as long again, which is what makes a recompute move fail TPOT on
+    fast hardware where the work itself looks cheap (README "Where ``smetric_cost``
+    loses"). Default 0: the rule without that term. Only for PD colocation, where
+    ``load`` counts requests; a prefill-only pool's ``load`` is tokens.
+
+    First turns are balanced on ``token_load`` alone and ignore their cache hit: a first
+    turn decides where a session lives for its next hour of turns, so saving a few
+    seconds on a shared system prompt there herds sessions (without a global tier that
+    cost several per cent, README "Routing policies").
+
+    With ``learn=1`` (the default) the hardware constants and ``output_tokens`` that the
+    spec does not give are only starting values: the driver feeds every completed
+    request to a ``PriceLearner`` (core/prices.py) and passes its estimates to
+    ``retune``, so the prices come from what the router observes of its engines, not
+    from a model of them. ``learn=0`` keeps them as given or derived.
+    """
+
+    name = "smetric_cost"
+    ours = True
+    branches = ("first_turn_balance", "sticky", "move_fetch", "move_recompute", "evicted")
+
+    # What the hardware sets (``source="hardware"``): the simulator derives these from the
+    # cluster it simulates (``model.calibrate``); the router takes them from the policy spec.
+    prefill_tps: float = setting(
+        14_200.0, "Prefill rate with no context before the chunk, tokens/s.",
+        gt=0, lt=math.inf, source="hardware",
+    )  # fmt: skip
+    attn_tokens: float = setting(
+        11_000.0, "Context at which attention costs a token as much as the rest, tokens.",
+        gt=0, lt=math.inf, source="hardware",
+    )  # fmt: skip
+    fetch_tps: float = setting(
+        110_000.0, "Global-tier fetch rate of one instance, tokens/s.",
+        gt=0, lt=math.inf, source="hardware",
+    )  # fmt: skip
+    queue_depth: float = setting(
+        50_000.0, "Context depth, tokens, at which queued prefill tokens are priced.", ge=0
+    )
+    output_tokens: float = setting(
+        373.0, "Expected output tokens of a request.", ge=0, source="learned"
+    )
+    kv_read_s: float = setting(
+        3.2e-8, "Decode step time per token of KV read, seconds.", ge=0, source="hardware"
+    )
+    work_weight: float = setting(
+        2.0,
+        "Times a request's compute and fetch count: its own wait and the wait it passes on.",
+        ge=0,
+    )
+    decode_weight: float = setting(
+        0.0, "Times the work counts again per request in flight on the instance.", ge=0
+    )
+    learn: float = setting(
+        1.0,
+        "1: learn the hardware and learned constants the spec leaves open from the "
+        "requests the router sees (core/prices.py); 0: keep them.",
+        ge=0,
+        le=1,
+    )
+    _queue_s: float = field(default=0.0, init=False, repr=False)
+    _decode_s: float = field(default=0.0, init=False, repr=False)
+    _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        RoutingPolicy.__post_init__(self)
+        if self.learn not in (0.0, 1.0):
+            raise ValueError(f"learn must be 0 or 1, got {self.learn}")
+        self._derive()
+
+    def _derive(self) -> None:
+        self._queue_s = (1.0 + self.queue_depth / self.attn_tokens) / self.prefill_tps
+        self._decode_s = self.output_tokens * self.kv_read_s
+
+    def retune(self, **values: float) -> None:
+        """Take new values of some of the constants a driver learns (a learner's
+        estimates), each checked against its declared bounds."""
+        declared = {f.name: meta for f, meta in settings_of(self)}
+        for name, value in values.items():
+            meta = declared.get(name)
+            if meta is None or meta.source == "tuned":
+                raise ValueError(f"{self.name}: {name!r} is not one of its learned constants")
+            setattr(self, name, meta.check(name, value))
+        self._derive()
+
+    def prefill_s(self, tokens: float) -> float:
+        """Seconds to prefill a prompt's first ``tokens`` tokens from nothing."""
+        return (tokens + tokens * tokens / (2.0 * self.attn_tokens)) / self.prefill_tps
+
+    def costs(self, request: RoutingRequest, view: ClusterView) -> list[float]:
+        """Each instance's price for this request in seconds: the time it would take to
+        finish there, its work counted ``work_weight`` times plus ``decode_weight`` per
+        request in flight there."""
+        known = view.global_hit_tokens or 0
+        whole = self.prefill_s(request.prompt_tokens)
+        per_fetch = 1.0 / self.fetch_tps
+        queue_s, decode_s, weight = self._queue_s, self._decode_s, self.work_weight
+        shared = self.decode_weight
+        # Without token counts the decode term is left out: request counts say nothing
+        # about the KV a step reads.
+        tokens = view.token_load or [0.0] * len(view.hit_tokens)
+        out = []
+        rows = zip(view.hit_tokens, view.prefill_tokens, tokens, view.load, strict=True)
+        for hit, queued, held, running in rows:
+            reuse = max(hit, known)
+            work = whole - self.prefill_s(reuse) + (reuse - hit) * per_fetch
+            out.append(queued * queue_s + (weight + shared * running) * work + held * decode_s)
+        return out
+
+    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+        if request.turn == 0:
+            loads = view.load if view.token_load is None else view.token_load
+            return Decision(self._ties.argmin(loads), "first_turn_balance")
+        costs = self.costs(request, view)
+        hits = view.hit_tokens
+        target = best_hit(hits, costs)
+        if costs[target] > min(costs) or hits[target] == 0:
+            target = self._ties.argmin(costs)
+        top = max(hits)
+        known = view.global_hit_tokens or 0
+        if hits[target] == top > 0:
+            branch = "sticky"
+        elif top == known == 0:
+            branch = "evicted"
+        elif known >= top:
+            branch = "move_fetch"
+        else:
+            branch = "move_recompute"
+        return Decision(target, branch)

@@ -1,0 +1,146 @@
+"""One ``ext_proc`` stream per HTTP request: hold the request until its body is whole,
+pick, send the body back; then pass the response through, charging it to its engine.
+
+Envoy sends the request headers, then the body in pieces (``FULL_DUPLEX_STREAMED``), then
+trailers if any. The picker answers the headers only once the body is whole (the decision
+needs it), with the engine named in a header and in the dynamic metadata, and then echoes
+every piece: Envoy forwards only what comes back. A request the engines should not see gets
+an ``ImmediateResponse`` instead, and the stream ends. The response's pieces are echoed as
+they arrive, so streaming tokens are not held back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
+from smetric.gateway import protocol
+from smetric.gateway.picker import Pick, Picker, Refusal
+from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
+
+log = logging.getLogger("smetric.pick")
+
+Replies = list[ext_proc.ProcessingResponse]
+
+
+class Exchange:
+    """The state of one request's stream: what has arrived, and its pick once made."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+        self.headers: dict[str, str] = {}
+        self.subset: frozenset[str] | None = None
+        self.body: list[bytes] = []
+        self.size = 0
+        self.pick: Pick | None = None
+        self.refused = False
+
+    async def on(self, message: ext_proc.ProcessingRequest) -> Replies:
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            self.headers = protocol.header_map(message.request_headers.headers)
+            self.subset = protocol.subset_hint(message.metadata_context)
+            if message.request_headers.end_of_stream:
+                return await self._decide([], end_of_stream=True, with_body=False)
+            return []
+        if kind == "request_body":
+            return await self._request_body(message.request_body)
+        if kind == "request_trailers":
+            replies = [] if self.pick else await self._decide(self.body, end_of_stream=False)
+            return [*replies, protocol.continue_trailers("request")]
+        if kind == "response_headers":
+            return self._response_headers(message)
+        if kind == "response_body":
+            return self._response_body(message.response_body)
+        if kind == "response_trailers":
+            self.close(complete=True)
+            return [protocol.continue_trailers("response")]
+        return []
+
+    async def _request_body(self, body: ext_proc.HttpBody) -> Replies:
+        if self.pick is not None:  # the body came whole before: nothing more to hold
+            return protocol.body_chunks("request", [body.body], body.end_of_stream)
+        self.body.append(body.body)
+        self.size += len(body.body)
+        limit = self.picker.body_limit()
+        if self.size > limit:
+            return self._refuse(Refusal(413, f"request body too large: over {limit} bytes"))
+        if body.end_of_stream:
+            return await self._decide(self.body, end_of_stream=True)
+        return []
+
+    async def _decide(
+        self, pieces: list[bytes], end_of_stream: bool, with_body: bool = True
+    ) -> Replies:
+        try:
+            pick = await self.picker.pick(
+                self.headers.get(":path", "/"), self.headers, b"".join(pieces), self.subset
+            )
+        except Refusal as refusal:
+            return self._refuse(refusal)
+        self.pick = pick
+        self.body = []
+        headers = {protocol.DESTINATION: pick.endpoint}
+        replies = [protocol.continue_headers("request", headers, destination=pick.endpoint)]
+        if with_body and (pieces or end_of_stream):
+            replies += protocol.body_chunks("request", pieces, end_of_stream)
+        return replies
+
+    def _refuse(self, refusal: Refusal) -> Replies:
+        self.refused = True
+        log.info(json.dumps({"event": "refuse", "status": refusal.status, "reason": str(refusal)}))
+        return [protocol.immediate(refusal.status, refusal.body)]
+
+    def _response_headers(self, message: ext_proc.ProcessingRequest) -> Replies:
+        headers = protocol.header_map(message.response_headers.headers)
+        tags: dict[str, str] = {}
+        if self.pick is not None:
+            served = protocol.served_endpoint(message.metadata_context, headers)
+            status = int(headers.get(":status", "0") or 0)
+            self.picker.served(self.pick, served, status)
+            tags = {ENGINE_HEADER: self.pick.engine.url}
+            if self.pick.facts is not None:
+                tags[PREDICTED_HIT_HEADER] = str(self.pick.predicted)
+            if message.response_headers.end_of_stream:
+                self.close(complete=True)
+        return [protocol.continue_headers("response", tags)]
+
+    def _response_body(self, body: ext_proc.HttpBody) -> Replies:
+        if self.pick is not None:
+            self.picker.streamed(self.pick, body.body)
+            if body.end_of_stream:
+                self.close(complete=True)
+        return protocol.body_chunks("response", [body.body], body.end_of_stream)
+
+    def close(self, complete: bool) -> None:
+        """The exchange is over: the response ended, or the stream did (client gone,
+        engine failed, Envoy reset it). Load comes off here, once."""
+        if self.pick is not None:
+            self.picker.finished(self.pick, complete)
+
+
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+    """Envoy's ``ext_proc`` service: one ``Exchange`` per stream."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        exchange = Exchange(self.picker)
+        try:
+            async for message in request_iterator:
+                for reply in await exchange.on(message):
+                    yield reply
+                if exchange.refused:
+                    return
+        finally:
+            exchange.close(complete=False)

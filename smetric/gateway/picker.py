@@ -1,0 +1,206 @@
+"""The picker's decisions and their load, on the router's own routing core.
+
+A request is analysed from its body and routed by the same policy, view and decision log
+as ``smetric serve``; only the forwarding is Envoy's. Its load is counted from the pick to
+the end of its response, on every exit path, and charged to the engine that actually served
+it (Envoy's retries or a fallback may send it elsewhere than picked): when the response
+names another engine, the reservation moves there. What the engine cached is read from the
+response body as it streams past (``UsageTap``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from smetric.core.conversation import RequestError, RequestFacts
+from smetric.core.parsing import decode_body
+from smetric.serve.app import _OFF_LOOP_BYTES, _ROUTES, Router, UsageTap
+from smetric.serve.engines import Engine, QueuedPrefill
+from smetric.serve.errors import error_body
+from smetric.serve.limits import BodyError, decoded_body
+from smetric.serve.upstream import EngineFault
+
+
+def endpoint_of(url: str) -> str:
+    """An engine's ``ip:port`` as the gateway names endpoints (``[v6]:port`` for IPv6);
+    ValueError unless the URL's host is an IP address, which Envoy connects to as is."""
+    parts = urlsplit(url)
+    try:
+        address = ipaddress.ip_address(parts.hostname or "")
+    except ValueError:
+        raise ValueError(
+            f"engine {url!r}: the picker names engines by IP address (ip:port), "
+            "so give the engine's IP or discover engines from DNS"
+        ) from None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+
+
+class Refusal(Exception):
+    """The picker answers the client itself: ``status`` with an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(status, message)
+
+
+class Reservation:
+    """One request's load on the engine it is charged to: in flight, its prompt tokens,
+    and its unprefilled tokens until the first byte of the response (as ``Attempt``
+    counts a request ``serve`` forwards). Moves with the request; released once."""
+
+    def __init__(self, engine: Engine, prompt_tokens: int, unprefilled: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.released = False
+        self._charge(engine, unprefilled)
+
+    def _charge(self, engine: Engine, unprefilled: int) -> None:
+        self.engine = engine
+        engine.inflight += 1
+        engine.inflight_tokens += self.prompt_tokens
+        self.prefill = QueuedPrefill(engine, unprefilled)
+
+    def _discharge(self) -> int:
+        """Take the load off its engine; the unprefilled tokens it still held."""
+        self.engine.inflight -= 1
+        self.engine.inflight_tokens -= self.prompt_tokens
+        unprefilled = self.prefill.tokens
+        self.prefill.done()
+        return unprefilled
+
+    def move_to(self, engine: Engine) -> None:
+        if not self.released and engine is not self.engine:
+            self._charge(engine, self._discharge())
+
+    def prefilled(self) -> None:
+        self.prefill.done()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._discharge()
+
+
+@dataclass
+class Pick:
+    """One routed request, from the pick to the end of its response."""
+
+    engine: Engine
+    endpoint: str
+    api: str
+    predicted: int
+    facts: RequestFacts | None
+    load: Reservation
+    started: float = field(default_factory=time.perf_counter)
+    usage: UsageTap = field(default_factory=UsageTap)
+    ok: bool = False
+
+
+class Picker:
+    """Decides for Envoy on ``router``'s engines, policy, views and metrics.
+
+    ``max_inflight``: shed (429) a request when every engine it could go to already has
+    this many requests in flight (0: never shed).
+    """
+
+    def __init__(self, router: Router, max_inflight: int = 0) -> None:
+        self.router = router
+        self.max_inflight = max_inflight
+        for engine in router.engines:
+            endpoint_of(engine.url)
+
+    def engine_at(self, endpoint: str) -> Engine | None:
+        return next((e for e in self.router.engines if endpoint_of(e.url) == endpoint), None)
+
+    def ready(self) -> bool:
+        return any(e.healthy for e in self.router.engines)
+
+    def candidates(self, subset: frozenset[str] | None) -> list[Engine]:
+        """Healthy engines, within the gateway's subset hint if it gave one; 503 if none."""
+        engines = [
+            e
+            for e in self.router.engines
+            if e.healthy and (subset is None or endpoint_of(e.url) in subset)
+        ]
+        if not engines:
+            within = "" if subset is None else f" among {', '.join(sorted(subset)) or 'none'}"
+            raise Refusal(503, f"no healthy engine to serve the request{within}")
+        if self.max_inflight and all(e.inflight >= self.max_inflight for e in engines):
+            raise Refusal(429, f"every engine has {self.max_inflight} requests in flight")
+        return engines
+
+    def body_limit(self) -> int:
+        return self.router.body_limit()
+
+    async def pick(
+        self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
+    ) -> Pick:
+        """The engine for one request; raises ``Refusal`` for a request the engines
+        should not see (malformed, too large, nothing healthy, shed)."""
+        api = _ROUTES.get(path.split("?")[0])
+        engines = self.candidates(subset)
+        if api is None or headers.get(":method", "POST") != "POST":
+            # Not a generation (/v1/models, /tokenize, ...): nothing to analyse.
+            engine = min(engines, key=lambda e: e.inflight)
+            return Pick(
+                engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
+            )
+        facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
+        engines = self.candidates(subset)  # health may have changed meanwhile
+        engine, predicted = self.router.route(facts, engines)
+        load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
+        return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load)
+
+    async def _analyze(self, raw: bytes, encoding: str, api: str) -> RequestFacts:
+        try:
+            body = decode_body(decoded_body(raw, encoding, self.body_limit()))
+        except BodyError as exc:
+            raise Refusal(exc.status, str(exc)) from None
+        except RequestError as exc:
+            raise Refusal(400, str(exc)) from None
+        if not isinstance(body, dict):
+            raise Refusal(400, "body must be a JSON object")
+        try:
+            return await self.router.analyze(body, api, large=len(raw) > _OFF_LOOP_BYTES)  # type: ignore[arg-type]
+        except RequestError as exc:
+            raise Refusal(400, str(exc)) from None
+        except (TimeoutError, OSError, ValueError) as exc:
+            raise Refusal(502, f"tokenising with the engine failed: {exc}") from None
+
+    def served(self, pick: Pick, endpoint: str | None, status: int) -> None:
+        """The response's headers: charge the request to the engine that served it, and
+        on success record that it now caches the prompt."""
+        engine = self.engine_at(endpoint) if endpoint else None
+        if engine is not None and engine is not pick.engine:
+            pick.load.move_to(engine)
+            pick.engine = engine
+            self.router.metrics.retries.inc()
+        router = self.router
+        if status >= 500:
+            fault = EngineFault(f"answered {status}", status=status)
+            router._engine_failed(pick.engine, fault)
+            return
+        router.outliers.succeeded(pick.engine.url)
+        if status < 400 and pick.facts is not None:
+            pick.ok = True
+            router.served(pick.engine, pick.facts, pick.predicted)
+
+    def streamed(self, pick: Pick, chunk: bytes) -> None:
+        """A piece of the response passed: the prompt is prefilled by now."""
+        pick.load.prefilled()
+        pick.usage.feed(chunk)
+
+    def finished(self, pick: Pick, complete: bool) -> None:
+        """The exchange ended (``complete``: the response reached its end). Safe to call
+        again."""
+        if pick.load.released:
+            return
+        if complete and pick.ok:
+            self.router.count_cached(pick.engine, pick.usage)
+        pick.load.release()
+        self.router.metrics.latency.labels(pick.api).observe(time.perf_counter() - pick.started)

