@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from smetric.cli import app
-from smetric.sim import fidelity
+from smetric.model import fidelity
 from smetric.sim.cluster import resolve_shape
 from smetric.sim.config import ClusterConfig
 

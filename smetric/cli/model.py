@@ -13,12 +13,9 @@ from rich import box
 from rich.table import Table
 
 from smetric.cli.app import app, console, user_errors
-from smetric.report.stamp import write_results_page
-from smetric.sim import fidelity
-from smetric.sim.cluster import lane_gb_s
-from smetric.sim.config import ClusterConfig
-from smetric.sim.fidelity import decode_step, prefill_seconds
-from smetric.sim.perf import (
+from smetric.model import fidelity
+from smetric.model.fidelity import decode_step, prefill_seconds
+from smetric.model.perf import (
     HARDWARE_NAMES,
     MEDIUM_NAMES,
     MODEL_NAMES,
@@ -31,6 +28,9 @@ from smetric.sim.perf import (
     load_medium,
     load_model,
 )
+from smetric.report.stamp import write_results_page
+from smetric.sim.cluster import lane_gb_s
+from smetric.sim.config import ClusterConfig
 
 PRESETS = "Presets"
 QUESTIONS = "Questions"
@@ -275,7 +275,7 @@ def model_command(
 
 FIDELITY_TITLE = "Fidelity of the performance model"
 FIDELITY_INTRO = """\
-Every public measurement in `smetric/sim/presets/anchors.toml` beside what the performance
+Every public measurement in `smetric/model/presets/anchors.toml` beside what the performance
 model (`smetric model`) predicts for the same setup. *Fitted* rows are those the presets'
 fitted values were fitted on; *held out* rows were not used and check them. The goal is
 every row within ±15 %; a row outside says why. How each benchmark is rebuilt from the
