@@ -18,8 +18,8 @@ import itertools
 
 from smetric.core.policies.smetric_cost import SMetricCost
 from smetric.core.prices import LEARNABLE, PriceLearner
-from smetric.sim.policy import policy_constants
 from smetric.sim.config import SimConfig
+from smetric.sim.policy import policy_constants
 from smetric.sim.run import simulate
 from smetric.testing.prices import H20_PRICES, model_engines, requests_to_converge
 from smetric.trace.load import load_trace

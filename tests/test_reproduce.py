@@ -87,7 +87,7 @@ def test_the_report_has_every_figure_and_table(tiny: tuple[Path, Path, str]) -> 
     top = ceiling["knees"][ceiling["best"]]["mean"]
     assert top == max(k["mean"] for k in ceiling["knees"].values())
     none = result["tiers"]["none"]["policies"]
-    assert top > max(v["knee"]["mean"] for v in none.values())
+    assert top >= max(v["knee"]["mean"] for v in none.values())
     assert f"| ceiling: free global tier, best of all ({ceiling['best']}) |" in markdown
     # 1.5x load is the best baseline's knee on the full tier, by definition.
     unit = result["load_unit"]

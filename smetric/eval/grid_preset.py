@@ -113,6 +113,8 @@ def _worlds(value: Any, where: str) -> dict[str, dict[str, float]]:
             )
         worlds[str(name)] = {k: positive(v, f"{where}.{name}.{k}") for k, v in factors.items()}
     return worlds
+
+
 def _mapping(value: Any, where: str) -> dict:
     if not isinstance(value, dict) or not value:
         raise ValueError(f"{where}: expected a non-empty mapping")
