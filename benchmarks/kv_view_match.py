@@ -34,8 +34,7 @@ def cluster(engines: int, tokens: int) -> tuple[list[Engine], list[np.ndarray]]:
         index = EventIndex(BS)
         index.apply([BlockStored(hashes, None, tuple(session), BS, "GPU")])
         index.apply([BlockStored(hashes, None, (), BS, "CPU")])
-        engine = Engine(f"http://engine-{i}", 1 << 20)
-        engine.events = index
+        engine = Engine(f"http://engine-{i}", 1 << 20, events=index)
         out.append(engine)
         prompts.append(chain_hashes(session, BS))
     return out, prompts

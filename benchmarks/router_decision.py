@@ -60,7 +60,7 @@ def decide(
     facts = analyze_request(
         body, "chat", router.tokenizer, router.settings.block_size, router.template, memo
     )
-    router.route(facts, router.engines)
+    router.core.decide(facts, router.engines)
     return clock() - started, facts
 
 
@@ -101,7 +101,7 @@ def run(
                 uncached.append(decide(router, raw, None, clock)[0])
                 fresh.append(encode_seconds(tokenizer, turns[i][len(turns[i - 1]) :], clock))
                 started = clock()
-                router.route(facts, router.engines)
+                router.core.decide(facts, router.engines)
                 matching.append(clock() - started)
             router.engines[i % 2].remember(facts.blocks)
             size = facts.prompt_tokens

@@ -159,3 +159,15 @@ def test_analyze_lays_out_clockless_sessions_deterministically(three_sessions):
     assert len(first["balance"]["imbalance"]["series"]) == 3
     other = analyze(three_sessions, AnalysisOptions(**{**vars(options), "seed": 1}))
     assert other["balance"] != first["balance"]
+
+
+def test_balance_headline_leaves_out_the_ramp_up():
+    # One request alone first (all on one of four instances: imbalance 4x), then a steady
+    # stream that fills all four evenly.
+    arrivals = np.array([0.0] + [10.0 + i for i in range(40)])
+    durations = np.array([10.0] + [4.0] * 40)
+    tokens = np.array([100] + [100] * 40)
+    result = balance_potential(arrivals, durations, tokens, instances=4, window_s=10.0)
+    assert result["ramp_up_windows"] == 1
+    assert result["imbalance"]["max"] < 4.0
+    assert len(result["imbalance"]["series"]) == len(result["heatmap"][0]) - 1

@@ -42,7 +42,7 @@ def routes(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
 
 async def blocks_of(router: Router, session: int, turn: int) -> np.ndarray:
     body = {"messages": conversation(session, turn), "max_tokens": 4}
-    return (await router.analyze(body, "chat")).blocks
+    return (await router.analyzer.analyze(body, "chat")).blocks
 
 
 def test_the_global_hit_comes_from_blocks_engines_report_on_a_cpu_medium(
@@ -202,8 +202,8 @@ def test_unprefilled_tokens_count_the_global_hit_as_the_simulator_does() -> None
         other = next(e for e in router.engines if e.url != first)
         holder = held[router.engines.index(other)]
         long = held_conversation(1, "HOLD " + "new context " * 40)  # round-robin: other
-        facts = await router.analyze({"messages": long}, "chat")
-        stored = await router.analyze({"messages": held_conversation(0)}, "chat")
+        facts = await router.analyzer.analyze({"messages": long}, "chat")
+        stored = await router.analyzer.analyze({"messages": held_conversation(0)}, "chat")
         assert other.predicted_hit(facts.blocks, BS, facts.prompt_tokens) == 0
         global_hit = reusable_hit_tokens(len(stored.blocks), facts.prompt_tokens, BS)
         assert global_hit > 0
@@ -236,7 +236,7 @@ def test_every_worker_learns_the_prompts_the_others_served() -> None:
         served[0].record(blocks)
         engines[0][0].remember(blocks)
         await eventually(lambda: served[1].match(blocks) == 10)
-        await eventually(lambda: engines[1][0].index.match(blocks) == 10)
+        await eventually(lambda: engines[1][0].view.match(blocks, BS) == 10)
         for context in contexts:
             with pytest.raises(StopAsyncIteration):
                 await anext(context)

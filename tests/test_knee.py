@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from smetric.sim.knee import KneeSettings, knee_of, next_load
+from smetric.sim.knee import KneeSettings, best_of, knee_of, next_load
 
 
 def search(curve, settings: KneeSettings) -> dict[float, float]:
@@ -52,3 +52,14 @@ def test_knee_reports_mean_and_spread_over_seeds_at_the_best_load() -> None:
     assert (knee.load, knee.mean) == (0.2, 22.0)
     assert knee.stdev == pytest.approx(math.sqrt(8))
     assert knee.probes == {0.1: 11.0, 0.2: 22.0, 0.4: 5.0}
+
+
+def test_a_rate_sweep_point_above_the_searched_knee_becomes_the_maximum() -> None:
+    knee = knee_of({1.0: [10.0, 12.0], 2.0: [20.0, 22.0], 4.0: [15.0, 15.0]})
+    assert knee.load == 2.0
+    # A sweep point between the probes beat them: it is the policy's maximum now.
+    better = best_of(knee, {2.5: [23.0, 25.0], 3.0: [19.0, 19.0]})
+    assert (better.load, better.mean, better.seeds) == (2.5, 24.0, (23.0, 25.0))
+    assert better.probes == {1.0: 11.0, 2.0: 21.0, 2.5: 24.0, 3.0: 19.0, 4.0: 15.0}
+    # Points below it leave the knee as it was.
+    assert best_of(knee, {3.0: [19.0, 19.0]}).load == 2.0

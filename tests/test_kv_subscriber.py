@@ -420,7 +420,7 @@ def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
                 held = engine.events.size()
                 assert held > 0
 
-                router._eject(engine, "a transient error")
+                router.pool.eject(engine, "a transient error")
                 await settle(lambda: engine.healthy)  # the next health check re-admits it
                 assert engine.events.size() == held and sub.exact
 
@@ -562,10 +562,10 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
         async with TestClient(TestServer(router.app())) as client:
             for restart_in_stream_first in (False, True):
                 process = await engine_process()
-                await router.check(engine)  # up after the router's first health check
+                await router.pool.check(engine)  # up after the router's first health check
                 heard = sub.counters.batches
                 await until_heard(warm_up(process), lambda h=heard: sub.counters.batches > h)
-                await router.scrape(engine)
+                await router.pool.scrape(engine)
                 await post(client, "/v1/completions", {"prompt": "p" * 200, "max_tokens": 1})
                 await settle(lambda: engine.events.size() >= 200 // BS)
                 await process.close()
@@ -576,7 +576,7 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
                         warm_up(process), lambda r=restarts: sub.counters.restarts > r
                     )
                 held = engine.events.size()
-                await router.scrape(engine)
+                await router.pool.scrape(engine)
                 assert sub.counters.restarts == restarts + 1  # counted once either way
                 if restart_in_stream_first:
                     assert engine.events.size() == held > 0  # the new process's blocks stay

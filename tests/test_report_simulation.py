@@ -238,3 +238,19 @@ def test_run_and_sweep_draw_a_policy_in_the_same_colour(policy: str) -> None:
     assert colour == to_rgba(policy_colors(sweep["policies"])[policy])
     assert colour in _bar_colours(_tps_figure(summaries, policy_colors(summaries)))
     assert colour in _bar_colours(_max_tps_figure(sweep, policy_colors(sweep["policies"])))
+
+
+def test_the_stickiness_figure_plots_what_its_title_and_the_tables_say() -> None:
+    from smetric.report.simulation import _stickiness_figure
+
+    summaries = {
+        "smetric": {"stickiness": {"session": 0.68, "agent": 0.76, "turn": 0.9}},
+        "least_load": {"stickiness": {"session": 0.1, "agent": None, "turn": 0.2}},
+    }
+    fig = _stickiness_figure(summaries, {"smetric": "C0", "least_load": "C1"})
+    ax = fig.axes[0]
+    assert "session's first instance" in ax.get_title() and "agent's" in ax.get_title()
+    widths = sorted(round(bar.get_width(), 2) for bar in ax.patches)
+    assert widths == [0.0, 0.1, 0.68, 0.76]
+    labels = [text.get_text() for text in ax.texts]
+    assert "session: 68.0%" in labels or any("session: 68" in t for t in labels)

@@ -221,10 +221,10 @@ def test_session_hash_moves_only_the_ejected_engine_s_sessions() -> None:
         )
         for s in range(400)
     ]
-    before = [router.route(facts, router.engines)[0] for facts in sessions]
+    before = [router.core.decide(facts, router.engines).engine for facts in sessions]
     ejected = router.engines[2]
     healthy = [e for e in router.engines if e is not ejected]
-    after = [router.route(facts, healthy)[0] for facts in sessions]
+    after = [router.core.decide(facts, healthy).engine for facts in sessions]
     moved = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a is not b]
     assert len({e.url for e in before}) == 4
     assert moved == [i for i, b in enumerate(before) if b is ejected]
@@ -283,11 +283,11 @@ def test_readmission_keeps_the_prefix_index_unless_the_engine_restarted() -> Non
                 url = f"http://127.0.0.1:{front.port}"
                 await eventually(lambda: engine.report is not None)
                 await chat(client, url, conversation(0))
-                held = engine.index.size
+                held = engine.view_blocks()
                 assert held > 0
-                router._eject(engine, "a transient error")
+                router.pool.eject(engine, "a transient error")
                 await eventually(lambda: engine.healthy)
-                assert engine.index.size == held  # the same process: nothing forgotten
+                assert engine.view_blocks() == held  # the same process: nothing forgotten
 
                 port = server.port
                 await server.close()
@@ -295,7 +295,7 @@ def test_readmission_keeps_the_prefix_index_unless_the_engine_restarted() -> Non
                 server = TestServer(create_app(fast), host="127.0.0.1", port=port)
                 await server.start_server()
                 await eventually(lambda: engine.healthy)
-                assert engine.index.size == 0  # a new process: its cache is gone
+                assert engine.view_blocks() == 0  # a new process: its cache is gone
         finally:
             await front.close()
             await server.close()

@@ -123,6 +123,7 @@ async def with_cluster(
     body: Callable[[aiohttp.ClientSession, str, Router, list[TestServer]], Awaitable[Any]],
     policy: str = "smetric",
     dead: int = 0,
+    engine_tokenizer: bool = False,
     **settings: Any,
 ) -> Any:
     """``n`` mock engines (plus ``dead`` unreachable URLs first) behind one router, with
@@ -135,6 +136,7 @@ async def with_cluster(
     router = Router(
         [Engine(u, 1000) for u in urls],
         RouterSettings(policy=policy, health_interval_s=0.05, **settings),
+        engine_tokenizer=engine_tokenizer,
     )
     server = TestServer(router.app(), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
@@ -227,7 +229,7 @@ def test_engine_down_is_ejected_then_readmitted_with_a_fresh_view() -> None:
         await revived.start_server()
         engines[0] = revived
         await eventually(lambda: victim.healthy is True)
-        assert victim.index.size == 0  # what it cached before the restart is forgotten
+        assert victim.view_blocks() == 0  # what it cached before the restart is forgotten
 
     run(lambda: with_cluster(2, body))
 
@@ -256,7 +258,12 @@ def test_engine_killed_mid_stream_ends_the_stream_cleanly() -> None:
                     assert first.startswith(b"data: ")
                     process.kill()
                     rest = await asyncio.wait_for(response.content.read(), timeout=10)
-                assert b"engine connection lost" in rest
+                event = json.loads(rest.strip().removeprefix(b"data: "))
+                # OpenAI's error shape, in words a user reads: no HTTP client's internals.
+                assert event["error"]["type"] == "server_error"
+                assert event["error"]["code"] == 502
+                assert "cut short" in event["error"]["message"]
+                assert "Error" not in event["error"]["message"]  # no exception class names
                 assert router.engines[0].inflight == 0
                 assert router.engines[0].healthy is False
 
@@ -358,16 +365,17 @@ def test_eviction_guard_rebalances_a_session_the_index_lost() -> None:
 
 
 def test_engine_metrics_size_the_index_and_raise_the_load() -> None:
-    from smetric.serve.scrape import EngineReport, parse_vllm_metrics
+    from smetric.serve.backends import VLLM
+    from smetric.serve.scrape import EngineReport
 
     async def body(client, url, router, engines) -> None:
         router.settings.scrape_interval_s = 0.05
         for engine in router.engines:
-            await router.scrape(engine)
+            await router.pool.scrape(engine)
         # The mock engine's pool: 4096 blocks of 16 tokens; the router was told 1000.
         assert [e.kv_blocks for e in router.engines] == [4096, 4096]
         async with client.get(router.engines[0].url + "/metrics") as response:
-            report = parse_vllm_metrics(await response.text(), at=0.0)
+            report = VLLM.parse_metrics(await response.text(), at=0.0)
         assert (report.running, report.waiting, report.num_gpu_blocks) == (0.0, 0.0, 4096)
 
     async def cluster() -> None:
@@ -380,7 +388,7 @@ def test_engine_metrics_size_the_index_and_raise_the_load() -> None:
     assert engine.load(now=12.0, staleness_s=5.0) == 6.0  # fresh: the engine knows more
     assert engine.load(now=20.0, staleness_s=5.0) == 2.0  # stale: only what the router sent
     with pytest.raises(ValueError):
-        parse_vllm_metrics("this is { not prometheus", at=0.0)
+        VLLM.parse_metrics("this is { not prometheus", at=0.0)
 
 
 def test_a_restart_seen_in_the_scrape_drops_the_engine_s_view(caplog) -> None:
@@ -390,18 +398,18 @@ def test_a_restart_seen_in_the_scrape_drops_the_engine_s_view(caplog) -> None:
     async def body(client, url, router, engines) -> None:
         router.settings.health_interval_s = 3600  # only the scrape can notice
         victim = router.engines[0]
-        await router.scrape(victim)
+        await router.pool.scrape(victim)
         for s in range(2):  # one session per engine
             await chat(client, url, conversation(s, 0))
-        assert victim.index.size > 0
-        await router.scrape(victim)
-        assert victim.index.size > 0  # the same process: nothing forgotten
+        assert victim.view_blocks() > 0
+        await router.pool.scrape(victim)
+        assert victim.view_blocks() > 0  # the same process: nothing forgotten
         port = engines[0].port
         await engines[0].close()
         engines[0] = TestServer(create_app(FAST), host="127.0.0.1", port=port)
         await engines[0].start_server()
-        await router.scrape(victim)
-        assert victim.healthy and victim.index.size == 0
+        await router.pool.scrape(victim)
+        assert victim.healthy and victim.view_blocks() == 0
 
     with caplog.at_level("WARNING", logger="smetric.serve"):
         run(lambda: with_cluster(2, body))
@@ -453,7 +461,6 @@ def test_anthropic_messages_pass_through_and_follow_ups_hit() -> None:
 
 def test_engine_tokenizer_gives_the_same_prediction() -> None:
     async def body(client, url, router, engines) -> None:
-        router.engine_tokenizer = True  # tokenise through the engines' /tokenize
         home, _ = await chat(client, url, conversation(7, 0))
         where, data = await chat(client, url, conversation(7, 1))
         assert where == home
@@ -462,7 +469,8 @@ def test_engine_tokenizer_gives_the_same_prediction() -> None:
             text = await response.text()
         assert _metric(text, "smetric_predicted_hit_tokens_total", home) == cached > 0
 
-    run(lambda: with_cluster(2, body))
+    # Tokenised through the engines' /tokenize.
+    run(lambda: with_cluster(2, body, engine_tokenizer=True))
 
 
 def test_client_going_away_ends_the_request_s_load() -> None:
@@ -486,7 +494,7 @@ def test_large_prompts_are_routed_the_same_way() -> None:
 
     async def body(client, url, router, engines) -> None:
         for engine in router.engines:
-            await router.scrape(engine)  # size the index to the engines' 4096 blocks
+            await router.pool.scrape(engine)  # size the index to the engines' 4096 blocks
         big = [{"role": "user", "content": "long context " * 5000}]  # 65 KB, 65 k tokens
         home, _ = await chat(client, url, big)
         follow = [*big, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]

@@ -388,7 +388,7 @@ def test_prompts_longer_than_the_engines_take_are_refused_before_tokenising() ->
     small = EngineConfig(speed=0.0001, kv_blocks=64, default_max_tokens=4)  # 1,024 tokens
 
     async def body(client, url, router, fakes) -> None:
-        await eventually(lambda: router.max_prompt_tokens() == 1024)
+        await eventually(lambda: router.analyzer.max_prompt_tokens() == 1024)
         # Over 16 characters a token: refused before it is tokenised...
         long = {"messages": [{"role": "user", "content": "many words " * 2_000}]}
         async with client.post(url + "/v1/chat/completions", json=long) as response:

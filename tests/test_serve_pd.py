@@ -315,7 +315,7 @@ def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> Non
 
     def pick(rule: str) -> Engine:
         disagg = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls, rule)
-        return disagg.choose_decode(router, engines)
+        return disagg.attach(router.dispatcher.wiring).choose_decode(engines)
 
     assert pick("least_kv") is busy_requests  # 10 % of its KV in use against 90 %
     assert pick("least_requests") is busy_kv
@@ -323,4 +323,4 @@ def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> Non
     busy_requests.report = None
     assert pick("least_kv") is busy_kv  # no fresh scrape: requests in flight decide
     turns = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls, "round_robin")
-    assert [turns.choose_decode(router, engines) for _ in range(4)] == engines * 2
+    assert [turns.choose_decode(engines) for _ in range(4)] == engines * 2

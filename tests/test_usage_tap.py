@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from smetric.serve.app import UsageTap
+from smetric.serve.forwarding import UsageTap
 
 
 def test_keeps_a_bounded_tail_and_finds_usage_split_across_chunks() -> None:

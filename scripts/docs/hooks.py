@@ -197,8 +197,8 @@ def dataclass_table(cls: type, keys: tuple[str, ...] | None = None) -> list[str]
 
 
 def config_page() -> str:
-    from smetric.cli.serve import TUNABLE
     from smetric.serve.app import RouterSettings
+    from smetric.serve.config import TUNABLE
     from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
 
     def doc(cls: type) -> str:

@@ -38,7 +38,7 @@ def branch_counts(state: DemoState) -> dict[str, float]:
         return {}
     registry = state.router.metrics.registry
     counts = {}
-    for branch in state.router.policy.branches:
+    for branch in state.router.core.policy.branches:
         value = registry.get_sample_value("smetric_routing_decisions_total", {"branch": branch})
         counts[branch] = value or 0.0
     return counts

@@ -9,6 +9,7 @@ import typer
 from smetric.cli.app import app, console, user_errors
 from smetric.engine import EngineConfig, run_engine
 from smetric.model.perf import load_hardware, load_model
+from smetric.serve.listen import listen
 
 
 @app.command()
@@ -89,5 +90,7 @@ def engine(
         )
         load_model(model)
         load_hardware(hardware, gpus=gpus)
+        # Bound before the banner: a port in use is said plainly, not as a traceback.
+        (sock,) = listen(host, port)
     console.print(f"smetric engine ({model} on {gpus}x{hardware}) on http://{host}:{port}")
-    run_engine(config, host=host, port=port)
+    run_engine(config, sock)

@@ -101,11 +101,13 @@ def pick(
         router = Router(
             engines,
             RouterSettings(
-                policy=policy,
-                block_size=block_size,
-                health_interval_s=health_interval,
-                scrape_interval_s=scrape_interval,
-                **router_options(config),
+                **{
+                    **router_options(config),
+                    "policy": policy,
+                    "block_size": block_size,
+                    "health_interval_s": health_interval,
+                    "scrape_interval_s": scrape_interval,
+                }
             ),
             tokenizer=encoder,
             template=template,

@@ -3,114 +3,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-import yaml
 
 from smetric.cli.app import app, console, user_errors
-from smetric.core.kv_events import EventIndex
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
-from smetric.serve.disagg import DECODE_POLICIES, disaggregation_from
-from smetric.serve.engines import Engine
-from smetric.serve.global_tier import GLOBAL_TIERS
-from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.config import disaggregation_from, engines_from, router_options
+from smetric.serve.disagg import DECODE_POLICIES
+from smetric.serve.listen import listen
+from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
-
-
-def engines_from(
-    urls: list[str], config: Path | None, kv_blocks: int, block_size: int
-) -> tuple[list[Engine], dict[str, KVEventSubscriber]]:
-    """Engines from --engine flags and/or a YAML list of URLs or ``{url, kv_blocks,
-    kv_events: {endpoint, topic, replay_endpoint, bind}}``; an engine with ``kv_events``
-    is routed on its exact KV-event view (vLLM's ``--kv-events-config``). ``bind: false``
-    connects to an engine that binds its publisher (several routers share one engine)."""
-    engines = [Engine(url, kv_blocks) for url in urls]
-    subscribers: dict[str, KVEventSubscriber] = {}
-    if config is not None:
-        try:
-            data = yaml.safe_load(config.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"{config}: cannot read YAML: {exc}") from exc
-        entries = data.get("engines", []) if isinstance(data, dict) else None
-        if not isinstance(entries, list):
-            raise ValueError(f"{config}: expected 'engines:' with a list of engines")
-        for entry in entries:
-            if isinstance(entry, str):
-                engines.append(Engine(entry, kv_blocks))
-            elif isinstance(entry, dict) and isinstance(entry.get("url"), str):
-                engine = Engine(entry["url"], int(entry.get("kv_blocks", kv_blocks)))
-                events = entry.get("kv_events")
-                if events is not None:
-                    if not isinstance(events, dict) or not isinstance(events.get("endpoint"), str):
-                        raise ValueError(f"{config}: kv_events needs an endpoint (tcp://...)")
-                    engine.events = EventIndex(block_size)
-                    subscribers[engine.url] = KVEventSubscriber(
-                        engine.events,
-                        events["endpoint"],
-                        topic=str(events.get("topic", "")),
-                        replay_endpoint=events.get("replay_endpoint"),
-                        bind=events.get("bind"),
-                        name=engine.url,
-                    )
-                engines.append(engine)
-            else:
-                raise ValueError(f"{config}: each engine is a URL or {{url, kv_blocks}}")
-    for engine in engines:
-        if not engine.url.startswith(("http://", "https://")):
-            raise ValueError(f"engine {engine.url!r} must be an http(s):// URL")
-    if not engines:
-        raise ValueError("give at least one --engine URL (or engines: in --config)")
-    return engines, subscribers
-
-
-# What a config's ``router:`` section may set: the limits, timeouts, passive health and
-# the global tier's source. The flags of the same names win over it.
-TUNABLE = (
-    "max_body_bytes",
-    "max_prompt_tokens",
-    "analysis_threads",
-    "connect_timeout_s",
-    "first_byte_timeout_s",
-    "idle_timeout_s",
-    "retries",
-    "eject_after",
-    "eject_backoff_s",
-    "eject_backoff_max_s",
-    "open_metrics",
-    "global_tier",
-    "global_tier_tokens",
-)
-
-
-def router_options(config: Path | None) -> dict[str, Any]:
-    """The ``router:`` section of the YAML config, checked against ``RouterSettings``."""
-    if config is None:
-        return {}
-    try:
-        data = yaml.safe_load(config.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{config}: cannot read YAML: {exc}") from exc
-    section = data.get("router", {}) if isinstance(data, dict) else {}
-    if not isinstance(section, dict):
-        raise ValueError(f"{config}: 'router:' must map settings to values")
-    types = {f.name: type(getattr(RouterSettings(), f.name)) for f in fields(RouterSettings)}
-    for key, value in section.items():
-        if key not in TUNABLE:
-            raise ValueError(f"{config}: unknown router setting {key!r}; one of {TUNABLE}")
-        wanted = types[key]
-        if wanted is str:
-            if value not in GLOBAL_TIERS:
-                raise ValueError(f"{config}: router.{key} must be one of {GLOBAL_TIERS}")
-            continue
-        fits = isinstance(value, wanted) or (wanted is float and type(value) is int)
-        if not fits or isinstance(value, bool) != (wanted is bool) or value < 0:
-            raise ValueError(f"{config}: router.{key} must be a non-negative {wanted.__name__}")
-    return dict(section)
 
 
 @app.command()
@@ -123,13 +29,17 @@ def serve(
         Path | None, typer.Option("--config", "-c", help="YAML with 'engines: [...]'.")
     ] = None,
     policy: Annotated[
-        str, typer.Option("--policy", "-p", help=f"One of {', '.join(POLICY_NAMES)}.")
-    ] = DEFAULT_POLICY,
+        str | None,
+        typer.Option(
+            "--policy", "-p", help=f"One of {', '.join(POLICY_NAMES)}. Default: {DEFAULT_POLICY}."
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000,
     block_size: Annotated[
-        int, typer.Option(help="Tokens per KV block (the engines' block size).", min=1)
-    ] = 16,
+        int | None,
+        typer.Option(help="Tokens per KV block (the engines' block size). Default: 16.", min=1),
+    ] = None,
     kv_blocks: Annotated[
         int,
         typer.Option(help="KV blocks per engine for the router's prefix index.", min=1),
@@ -194,19 +104,40 @@ def serve(
         ),
     ] = None,
     health_interval: Annotated[
-        float, typer.Option(help="Seconds between health checks.", min=0.05)
-    ] = 2.0,
+        float | None,
+        typer.Option(help="Seconds between health checks. Default: 2.", min=0.05),
+    ] = None,
     scrape_interval: Annotated[
-        float,
+        float | None,
         typer.Option(
             help="Seconds between scrapes of engines' /metrics (0: off); running + waiting "
-            "then raise the load, and cache_config_info sizes the prefix index.",
+            "then raise the load, and cache_config_info sizes the prefix index. Busy "
+            "engines are scraped for their progress anyway (see --stall-timeout). Default: 0.",
             min=0.0,
         ),
-    ] = 0.0,
+    ] = None,
     staleness: Annotated[
-        float, typer.Option(help="Ignore a scrape older than this many seconds.", min=0.0)
-    ] = 5.0,
+        float | None,
+        typer.Option(help="Ignore a scrape older than this many seconds. Default: 5.", min=0.0),
+    ] = None,
+    stall_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds an engine with requests in flight may show no progress (no byte "
+            "of any response, no prompt or generation counter moved in its /metrics) "
+            "before it is ejected as stalled and its requests that sent the client nothing "
+            "are retried elsewhere (0: never). Default: 20.",
+            min=0.0,
+        ),
+    ] = None,
+    stream_headers_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds to wait for a streaming reply's headers, which engines send as "
+            "soon as they take the request; then it is retried elsewhere. Default: 10.",
+            min=0.001,
+        ),
+    ] = None,
     prefill_engine: Annotated[
         list[str] | None,
         typer.Option(
@@ -277,22 +208,15 @@ def serve(
     the global tier's source.
     """
     with user_errors():
-        disaggregated = disaggregation_from(
-            prefill_engine or [],
-            decode_engine or [],
-            config,
-            kv_blocks,
-            decode_policy,
-        )
-        disagg = None
-        if disaggregated is None:
-            engines, subscribers = engines_from(engine or [], config, kv_blocks, block_size)
-        elif engine:
-            raise ValueError("give --engine for a colocated cluster, or prefill and decode engines")
-        else:
-            (engines, disagg), subscribers = disaggregated, {}
         options = router_options(config)
         flags = {
+            "policy": policy,
+            "block_size": block_size,
+            "health_interval_s": health_interval,
+            "scrape_interval_s": scrape_interval,
+            "staleness_s": staleness,
+            "stall_timeout_s": stall_timeout,
+            "stream_headers_timeout_s": stream_headers_timeout,
             "open_metrics": open_metrics,
             "first_byte_timeout_s": first_byte_timeout,
             "idle_timeout_s": idle_timeout,
@@ -305,37 +229,47 @@ def serve(
             "global_tier_tokens": global_tier_tokens,
         }
         options.update({name: value for name, value in flags.items() if value is not None})
+        settings = RouterSettings(api_keys=frozenset(api_key or []), **options)
+        disaggregated = disaggregation_from(
+            prefill_engine or [], decode_engine or [], config, kv_blocks, decode_policy
+        )
+        disagg = None
+        if disaggregated is None:
+            engines, subscribers = engines_from(
+                engine or [], config, kv_blocks, settings.block_size
+            )
+        elif engine:
+            raise ValueError("give --engine for a colocated cluster, or prefill and decode engines")
+        else:
+            (engines, disagg), subscribers = disaggregated, {}
+        level = logging.getLevelName(log_level.upper())
+        if not isinstance(level, int):
+            raise ValueError(f"unknown log level {log_level!r}")
+        # Before the router's metrics exist: with several workers they live in files that
+        # every worker writes and any of them reads, so a scrape sums them all.
+        if workers > 1:
+            share_metrics_between_processes()
         by_engine = tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
         router = Router(
             engines,
-            RouterSettings(
-                policy=policy,
-                block_size=block_size,
-                api_keys=frozenset(api_key or []),
-                health_interval_s=health_interval,
-                scrape_interval_s=scrape_interval,
-                staleness_s=staleness,
-                **options,
-            ),
+            settings,
             tokenizer=encoder,
             template=template,
             engine_tokenizer=by_engine,
             subscribers=subscribers,
             disagg=disagg,
         )
-    with user_errors():
-        level = logging.getLevelName(log_level.upper())
-        if not isinstance(level, int):
-            raise ValueError(f"unknown log level {log_level!r}")
+        # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
+        sockets = listen(host, port, workers)
     logging.basicConfig(level=level, format="%(message)s")
     shape = f"{len(engines)} engines"
     if disagg is not None:
         shape = f"{len(disagg.prefill_urls)} prefill + {len(disagg.decode_urls)} decode engines"
     console.print(
-        f"smetric serve: {policy} over {shape} on http://{host}:{port}"
+        f"smetric serve: {settings.policy} over {shape} on http://{host}:{port}"
         + (f" ({workers} workers)" if workers > 1 else ""),
         highlight=False,
     )
     with user_errors():
-        serve_router(router, host, port, workers)
+        serve_router(router, sockets)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 import uuid
 from collections import deque
@@ -77,9 +78,10 @@ def create_app(config: EngineConfig) -> web.Application:
     return app
 
 
-def run_engine(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until interrupted; a client that disconnects cancels its request at once."""
-    web.run_app(create_app(config), host=host, port=port, handler_cancellation=True)
+def run_engine(config: EngineConfig, sock: socket.socket) -> None:
+    """Serve on the listening ``sock`` until interrupted; a client that disconnects cancels
+    its request at once."""
+    web.run_app(create_app(config), sock=sock, print=None, handler_cancellation=True)
 
 
 async def _engine_loop(app: web.Application) -> AsyncIterator[None]:

@@ -29,7 +29,14 @@ from smetric.core.policies import policy_params
 from smetric.eval.grid import FREE_GLOBAL_TIER, FREE_TIER
 from smetric.eval.preset import REFERENCE_TIER, Preset
 from smetric.sim.config import SimConfig
-from smetric.sim.knee import Knee, KneeSettings, best_baseline, probe_job, search_knees
+from smetric.sim.knee import (
+    Knee,
+    KneeSettings,
+    best_baseline,
+    best_of,
+    probe_job,
+    search_knees,
+)
 from smetric.sim.parallel import Job, RunStore, run_sweep
 from smetric.trace.schema import Trace
 
@@ -126,6 +133,7 @@ def reproduce(
         for s in seeds
     ]
     summaries = runner.run("rate sweep and sensitivity", [*sweep_jobs, *extra])
+    _with_rate_sweep(tiers[REFERENCE_TIER], preset.load_multiples, rate, seeds, summaries)
     variant = {spec: [summaries["variant", spec, s] for s in seeds] for spec in specs}
     paper_summaries = {p: [detail["paper", p, s] for s in seeds] for p in policies}
     return {
@@ -235,6 +243,31 @@ def _tiers(runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[s
     return out
 
 
+def _with_rate_sweep(
+    tier: dict,
+    multiples: Sequence[float],
+    rate: Callable[[float], float],
+    seeds: Sequence[int],
+    summaries: Mapping[tuple, Mapping],
+) -> None:
+    """Fold the full tier's rate sweep into its knees: where a sweep point beats the
+    search's best probe, that point is the policy's maximum TPS within SLO, so the knee
+    table, the headline and the rate figure agree. The load unit stays the searched knee
+    of the best baseline (the sweep's rates are defined by it)."""
+    for p, entry in tier["policies"].items():
+        runs = {rate(m): [summaries["rate", p, m, s] for s in seeds] for m in multiples}
+        knee = Knee(**entry["knee"])
+        best = best_of(knee, {load: [r["tps_within_slo"] for r in rs] for load, rs in runs.items()})
+        point = _point(runs[best.load]) if best.load != knee.load else entry
+        tier["policies"][p] = {
+            "knee": dataclasses.asdict(best),
+            **{k: v for k, v in point.items() if k != "knee"},
+        }
+    tier["best_baseline"] = best_baseline(
+        {p: v["knee"]["mean"] for p, v in tier["policies"].items()}
+    )
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None and not math.isnan(v)]
     return statistics.fmean(present) if present else None
@@ -273,11 +306,10 @@ def window_imbalance(heatmap: Sequence[Sequence[float]]) -> list[float | None]:
 
 
 def measured_imbalance(summary: Mapping) -> list[float]:
-    """The busy windows' imbalance after the warm-up: while sessions ramp up a few long
-    ones dominate the load, which says nothing about a policy's steady state."""
-    first = math.ceil(summary["warmup_s"] / summary["window_s"] - 1e-9)
-    series = window_imbalance(summary["load_heatmap"])[first:]
-    return [v for v in series if v is not None]
+    """The busy windows' imbalance after the warm-up (the run summary counts only those:
+    while sessions ramp up a few long ones dominate the load, which says nothing about a
+    policy's steady state)."""
+    return list(summary["imbalance"]["series"])
 
 
 def _guard(runs: Sequence[Mapping], window_s: float) -> dict:

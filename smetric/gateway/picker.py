@@ -18,9 +18,12 @@ from urllib.parse import urlsplit
 
 from smetric.core.conversation import RequestError, RequestFacts
 from smetric.core.parsing import decode_body
-from smetric.serve.app import _OFF_LOOP_BYTES, _ROUTES, Router, UsageTap
+from smetric.serve.analysis import OFF_LOOP_BYTES
+from smetric.serve.app import ROUTES, Router
 from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.errors import error_body
+from smetric.serve.forwarding import UsageTap
+from smetric.serve.identity import identity_of
 from smetric.serve.limits import BodyError, decoded_body
 from smetric.serve.upstream import EngineFault
 
@@ -135,14 +138,14 @@ class Picker:
         return engines
 
     def body_limit(self) -> int:
-        return self.router.body_limit()
+        return self.router.analyzer.body_limit()
 
     async def pick(
         self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
     ) -> Pick:
         """The engine for one request; raises ``Refusal`` for a request the engines
         should not see (malformed, too large, nothing healthy, shed)."""
-        api = _ROUTES.get(path.split("?")[0])
+        api = ROUTES.get(path.split("?")[0])
         engines = self.candidates(subset)
         if api is None or headers.get(":method", "POST") != "POST":
             # Not a generation (/v1/models, /tokenize, ...): nothing to analyse.
@@ -150,13 +153,15 @@ class Picker:
             return Pick(
                 engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
             )
-        facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
+        body, facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
         engines = self.candidates(subset)  # health may have changed meanwhile
-        engine, predicted = self.router.route(facts, engines)
+        identity = identity_of(headers, body)
+        decision = self.router.wiring.decide(facts, engines, identity=identity)
+        engine, predicted = decision.engine, decision.predicted_hit_tokens
         load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
         return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load)
 
-    async def _analyze(self, raw: bytes, encoding: str, api: str) -> RequestFacts:
+    async def _analyze(self, raw: bytes, encoding: str, api: str) -> tuple[dict, RequestFacts]:
         try:
             body = decode_body(decoded_body(raw, encoding, self.body_limit()))
         except BodyError as exc:
@@ -166,7 +171,8 @@ class Picker:
         if not isinstance(body, dict):
             raise Refusal(400, "body must be a JSON object")
         try:
-            return await self.router.analyze(body, api, large=len(raw) > _OFF_LOOP_BYTES)  # type: ignore[arg-type]
+            large = len(raw) > OFF_LOOP_BYTES
+            return body, await self.router.analyzer.analyze(body, api, large=large)  # type: ignore[arg-type]
         except RequestError as exc:
             raise Refusal(400, str(exc)) from None
         except (TimeoutError, OSError, ValueError) as exc:
@@ -183,12 +189,12 @@ class Picker:
         router = self.router
         if status >= 500:
             fault = EngineFault(f"answered {status}", status=status)
-            router._engine_failed(pick.engine, fault)
+            router.pool.failed(pick.engine, fault)
             return
-        router.outliers.succeeded(pick.engine.url)
+        router.pool.succeeded(pick.engine)
         if status < 400 and pick.facts is not None:
             pick.ok = True
-            router.served(pick.engine, pick.facts, pick.predicted)
+            router.wiring.record_served(pick.engine, pick.facts, pick.predicted)
 
     def streamed(self, pick: Pick, chunk: bytes) -> None:
         """A piece of the response passed: the prompt is prefilled by now."""
@@ -201,6 +207,6 @@ class Picker:
         if pick.load.released:
             return
         if complete and pick.ok:
-            self.router.count_cached(pick.engine, pick.usage)
+            self.router.forwarder.count_cached(pick.engine, pick.usage)
         pick.load.release()
         self.router.metrics.latency.labels(pick.api).observe(time.perf_counter() - pick.started)

@@ -45,7 +45,7 @@ class PickerServer:
         app.router.add_get("/metrics", router.prometheus)
         app.router.add_get("/health", router.health)
         app.router.add_get("/live", _alive)
-        app.cleanup_ctx.append(router._lifecycle)
+        app.cleanup_ctx.append(router.lifecycle)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()  # the router's checks, scrapes and subscriptions start
         site = web.TCPSite(self.runner, self.host, self.metrics_port)

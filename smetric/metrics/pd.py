@@ -10,7 +10,13 @@ import numpy as np
 import polars as pl
 
 from smetric.metrics.slo import SLOConfig
-from smetric.metrics.summary import imbalance, percentiles, summarize, window_edges
+from smetric.metrics.summary import (
+    imbalance,
+    measured_windows,
+    percentiles,
+    summarize,
+    window_edges,
+)
 from smetric.trace.analysis.balance import window_loads
 
 
@@ -67,7 +73,7 @@ def disaggregated_summary(
     summary["tps_within_slo"] = float(met["prompt_tokens"].sum()) / measured
     summary["tps"] = float(done["prompt_tokens"].sum()) / measured
     summary["load_heatmap"] = loads.tolist()
-    summary["imbalance"] = imbalance(loads)
+    summary["imbalance"] = imbalance(loads, measured_windows(warmup_s, window_s))
     if not full:
         summary["tpot_s"] = percentiles(np.array([]))
     prefill_ttft = after.filter(pl.col("prefill_done_s") <= horizon)["prefill_ttft_s"]

@@ -100,8 +100,10 @@ def load_over_time(
     )
 
 
-def imbalance(loads: np.ndarray) -> dict:
-    """Max over mean load per window (instances x windows), over the windows with load."""
+def imbalance(loads: np.ndarray, first_window: int = 0) -> dict:
+    """Max over mean load per window (instances x windows), over the windows with load
+    from ``first_window`` on (the ones after the warm-up, which throughput counts too)."""
+    loads = loads[:, first_window:]
     mean = loads.mean(axis=0)
     busy = mean > 0
     ratio = loads.max(axis=0)[busy] / mean[busy]
@@ -112,6 +114,12 @@ def imbalance(loads: np.ndarray) -> dict:
         "max": float(ratio.max()) if len(ratio) else math.nan,
         "series": ratio.tolist(),
     }
+
+
+def measured_windows(warmup_s: float, window_s: float) -> int:
+    """The first load window that starts at or after the warm-up: the windows every
+    figure and table of a run counts."""
+    return math.ceil(warmup_s / window_s - 1e-9)
 
 
 def window_edges(window_s: float, horizon_s: float) -> np.ndarray:
@@ -175,7 +183,7 @@ def summarize(
             "global": remote / prompt if prompt else 0.0,
             "miss": 1 - (local + remote) / prompt if prompt else 0.0,
         },
-        "imbalance": imbalance(loads),
+        "imbalance": imbalance(loads, measured_windows(warmup_s, window_s)),
         "load_heatmap": loads.tolist(),
         "stickiness": stickiness(table),
         "branches": {name: int(count) for name, count in branches},

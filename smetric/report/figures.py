@@ -204,14 +204,16 @@ def session_usage_figure(usage: Section) -> Figure:
 def _imbalance_panels(line: Axes, hist: Axes, balance: Section) -> None:
     imbalance = balance["imbalance"]
     series = np.asarray(imbalance["series"], dtype=float)
-    minutes = np.arange(len(series)) * float(balance["window_s"]) / 60
+    first = balance.get("ramp_up_windows", 0)
+    minutes = (first + np.arange(len(series))) * float(balance["window_s"]) / 60
     line.plot(minutes, series, color=COLORS["line"], lw=1.5, marker=".", ms=4)
     for key, style in (("p50", ":"), ("max", "--")):
         line.axhline(imbalance[key], color=COLORS["accent"], ls=style, lw=1, label=key)
     line.axhline(1, color="grey", lw=0.8)
     line.set_xlabel("Time (minutes)")
     line.set_ylabel("Imbalance (max / mean tokens)")
-    line.set_title(f"Per-window load imbalance, {balance['instances']} instances")
+    ramp = f", after {first} ramp-up window{'s' if first != 1 else ''}" if first else ""
+    line.set_title(f"Per-window load imbalance, {balance['instances']} instances{ramp}")
     line.legend(loc="upper right")
     hist.hist(series, bins=min(30, max(5, len(series) // 4)), color=COLORS["line"], alpha=0.8)
     hist.set_xlabel("Imbalance (max / mean)")

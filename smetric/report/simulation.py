@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
 from smetric.report.terminal import Section, pct, seconds, times
 
@@ -208,7 +209,9 @@ def _imbalance_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure
 
 def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     """Figure 15b: per-instance load over time, each policy scaled to its own p99 so that
-    the pattern (hot instances vs an even spread) compares even when volumes differ."""
+    the pattern (hot instances vs an even spread) compares even when volumes differ. Only
+    the windows after the warm-up are drawn: the ones the imbalance in the titles, the
+    tables and the other figures count."""
     columns = min(len(summaries), 3)
     rows = math.ceil(len(summaries) / columns)
     fig = new_figure(11, 0.4 + 2.6 * rows)
@@ -216,16 +219,21 @@ def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     scale = ScalarMappable(Normalize(0, 1), "viridis")
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax, (policy, summary) in zip(axes, summaries.items(), strict=False):
+        window_s = summary.get("window_s", 60.0)
+        first = measured_windows(summary.get("warmup_s", 0.0), window_s)
         heat = np.asarray(summary["load_heatmap"], dtype=float)
+        if heat.ndim == 2:
+            heat = heat[:, first:]
         p99 = float(np.percentile(heat, 99)) if heat.size else 0.0
-        minutes = heat.shape[1] * summary.get("window_s", 60.0) / 60 if heat.ndim == 2 else 1
+        start = first * window_s / 60
+        minutes = start + (heat.shape[1] * window_s / 60 if heat.ndim == 2 else 1)
         ax.imshow(
             heat / p99 if p99 > 0 else heat,
             aspect="auto",
             interpolation="nearest",
             cmap=scale.cmap,
             norm=scale.norm,
-            extent=(0, minutes, heat.shape[0] - 0.5 if heat.ndim == 2 else 0.5, -0.5),
+            extent=(start, minutes, heat.shape[0] - 0.5 if heat.ndim == 2 else 0.5, -0.5),
         )
         ax.grid(False)
         ax.set_title(f"{policy} ({_mean_imbalance(summary['imbalance'])})", fontsize=10)
@@ -236,7 +244,10 @@ def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
         ax.set_visible(False)
     load = _load_name(summaries)
     fig.colorbar(scale, ax=axes.tolist(), label=f"{load.capitalize()} / policy's p99", pad=0.01)
-    fig.suptitle(f"{load.capitalize()} per instance (load imbalance in brackets)", weight="bold")
+    fig.suptitle(
+        f"{load.capitalize()} per instance after the warm-up (load imbalance in brackets)",
+        weight="bold",
+    )
     return fig
 
 
@@ -284,26 +295,32 @@ def _latency_figure(
 
 
 def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
-    """Figure 12: whether a policy keeps a conversation's follow-ups on its first instance
-    (per agent: a sub-agent is a conversation of its own)."""
+    """Figure 12: whether a policy keeps follow-ups on the instance of their session's
+    first request, and of their own conversation's (per agent: a sub-agent is a
+    conversation of its own), the two shares the tables give."""
     policies = list(summaries)
-    shares = [summaries[p]["stickiness"]["agent"] for p in policies]
-    fig = new_figure(8, _rows_height(len(policies)))
+    fig = new_figure(8, _rows_height(len(policies)) + 0.4)
     ax = fig.add_subplot()
-    bars = ax.barh(
-        np.arange(len(policies)),
-        [0.0 if s is None else s for s in shares],
-        height=0.6,
-        color=[colors[p] for p in policies],
-    )
-    labels = ["no follow-ups" if s is None else pct(s) for s in shares]
-    ax.bar_label(bars, labels=labels, padding=4, fontsize=9)
-    ax.set_xlim(0, 1.15)
+    rows = np.arange(len(policies))
+    for offset, key, alpha in ((-0.2, "session", 1.0), (0.2, "agent", 0.5)):
+        shares = [summaries[p]["stickiness"][key] for p in policies]
+        bars = ax.barh(
+            rows + offset,
+            [0.0 if s is None else s for s in shares],
+            height=0.38,
+            color=[colors[p] for p in policies],
+            alpha=alpha,
+        )
+        labels = [f"{key}: " + ("no follow-ups" if s is None else pct(s)) for s in shares]
+        ax.bar_label(bars, labels=labels, padding=4, fontsize=8)
+    ax.set_xlim(0, 1.3)
     ax.set_xticks(np.linspace(0, 1, 6))
     percent_axis(ax, "x")
     _policy_axis(ax, policies)
     ax.set_xlabel("Share of follow-up requests")
-    ax.set_title("Follow-ups served by their session's first instance")
+    ax.set_title(
+        "Follow-ups served by their session's first instance (solid) and their agent's (light)"
+    )
     return fig
 
 

@@ -109,10 +109,17 @@ def _usage_finding(usage: Section) -> str:
 def _balance_finding(balance: Section) -> str:
     imbalance = balance["imbalance"]
     rate = balance["requests_per_min_per_instance"]["mean"]
+    ramp = balance.get("ramp_up_windows", 0)
+    after = (
+        f" once the load has ramped up (the first {ramp} window"
+        f"{'s' if ramp != 1 else ''}, below half the median load, left out)"
+        if ramp
+        else ""
+    )
     return (
         f"Least-in-flight-tokens dispatch over {balance['instances']} instances keeps the "
         f"per-window imbalance (max/mean) at a median of {times(imbalance['p50'])} and at most "
-        f"{times(imbalance['max'])}, with {rate:.1f} requests per minute per instance."
+        f"{times(imbalance['max'])}{after}, with {rate:.1f} requests per minute per instance."
     )
 
 

@@ -1,13 +1,16 @@
-"""What the router knows of each engine: health, load, and an approximate KV view.
+"""What the router knows of each engine: health, load, progress, and a view of its KV.
 
-The KV view is the router's own prefix index: the blocks of every request it sent to the
-engine, bounded by the engine's KV capacity and evicted least recently used, the same
-``PrefixCache`` the simulator uses for a GPU pool. It never asks the engine.
+The KV view is one of two (``KVView``):
 
-An engine that publishes KV events can carry an ``EventIndex`` (``events``) instead, kept
-exact by a ``serve.kv_subscriber.KVEventSubscriber``: then the engine says what it caches,
-so routing does not record anything, and only the events view answers hits. Its keys are
-the router's block ids, so the router must hash prompts with the engine's block size.
+- ``RoutedPrefixes``: the router's own prefix index, the blocks of every request it sent
+  to the engine, bounded by the engine's KV capacity and evicted least recently used, the
+  same ``PrefixCache`` the simulator uses for a GPU pool. It never asks the engine.
+- ``PublishedBlocks``: for an engine that publishes KV events, an ``EventIndex`` kept exact
+  by a ``serve.kv_subscriber.KVEventSubscriber``: the engine says what it caches, so
+  routing records nothing. Its keys are the router's block ids, so the router must hash
+  prompts with the engine's block size.
+
+How the engine speaks (metric names, KV events, tokenising, PD) is its ``backend``.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.kv_events import EventIndex
 from smetric.core.prefix_cache import PrefixCache
+from smetric.serve.backends import VLLM, EngineBackend
 from smetric.serve.scrape import EngineReport
 
 _INFLIGHT, _UNPREFILLED, _INFLIGHT_TOKENS = 0, 1, 2
@@ -28,23 +33,131 @@ _INFLIGHT, _UNPREFILLED, _INFLIGHT_TOKENS = 0, 1, 2
 LOAD_COLUMNS = 3
 
 
+class KVView(Protocol):
+    """What the router believes an engine caches on its device."""
+
+    def match(self, blocks: np.ndarray, block_size: int) -> int:
+        """Leading blocks of ``blocks`` the engine holds."""
+        ...
+
+    def size(self) -> int: ...
+
+    def remember(self, blocks: np.ndarray, now: float) -> bool:
+        """The engine prefilled this prompt; True if the view recorded it (so the other
+        router workers should too)."""
+        ...
+
+    def learn(self, blocks: np.ndarray, now: float) -> None:
+        """Another router worker routed this prompt there."""
+        ...
+
+    def restarted(self, capacity: int) -> None:
+        """Evidence that the engine process changed."""
+        ...
+
+    def readmitted(self, capacity: int, restarts_visible: bool) -> None:
+        """Back after failed health checks, which say nothing of its cache."""
+        ...
+
+    def resized(self, capacity: int) -> None:
+        """The engine's real KV pool is now known to be ``capacity`` blocks."""
+        ...
+
+
+class RoutedPrefixes:
+    """The prompts the router sent to the engine, as its cache would hold them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.index = PrefixCache(capacity)
+
+    def match(self, blocks: np.ndarray, block_size: int) -> int:
+        return self.index.match(blocks)
+
+    def size(self) -> int:
+        return self.index.size
+
+    def remember(self, blocks: np.ndarray, now: float) -> bool:
+        self.index.insert(blocks, now)
+        return True
+
+    def learn(self, blocks: np.ndarray, now: float) -> None:
+        self.index.insert(blocks, now)
+
+    def restarted(self, capacity: int) -> None:
+        self.index = PrefixCache(capacity)
+
+    def readmitted(self, capacity: int, restarts_visible: bool) -> None:
+        """A blip leaves the cache whole, a restart empties it; without a way to tell
+        (no start time in the scrapes), the index goes, as the guess it always is."""
+        if not restarts_visible:
+            self.index = PrefixCache(capacity)
+
+    def resized(self, capacity: int) -> None:
+        # The sizes differ, and what it held is a guess either way.
+        self.index = PrefixCache(capacity)
+
+
+class PublishedBlocks:
+    """The engine's own account of its cache, from its KV events. Restarts and gaps are
+    its subscriber's to handle (its stream shows them), so nothing here clears it."""
+
+    def __init__(self, events: EventIndex) -> None:
+        self.events = events
+
+    def match(self, blocks: np.ndarray, block_size: int) -> int:
+        if block_size != self.events.block_size:
+            raise ValueError(
+                f"the engine publishes {self.events.block_size}-token blocks, but prompts "
+                f"are hashed with {block_size}"
+            )
+        return self.events.match(blocks)
+
+    def size(self) -> int:
+        return self.events.size()
+
+    def remember(self, blocks: np.ndarray, now: float) -> bool:
+        return False  # its BlockStored events say so
+
+    def learn(self, blocks: np.ndarray, now: float) -> None:
+        pass
+
+    def restarted(self, capacity: int) -> None:
+        pass  # it may already hold what the new process published
+
+    def readmitted(self, capacity: int, restarts_visible: bool) -> None:
+        pass
+
+    def resized(self, capacity: int) -> None:
+        pass
+
+
 @dataclass
 class Engine:
     url: str
     kv_blocks: int
     healthy: bool = True
-    index: PrefixCache = field(init=False)
     # The engine's latest /metrics, when the router scrapes them.
     report: EngineReport | None = None
-    # The engine's own account of its cache, from its KV events; replaces ``index``.
+    # The engine's own account of its cache, from its KV events; the view then.
     events: EventIndex | None = None
-
+    backend: EngineBackend = VLLM
+    # Its number in the cluster, stable while others come and go (``serve.pool``).
+    number: int = 0
     # Called with the blocks of every prompt ``remember`` records (other workers learn them).
     on_remember: Callable[[np.ndarray], None] | None = None
+    view: KVView = field(init=False)
+    # Monotonic time the engine last showed progress: a response byte, a moved counter,
+    # or the moment it went from idle to busy (``serve.pool``'s stall detection).
+    progressed_at: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
-        self.index = PrefixCache(self.kv_blocks)
+        self.view = (
+            RoutedPrefixes(self.kv_blocks) if self.events is None else PublishedBlocks(self.events)
+        )
+        self.progressed_at = time.monotonic()
+        # The attempts in flight here, which a stalled engine's ejection cuts short.
+        self.attempts: set[Any] = set()
         # Load counted here per router worker: a row per worker, this worker's is ``_row``,
         # columns ``_INFLIGHT``, ``_UNPREFILLED`` and ``_INFLIGHT_TOKENS``. One row of its
         # own until ``share_load`` maps in a table that every worker writes.
@@ -80,6 +193,10 @@ class Engine:
     def inflight_tokens(self, value: int) -> None:
         self._load[self._row, _INFLIGHT_TOKENS] = value
 
+    def total_inflight(self) -> int:
+        """Every worker's in-flight requests here."""
+        return int(self._load[:, _INFLIGHT].sum())
+
     def total_inflight_tokens(self) -> int:
         """Every worker's in-flight prompt tokens here: ``smetric_cost``'s ``token_load``."""
         return int(self._load[:, _INFLIGHT_TOKENS].sum())
@@ -97,50 +214,31 @@ class Engine:
 
     def predicted_hit(self, blocks: np.ndarray, block_size: int, prompt_tokens: int) -> int:
         """Tokens this engine should find cached: whole blocks, never the whole prompt."""
-        if self.events is None:
-            matched = self.index.match(blocks)
-        else:
-            if block_size != self.events.block_size:
-                raise ValueError(
-                    f"{self.url} publishes {self.events.block_size}-token blocks, but "
-                    f"prompts are hashed with {block_size}"
-                )
-            matched = self.events.match(blocks)
+        matched = self.view.match(blocks, block_size)
         return reusable_hit_tokens(matched, prompt_tokens, block_size)
 
     def view_blocks(self) -> int:
         """Blocks the router's view says the engine holds on its device."""
-        return self.index.size if self.events is None else self.events.size()
+        return self.view.size()
 
     def remember(self, blocks: np.ndarray) -> None:
-        """The engine now caches this prompt (as vLLM does after the prefill).
-
-        With an events view the engine's own ``BlockStored`` says so instead.
-        """
-        if self.events is None:
-            self.index.insert(blocks, time.monotonic())
-            if self.on_remember is not None:
-                self.on_remember(blocks)
+        """The engine now caches this prompt (as vLLM does after the prefill)."""
+        if self.view.remember(blocks, time.monotonic()) and self.on_remember is not None:
+            self.on_remember(blocks)
 
     def forget(self) -> None:
-        """The engine restarted (its scraped start time changed): drop the approximate
-        index. The events view is its subscriber's to reset, since it may already hold
-        what the new process published."""
-        self.index = PrefixCache(self.kv_blocks)
+        """The engine restarted (its scraped start time changed)."""
+        self.view.restarted(self.kv_blocks)
 
     def readmit(self) -> None:
-        """Back after failed health checks, which say nothing of its cache: a network
-        blip leaves it whole, a restart empties it. Only evidence of a restart clears a
-        view, so the events view is kept (its stream shows a restart itself), and so is
-        the approximate index when scrapes can tell (the engine reports its start time);
-        without that evidence either way the index is dropped, as a guess it always is."""
-        if self.report is None or self.report.started_at is None:
-            self.index = PrefixCache(self.kv_blocks)
+        """Back after failed health checks; only evidence of a restart clears a view."""
+        visible = self.report is not None and self.report.started_at is not None
+        self.view.readmitted(self.kv_blocks, visible)
 
     def load(self, now: float, staleness_s: float) -> float:
         """In-flight requests (of every worker), raised to what the engine reports queued if
         that is fresh."""
-        inflight = float(self._load[:, _INFLIGHT].sum())
+        inflight = float(self.total_inflight())
         report = self.report
         if report is None or now - report.at > staleness_s or report.queued is None:
             return inflight
@@ -157,6 +255,13 @@ class Engine:
         Returns True when the index was resized (it starts empty: the sizes differ, and
         what it held is a guess either way).
         """
+        before = self.report
+        if (
+            report.progress_tokens is not None
+            and before is not None
+            and before.progress_tokens != report.progress_tokens
+        ):
+            self.progressed_at = time.monotonic()
         self.report = report
         if report.num_gpu_blocks is None:
             return False
@@ -165,7 +270,7 @@ class Engine:
             return False
         self.kv_blocks = blocks
         # Not ``forget``: the engine did not lose its cache, and the events view knows it.
-        self.index = PrefixCache(self.kv_blocks)
+        self.view.resized(blocks)
         return True
 
 

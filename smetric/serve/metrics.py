@@ -1,25 +1,66 @@
 """The router's Prometheus metrics, in a registry of its own (several routers per process
-in tests, and nothing of the host application's leaks in)."""
+in tests, and nothing of the host application's leaks in).
+
+With several router workers (``--workers``), every worker writes its metrics to files in
+one directory (prometheus_client's multiprocess mode) and whichever worker takes a scrape
+answers with all of them merged: counters and histograms summed over workers, so a
+scrape never sees a counter go back. Per-engine gauges are written at scrape time with
+every worker's load (the shared load table), so the latest one is the truth; an engine
+counts as healthy while no worker holds it ejected.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import atexit
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber, SubscriberCounters
+
+_shared_dir: Path | None = None
+
+
+def share_metrics_between_processes() -> Path:
+    """Make every metric created from now on write to files that all forked workers share
+    (call before the router exists); the directory goes when this process exits."""
+    global _shared_dir
+    if _shared_dir is None:
+        _shared_dir = Path(tempfile.mkdtemp(prefix="smetric-metrics-"))
+        atexit.register(shutil.rmtree, _shared_dir, True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_shared_dir)
+        # What prometheus_client does at import when that variable is already set.
+        values.ValueClass = values.MultiProcessValue()
+    return _shared_dir
 
 
 class RouterMetrics:
     def __init__(self, policy: str, engines: list[str]) -> None:
         self.registry = CollectorRegistry()
+        self.shared_dir = _shared_dir
+        self._own_collectors: list[Collector] = []
         self.inflight = Gauge(
             "smetric_engine_inflight_requests",
             "Requests routed to the engine whose response has not ended.",
             ["engine"],
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
         self.unprefilled = Gauge(
@@ -27,18 +68,21 @@ class RouterMetrics:
             "Prompt tokens routed to the engine, less their predicted hits, not yet past "
             "their first token (the prefill_tokens policy's load).",
             ["engine"],
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
         self.healthy = Gauge(
             "smetric_engine_healthy",
             "1 while the engine passes health checks.",
             ["engine"],
+            multiprocess_mode="livemin",
             registry=self.registry,
         )
         self.view_blocks = Gauge(
             "smetric_engine_kv_view_blocks",
             "KV blocks the router believes the engine holds (its device tier).",
             ["engine"],
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
         self.decisions = Counter(
@@ -78,14 +122,68 @@ class RouterMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=self.registry,
         )
+        self.stalls = Counter(
+            "smetric_engine_stalls",
+            "Times the engine was ejected as stalled: requests in flight, no byte from them "
+            "and no progress counter moved for --stall-timeout.",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.pd_routed = Counter(
+            "smetric_pd_routed",
+            "Requests sent to each engine, by leg (prefill or decode).",
+            ["leg", "engine"],
+            registry=self.registry,
+        )
+        self.agent_requests = Counter(
+            "smetric_agent_requests",
+            "Requests by the agent harness that sent them (none: no harness header), the "
+            "sender's role (main, subagent, unknown) and call (first, follow_up).",
+            ["harness", "role", "call"],
+            registry=self.registry,
+        )
         info = Gauge(
-            "smetric_router_info", "The routing policy.", ["policy"], registry=self.registry
+            "smetric_router_info",
+            "The routing policy.",
+            ["policy"],
+            registry=self.registry,
+            multiprocess_mode="max",
         )
         info.labels(policy).set(1)
         for url in engines:
-            self.healthy.labels(url).set(1)
-            self.inflight.labels(url).set(0)
-            self.unprefilled.labels(url).set(0)
+            self.engine_joined(url, True)
+
+    _PER_ENGINE = ("inflight", "unprefilled", "healthy", "view_blocks", "predicted", "reported")
+
+    def engine_joined(self, url: str, healthy: bool) -> None:
+        self.healthy.labels(url).set(1 if healthy else 0)
+        self.inflight.labels(url).set(0)
+        self.unprefilled.labels(url).set(0)
+
+    def exposition(self, engines: Iterable[Engine]) -> bytes:
+        """The text format, with the engines' gauges read now."""
+        for engine in engines:
+            self.inflight.labels(engine.url).set(engine.total_inflight())
+            self.unprefilled.labels(engine.url).set(engine.total_unprefilled())
+            self.view_blocks.labels(engine.url).set(engine.view_blocks())
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, str(self.shared_dir))
+        for collector in self._own_collectors:
+            merged.register(collector)
+        return generate_latest(merged)
+
+    def register(self, collector: Collector) -> None:
+        """A collector read at scrape time in this worker (not a metric of its own)."""
+        self.registry.register(collector)
+        self._own_collectors.append(collector)
+
+    def engine_left(self, url: str) -> None:
+        """Its series go: a removed engine's last values would read as current."""
+        for name in self._PER_ENGINE:
+            with contextlib.suppress(KeyError):
+                getattr(self, name).remove(url)
 
 
 class SubscriberCollector(Collector):

@@ -44,6 +44,11 @@ class OutlierDetector:
         record.failures += 1
         if record.failures < self.threshold:
             return None
+        return self.eject(engine, now)
+
+    def eject(self, engine: str, now: float) -> float:
+        """Eject the engine now (a stall seen by its progress); the backoff in seconds."""
+        record = self._record(engine)
         record.failures = 0
         backoff = min(self.backoff_s * 2**record.ejections, self.max_backoff_s)
         record.ejections += 1

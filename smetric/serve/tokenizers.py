@@ -110,12 +110,13 @@ class EngineTokenizer:
 
     client: aiohttp.ClientSession
     url: str
+    path: str = "/tokenize"
 
     async def encode(self, text: str) -> list[int]:
         if not text:
             return []  # spares a round trip, and engines that refuse empty prompts
         payload = {"prompt": text, "add_special_tokens": False}
-        async with self.client.post(f"{self.url.rstrip('/')}/tokenize", json=payload) as reply:
+        async with self.client.post(f"{self.url.rstrip('/')}{self.path}", json=payload) as reply:
             reply.raise_for_status()
             body = await reply.json()
         tokens = body.get("tokens") if isinstance(body, dict) else None
@@ -132,6 +133,7 @@ async def analyze_with_engine(
     block_size: int,
     template: ChatTemplate | None = None,
     memo: BlockMemo | None = None,
+    path: str = "/tokenize",
 ) -> RequestFacts:
     """``analyze_request`` with the engine at ``url`` as tokenizer, without blocking the loop.
 
@@ -148,7 +150,7 @@ async def analyze_with_engine(
     replay = EngineTokens() if memo is None else memo.tokenizer
     if not isinstance(replay, EngineTokens):
         raise ValueError("the memo must be made for an EngineTokens tokenizer")
-    engine = EngineTokenizer(client, url)
+    engine = EngineTokenizer(client, url, path)
     # Entries can be evicted while the engine answers; then everything is asked for.
     for held in ([memo.held(recorder.texts)] if memo is not None else []) + [0]:
         texts = recorder.texts[held:]

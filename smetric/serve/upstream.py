@@ -16,6 +16,7 @@ surface as connection errors in aiohttp) by which call raised.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -32,6 +33,9 @@ class Timeouts:
     first_byte_s: float = 300.0
     # Between two reads once the response started: a stream's tokens, a body's pieces.
     idle_s: float = 60.0
+    # Until a streaming reply's headers arrive: vLLM sends them as soon as it has taken
+    # the request (before the prefill), so a stream without headers by then is stalled.
+    stream_headers_s: float = 10.0
 
 
 class EngineFault(Exception):
@@ -50,13 +54,18 @@ class EngineFault(Exception):
         refused: bool = False,
         lost: bool = False,
         timeout: bool = False,
+        stalled: bool = False,
         status: int | None = None,
         body: bytes = b"",
+        detail: str = "",
     ) -> None:
         super().__init__(reason)
+        # What the HTTP client said, for the log only: clients get ``reason``.
+        self.detail = detail
         self.refused = refused
         self.lost = lost or refused
-        self.timeout = timeout
+        self.timeout = timeout or stalled
+        self.stalled = stalled
         self.status = status
         self.body = body
 
@@ -64,6 +73,8 @@ class EngineFault(Exception):
     def kind(self) -> str:
         if self.lost:
             return "lost"
+        if self.stalled:
+            return "stalled"
         if self.timeout:
             return "timeout"
         return "protocol" if self.status is None else "status"
@@ -88,8 +99,15 @@ class Attempt:
         self.unprefilled_tokens = unprefilled_tokens
         self.response: aiohttp.ClientResponse | None = None
         self.prefill: QueuedPrefill | None = None
+        # The wait in progress, which ``cut`` ends at once; why it was cut.
+        self._wait: asyncio.Timeout | None = None
+        self._cut: str | None = None
 
     async def __aenter__(self) -> Attempt:
+        engine = self.engine
+        if not engine.attempts:  # idle until now: its silence starts here
+            engine.progressed_at = time.monotonic()
+        engine.attempts.add(self)
         self.engine.inflight += 1
         self.engine.inflight_tokens += self.prompt_tokens
         self.prefill = QueuedPrefill(self.engine, self.unprefilled_tokens)
@@ -101,6 +119,7 @@ class Attempt:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.engine.attempts.discard(self)
         self.engine.inflight -= 1
         self.engine.inflight_tokens -= self.prompt_tokens
         assert self.prefill is not None
@@ -110,23 +129,44 @@ class Attempt:
             # an engine learns that nobody wants the rest (vLLM then aborts the request).
             self.response.release()
 
-    async def send(self, path: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """POST and wait for the response headers, at most ``first_byte_s``."""
+    def cut(self, reason: str) -> None:
+        """End the wait in progress (and any later one) now: the engine stalled."""
+        self._cut = reason
+        if self._wait is not None and not self._wait.expired():
+            self._wait.reschedule(asyncio.get_running_loop().time())
+
+    def _timeout(self, seconds: float) -> asyncio.Timeout:
+        loop = asyncio.get_running_loop()
+        self._wait = asyncio.timeout_at(loop.time() if self._cut else loop.time() + seconds)
+        return self._wait
+
+    def _stalled(self) -> EngineFault | None:
+        return None if self._cut is None else EngineFault(self._cut, stalled=True)
+
+    async def send(
+        self, path: str, body: bytes, headers: dict[str, str], stream: bool = False
+    ) -> aiohttp.ClientResponse:
+        """POST and wait for the response headers, at most ``first_byte_s`` (a streaming
+        request: ``stream_headers_s``)."""
+        wait = self.timeouts.stream_headers_s if stream else self.timeouts.first_byte_s
         try:
-            async with asyncio.timeout(self.timeouts.first_byte_s):
+            async with self._timeout(wait):
                 self.response = await self.client.post(
                     self.engine.url + path, data=body, headers=headers
                 )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             raise EngineFault(f"connect failed: {exc}", refused=True) from None
         except TimeoutError:
-            raise EngineFault(
-                f"no response within {self.timeouts.first_byte_s:g} s", timeout=True
-            ) from None
+            stalled = self._stalled()
+            if stalled is not None:
+                raise stalled from None
+            what = "response headers of a stream" if stream else "response"
+            raise EngineFault(f"no {what} within {wait:g} s", timeout=True) from None
         except aiohttp.ClientConnectionError as exc:
-            raise EngineFault(f"connection lost: {exc!r}", lost=True) from None
+            raise EngineFault("connection lost", lost=True, detail=repr(exc)) from None
         except aiohttp.ClientError as exc:  # not HTTP, or not HTTP we can parse
-            raise EngineFault(f"bad response: {exc!r}") from None
+            raise EngineFault("not a valid HTTP response", detail=repr(exc)) from None
+        self.engine.progressed_at = time.monotonic()
         return self.response
 
     async def read(self, timeout_s: float | None = None) -> bytes:
@@ -135,14 +175,16 @@ class Attempt:
         assert self.response is not None, "send() first"
         wait = self.timeouts.idle_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(wait):
+            async with self._timeout(wait):
                 chunk = await self.response.content.readany()
         except TimeoutError:
-            raise EngineFault(f"silent for {wait:g} s", timeout=True) from None
+            raise self._stalled() or EngineFault(f"silent for {wait:g} s", timeout=True) from None
         except aiohttp.ClientError as exc:
-            raise EngineFault(f"response cut short: {exc!r}", lost=True) from None
-        if chunk and self.prefill is not None:
-            self.prefill.done()
+            raise EngineFault("response cut short", lost=True, detail=repr(exc)) from None
+        if chunk:
+            self.engine.progressed_at = time.monotonic()
+            if self.prefill is not None:
+                self.prefill.done()
         return chunk
 
     async def read_all(self) -> bytes:

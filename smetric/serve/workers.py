@@ -58,15 +58,16 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def serve(router: Router, host: str, port: int, workers: int = 1) -> None:
-    """Serve ``router`` on ``host:port`` with ``workers`` processes until SIGINT or SIGTERM."""
-    if workers == 1:
-        _run(router.app(), host, port, reuse_port=False)
+def serve(router: Router, sockets: list[socket.socket]) -> None:
+    """Serve ``router`` on the listening ``sockets`` (``serve.listen``), one worker process
+    each, until SIGINT or SIGTERM."""
+    if len(sockets) == 1:
+        _run(router.app(), sockets[0])
     else:
-        _fork_workers(router, host, port, workers)
+        _fork_workers(router, sockets)
 
 
-def _run(app: web.Application, host: str, port: int, reuse_port: bool) -> None:
+def _run(app: web.Application, sock: socket.socket) -> None:
     # What exists by now (modules, the configuration) lives as long as the process: left
     # out of the collector's full passes, which otherwise cost milliseconds every few
     # hundred requests (the p99 of a decision).
@@ -74,12 +75,10 @@ def _run(app: web.Application, host: str, port: int, reuse_port: bool) -> None:
     # A client that goes away cancels its handler, so its request stops counting at once.
     web.run_app(
         app,
-        host=host,
-        port=port,
+        sock=sock,
         print=None,
         access_log=None,
         handler_cancellation=True,
-        reuse_port=reuse_port,
         loop=new_event_loop(),
     )
 
@@ -146,13 +145,14 @@ class PeerViews:
             blocks = np.frombuffer(message[2:], dtype="<i8")
             if number == _GLOBAL_TIER and served is not None:
                 served.learn(blocks)
-            elif number < len(engines) and engines[number].events is None:
-                engines[number].index.insert(blocks, now)
+            elif number < len(engines):
+                engines[number].view.learn(blocks, now)
 
 
-def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
-    """Fork ``workers`` copies of ``router`` onto ``host:port``; stop them all on SIGINT or
+def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
+    """Fork a copy of ``router`` onto each of ``sockets``; stop them all on SIGINT or
     SIGTERM, or when any of them exits."""
+    workers = len(sockets)
     if any(s.bind for s in router.subscribers.values()):
         raise ValueError(
             "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
@@ -171,10 +171,13 @@ def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
                 for number, engine in enumerate(engines):
                     engine.share_load(load[:, number], worker)
                 app = router.app()
-                tier = router.global_tier
+                tier = router.core.global_tier
                 served = tier if isinstance(tier, ServedPrompts) else None
                 app.cleanup_ctx.append(peers.join(engines, worker, served))
-                _run(app, host, port, reuse_port=True)
+                for other, sock in enumerate(sockets):
+                    if other != worker:
+                        sock.close()
+                _run(app, sockets[worker])
             except BaseException:
                 log.exception("router worker %d failed", worker)
                 code = 1
@@ -182,6 +185,8 @@ def _fork_workers(router: Router, host: str, port: int, workers: int) -> None:
                 sys.stdout.flush()
                 os._exit(code)
         children.append(pid)
+    for sock in sockets:
+        sock.close()  # the workers hold them now
     _supervise(children)
 
 

@@ -77,6 +77,21 @@ def knee_of(runs: Mapping[float, Sequence[float]]) -> Knee:
     return Knee(best, means[best], spread, values, dict(sorted(means.items())))
 
 
+def best_of(knee: Knee, runs: Mapping[float, Sequence[float]]) -> Knee:
+    """The knee over the search's probes and further runs of the same cell (a rate
+    sweep's points, each with its per-seed values): a policy's maximum TPS within SLO is
+    its best over every load it was run at, whichever figure ran it."""
+    means = dict(knee.probes)
+    per_seed = {knee.load: knee.seeds}
+    for load, values in runs.items():
+        means[load] = statistics.fmean(values)
+        per_seed[load] = tuple(values)
+    best = max(sorted(per_seed), key=lambda load: (means[load], -load))
+    values = per_seed[best]
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return Knee(best, means[best], spread, values, dict(sorted(means.items())))
+
+
 def best_baseline(values: Mapping[str, float]) -> str | None:
     """The baseline with the highest value (a knee's mean TPS, say), at its best setting:
     of ``linear:lam=0.3`` and ``linear:lam=0.9`` the better one counts."""

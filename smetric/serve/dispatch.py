@@ -1,0 +1,126 @@
+"""Dispatchers: how one analysed request is served by the cluster, behind one protocol.
+
+``Colocated`` sends the request to one engine the policy picks. ``serve.disagg``'s
+``Disaggregation`` runs a prefill leg and a decode leg. Both decide with the routing core,
+run attempts through the forwarder, and say for ``/health`` whether each of their roles
+has an engine that can serve.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from smetric.core.conversation import RequestFacts
+from smetric.serve.engines import Engine
+from smetric.serve.forwarding import Completion, Delivery, Forwarder, is_stream
+from smetric.serve.identity import ANONYMOUS, AgentIdentity
+from smetric.serve.metrics import RouterMetrics
+from smetric.serve.pool import EnginePool
+from smetric.serve.routing import Decision, RoutingCore, explain
+from smetric.serve.upstream import Attempt
+
+log = logging.getLogger("smetric.serve")
+
+ENGINE_HEADER = "x-smetric-engine"
+# What the router expected the engine to find cached, so a client can set it beside the
+# engine's own ``cached_tokens`` request by request.
+PREDICTED_HIT_HEADER = "x-smetric-predicted-hit-tokens"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request as the router read it: the raw body it forwards, the parsed body, the
+    facts it routes on, and the completion record it fills in."""
+
+    request: web.Request
+    path: str
+    raw: bytes
+    body: dict[str, Any]
+    facts: RequestFacts
+    completion: Completion
+
+
+class Dispatcher(Protocol):
+    def roles(self) -> dict[str, int]:
+        """Healthy engines per role; every role needs one for the router to serve."""
+        ...
+
+    async def dispatch(self, call: Call) -> web.StreamResponse: ...
+
+
+@dataclass
+class Wiring:
+    """The parts a dispatcher works with."""
+
+    pool: EnginePool
+    core: RoutingCore
+    forwarder: Forwarder
+    metrics: RouterMetrics
+
+    def decide(
+        self,
+        facts: RequestFacts,
+        engines: Sequence[Engine],
+        loads: Sequence[float] | None = None,
+        identity: AgentIdentity = ANONYMOUS,
+    ) -> Decision:
+        """The core's decision, counted and logged (every front door's decisions alike)."""
+        decision = self.core.decide(facts, engines, loads)
+        self.metrics.decisions.labels(decision.branch).inc()
+        if log.isEnabledFor(logging.INFO):  # the line costs more than the decision
+            log.info(json.dumps(explain(decision, facts, identity)))
+        return decision
+
+    def decide_call(
+        self, call: Call, engines: list[Engine], loads: list[float] | None = None
+    ) -> Decision:
+        """``decide`` for a dispatched call, noted in its completion record."""
+        completion = call.completion
+        decision = self.decide(call.facts, engines, loads, completion.identity)
+        completion.branch = decision.branch
+        completion.predicted_hit_tokens = decision.predicted_hit_tokens
+        return decision
+
+    def record_served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
+        """The engine took the request and prefilled it: it now caches the prompt."""
+        self.core.served(engine, facts.blocks)
+        self.metrics.predicted.labels(engine.url).inc(predicted)
+
+    def served(self, call: Call, predicted: int) -> Callable[[Engine], None]:
+        """What to do once an engine took ``call``."""
+        return lambda engine: self.record_served(engine, call.facts, predicted)
+
+
+class Colocated:
+    """Every engine prefills and decodes; the policy picks one per request."""
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+
+    def roles(self) -> dict[str, int]:
+        return {"engine": len(self.wiring.pool.healthy())}
+
+    async def dispatch(self, call: Call) -> web.StreamResponse:
+        wiring, forwarder = self.wiring, self.wiring.forwarder
+        headers = forwarder.upstream_headers(call.request)
+        stream = is_stream(call.body)
+
+        def choose(engines: list[Engine]) -> tuple[Engine, int]:
+            decision = wiring.decide_call(call, engines)
+            return decision.engine, decision.predicted_hit_tokens
+
+        async def send(attempt: Attempt, predicted: int) -> web.StreamResponse:
+            await attempt.send(call.path, call.raw, headers, stream=stream)
+            tags = {ENGINE_HEADER: attempt.engine.url, PREDICTED_HIT_HEADER: str(predicted)}
+            delivery = Delivery(tags, wiring.served(call, predicted))
+            return await forwarder.answer(call.request, attempt, delivery, call.completion)
+
+        return await forwarder.try_engines(
+            "engine", wiring.pool.healthy, choose, call.facts.prompt_tokens, send, call.completion
+        )

@@ -1,0 +1,315 @@
+"""Forwarding: a request's attempts on engines, the relay of their replies, what they used.
+
+A request that fails before any byte reached the client (the engine refused, stalled,
+answered 5xx or garbage) is retried on another engine, so it may run more than once
+(at-least-once); once the client has bytes, a failure ends the response with an error
+(a stream: an error event in OpenAI's error shape, and no ``data: [DONE]``).
+
+Every request the router dispatched ends in one ``Completion``: where it went, what the
+engine reported cached, its time to first token and the gaps between its chunks, who sent
+it, and how it ended. Each of ``Forwarder.observers`` is called with it once the response
+has ended (however it ended), outside the response's path: an observer that raises is
+logged and the next one still runs. Recorders and online learners hang off this one hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from aiohttp import web
+
+from smetric.core.conversation import RequestFacts
+from smetric.serve.engines import Engine
+from smetric.serve.errors import engine_error, error_body, error_response
+from smetric.serve.identity import ANONYMOUS, IDENTITY_HEADERS, AgentIdentity
+from smetric.serve.metrics import RouterMetrics
+from smetric.serve.pool import EnginePool
+from smetric.serve.upstream import Attempt, EngineFault, Timeouts
+
+log = logging.getLogger("smetric.serve")
+
+# What a try's ``send`` hands back: the client's response, or a disaggregated leg's result.
+Sent = TypeVar("Sent")
+# Request headers passed on to engines as they are (the auth ones only without router keys).
+_AUTH_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta")
+_PASSED_HEADERS = ("x-request-id", "traceparent", "tracestate", *IDENTITY_HEADERS)
+
+
+@dataclass
+class Completion:
+    """One dispatched request, as it ended; filled in along its path."""
+
+    api: str
+    path: str
+    stream: bool
+    facts: RequestFacts
+    identity: AgentIdentity = ANONYMOUS
+    # Unix time the router received the request, and its monotonic twin.
+    received_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)
+    engine: str | None = None
+    prefill_engine: str | None = None
+    branch: str | None = None
+    predicted_hit_tokens: int = 0
+    cached_tokens: int | None = None
+    prefill_cached_tokens: int | None = None
+    status: int = 0
+    # completed, engine_error (the client got an error), client_gone, cut (mid-stream).
+    outcome: str = "engine_error"
+    attempts: int = 0
+    ttft_s: float | None = None
+    # Seconds between successive chunks of a stream, after the first.
+    chunk_gaps_s: list[float] = field(default_factory=list)
+    duration_s: float = 0.0
+    error: str | None = None
+
+
+CompletionObserver = Callable[[Completion], None]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the router adds to an engine's reply (``tags``, as headers) and what to do
+    once the engine took the request (``served``: record the prompt in its view)."""
+
+    tags: dict[str, str]
+    served: Callable[[Engine], None] | None = None
+
+
+class Forwarder:
+    """Runs attempts on the pool's engines and relays their replies to clients."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        metrics: RouterMetrics,
+        timeouts: Timeouts,
+        retries: int = 2,
+        pass_auth: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.timeouts = timeouts
+        self.retries = retries
+        self.pass_auth = pass_auth
+        self.observers: list[CompletionObserver] = []
+
+    def upstream_headers(self, request: web.Request) -> dict[str, str]:
+        # Uncompressed replies: the router reads them (errors, usage) and passes them on.
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        names = (*_AUTH_HEADERS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
+        for name in names:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        return headers
+
+    async def try_engines(
+        self,
+        role: str,
+        candidates: Callable[[], Sequence[Engine]],
+        choose: Callable[[list[Engine]], tuple[Engine, int]],
+        prompt_tokens: int,
+        send: Callable[[Attempt, int], Awaitable[Sent]],
+        completion: Completion,
+    ) -> Sent | web.Response:
+        """One request (or one leg of a disaggregated one) on the ``candidates`` (healthy
+        engines, read afresh before each try): ``choose`` picks one and the prompt tokens
+        it is predicted to hold, and ``send`` runs an ``Attempt`` there. While nothing
+        has reached the client (``send`` raises ``EngineFault`` only then), an engine's
+        failure sends it to another, at most ``retries`` times once it may have run (a
+        refused connection never ran it); then the last failure is the client's error."""
+        retries = self.retries
+        tried: set[str] = set()
+        failure = error_response(503, f"no healthy {role} to serve the request")
+        while True:
+            available = [e for e in candidates() if e.url not in tried]
+            if not available:
+                return failure
+            engine, predicted = choose(available)
+            tried.add(engine.url)
+            completion.attempts += 1
+            unprefilled = prompt_tokens - predicted
+            async with Attempt(
+                engine, self.pool.client(), self.timeouts, prompt_tokens, unprefilled
+            ) as attempt:
+                try:
+                    return await send(attempt, predicted)
+                except EngineFault as fault:
+                    self.pool.failed(engine, fault)
+                    completion.error = f"{role} {engine.url}: {fault}"
+                    if fault.status is not None:
+                        failure = engine_error(fault.status, fault.body)
+                    else:  # unreachable 503, silent 504, broken 502 (as Envoy answers)
+                        status = 503 if fault.refused else 504 if fault.timeout else 502
+                        failure = error_response(status, f"{role} {engine.url} failed: {fault}")
+                    if not fault.refused:
+                        if retries == 0:
+                            return failure
+                        retries -= 1
+                    self.metrics.retries.inc()
+
+    async def read_whole(self, attempt: Attempt) -> bytes:
+        """A non-streamed reply's body. A 5xx is the engine's fault (raised); anything
+        else, a 4xx included (the request's fault), clears the engine's failure record."""
+        upstream = attempt.response
+        assert upstream is not None
+        body = await attempt.read_all()
+        if upstream.status >= 500:
+            raise EngineFault(f"answered {upstream.status}", status=upstream.status, body=body)
+        self.pool.succeeded(attempt.engine)
+        return body
+
+    async def answer(
+        self,
+        request: web.Request,
+        attempt: Attempt,
+        delivery: Delivery,
+        completion: Completion,
+    ) -> web.StreamResponse:
+        """The engine's reply for the client: a stream as it arrives, anything else once
+        whole, so a body cut short becomes a clean error rather than a 200 with half its
+        JSON. Raises ``EngineFault`` only while nothing has reached the client."""
+        upstream = attempt.response
+        assert upstream is not None
+        completion.engine = attempt.engine.url
+        if upstream.status < 400 and upstream.content_type == "text/event-stream":
+            return await self._relay(request, attempt, delivery, completion)
+        body = await self.read_whole(attempt)
+        completion.status = upstream.status
+        if upstream.status >= 400:  # the request's fault: pass it on, in OpenAI's shape
+            response = engine_error(upstream.status, body)
+            completion.error = f"engine answered {upstream.status}"
+        else:
+            completion.ttft_s = time.perf_counter() - completion.started
+            if delivery.served is not None:
+                delivery.served(attempt.engine)
+            completion.cached_tokens = self.count_cached(attempt.engine, UsageTap.of(body))
+            completion.outcome = "completed"
+            response = web.Response(body=body, status=upstream.status)
+            response.content_type = upstream.content_type or "application/json"
+        response.headers.update(delivery.tags)
+        return response
+
+    async def _relay(
+        self,
+        request: web.Request,
+        attempt: Attempt,
+        delivery: Delivery,
+        completion: Completion,
+    ) -> web.StreamResponse:
+        """Pass a stream on as the engine sends it. Its first chunk (after the prefill) is
+        awaited before the client gets anything, so a stream that fails that early is
+        still retried. Later, an engine fault ends the stream with an error event and no
+        ``data: [DONE]``; a client that hung up ends it quietly, the engine blameless."""
+        engine, upstream = attempt.engine, attempt.response
+        assert upstream is not None
+        chunk = await attempt.read(self.timeouts.first_byte_s)
+        last = time.perf_counter()
+        completion.ttft_s = last - completion.started
+        self.pool.succeeded(engine)
+        if delivery.served is not None:
+            delivery.served(engine)
+        response = web.StreamResponse(status=upstream.status)
+        response.content_type = upstream.content_type
+        response.headers.update(delivery.tags)
+        completion.status = upstream.status
+        gaps = completion.chunk_gaps_s
+        usage = UsageTap()
+        try:
+            await response.prepare(request)
+            while chunk:
+                usage.feed(chunk)
+                await response.write(chunk)
+                chunk = await attempt.read()
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+            if gaps:
+                gaps.pop()  # the wait for the end, not a chunk
+            # Before the client can see the end and ask again.
+            completion.cached_tokens = self.count_cached(engine, usage)
+            completion.outcome = "completed"
+            await response.write_eof()
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+            completion.outcome = "client_gone"
+            log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
+        except EngineFault as fault:
+            self.pool.failed(engine, fault)
+            completion.outcome = "cut"
+            completion.error = str(fault)
+            message = error_body(502, f"the engine's stream broke off: {fault}")
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(f"data: {json.dumps(message)}\n\n".encode())
+        return response
+
+    def count_cached(self, engine: Engine, usage: UsageTap) -> int | None:
+        """The cached prompt tokens the engine reported, counted in the metrics."""
+        cached = usage.cached_tokens()
+        if cached is not None:
+            self.metrics.reported.labels(engine.url).inc(cached)
+        return cached
+
+    def completed(self, completion: Completion) -> None:
+        """Tell every observer; none of them can fail the request or stop the others."""
+        completion.duration_s = time.perf_counter() - completion.started
+        for observer in self.observers:
+            try:
+                observer(completion)
+            except Exception:
+                log.exception("completion observer %r failed", observer)
+
+
+def is_stream(body: dict) -> bool:
+    return body.get("stream") is True
+
+
+class UsageTap:
+    """Finds the cached prompt tokens an engine reports in a passing response: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` or Anthropic's ``cache_read_input_tokens``.
+
+    Only the last chunks are kept (at least ``KEEP`` bytes of them, since usage comes in
+    the last JSON body or the last SSE chunks) and joined once at the end, so the work per
+    chunk is proportional to the chunk, not to what is kept.
+    """
+
+    KEEP = 1 << 16
+
+    def __init__(self) -> None:
+        self.chunks: deque[bytes] = deque()
+        self.kept = 0
+
+    @classmethod
+    def of(cls, body: bytes) -> UsageTap:
+        """A tap that has seen a whole body."""
+        tap = cls()
+        tap.feed(body)
+        return tap
+
+    def feed(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self.kept += len(chunk)
+        while self.kept - len(self.chunks[0]) >= self.KEEP:
+            self.kept -= len(self.chunks.popleft())
+
+    def cached_tokens(self) -> int | None:
+        tail = b"".join(self.chunks)[-self.KEEP :]
+        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
+            if b'"usage"' not in piece:
+                continue
+            try:
+                usage = json.loads(piece).get("usage") or {}
+            except (ValueError, AttributeError):
+                continue
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
+            if isinstance(cached, int):
+                return cached
+        return None

@@ -1,0 +1,132 @@
+"""The routing core: a request's view of the engines, the policy's decision, its explanation.
+
+Pure of HTTP, so every front door routes alike: ``smetric serve``'s dispatchers and an
+Envoy endpoint picker call the same ``RoutingCore.decide`` on ``Engine`` objects from the
+same ``serve.pool.EnginePool``. The view is the one the simulator builds: each engine's
+local prefix hit (its ``KVView``), in-flight requests (or a fresh scrape's queue, if
+larger) as load, their prompt tokens and unprefilled tokens, and what the global tier
+holds of the prompt. After an engine took the request, ``served`` records the prompt in
+its view and the global tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from smetric.core.blocks import reusable_hit_tokens
+from smetric.core.conversation import RequestFacts
+from smetric.core.policies import ClusterView, make_policy
+from smetric.serve.engines import Engine
+from smetric.serve.global_tier import GlobalTierView
+from smetric.serve.identity import ANONYMOUS, AgentIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes, why, and what the router expects the engine to hold."""
+
+    engine: Engine
+    branch: str
+    predicted_hit_tokens: int
+    view: ClusterView
+    hits: list[int]
+    global_hit_tokens: int | None
+
+
+class RoutingCore:
+    """One policy over a cluster's engines; ``engines`` given per call, so each caller
+    chooses among its own candidates (healthy ones, one role's, ones not yet tried)."""
+
+    def __init__(
+        self,
+        policy: str,
+        block_size: int,
+        staleness_s: float,
+        global_tier: GlobalTierView | None = None,
+    ) -> None:
+        self.policy = make_policy(policy)
+        self.block_size = block_size
+        self.staleness_s = staleness_s
+        self.global_tier = global_tier
+
+    def view(
+        self,
+        facts: RequestFacts,
+        engines: Sequence[Engine],
+        loads: Sequence[float] | None = None,
+    ) -> tuple[ClusterView, list[int], int | None]:
+        """The cluster as the policy sees it for this request, with each engine's local
+        hit and the global tier's (None: unknown). ``loads`` replaces the in-flight
+        requests as load (disaggregated prefills: unprefilled tokens)."""
+        bs = self.block_size
+        hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
+        if loads is None:
+            now = time.monotonic()
+            loads = [e.load(now, self.staleness_s) for e in engines]
+        tier = self.global_tier
+        global_hit = (
+            None
+            if tier is None
+            else reusable_hit_tokens(tier.match(facts.blocks), facts.prompt_tokens, bs)
+        )
+        view = ClusterView(
+            hit_tokens=hits,
+            load=list(loads),
+            prefill_tokens=[float(e.total_unprefilled()) for e in engines],
+            instance_ids=[e.number for e in engines],
+            token_load=[float(e.total_inflight_tokens()) for e in engines],
+            global_hit_tokens=global_hit,
+        )
+        return view, hits, global_hit
+
+    def decide(
+        self,
+        facts: RequestFacts,
+        engines: Sequence[Engine],
+        loads: Sequence[float] | None = None,
+    ) -> Decision:
+        """The policy's pick among ``engines`` (at least one).
+
+        The predicted hit is the better of the engine's local hit and the global tier's,
+        as the simulator's instance counts a queued request's unprefilled tokens and as
+        vLLM reports ``cached_tokens`` (tokens a KV connector loads count as cached)."""
+        view, hits, global_hit = self.view(facts, engines, loads)
+        choice = self.policy.route(facts.routing_request(), view)
+        predicted = hits[choice.instance]
+        if global_hit is not None:
+            predicted = max(predicted, global_hit)
+        return Decision(engines[choice.instance], choice.branch, predicted, view, hits, global_hit)
+
+    def served(self, engine: Engine, blocks: np.ndarray) -> None:
+        """The engine prefilled these blocks: it now caches them, and a global tier that
+        keeps every prefill holds them too."""
+        engine.remember(blocks)
+        if self.global_tier is not None:
+            self.global_tier.record(blocks)
+
+
+def explain(
+    decision: Decision, facts: RequestFacts, identity: AgentIdentity = ANONYMOUS
+) -> dict[str, Any]:
+    """The decision as one JSON-ready log record."""
+    view = decision.view
+    return {
+        "event": "route",
+        "engine": decision.engine.url,
+        "branch": decision.branch,
+        "turn": facts.turn,
+        "prompt_tokens": facts.prompt_tokens,
+        "est_hit_tokens": facts.est_hit_tokens,
+        "predicted_hit_tokens": decision.predicted_hit_tokens,
+        "hit_tokens": decision.hits,
+        "global_hit_tokens": decision.global_hit_tokens,
+        "loads": view.load,
+        "token_loads": view.token_load,
+        "prefill_tokens": view.prefill_tokens,
+        **identity.labels(facts.turn),
+    }
