@@ -41,3 +41,61 @@ def test_learn_0_feeds_nothing() -> None:
     for done in itertools.islice(model_engines(H20_PRICES, 0), 100):
         feed.observe(done)
     assert policy.prefill_tps == before  # type: ignore[attr-defined]
+
+
+def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
+    """Two mock engines on loopback behind a router with the default policy: every
+    streamed reply that reports its cached tokens is one observation, the policy's
+    learned constants move off their defaults, and /metrics exports them."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from smetric.engine import EngineConfig, create_app
+    from smetric.serve.app import Router, RouterSettings
+    from smetric.serve.engines import Engine
+
+    requests = 40
+
+    async def body() -> None:
+        config = EngineConfig(speed=0.01, kv_blocks=4096, default_max_tokens=8)
+        servers = [TestServer(create_app(config), host="127.0.0.1") for _ in range(2)]
+        for server in servers:
+            await server.start_server()
+        engines = [Engine(f"http://127.0.0.1:{s.port}", 4096) for s in servers]
+        router = Router(engines, RouterSettings(health_interval_s=60))
+        assert router.settings.policy.startswith("smetric_cost") and router.prices.learning
+        front = TestServer(router.app(), host="127.0.0.1")
+        await front.start_server()
+        url = f"http://127.0.0.1:{front.port}"
+        try:
+            async with asyncio.timeout(60), aiohttp.ClientSession() as client:
+                messages = [{"role": "system", "content": "you are terse " * 40}]
+                for turn in range(requests):
+                    messages.append({"role": "user", "content": f"question {turn} " * 30})
+                    chat = {
+                        "model": "m",
+                        "messages": messages,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    }
+                    async with client.post(url + "/v1/chat/completions", json=chat) as reply:
+                        assert reply.status == 200
+                        text = await reply.text()
+                    messages.append({"role": "assistant", "content": f"answer {turn}"})
+                    assert "[DONE]" in text
+                async with client.get(url + "/metrics") as reply:
+                    metrics = await reply.text()
+        finally:
+            await front.close()
+            for server in servers:
+                await server.close()
+        learner = router.prices.learner
+        assert learner is not None and learner.observed == requests
+        assert 'smetric_learned_price{constant="prefill_tps"}' in metrics
+        # The mock engines run an H20's model 100x fast: the learned prefill rate is faster.
+        assert learner.estimates["prefill_tps"] > learner.prior["prefill_tps"]
+        assert router.core.policy.prefill_tps == learner.estimates["prefill_tps"]
+
+    asyncio.run(body())
