@@ -43,10 +43,10 @@ def test_learn_0_feeds_nothing() -> None:
     assert policy.prefill_tps == before  # type: ignore[attr-defined]
 
 
-def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
-    """Two mock engines on loopback behind a router with the default policy: every
-    streamed reply that reports its cached tokens is one observation, the policy's
-    learned constants move off their defaults, and /metrics exports them."""
+async def learn_behind_router(speed: float, requests: int) -> tuple[object, str]:
+    """A router with the default policy in front of two mock engines that run their model
+    ``speed`` times slower than real time, after one session of ``requests`` streamed
+    turns: the router and its /metrics text."""
     import asyncio
 
     import aiohttp
@@ -56,46 +56,53 @@ def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
     from smetric.serve.app import Router, RouterSettings
     from smetric.serve.engines import Engine
 
-    requests = 40
-
-    async def body() -> None:
-        config = EngineConfig(speed=0.01, kv_blocks=4096, default_max_tokens=8)
-        servers = [TestServer(create_app(config), host="127.0.0.1") for _ in range(2)]
+    config = EngineConfig(speed=speed, kv_blocks=4096, default_max_tokens=8)
+    servers = [TestServer(create_app(config), host="127.0.0.1") for _ in range(2)]
+    for server in servers:
+        await server.start_server()
+    engines = [Engine(f"http://127.0.0.1:{s.port}", 4096) for s in servers]
+    router = Router(engines, RouterSettings(health_interval_s=60))
+    front = TestServer(router.app(), host="127.0.0.1")
+    await front.start_server()
+    url = f"http://127.0.0.1:{front.port}"
+    try:
+        async with asyncio.timeout(120), aiohttp.ClientSession() as client:
+            messages = [{"role": "system", "content": "you are terse " * 200}]
+            for turn in range(requests):
+                messages.append({"role": "user", "content": f"question {turn} " * 100})
+                chat = {
+                    "model": "m",
+                    "messages": messages,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                async with client.post(url + "/v1/chat/completions", json=chat) as reply:
+                    assert reply.status == 200
+                    assert "[DONE]" in await reply.text()
+                messages.append({"role": "assistant", "content": f"answer {turn}"})
+            async with client.get(url + "/metrics") as reply:
+                metrics = await reply.text()
+    finally:
+        await front.close()
         for server in servers:
-            await server.start_server()
-        engines = [Engine(f"http://127.0.0.1:{s.port}", 4096) for s in servers]
-        router = Router(engines, RouterSettings(health_interval_s=60))
-        assert router.settings.policy.startswith("smetric_cost") and router.prices.learning
-        front = TestServer(router.app(), host="127.0.0.1")
-        await front.start_server()
-        url = f"http://127.0.0.1:{front.port}"
-        try:
-            async with asyncio.timeout(60), aiohttp.ClientSession() as client:
-                messages = [{"role": "system", "content": "you are terse " * 40}]
-                for turn in range(requests):
-                    messages.append({"role": "user", "content": f"question {turn} " * 30})
-                    chat = {
-                        "model": "m",
-                        "messages": messages,
-                        "stream": True,
-                        "stream_options": {"include_usage": True},
-                    }
-                    async with client.post(url + "/v1/chat/completions", json=chat) as reply:
-                        assert reply.status == 200
-                        text = await reply.text()
-                    messages.append({"role": "assistant", "content": f"answer {turn}"})
-                    assert "[DONE]" in text
-                async with client.get(url + "/metrics") as reply:
-                    metrics = await reply.text()
-        finally:
-            await front.close()
-            for server in servers:
-                await server.close()
-        learner = router.prices.learner
-        assert learner is not None and learner.observed == requests
-        assert 'smetric_learned_price{constant="prefill_tps"}' in metrics
-        # The mock engines run an H20's model 100x fast: the learned prefill rate is faster.
-        assert learner.estimates["prefill_tps"] > learner.prior["prefill_tps"]
-        assert router.core.policy.prefill_tps == learner.estimates["prefill_tps"]
+            await server.close()
+    return router, metrics
 
-    asyncio.run(body())
+
+def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
+    """Every streamed reply that reports its cached tokens is one observation of the
+    router's learner; the policy takes what it learns, /metrics exports it, and engines
+    ten times slower are learned to prefill dearer."""
+    import asyncio
+
+    requests = 20
+    fast, metrics = asyncio.run(learn_behind_router(0.2, requests))
+    slow, _ = asyncio.run(learn_behind_router(2.0, requests))
+    for router in (fast, slow):
+        learner = router.prices.learner  # type: ignore[attr-defined]
+        assert learner is not None and learner.observed == requests
+        policy = router.core.policy  # type: ignore[attr-defined]
+        assert policy.prefill_tps == learner.estimates["prefill_tps"]
+    assert 'smetric_learned_price{constant="prefill_tps"}' in metrics
+    priced = [r.core.policy.prefill_s(20_000) for r in (fast, slow)]  # type: ignore[attr-defined]
+    assert priced[1] > 3 * priced[0]
