@@ -226,19 +226,15 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
 async def _stream(
     request: web.Request, job: EngineRequest, reply: _Reply, include_usage: bool
 ) -> web.StreamResponse:
-    """Server-sent events, one chunk per token as vLLM sends them; a gone client cancels.
-
-    The opening chunk (the role) goes out with the first token, after the prefill, as
-    vLLM's ``chat_completion_stream_generator`` sends it on the first output it gets, so
-    the first chunk's time is the time to first token."""
+    """Server-sent events, one chunk per token as vLLM sends them; a gone client cancels."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
-        index = await job.tokens.get()
         for chunk in reply.opening():
             await _send(response, chunk)
+        index = await job.tokens.get()
         while index is not END:
             following = await job.tokens.get()
             await _send(response, reply.token(index, last=following is END))
