@@ -27,7 +27,8 @@ pd-figures: $(STAMP)
 reproduce: $(STAMP)
 	$(BIN)/smetric reproduce --preset quick -o smetric-out/reproduce-quick --page docs/results/reproduce.md
 
-# The policy grid (grid-quick preset), and its results page.
+# The policy grid (grid-quick preset; SMETRIC_TRACES names the folder holding
+# mooncake/conversation_trace.jsonl), and its results page.
 grid: $(STAMP)
 	$(BIN)/smetric grid --preset grid-quick -o smetric-out/grid-quick --page docs/results/grid.md
 

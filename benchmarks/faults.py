@@ -1,4 +1,4 @@
-"""The router's fault suite at full size: the table in the README.
+"""The router's fault suite at full size: the table of docs/results/fault-suite.md.
 
     python benchmarks/faults.py [--streams 200] [--requests 200] [--aborts 50]
 

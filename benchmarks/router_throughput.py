@@ -12,7 +12,12 @@ turn per request, as a session's next call would be. Each cell is ``--duration``
 targets and each cell reports its median over them.
 
 Prints requests/s and mean latency per cell, then smetric (1 and 2 workers) over
-sglang-router: throughput ratio and latency ratio. Needs
+sglang-router, ratio by ratio within each round (the targets of a round ran back to back,
+so a burst of other load hits them alike) with the median and the range over rounds:
+throughput at 32 connections, and the latency each router adds at 1 connection (its mean
+latency less the engine's own, measured directly in the same round). The load average
+before and after is printed with them: figures from a busy machine compare only within
+their run. Needs
 ``wrk`` (``apt-get install wrk``) and ``pip install sglang-router``; without them it says
 so and exits 0.
 """
@@ -140,6 +145,20 @@ async def targets(procs: Processes) -> dict[str, Target]:
     return found
 
 
+def spread(values: list[float]) -> str:
+    """Median and range: ``1.23 (1.10-1.31)``."""
+    return f"{np.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def added(cells: list[Cell], direct: list[float]) -> list[float]:
+    """Each round's mean latency less the engine's own in that round, ms."""
+    return [c.latency_ms - d for c, d in zip(cells, direct, strict=True)]
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=int, default=4)
@@ -150,6 +169,7 @@ def main() -> None:
         print("needs wrk (apt-get install wrk) and sglang-router (pip install sglang-router)")
         return
     t0 = time.perf_counter()
+    load_before = load_average()
     history = agent_messages(args.history_kb * 1000)
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         folder = Path(tmp)
@@ -195,6 +215,25 @@ def main() -> None:
     print(f"{'body':<6}" + "".join(f"{n:>14}" for n in urls))
     for body in bodies:
         print(f"{body:<6}" + "".join(f"{results[body, 32, n].cpu_us:>14.0f}" for n in urls))
+    print("\nsmetric over sglang-router, each round's ratio: median (range) over rounds")
+    print(
+        f"{'body':<6}{'workers':>8}{'req/s at c=32':>22}{'added latency at c=1':>26}"
+        f"{'added ms, smetric':>20}{'added ms, sglang':>19}"
+    )
+    for body in bodies:
+        for workers in (1, 2):
+            ours, theirs = runs[body, 32, f"smetric x{workers}"], runs[body, 32, "sglang"]
+            rps = [a.rps / b.rps for a, b in zip(ours, theirs, strict=True)]
+            direct = [c.latency_ms for c in runs[body, 1, "direct"]]
+            added_ours = added(runs[body, 1, f"smetric x{workers}"], direct)
+            added_theirs = added(runs[body, 1, "sglang"], direct)
+            latency = [a / b for a, b in zip(added_ours, added_theirs, strict=True) if b > 0]
+            print(
+                f"{body:<6}{workers:>8}{spread(rps):>22}"
+                f"{(spread(latency) if latency else 'n/a'):>26}"
+                f"{spread(added_ours):>20}{spread(added_theirs):>19}"
+            )
+    print(f"\nload average (1, 5, 15 min) before {load_before}, after {load_average()}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
 
 

@@ -1,6 +1,6 @@
 """Loading and analysing the real WEKA Claude Code folder: time and peak memory.
 
-    python benchmarks/trace_load.py [../shared/traces/weka-claude-code]
+    python benchmarks/trace_load.py [PATH/weka-claude-code]
 
 Each stage runs in a fresh process so that its peak RSS is its own. The baseline is the
 least any loader must do, gunzip + json.load of every file; the ratio says what the

@@ -1,6 +1,6 @@
 """Rebuild the embedded sample traces from the full public traces (run from the repo root).
 
-    python scripts/make_samples.py ../shared/traces
+    python scripts/make_samples.py TRACES   # the folder holding weka-claude-code/ and mooncake/
 
 WEKA: the smallest sessions of the two most common agent frameworks (so the sample shows
 system-prompt reuse across sessions), a few with sub-agents, and sessions spread over the

@@ -96,7 +96,13 @@ def chromium(browser: str, profile: Path, *args: str) -> subprocess.CompletedPro
 def test_the_search_index_lists_every_page(site: Path) -> None:
     index = json.loads((site / "search" / "search_index.json").read_text())
     locations = {doc["location"] for doc in index["docs"]}
-    for page in ("", "getting-started/", "guides/serve-vllm/", "reference/cli/"):
+    for page in (
+        "",
+        "getting-started/",
+        "guides/serve-vllm/",
+        "reference/cli/",
+        "reference/policies/",
+    ):
         assert page in locations, sorted(locations)[:20]
     texts = " ".join(doc["text"] for doc in index["docs"])
     assert "smetric serve" in texts and "kv_events" in texts

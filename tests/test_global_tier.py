@@ -161,14 +161,14 @@ def test_smetric_cost_moves_a_session_off_a_busy_engine_only_where_a_fetch_backs
         lines = routes(caplog)
         assert [line["branch"] for line in lines][2] == branch
         held = lines[1]["prompt_tokens"]
-        assert sorted(lines[2]["token_loads"]) == [0.0, 0.0, held]
+        assert sorted(lines[2]["inflight_prompt_tokens"]) == [0.0, 0.0, held]
         policy = make_policy(COST_SPEC)
         for line in lines:
             view = ClusterView(
                 hit_tokens=line["hit_tokens"],
-                load=line["loads"],
-                prefill_tokens=line["prefill_tokens"],
-                token_load=line["token_loads"],
+                inflight_requests=line["inflight_requests"],
+                unprefilled_tokens=line["unprefilled_tokens"],
+                inflight_prompt_tokens=line["inflight_prompt_tokens"],
                 global_hit_tokens=line["global_hit_tokens"],
             )
             request = RoutingRequest(line["turn"], line["prompt_tokens"], line["est_hit_tokens"])
@@ -178,7 +178,9 @@ def test_smetric_cost_moves_a_session_off_a_busy_engine_only_where_a_fetch_backs
             if decision.branch == "sticky":
                 assert decision.instance == chosen
             else:  # ties go round-robin, so any engine as cheap as the policy's choice
-                costs = policy.costs(request, view) if line["turn"] else line["token_loads"]
+                costs = (
+                    policy.costs(request, view) if line["turn"] else line["inflight_prompt_tokens"]
+                )
                 assert costs[chosen] == min(costs)
 
     run(

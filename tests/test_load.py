@@ -95,3 +95,16 @@ def test_every_shared_trace_loads(relative: str) -> None:
     trace = load_trace(real_trace(relative))
     assert trace.num_requests > 10_000
     assert trace.requests["request_id"].to_list() == list(range(trace.num_requests))
+
+
+def test_a_trace_path_may_name_an_environment_variable(monkeypatch, tmp_path) -> None:
+    from smetric.trace.load import resolve
+
+    (tmp_path / "mooncake").mkdir()
+    trace = tmp_path / "mooncake" / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    monkeypatch.setenv("SMETRIC_TRACES", str(tmp_path))
+    assert resolve("${SMETRIC_TRACES}/mooncake/t.jsonl") == trace
+    monkeypatch.delenv("SMETRIC_TRACES")
+    with pytest.raises(TraceError, match="environment variable SMETRIC_TRACES is not set"):
+        resolve("$SMETRIC_TRACES/mooncake/t.jsonl")

@@ -125,7 +125,7 @@ def test_kv_capacity_of_235b() -> None:
 
 
 def test_8k_prefix_load_beats_recompute(h20_30b: StepTimeModel) -> None:
-    # perf-anchors: 8 k tokens are ~805 MB of KV and ~0.5-0.6 s to recompute on an H20.
+    # Public figures: 8 k tokens are ~805 MB of KV and ~0.5-0.6 s to recompute on an H20.
     model = load_model("Qwen3-30B-A3B")
     assert 8192 * kv_bytes_per_token(model, "bf16") == pytest.approx(805e6, rel=0.01)
     recompute = fidelity.prefill_seconds(h20_30b, 8192)

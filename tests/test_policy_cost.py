@@ -35,9 +35,9 @@ def view(
     n = len(queued)
     return ClusterView(
         hit_tokens=[1000] + [0] * (n - 1) if hits is None else hits,
-        load=[1.0] * n if loads is None else loads,
-        prefill_tokens=queued,
-        token_load=[0.0] * n if tokens is None else tokens,
+        inflight_requests=[1.0] * n if loads is None else loads,
+        unprefilled_tokens=queued,
+        inflight_prompt_tokens=[0.0] * n if tokens is None else tokens,
         global_hit_tokens=global_hit,
     )
 

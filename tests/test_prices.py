@@ -104,7 +104,10 @@ def test_retuned_prices_change_the_decision() -> None:
     spec = "smetric_cost:prefill_tps=1000,attn_tokens=1000,queue_depth=0,output_tokens=0"
     policy = make_policy(spec + ",work_weight=1")
     view = ClusterView(
-        hit_tokens=[1000, 0], load=[1.0, 1.0], prefill_tokens=[1501, 0], token_load=[0, 0]
+        hit_tokens=[1000, 0],
+        inflight_requests=[1.0, 1.0],
+        unprefilled_tokens=[1501, 0],
+        inflight_prompt_tokens=[0, 0],
     )
     request = RoutingRequest(turn=1, prompt_tokens=1100, est_hit_tokens=1000)
     assert policy.route(request, view) == (1, "move_recompute")

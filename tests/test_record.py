@@ -10,7 +10,6 @@ import polars as pl
 import pytest
 
 from smetric.core.blocks import chain_hashes
-from smetric.record.identity import body_trigger, harness_identity
 from smetric.record.recorder import (
     MANIFEST,
     SEGMENT_GLOB,
@@ -19,6 +18,8 @@ from smetric.record.recorder import (
     RecordSettings,
     read_salt,
 )
+from smetric.record.salt import siphash24
+from smetric.record.trigger import body_trigger
 from smetric.trace.load import count_units, detect_format, load_trace
 from smetric.trace.schema import Trigger
 
@@ -115,11 +116,26 @@ def test_ids_are_salted_and_nothing_else_is_written(tmp_path: Path) -> None:
     data = b"".join(p.read_bytes() for p in (tmp_path / "one").iterdir())
     for secret in (b"secret", b"sess-", b"agent-x", SALT):
         assert secret not in data
-    columns = pl.read_parquet(next((tmp_path / "one").glob(SEGMENT_GLOB))).columns
-    assert set(columns) == {
+    segment = pl.read_parquet(next((tmp_path / "one").glob(SEGMENT_GLOB)))
+    assert set(segment.columns) == {
         "arrival_s", "completion_s", "prompt_tokens", "output_tokens", "cached_tokens",
-        "turn", "session", "agent", "parent_agent", "trigger", "engine", "branch", "block_ids",
+        "turn", "session", "agent", "parent_agent", "trigger", "engine", "branch",
+        "base_row", "shared_blocks", "new_block_ids",
     }  # fmt: skip
+    # A follow-up's history is written once, as its base row's blocks (another agent's
+    # request is stored whole, though its blocks are the same).
+    first, second, other = (len(o.blocks) for o in obs)
+    assert segment["new_block_ids"].list.len().sum() == first + (second - first) + other
+
+
+def test_block_ids_are_salted_with_siphash_2_4() -> None:
+    # The reference implementation's vector: key 00..0f, message 00..07.
+    message = np.frombuffer(bytes(range(8)), dtype="<i8")
+    assert siphash24(bytes(range(16)), message).tobytes().hex() == "6224939a79f5f593"
+    ids = np.arange(-5, 5, dtype=np.int64).reshape(2, 5)
+    salted = siphash24(bytes(16), ids)
+    assert salted.shape == ids.shape and len(set(salted.ravel().tolist())) == 10
+    assert (siphash24(bytes(16), ids[1]) == salted[1]).all()
 
 
 def test_segments_rotate_and_stay_within_the_disk_bound(tmp_path: Path) -> None:
@@ -169,16 +185,7 @@ def test_a_salt_file_must_be_long_enough(tmp_path: Path) -> None:
     assert read_salt(short) == SALT
 
 
-def test_harness_headers_and_the_body_say_who_and_why() -> None:
-    headers = {
-        "x-claude-code-session-id": "s1",
-        "x-claude-code-agent-id": "a2",
-        "x-claude-code-parent-agent-id": "a1",
-    }
-    assert harness_identity(headers, {}) == harness_identity(headers, {"prompt_cache_key": "k"})
-    assert harness_identity(headers, {}).parent_agent == "a1"
-    assert harness_identity({}, {"prompt_cache_key": "k"}).session == "k"
-    assert harness_identity({}, {}).session is None
+def test_the_body_says_whether_a_user_or_the_agent_loop_sent_it() -> None:
     tool = {"messages": [{"role": "user", "content": "go"}, {"role": "tool", "content": "ok"}]}
     result = {"role": "user", "content": [{"type": "tool_result", "content": "ok"}]}
     assert body_trigger(tool) == Trigger.AGENT
@@ -200,4 +207,5 @@ def test_a_sub_agent_continues_the_request_that_spawned_it(tmp_path: Path) -> No
     sub = rows.filter(pl.col("arrival_s") == 12.0).row(0, named=True)
     assert sub["parent_id"] == rows["arrival_s"].to_list().index(10.0)
     assert sub["trigger"] == "agent" and sub["turn"] == 0
-    assert rows["session_id"].n_unique() == 1 and rows["agent_id"].n_unique() == 2
+    assert rows["session_id"].n_unique() == 1
+    assert sorted(set(rows["agent_id"]))[-1] == "main" and rows["agent_id"].n_unique() == 2

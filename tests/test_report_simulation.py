@@ -12,11 +12,10 @@ import polars as pl
 import pytest
 from matplotlib.colors import to_rgba
 
+from smetric.report.palette import HUES, policy_color, policy_colors
 from smetric.report.simulation import (
-    PALETTE,
     _max_tps_figure,
     _tps_figure,
-    policy_colors,
     write_simulation_pngs,
     write_sweep_pngs,
 )
@@ -215,15 +214,19 @@ def test_zero_tps_sweep_renders(tmp_path: Path) -> None:
     assert_readable_pngs(write_sweep_pngs(sweep, tmp_path), SWEEP_PNGS)
 
 
-def test_policy_colours_follow_list_position() -> None:
+def test_a_policy_has_one_colour_whatever_shares_its_figure() -> None:
     colors = policy_colors(POLICIES)
     assert list(colors) == list(POLICIES)
     assert len(set(colors.values())) == len(POLICIES)
-    assert policy_colors(POLICIES) == colors
-    # Adding a policy at the end recolours none of the others.
-    assert policy_colors([*POLICIES, "round_robin"]) == {**colors, "round_robin": PALETTE[3]}
-    many = policy_colors(f"p{i}" for i in range(len(PALETTE) + 1))
-    assert many[f"p{len(PALETTE)}"] == PALETTE[0]
+    # Other policies, another order: the same colour for each (simulate's list against
+    # reproduce's or grid's).
+    shuffled = policy_colors(["round_robin", *reversed(POLICIES), "smetric_cost"])
+    assert all(shuffled[p] == colors[p] == policy_color(p) for p in POLICIES)
+    # Every registered policy has a hue of its own; a variant is a shade of its base.
+    assert len(set(HUES.values())) == len(HUES)
+    assert policy_color("smetric_cost") == HUES["smetric_cost"]
+    variants = policy_colors(["linear", "linear:lam=0.3", "linear:lam=0.5", "linear:lam=0.7"])
+    assert len(set(variants.values())) == 4 and variants["linear"] == HUES["linear"]
 
 
 def _bar_colours(figure: Any) -> set[tuple[float, ...]]:

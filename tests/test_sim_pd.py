@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from test_sim import small_traces
 
 from smetric.core.policies import POLICY_NAMES, ClusterView, Decision, make_policy
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
-from smetric.sim.pd import DECODE_RULES, DisaggSimulation
+from smetric.sim.pd import DisaggSimulation
+from smetric.sim.policy import cluster_policy
 from smetric.sim.run import simulate
 from smetric.sim.workload import build_workload
 
@@ -48,7 +50,7 @@ def run_to_completion(trace, config: SimConfig, policy: str) -> DisaggSimulation
     kv_tokens=st.integers(24, 60).map(lambda b: b * 16),
     glob=st.sampled_from(["none", "1x", "full"]),
     policy=st.sampled_from(POLICY_NAMES),
-    rule=st.sampled_from(sorted(DECODE_RULES)),
+    rule=st.sampled_from(sorted(DECODE_POLICY_NAMES)),
 )
 def test_disaggregated_runs_free_every_block_and_are_deterministic(
     trace, prefill, decode, kv_tokens, glob, policy, rule
@@ -138,7 +140,7 @@ def test_full_pd_counts_prompt_tokens_within_both_slos_and_reports_end_to_end_tp
 
 
 class Recorder:
-    """Routes like least-load on the view's load and keeps each view it was shown."""
+    """Routes like least-load on unprefilled tokens and keeps each view it was shown."""
 
     name = "recorder"
     branches = ("only",)
@@ -147,8 +149,9 @@ class Recorder:
         self.views: list[ClusterView] = []
 
     def route(self, request, view: ClusterView) -> Decision:
-        self.views.append(dataclasses.replace(view, load=list(view.load)))
-        return Decision(min(range(len(view.load)), key=view.load.__getitem__), "only")
+        queued = list(view.unprefilled_tokens)
+        self.views.append(dataclasses.replace(view, unprefilled_tokens=queued))
+        return Decision(min(range(len(queued)), key=queued.__getitem__), "only")
 
 
 def first_turns(sessions: int, blocks: int, output: int):
@@ -172,14 +175,17 @@ def test_the_policys_load_is_unprefilled_prompt_tokens_on_prefill_instances_only
     workload = build_workload(first_turns(6, 20, 4), config.workload)
     recorder = Recorder()
     DisaggSimulation(config.cluster, recorder, workload).run()
-    assert all(len(v.load) == 2 for v in recorder.views)
-    assert all(v.load == list(v.prefill_tokens) for v in recorder.views)
-    assert any(max(v.load) >= 320 for v in recorder.views)  # a queued prompt counts whole
+    assert all(len(v.unprefilled_tokens) == 2 for v in recorder.views)
+    assert all(len(v.inflight_requests) == 2 for v in recorder.views)
+    assert any(max(v.unprefilled_tokens) >= 320 for v in recorder.views)  # counted whole
+    assert cluster_policy("least_load", config.cluster)[0].load == "unprefilled_tokens"
+    colocated = dataclasses.replace(config.cluster, prefill_instances=0, decode_instances=0)
+    assert cluster_policy("least_load", colocated)[0].load == "inflight_requests"
 
 
 def test_decode_rules_spread_a_burst_over_the_decode_instances() -> None:
     trace = first_turns(6, 4, 50)
-    for rule in DECODE_RULES:
+    for rule in DECODE_POLICY_NAMES:
         config = pd_config(1, 3, decode_policy=rule, kv_capacity_tokens=4096)
         config = config.override("workload", session_rate=100.0, duration_s=0.06)
         sim = run_to_completion(trace, config, "least_load")

@@ -7,7 +7,9 @@ exist in no file, so they cannot drift from the code they describe:
   builds (arguments, options, defaults, help);
 - ``reference/configuration.md``: the settings dataclasses behind ``--config`` YAML files,
   their fields, types and defaults, and the comment or docstring that explains each;
-- ``reference/metrics.md``: every metric the router's Prometheus registry exports.
+- ``reference/metrics.md``: every metric the router's Prometheus registry exports;
+- ``reference/policies.md``: every routing policy of the registry, its branches and its
+  parameters (default, bounds, where the value comes from).
 
 Run it directly to print one page: ``python scripts/docs/hooks.py cli``.
 """
@@ -26,6 +28,7 @@ from typing import Any
 from rich.text import Text
 
 CLI_PAGE = "reference/cli.md"
+POLICIES_PAGE = "reference/policies.md"
 CONFIG_PAGE = "reference/configuration.md"
 METRICS_PAGE = "reference/metrics.md"
 
@@ -300,12 +303,55 @@ def _subscriber_fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(SubscriberCounters))
 
 
+# ------------------------------------------------------------------------ policies
+
+
+def policies_page() -> str:
+    from smetric.core.policies.registry import DEFAULT_POLICY, POLICIES, parameters
+
+    sources = {
+        "tuned": "set by hand",
+        "hardware": "derived from the hardware",
+        "learned": "fitted to measurements",
+    }
+    out = [
+        "# Routing policies",
+        "",
+        "Every policy a command takes (`--policy NAME` or `-p NAME:key=value,...`), generated",
+        "from the policy registry at each build of this site. What the rules mean and when",
+        "each wins: [Policies and branches](../concepts/policies.md). The default policy of",
+        f"`smetric serve` is `{DEFAULT_POLICY}`.",
+    ]
+    for name, cls in POLICIES.items():
+        kind = "one of the project's own policies" if cls.ours else "a baseline"
+        out += ["", f"## `{name}`", "", f"*{kind.capitalize()}.* " + plain(_doc(cls)), ""]
+        out.append("Branches: " + ", ".join(f"`{b}`" for b in cls.branches) + ".")
+        params = parameters(name)
+        if params:
+            out += ["", "| parameter | default | range | value | meaning |"]
+            out.append("|---|---|---|---|---|")
+            for key, (f, meta) in params.items():
+                bounds = meta.range() if meta.bounded else "—"
+                if meta.choices:
+                    bounds = ", ".join(meta.choices)
+                out.append(
+                    f"| `{key}` | `{f.default}` | {cell(bounds)} | {sources[meta.source]} "
+                    f"| {cell(meta.help)} |"
+                )
+    return "\n".join(out) + "\n"
+
+
+def _doc(cls: type) -> str:
+    return " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
+
+
 # --------------------------------------------------------------------------- hooks
 
 PAGES: dict[str, Callable[[], str]] = {
     CLI_PAGE: cli_page,
     CONFIG_PAGE: config_page,
     METRICS_PAGE: metrics_page,
+    POLICIES_PAGE: policies_page,
 }
 
 
@@ -318,5 +364,10 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 if __name__ == "__main__":
-    wanted = {"cli": CLI_PAGE, "configuration": CONFIG_PAGE, "metrics": METRICS_PAGE}
+    wanted = {
+        "cli": CLI_PAGE,
+        "configuration": CONFIG_PAGE,
+        "metrics": METRICS_PAGE,
+        "policies": POLICIES_PAGE,
+    }
     print(PAGES[wanted[sys.argv[1]]](), end="")

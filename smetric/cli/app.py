@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from smetric.cli.help import ProseGroup
 from smetric.report.runs import safe_name
+from smetric.report.tables import FORMATS as TABLE_FORMATS
 from smetric.trace.load import FORMATS, count_units, load_trace
 from smetric.trace.schema import Trace, TraceError
 
@@ -42,10 +43,26 @@ TraceArg = Annotated[
         "sample:mooncake for the embedded samples."
     ),
 ]
-FormatOpt = Annotated[
+TraceFormatOpt = Annotated[
     str | None,
-    typer.Option("--format", "-f", help=f"Trace format, if not detected: {', '.join(FORMATS)}."),
+    typer.Option("--trace-format", help=f"Trace format, if not detected: {', '.join(FORMATS)}."),
 ]
+# How a command prints its tables (``report.tables``): for people, or for scripts.
+TableFormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help=f"How tables are printed: {', '.join(TABLE_FORMATS)}. A table is folded to the "
+        "terminal's width and never cuts a number; csv is the main table; with json, csv or "
+        "markdown only the tables go to standard output.",
+    ),
+]
+
+
+def out_console(fmt: str) -> Console:
+    """Where a command's other lines go: with the tables, or out of their way on stderr
+    when the tables are for a script."""
+    return console if fmt == "table" else err_console
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from smetric.report.grid import grid_markdown
 from smetric.report.stamp import write_results_page
 from smetric.sim.config import SimConfig
 from smetric.sim.parallel import RunStore, default_jobs
+from smetric.trace.load import resolve
 from smetric.trace.schema import Trace
 
 # reproduce's policies but Linear at the paper's λ=0.9 (``linear``), which never leads:
@@ -69,6 +70,8 @@ def grid_command(
         chosen = load_grid_preset(preset)
         specs = checked_policies(policies)
         check_page(page)
+        for trace in chosen.traces.values():  # a missing trace fails now, not an hour in
+            resolve(trace.config.workload.trace)
         out = out or Path("smetric-out") / f"grid-{slug(chosen.name)}"
         store = RunStore(out / "runs")
         cells = len(grid_cells(chosen)) // len(chosen.traces)

@@ -8,9 +8,17 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
+from smetric.cli.app import (
+    TableFormatOpt,
+    app,
+    console,
+    load_with_progress,
+    out_console,
+    progress_bar,
+    slug,
+    user_errors,
+)
 from smetric.cli.simulate import (
     ConfigOpt,
     DecodeOpt,
@@ -27,7 +35,9 @@ from smetric.cli.simulate import (
     global_levels,
 )
 from smetric.core.policies import DEFAULT_POLICY
-from smetric.report.knee import knee_markdown, knee_rows
+from smetric.report.knee import knee_markdown
+from smetric.report.run_tables import knee_table
+from smetric.report.tables import check_format, emit
 from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
 from smetric.sim.knee import KneeSettings, best_baseline, search_knees
 from smetric.sim.parallel import RunStore, default_jobs
@@ -47,17 +57,6 @@ def knee_summary(cells: list[tuple[str, str]], policies: tuple[str, ...], knees:
             }
         )
     return {"policies": list(policies), "cells": out}
-
-
-def knee_table(summary: dict, default: str) -> Table:
-    table = Table(title="Max TPS within SLO: mean ± sd over seeds (at the knee's load)")
-    table.add_column("policy")
-    for cell in summary["cells"]:
-        table.add_column(f"global {cell['global']}\n{cell['kv_load']} load", justify="right")
-    rows = knee_rows(summary, (default,), lambda v: f"{v:,.0f}", lambda t: f"[bold green]{t}[/]")
-    for row in rows:
-        table.add_row(*row)
-    return table
 
 
 @app.command()
@@ -90,6 +89,7 @@ def knee(
     warmup: WarmupOpt = None,
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    table_format: TableFormatOpt = "table",
 ) -> None:
     """Find every policy's knee: the load where its TPS within SLO peaks.
 
@@ -105,6 +105,7 @@ def knee(
     from smetric.report.simulation import write_knee_png
 
     with user_errors():
+        check_format(table_format)
         levels = global_levels(provisionings)
         modes = [check_kv_load(m.strip()) for m in kv_loads.split(",") if m.strip()]
         base = command_config(params)
@@ -137,5 +138,5 @@ def knee(
     (out / "knee.json").write_text(json.dumps(summary, indent=1))
     (out / "knee.md").write_text(knee_markdown(summary, (default,)))
     write_knee_png(summary, out / "knee.png")
-    console.print(knee_table(summary, default))
-    console.print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")
+    emit([knee_table(summary, default)], table_format, console)
+    out_console(table_format).print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")

@@ -11,9 +11,21 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from smetric.cli.app import app, console, err_console, user_errors
-from smetric.cli.serve import engines_from, router_options
+from smetric.cli.serve import (
+    DiscoverIntervalOpt,
+    DiscoverOpt,
+    DnsServerOpt,
+    DrainTimeoutOpt,
+    RecordMaxMbOpt,
+    RecordOpt,
+    RecordRotateOpt,
+    RecordSaltFileOpt,
+    discovered,
+    recorder_from,
+)
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
+from smetric.serve.config import engines_from, router_options
 from smetric.serve.tokenizers import make_tokenizer
 
 if TYPE_CHECKING:
@@ -68,13 +80,14 @@ def pick(
     scrape_interval: Annotated[
         float, typer.Option(help="Seconds between scrapes of engines' /metrics (0: off).", min=0.0)
     ] = 0.0,
-    drain_timeout: Annotated[
-        float,
-        typer.Option(
-            help="On SIGTERM, seconds the open streams get to finish before they are cut.",
-            min=0.0,
-        ),
-    ] = 30.0,
+    discover: DiscoverOpt = None,
+    discover_interval: DiscoverIntervalOpt = 5.0,
+    dns_server: DnsServerOpt = None,
+    drain_timeout: DrainTimeoutOpt = None,
+    record: RecordOpt = None,
+    record_max_mb: RecordMaxMbOpt = 1024,
+    record_rotate: RecordRotateOpt = 300.0,
+    record_salt_file: RecordSaltFileOpt = None,
     log_level: Annotated[
         str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
     ] = "info",
@@ -96,7 +109,10 @@ def pick(
         )
         raise typer.Exit(2) from exc
     with user_errors():
-        engines, subscribers = engines_from(engine or [], config, kv_blocks, block_size)
+        urls, discovery = discovered(
+            engine or [], discover, discover_interval, dns_server, kv_blocks
+        )
+        engines, subscribers = engines_from(urls, config, kv_blocks, block_size)
         encoder, template = make_tokenizer("bytes" if tokenizer == "engine" else tokenizer)
         router = Router(
             engines,
@@ -113,6 +129,10 @@ def pick(
             template=template,
             engine_tokenizer=tokenizer == "engine",
             subscribers=subscribers,
+            discovery=discovery,
+            recorder=recorder_from(
+                record, record_max_mb, record_rotate, record_salt_file, block_size, tokenizer
+            ),
         )
         picker = Picker(router, max_inflight=max_inflight)
         level = logging.getLevelName(log_level.upper())
@@ -121,7 +141,8 @@ def pick(
     logging.basicConfig(level=level, format="%(message)s")
     server = PickerServer(picker, host, port, metrics_port)
     with user_errors():
-        asyncio.run(_serve(server, drain_timeout, policy, len(engines)))
+        drain_s = router.settings.drain_timeout_s if drain_timeout is None else drain_timeout
+        asyncio.run(_serve(server, drain_s, policy, len(engines)))
 
 
 async def _serve(server: PickerServer, drain_s: float, policy: str, engines: int) -> None:

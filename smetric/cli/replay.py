@@ -8,40 +8,26 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
+from smetric.cli.app import (
+    TableFormatOpt,
+    app,
+    console,
+    load_with_progress,
+    out_console,
+    progress_bar,
+    slug,
+    user_errors,
+)
 from smetric.replay import Progress, Replayer, ReplayOptions
+from smetric.report.run_tables import results_table
+from smetric.report.tables import check_format, emit
 from smetric.trace.load import DEFAULT_SAMPLE
 
 
 class Arrivals(StrEnum):
     closed_loop = "closed-loop"
     recorded = "recorded"
-
-
-def summary_table(title: str, summary: dict) -> Table:
-    """One metric a row, so the table fits a narrow terminal."""
-    table = Table(title=title, title_style="bold")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    counts, ttft, tpot = summary["requests"], summary["ttft_s"], summary["tpot_s"]
-    rows = {
-        "requests": f"{counts['issued']:,}",
-        "completed": f"{counts['completed']:,} ({counts['rejected']} rejected)",
-        "TPS within SLO": f"{summary['tps_within_slo']:,.0f}",
-        "TTFT p50 / p90 (s)": f"{_num(ttft['p50'])} / {_num(ttft['p90'])}",
-        "TPOT p50 / p90 (ms)": f"{_num(tpot['p50'], 1000)} / {_num(tpot['p90'], 1000)}",
-        "hit ratio": f"{summary['reuse']['local']:.0%}",
-        "imbalance (mean)": f"{summary['imbalance']['mean']:.2f}",
-    }
-    for name, value in rows.items():
-        table.add_row(name, value)
-    return table
-
-
-def _num(value: float | None, scale: float = 1.0) -> str:
-    return "-" if value is None else f"{value * scale:.2f}"
 
 
 @app.command()
@@ -83,6 +69,7 @@ def replay(
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Result folder.", show_default=False)
     ] = None,
+    table_format: TableFormatOpt = "table",
 ) -> None:
     """Replay a trace's sessions against an endpoint and measure them.
 
@@ -94,6 +81,7 @@ def replay(
     smetric-out/replay-TRACE]. Ctrl-C stops early and keeps what was measured.
     """
     with user_errors():
+        check_format(table_format)
         trace = load_with_progress(source, None)
         options = ReplayOptions(
             url=url,
@@ -123,7 +111,7 @@ def replay(
         out = out or Path("smetric-out") / f"replay-{slug(trace.name)}"
         summary = replayer.write(out)
     title = f"{trace.name} against {url}" + (" (interrupted)" if interrupted else "")
-    console.print(summary_table(title, summary))
-    console.print(f"\nwrote {out}/ (summary.json, requests-replay.parquet)")
+    emit([results_table(title, {"replay": summary})], table_format, console)
+    out_console(table_format).print(f"\nwrote {out}/ (summary.json, requests-replay.parquet)")
     if interrupted:
         raise typer.Exit(130)

@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
-from smetric.cli.app import app, console, user_errors
-from smetric.cli.simulate import results_table
+from smetric.cli.app import TableFormatOpt, app, console, out_console, user_errors
+from smetric.report.run_tables import results_table
 from smetric.report.runs import load_runs
+from smetric.report.tables import check_format, emit
 
 
 @app.command()
@@ -22,6 +23,7 @@ def report(
         Path | None,
         typer.Option("--out", "-o", help="Folder for the figures.", show_default=False),
     ] = None,
+    table_format: TableFormatOpt = "table",
 ) -> None:
     """Compare runs side by side: one table and the simulator's figures for all of them.
 
@@ -32,9 +34,10 @@ def report(
     from smetric.report.simulation import write_simulation_pngs
 
     with user_errors():
+        check_format(table_format)
         summaries, tables = load_runs(folders)
         out = out or Path("smetric-out") / "report"
         figures = write_simulation_pngs(summaries, tables, out)
     title = f"{len(summaries)} runs from {len(folders)} folder{'s' * (len(folders) > 1)}"
-    console.print(results_table(title, summaries))
-    console.print(f"wrote {len(figures)} figures to {out}/")
+    emit([results_table(title, summaries)], table_format, console)
+    out_console(table_format).print(f"wrote {len(figures)} figures to {out}/")

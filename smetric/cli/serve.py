@@ -10,13 +10,114 @@ import typer
 
 from smetric.cli.app import app, console, user_errors
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
+from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import disaggregation_from, engines_from, router_options
-from smetric.serve.disagg import DECODE_POLICIES
+from smetric.serve.discovery import Discovery
 from smetric.serve.listen import listen
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
+
+# Options serve and pick share: engines found in DNS, and the drain on SIGTERM.
+DiscoverOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--discover",
+        help="Find engines in DNS, as a Kubernetes headless Service lists its ready pods: "
+        "dns://NAME:PORT (A/AAAA records, engines on PORT) or dns+srv://NAME (SRV "
+        "records); re-resolved every --discover-interval, so engines join and leave "
+        "without a restart. Beside or instead of --engine.",
+    ),
+]
+DiscoverIntervalOpt = Annotated[
+    float, typer.Option(help="Seconds between DNS lookups of --discover.", min=0.05)
+]
+DnsServerOpt = Annotated[
+    str | None,
+    typer.Option(help="Ask this DNS server (IP or IP:PORT) for --discover. Default: the system's."),
+]
+DrainTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="On SIGTERM, stop accepting at once and give the requests in flight this many "
+        "seconds to finish before they are cut. Default: 30.",
+        min=0.0,
+    ),
+]
+
+# ... and the recording of the requests served.
+RecordOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Write a trace of the requests served into this folder: per request its "
+        "salted block ids, arrival and completion times, token counts, turn, session, "
+        "agent, trigger, engine and branch, nothing else (no text, no header values). "
+        "Read it with analyze, simulate, replay and plan.",
+        rich_help_panel="Recording",
+    ),
+]
+RecordMaxMbOpt = Annotated[
+    int,
+    typer.Option(
+        help="Megabytes the recording may hold; the oldest segments go first.",
+        min=1,
+        rich_help_panel="Recording",
+    ),
+]
+RecordRotateOpt = Annotated[
+    float,
+    typer.Option(
+        help="Seconds between recording segments (each one zstd-compressed Parquet).",
+        min=0.1,
+        rich_help_panel="Recording",
+    ),
+]
+RecordSaltFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="The deployment's salt (16 bytes or more, e.g. head -c 32 /dev/urandom): "
+        "recordings with the same salt compare across restarts and replicas. Without "
+        "one, a fresh salt lives in memory only and the recording stands alone.",
+        rich_help_panel="Recording",
+    ),
+]
+
+
+def recorder_from(
+    folder: Path | None,
+    max_mb: int,
+    rotate_s: float,
+    salt_file: Path | None,
+    block_size: int,
+    tokenizer: str,
+) -> Recorder | None:
+    """The recorder ``--record`` asks for, if it does."""
+    if folder is None:
+        return None
+    salt = None if salt_file is None else read_salt(salt_file)
+    return Recorder(
+        RecordSettings(
+            folder,
+            max_bytes=max_mb << 20,
+            rotate_s=rotate_s,
+            salt=salt,
+            block_size=block_size,
+            tokenizer=tokenizer,
+        )
+    )
+
+
+def discovered(
+    urls: list[str], spec: str | None, interval_s: float, server: str | None, kv_blocks: int
+) -> tuple[list[str], Discovery | None]:
+    """``urls`` plus the engines DNS lists now (waiting up to a minute for one to appear),
+    and the discovery that keeps them current."""
+    if spec is None:
+        return urls, None
+    discovery = Discovery.parse(spec, interval_s, server, kv_blocks)
+    return [*urls, *discovery.first()], discovery
 
 
 @app.command()
@@ -156,7 +257,7 @@ def serve(
     ] = None,
     decode_policy: Annotated[
         str,
-        typer.Option(help=f"How the decode engine is chosen: {', '.join(DECODE_POLICIES)}."),
+        typer.Option(help=f"How the decode engine is chosen: {', '.join(DECODE_POLICY_NAMES)}."),
     ] = "least_kv",
     tokenizer: Annotated[
         str,
@@ -193,6 +294,14 @@ def serve(
             min=0,
         ),
     ] = None,
+    discover: DiscoverOpt = None,
+    discover_interval: DiscoverIntervalOpt = 5.0,
+    dns_server: DnsServerOpt = None,
+    drain_timeout: DrainTimeoutOpt = None,
+    record: RecordOpt = None,
+    record_max_mb: RecordMaxMbOpt = 1024,
+    record_rotate: RecordRotateOpt = 300.0,
+    record_salt_file: RecordSaltFileOpt = None,
     log_level: Annotated[
         str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
     ] = "info",
@@ -227,21 +336,27 @@ def serve(
             "max_prompt_tokens": max_prompt_tokens,
             "global_tier": global_tier,
             "global_tier_tokens": global_tier_tokens,
+            "drain_timeout_s": drain_timeout,
         }
         options.update({name: value for name, value in flags.items() if value is not None})
-        settings = RouterSettings(api_keys=frozenset(api_key or []), **options)
+        if api_key:
+            options["api_keys"] = frozenset(api_key)
+        settings = RouterSettings(**options)
         disaggregated = disaggregation_from(
             prefill_engine or [], decode_engine or [], config, kv_blocks, decode_policy
         )
         disagg = None
+        if discover is not None and (disaggregated is not None or workers > 1):
+            raise ValueError("--discover serves colocated engines with one worker")
         if disaggregated is None:
-            engines, subscribers = engines_from(
-                engine or [], config, kv_blocks, settings.block_size
+            urls, discovery = discovered(
+                engine or [], discover, discover_interval, dns_server, kv_blocks
             )
+            engines, subscribers = engines_from(urls, config, kv_blocks, settings.block_size)
         elif engine:
             raise ValueError("give --engine for a colocated cluster, or prefill and decode engines")
         else:
-            (engines, disagg), subscribers = disaggregated, {}
+            (engines, disagg), subscribers, discovery = disaggregated, {}, None
         level = logging.getLevelName(log_level.upper())
         if not isinstance(level, int):
             raise ValueError(f"unknown log level {log_level!r}")
@@ -251,6 +366,9 @@ def serve(
             share_metrics_between_processes()
         by_engine = tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
+        recorder = recorder_from(
+            record, record_max_mb, record_rotate, record_salt_file, settings.block_size, tokenizer
+        )
         router = Router(
             engines,
             settings,
@@ -259,6 +377,8 @@ def serve(
             engine_tokenizer=by_engine,
             subscribers=subscribers,
             disagg=disagg,
+            discovery=discovery,
+            recorder=recorder,
         )
         # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
         sockets = listen(host, port, workers)

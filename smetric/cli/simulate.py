@@ -8,20 +8,28 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
-from rich.table import Table
 
 from smetric.cli.app import (
+    TableFormatOpt,
     app,
     console,
     load_with_progress,
+    out_console,
     progress_bar,
     slug,
     user_errors,
 )
 from smetric.core.policies import POLICY_NAMES, base_name, hardware_params, make_policy
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.model.perf import load_medium
+from smetric.report.run_tables import (
+    branches_table,
+    disaggregation_table,
+    results_table,
+    sweep_table,
+)
 from smetric.report.runs import run_file_name
+from smetric.report.tables import check_format, emit
 from smetric.sim.config import (
     SimConfig,
     check_disaggregation,
@@ -140,7 +148,7 @@ DecodeOpt = Annotated[
 ]
 DecodePolicyOpt = Annotated[
     str | None,
-    _opt("How the decode instance is chosen: least_kv, least_requests, round_robin.", CLUSTER),
+    _opt(f"How the decode instance is chosen: {', '.join(DECODE_POLICY_NAMES)}.", CLUSTER),
 ]
 RateOpt = Annotated[float | None, _opt("Session starts per second.", WORKLOAD, min=1e-6)]
 DurationOpt = Annotated[
@@ -259,90 +267,6 @@ def split_policies(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def results_table(title: str, summaries: dict[str, dict]) -> Table:
-    """One row per run summary (a simulated policy or a measured replay), best TPS bold."""
-    table = Table(
-        title=title, title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False
-    )
-    table.add_column("policy", no_wrap=True)
-    headers = (
-        "TPS\n@SLO",
-        "SLO\nmet",
-        "TTFT s\np50/p90",
-        "TPOT ms\np50/p90",
-        "hit %\nL/G",
-        "imba-\nlance",
-        "sticky %\nagent/turn",
-    )
-    for header in headers:
-        table.add_column(header, justify="right", min_width=8 if "TTFT" in header else None)
-    best = max((s["tps_within_slo"] for s in summaries.values()), default=0.0)
-    for policy, s in summaries.items():
-        tps = f"{s['tps_within_slo']:,.0f}"
-        ttft, tpot, reuse = s["ttft_s"], s["tpot_s"], s["reuse"]
-        sticky = s["stickiness"]
-        table.add_row(
-            policy,
-            f"[bold green]{tps}[/]" if s["tps_within_slo"] == best and best > 0 else tps,
-            f"{s['slo_attainment']:.0%}",
-            f"{_num(ttft['p50'])}/{_num(ttft['p90'])}",
-            f"{_num(tpot['p50'], 1000, 0)}/{_num(tpot['p90'], 1000, 0)}",
-            f"{reuse['local'] * 100:.0f}/{reuse['global'] * 100:.0f}",
-            f"{s['imbalance']['mean']:.2f}x",
-            f"{_pct(sticky['agent'])}/{_pct(sticky['turn'])}",
-        )
-    return table
-
-
-def branches_table(summaries: dict[str, dict]) -> Table:
-    """Why each policy routed where it did: decisions per branch, for multi-branch policies."""
-    table = Table(title="Routing decisions per branch", title_style="bold")
-    table.add_column("policy", no_wrap=True)
-    table.add_column("branches")
-    for policy, summary in summaries.items():
-        counts = summary["branches"]
-        total = sum(counts.values())
-        if len(counts) > 1 and total:
-            parts = (f"{name} {n / total:.0%}" for name, n in sorted(counts.items()))
-            table.add_row(policy, " · ".join(parts))
-    return table
-
-
-def disaggregation_table(summaries: dict[str, dict]) -> Table:
-    """What disaggregation adds per policy: the prefill stage, the KV pulls, the decode."""
-    table = Table(title="PD disaggregation", title_style="bold", box=box.SIMPLE_HEAD)
-    table.add_column("policy", no_wrap=True)
-    for header in (
-        "prefill TPS\n@TTFT SLO",
-        "prefill TTFT s\np50/p90/p99",
-        "KV pulled\nGB",
-        "NIC use %\nP/D max",
-        "end-to-end\nTPS@SLO",
-    ):
-        table.add_column(header, justify="right")
-    for policy, s in summaries.items():
-        pd, ttft = s["pd"], s["pd"]["prefill_ttft_s"]
-        nics = pd["nic_utilisation"]
-        e2e = pd["end_to_end_tps_within_slo"]
-        table.add_row(
-            policy,
-            f"{pd['prefill_tps_within_slo']:,.0f}",
-            f"{_num(ttft['p50'])}/{_num(ttft['p90'])}/{_num(ttft['p99'])}",
-            f"{pd['transfer_bytes'] / 1e9:,.1f}",
-            f"{_num(nics['prefill']['max'], 100, 0)}/{_num(nics['decode']['max'], 100, 0)}",
-            "-" if e2e is None else f"{e2e:,.0f}",
-        )
-    return table
-
-
-def _pct(share: float | None) -> str:
-    return "-" if share is None else f"{share * 100:.0f}"
-
-
-def _num(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "-" if value is None else f"{value * scale:.{digits}f}"
-
-
 def hardware_lines(results: dict[str, RunResult]) -> list[str]:
     """What each policy assumed of the hardware, where the simulator derived it, and
     what it learned from its requests, where it learns."""
@@ -416,6 +340,7 @@ def simulate(
     tpot: TpotOpt = None,
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    table_format: TableFormatOpt = "table",
 ) -> None:
     """Simulate one cluster configuration under the chosen policies, side by side.
 
@@ -424,6 +349,7 @@ def simulate(
     """
     params = locals()
     with user_errors():
+        check_format(table_format)
         config = command_config(params)
         trace_source = config.workload.trace
         trace = load_with_progress(trace_source, config.workload.format)
@@ -442,21 +368,20 @@ def simulate(
     plots = write_results(out, config, ordered)
     shape = next(iter(ordered.values())).shape
     summaries = {policy: result.summary for policy, result in ordered.items()}
-    console.print(results_table(_title(config, shape), summaries))
-    branches = branches_table(summaries)
-    if branches.row_count:
-        console.print(branches)
+    tables = [results_table(_title(config, shape), summaries), branches_table(summaries)]
     if config.cluster.prefill_instances:
-        console.print(disaggregation_table(summaries))
+        tables.append(disaggregation_table(summaries))
+    emit(tables, table_format, console)
+    notes = out_console(table_format)
     first = next(iter(ordered.values())).summary["requests"]
-    console.print(
+    notes.print(
         f"TPS@SLO: {_tps_meaning(config)} · "
         f"{first['rejected']} requests longer than max_model_len "
         f"({shape.max_model_len:,}) rejected"
     )
     for line in hardware_lines(ordered):
-        console.print(line)
-    console.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet, {plots} plots)")
+        notes.print(line)
+    notes.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet, {plots} plots)")
 
 
 def _tps_meaning(config: SimConfig) -> str:
@@ -541,24 +466,6 @@ def sweep_summary(
     return summary | {"seeds": seeds} if seeds > 1 else summary
 
 
-def sweep_table(summary: dict) -> Table:
-    seeds = " (mean ± sd over seeds)" if summary.get("seeds", 1) > 1 else ""
-    table = Table(title=f"Max TPS within SLO{seeds} (at offered rate, sessions/s)")
-    table.add_column("policy")
-    for g in summary["provisionings"]:
-        table.add_column(f"global {g}", justify="right")
-    for p in summary["policies"]:
-        cells = []
-        for g in summary["provisionings"]:
-            row = summary["max_tps"][g][p]
-            top = max(v["tps"] for v in summary["max_tps"][g].values())
-            sd = f" ± {row['stdev']:,.0f}" if "stdev" in row else ""
-            text = f"{row['tps']:,.0f}{sd} (@{row['rate']:g})"
-            cells.append(f"[bold green]{text}[/]" if row["tps"] == top and top > 0 else text)
-        table.add_row(p, *cells)
-    return table
-
-
 RayOpt = Annotated[
     str | None,
     typer.Option(
@@ -605,6 +512,7 @@ def sweep(
             "curve.",
         ),
     ] = 1,
+    table_format: TableFormatOpt = "table",
 ) -> None:
     """Offered rate x global-tier provisioning x policy (x seed), in parallel processes or
     on Ray.
@@ -621,6 +529,7 @@ def sweep(
     from smetric.report.simulation import write_sweep_pngs
 
     with user_errors():
+        check_format(table_format)
         rate_values = _floats(rates, "--rates")
         levels = global_levels(provisionings)
         base = command_config(params)
@@ -665,6 +574,7 @@ def sweep(
     dump_yaml(base, out / "config.yaml")
     (out / "sweep.json").write_text(json.dumps(summary, indent=1))
     pngs = write_sweep_pngs(summary, out)
-    console.print(sweep_table(summary))
+    emit([sweep_table(summary)], table_format, console)
     reused = f", {len(runs) - ran} of {len(runs)} runs reused from runs/" if ran < len(runs) else ""
-    console.print(f"\nwrote {out}/ (config.yaml, sweep.json, {len(pngs)} plots{reused})")
+    notes = out_console(table_format)
+    notes.print(f"\nwrote {out}/ (config.yaml, sweep.json, {len(pngs)} plots{reused})")

@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from smetric.cli.app import (
-    FormatOpt,
     TraceArg,
+    TraceFormatOpt,
     console,
     load_with_progress,
     trace_app,
@@ -22,7 +22,7 @@ from smetric.trace.load import DEFAULT_SAMPLE, write_parquet
 
 
 @trace_app.command("info")
-def trace_info(source: TraceArg = DEFAULT_SAMPLE, fmt: FormatOpt = None) -> None:
+def trace_info(source: TraceArg = DEFAULT_SAMPLE, fmt: TraceFormatOpt = None) -> None:
     """Summarise a trace: requests, sessions, clock, tokens, blocks, triggers."""
     with user_errors():
         started = time.perf_counter()
@@ -64,7 +64,7 @@ def _total_and_mean(column: pl.Series) -> str:
 def trace_convert(
     source: TraceArg,
     out: Annotated[Path, typer.Argument(help="Output .parquet file (normalised request table).")],
-    fmt: FormatOpt = None,
+    fmt: TraceFormatOpt = None,
 ) -> None:
     """Convert any supported trace to SMetric's normalised Parquet request table."""
     with user_errors():

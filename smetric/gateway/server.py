@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from smetric.gateway.extproc import ExternalProcessor
 from smetric.gateway.picker import Picker
+from smetric.serve.app import alive
 
 EXT_PROC_SERVICE = ext_proc.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
@@ -44,7 +45,7 @@ class PickerServer:
         app = web.Application()
         app.router.add_get("/metrics", router.prometheus)
         app.router.add_get("/health", router.health)
-        app.router.add_get("/live", _alive)
+        app.router.add_get("/live", alive)
         app.cleanup_ctx.append(router.lifecycle)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()  # the router's checks, scrapes and subscriptions start
@@ -92,7 +93,3 @@ class PickerServer:
             await stop.wait()
         finally:
             await self.stop(grace_s)
-
-
-async def _alive(request: web.Request) -> web.Response:
-    return web.json_response({"status": "alive"})

@@ -10,9 +10,9 @@ oldest ones until the folder is within ``max_bytes``. When the writer falls behi
 ``max_pending`` observations, new ones are dropped and counted, never waited for.
 
 What is written is exactly the trace's columns (``SEGMENT_SCHEMA``): no text, no header
-value, no key. Block ids are the router's own chained hashes passed through keyed BLAKE2b
-(a pseudo-random function) under a per-deployment salt, so an id cannot be tested against
-guessed content without the salt; session and agent names go through the same function.
+value, no key. Block ids are the router's own chained hashes passed through a keyed
+pseudo-random function under a per-deployment salt (``record.salt``), so an id cannot be
+tested against guessed content without the salt; session and agent names likewise.
 The same salt (``--record-salt-file``) keeps ids comparable across restarts and router
 replicas; without one, a fresh salt lives only in memory and the recording stands alone.
 """
@@ -20,7 +20,6 @@ replicas; without one, a fresh salt lives only in memory and the recording stand
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -34,7 +33,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from smetric.trace.schema import Trigger
+from smetric.record.salt import Salter
+from smetric.trace.jsonl import list_column
+from smetric.trace.schema import Trigger, common_prefix_len
 
 log = logging.getLogger("smetric.record")
 
@@ -64,7 +65,12 @@ SEGMENT_SCHEMA: dict[str, pl.DataType] = {
     "trigger": pl.String(),
     "engine": pl.String(),
     "branch": pl.String(),
-    "block_ids": pl.List(pl.Int64()),
+    # The prompt's salted block ids, stored as the leading ``shared_blocks`` of an earlier
+    # row of the same segment (``base_row``, the agent's latest request there) followed by
+    # ``new_block_ids``: a follow-up re-sends its history, which is then written once.
+    "base_row": pl.Int32(),
+    "shared_blocks": pl.Int32(),
+    "new_block_ids": pl.List(pl.Int64()),
 }
 
 
@@ -123,49 +129,32 @@ def read_salt(path: Path) -> bytes:
     return salt
 
 
-class Salter:
-    """Keyed BLAKE2b-64 of ids and names; a bounded memo spares the ids a follow-up
-    re-sends (its history's blocks were salted with its parent)."""
-
-    MEMO_ENTRIES = 1 << 20
-
-    def __init__(self, salt: bytes) -> None:
-        self._key = hashlib.blake2b(salt, digest_size=32).digest()
-        self._prototype = hashlib.blake2b(key=self._key, digest_size=8)
-        self._memo: dict[int, int] = {}
-        # Names this salt without revealing it: segments with other ids do not mix.
-        self.salt_id = self.name("smetric-recording-salt-id").to_bytes(8, "big", signed=True).hex()
-
-    def _digest(self, data: bytes) -> int:
-        h = self._prototype.copy()
-        h.update(data)
-        return int.from_bytes(h.digest(), "little", signed=True)
-
-    def name(self, text: str) -> int:
-        return self._digest(b"name:" + text.encode("utf-8", "surrogatepass"))
-
-    def block_ids(self, ids: np.ndarray) -> list[int]:
-        memo = self._memo
-        if len(memo) > self.MEMO_ENTRIES:
-            memo.clear()
-        out = []
-        for block in ids.tolist():
-            salted = memo.get(block)
-            if salted is None:
-                salted = memo[block] = self._digest(block.to_bytes(8, "little", signed=True))
-            out.append(salted)
-        return out
+_SCALARS = tuple(c for c in SEGMENT_SCHEMA if c != "new_block_ids")
 
 
 @dataclass
 class _Segment:
-    """Rows salted and waiting for their segment file."""
+    """Rows salted and waiting for their segment file: the new block ids as flat arrays,
+    one per drained batch, and each row's count of them; and per agent its latest row
+    and that row's unsalted blocks, the base the agent's next request is stored against
+    (dropped with the segment)."""
 
     opened: float = field(default_factory=time.monotonic)
-    rows: dict[str, list] = field(default_factory=lambda: {c: [] for c in SEGMENT_SCHEMA})
+    rows: dict[str, list] = field(default_factory=lambda: {c: [] for c in _SCALARS})
+    blocks: list[np.ndarray] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    latest: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.rows["arrival_s"])
+        return len(self.lengths)
+
+    def frame(self) -> pl.DataFrame:
+        flat = np.concatenate(self.blocks) if self.blocks else np.empty(0, np.int64)
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=offsets[1:])
+        frame = pl.DataFrame(self.rows, schema={c: SEGMENT_SCHEMA[c] for c in _SCALARS})
+        blocks = list_column(flat, offsets).alias("new_block_ids")
+        return frame.with_columns(blocks).select(list(SEGMENT_SCHEMA))
 
 
 class Recorder:
@@ -264,27 +253,41 @@ class Recorder:
                 self._segment = _Segment()
 
     def _drain(self) -> None:
-        rows, salter = self._segment.rows, self.salter
         while self._pending:
-            o = self._pending.popleft()
+            room = self.settings.rotate_requests - len(self._segment)
+            self._add([self._pending.popleft() for _ in range(min(room, len(self._pending)))])
+            if len(self._segment) >= self.settings.rotate_requests:
+                self._write_segment()
+
+    def _add(self, batch: list[Observation]) -> None:
+        segment, salter = self._segment, self.salter
+        rows, latest = segment.rows, segment.latest
+        fresh = []
+        for o in batch:
+            conversation = salter.name(o.conversation)
+            agent = conversation if o.agent is None else salter.name(o.agent)
+            base, shared = latest.get(agent), 0
+            if base is not None:
+                shared = common_prefix_len(base[1], o.blocks)
+            latest[agent] = (len(segment.lengths), o.blocks)
+            fresh.append(o.blocks[shared:])
+            segment.lengths.append(len(o.blocks) - shared)
+            rows["base_row"].append(base[0] if shared else None)
+            rows["shared_blocks"].append(shared)
             rows["arrival_s"].append(o.arrival_s)
             rows["completion_s"].append(o.completion_s)
             rows["prompt_tokens"].append(o.prompt_tokens)
             rows["output_tokens"].append(o.output_tokens)
             rows["cached_tokens"].append(o.cached_tokens)
             rows["turn"].append(o.turn)
-            conversation = salter.name(o.conversation)
             rows["session"].append(conversation if o.session is None else salter.name(o.session))
-            rows["agent"].append(conversation if o.agent is None else salter.name(o.agent))
+            rows["agent"].append(agent)
             parent = o.parent_agent
             rows["parent_agent"].append(None if parent is None else salter.name(parent))
             rows["trigger"].append(o.trigger.value)
             rows["engine"].append(o.engine)
             rows["branch"].append(o.branch)
-            rows["block_ids"].append(salter.block_ids(o.blocks))
-            if len(rows["arrival_s"]) >= self.settings.rotate_requests:
-                self._write_segment()
-                rows = self._segment.rows
+        segment.blocks.append(salter.block_ids(np.concatenate(fresh)))
 
     def _write_segment(self) -> None:
         segment, self._segment = self._segment, _Segment()
@@ -295,7 +298,7 @@ class Recorder:
         self._sequence += 1
         name = f"requests-{stamp}-{os.getpid()}-{self._sequence:05d}.parquet"
         meta = {"salt_id": self.salter.salt_id, "dropped": self.dropped}
-        frame = pl.DataFrame(segment.rows, schema=SEGMENT_SCHEMA)
+        frame = segment.frame()
         temporary = folder / f".{name}.tmp"
         frame.write_parquet(
             temporary, compression="zstd", metadata={METADATA_KEY: json.dumps(meta)}

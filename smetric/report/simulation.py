@@ -1,9 +1,9 @@
 """Matplotlib renderings of simulated runs and sweeps (the paper's Figures 11, 12, 14-17, 25).
 
 Built like ``figures``: ``Figure`` objects without pyplot, the report style applied only
-while figures are built. Each policy keeps one colour in every figure of a run and of a
-sweep, so a reader can follow a policy from the TPS bars to the latency CDFs without
-re-reading legends.
+while figures are built. Each policy keeps one colour in every figure (``palette``), so a
+reader can follow a policy from the TPS bars to the latency CDFs, and from one command's
+figures to another's, without re-reading legends.
 """
 
 from __future__ import annotations
@@ -26,35 +26,15 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
+from smetric.report.palette import policy_color, policy_colors
 from smetric.report.terminal import Section, pct, seconds, times
 
-# Tableau 10 without its grey, which would read as the "miss" segment of the reuse bars.
-PALETTE = (
-    "#2f6db5",
-    "#f28e2b",
-    "#59a14f",
-    "#e15759",
-    "#b07aa1",
-    "#76b7b2",
-    "#edc948",
-    "#9c755f",
-    "#ff9da7",
-)
 TIERS = {"local": "Local-tier hit", "global": "Global-tier hit", "miss": "Miss (computed)"}
 FADED = 0.35  # alpha of the secondary layer drawn in a policy's colour (total TPS, global hits)
 NEUTRAL = "#555555"  # legend swatches that explain a layer rather than name a policy
 LATENCIES = {"ttft_s": "Time to first token", "tpot_s": "Time per output token"}
 
 Summaries = Mapping[str, Section]
-
-
-def policy_colors(policies: Iterable[str]) -> dict[str, str]:
-    """Colour policies by their position in the policy list, cycling past the palette.
-
-    Position rather than a hash of the name puts the first policies on the most distinct
-    colours, and ``simulate`` and ``sweep`` over the same policy list agree.
-    """
-    return {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(dict.fromkeys(policies))}
 
 
 def _policy_axis(ax: Axes, labels: Sequence[str]) -> None:
@@ -488,7 +468,7 @@ def _sensitivity_figure(sensitivity: Section) -> Figure:
     }
     fig = new_figure(11, 4.4)
     axes = fig.subplots(1, len(names), squeeze=False).ravel()
-    color = PALETTE[0]
+    color = policy_color("smetric")
     for ax, (param, title) in zip(axes, names.items(), strict=True):
         points = sensitivity[param]
         x = np.arange(len(points))

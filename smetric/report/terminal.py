@@ -6,14 +6,16 @@ summary and the HTML report state each finding with exactly the same words and d
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from smetric.report import tables
 
 Section = Mapping[str, Any]
 
@@ -151,19 +153,10 @@ def trace_facts(trace: Section) -> list[tuple[str, str]]:
     ]
 
 
-def _table(*headers: str) -> Table:
-    table = Table(*headers, box=box.SIMPLE_HEAD, show_header=bool(headers), padding=(0, 2))
-    table.show_edge = False
-    return table
-
-
-def _kv_table(rows: Sequence[tuple[str, str]]) -> Table:
-    table = _table()
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    for label, value in rows:
-        table.add_row(label, value)
-    return table
+def _kv_table(name: str, rows: Sequence[tuple[str, str]]) -> tables.Table:
+    columns = (tables.Column("metric", "left"), tables.Column("value"))
+    values = tuple({"metric": label, "value": value} for label, value in rows)
+    return tables.Table(name, TITLES[name], columns, tuple(rows), values)
 
 
 def _reuse_rows(reuse: Section) -> list[tuple[str, str]]:
@@ -214,20 +207,33 @@ def _balance_rows(balance: Section) -> list[tuple[str, str]]:
     ]
 
 
-def _triggers_table(triggers: Section) -> Table:
-    table = _table("Trigger", "Requests", "Share", "Tokens", "Share")
-    for column in table.columns[1:]:
-        column.justify = "right"
+def _triggers_table(triggers: Section) -> tables.Table:
+    columns = (
+        tables.Column("trigger", "left"),
+        *(tables.Column(h) for h in ("requests", "share", "tokens", "token share")),
+    )
     requests, tokens = shares(triggers["requests"]), shares(triggers["tokens"])
+    rows, values = [], []
     for key in TRIGGER_SOURCES:
-        table.add_row(
-            key,
-            count(triggers["requests"][key]),
-            pct(requests[key]),
-            count(triggers["tokens"][key]),
-            pct(tokens[key]),
+        rows.append(
+            (
+                key,
+                count(triggers["requests"][key]),
+                pct(requests[key]),
+                count(triggers["tokens"][key]),
+                pct(tokens[key]),
+            )
         )
-    return table
+        values.append(
+            {
+                "trigger": key,
+                "requests": triggers["requests"][key],
+                "share": requests[key],
+                "tokens": triggers["tokens"][key],
+                "token_share": tokens[key],
+            }
+        )
+    return tables.Table("triggers", TITLES["triggers"], columns, tuple(rows), tuple(values))
 
 
 _ROWS: dict[str, Callable[[Section], list[tuple[str, str]]]] = {
@@ -238,12 +244,19 @@ _ROWS: dict[str, Callable[[Section], list[tuple[str, str]]]] = {
 }
 
 
-def _section_table(name: str, section: Section) -> Table | None:
+def section_table(name: str, section: Section) -> tables.Table | None:
+    """A finding's numbers as a table (None where the trace cannot measure them)."""
     if name == "triggers":
         return _triggers_table(section)
     if not section.get("measurable", True):
         return None
-    return _kv_table(_ROWS[name](section))
+    return _kv_table(name, _ROWS[name](section))
+
+
+def section_tables(result: Mapping[str, Any]) -> list[tables.Table]:
+    """Every finding's table, in the report's order."""
+    found = (section_table(n, result[n]) for n in TITLES if result.get(n) is not None)
+    return [t for t in found if t is not None]
 
 
 def render_summary(result: Mapping[str, Any], console: Console) -> None:
@@ -262,6 +275,6 @@ def render_summary(result: Mapping[str, Any], console: Console) -> None:
         console.print()
         console.rule(Text(title, style="bold cyan"), align="left")
         console.print(Text(finding(result, name), style="italic"))
-        table = _section_table(name, section)
+        table = section_table(name, section)
         if table is not None:
-            console.print(table)
+            tables.print_table(dataclasses.replace(table, title=""), console)

@@ -41,7 +41,9 @@ class Analyzer:
         self.engine_tokenizer = engine_tokenizer
         self.max_body_bytes = max_body_bytes
         self._max_prompt_tokens = max_prompt_tokens
-        self._slots = asyncio.Semaphore(threads)
+        # 0: every body on the event loop (a tokenizer that holds the GIL gains nothing).
+        self.threads = threads
+        self._slots = asyncio.Semaphore(max(threads, 1))
         # A message too long for any engine is refused before it is tokenised.
         self.tokenizer = CappedTokenizer(tokenizer, self.max_prompt_tokens)
         # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
@@ -70,7 +72,7 @@ class Analyzer:
         GIL while it encodes, so other requests keep streaming meanwhile; a few at a time,
         since each holds its tokens meanwhile."""
         if not self.engine_tokenizer:
-            if large:
+            if large and self.threads:
                 async with self._slots:
                     return await asyncio.to_thread(self.analyze_now, body, api)
             return self.analyze_now(body, api)

@@ -9,7 +9,9 @@ This module is wiring only. The parts, each behind a small interface:
   HTTP, shared with other front doors;
 - ``serve.forwarding.Forwarder``: attempts, retries, relay, usage, and the completion
   observers (``Router.observers``);
-- ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``.
+- ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``;
+- ``record.Recorder``, where one is given: a completion observer writing a trace of the
+  requests served (``serve --record``).
 
 A request counts as in flight from the moment it is routed until its response ends, fails
 or the client goes away (``serve.upstream``).
@@ -18,6 +20,7 @@ or the client goes away (``serve.upstream``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,9 +34,12 @@ from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestError
 from smetric.core.parsing import decode_body
 from smetric.core.policies import DEFAULT_POLICY
+from smetric.record.recorder import Observation, Recorder
+from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.auth import require_key
 from smetric.serve.disagg import Disaggregation
+from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import ENGINE_HEADER, PREDICTED_HIT_HEADER, Call, Colocated, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import error_response, errors_as_json
@@ -96,6 +102,8 @@ class RouterSettings:
     # or full (every prompt served, within global_tier_tokens if set); serve.global_tier.
     global_tier: str = "none"
     global_tier_tokens: int = 0
+    # On SIGTERM: no new connections, and this long for the requests in flight to finish.
+    drain_timeout_s: float = 30.0
 
 
 @dataclass
@@ -111,6 +119,10 @@ class Router:
     subscribers: dict[str, KVEventSubscriber] = field(default_factory=dict)
     # Prefill and decode roles of the engines, when they serve disaggregated (disagg.py).
     disagg: Disaggregation | None = None
+    # Engines that join and leave as DNS says (serve.discovery), beside those listed.
+    discovery: Discovery | None = None
+    # Writes a trace of the requests served (``smetric.record``).
+    recorder: Recorder | None = None
 
     def __post_init__(self) -> None:
         settings = self.settings
@@ -124,6 +136,9 @@ class Router:
                 settings.block_size,
                 self.engines,
             ),
+            # Disaggregated, the policy places prefills: on unprefilled tokens (Figure 13,
+            # line 29).
+            load="inflight_requests" if self.disagg is None else "unprefilled_tokens",
         )
         self.metrics = RouterMetrics(self.core.policy.name, [])
         self.pool = EnginePool(
@@ -172,6 +187,8 @@ class Router:
         self.dispatcher = (
             Colocated(self.wiring) if self.disagg is None else self.disagg.attach(self.wiring)
         )
+        if self.recorder is not None:
+            self.observers.append(self.record)
 
     @property
     def observers(self) -> list[CompletionObserver]:
@@ -181,7 +198,7 @@ class Router:
     # -- application --------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        open_paths = {"/health", "/metrics"} if self.settings.open_metrics else {"/health"}
+        open_paths = {"/health", "/live"} | ({"/metrics"} if self.settings.open_metrics else set())
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
             middlewares=[errors_as_json, require_key(self.settings.api_keys, open_paths)],
@@ -191,6 +208,7 @@ class Router:
             app.router.add_post(path, self._handler(path, api))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/live", alive)
         app.router.add_get("/metrics", self.prometheus)
         app.cleanup_ctx.append(self.lifecycle)
         return app
@@ -205,8 +223,15 @@ class Router:
             timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
         )
         await self.pool.start(client)
-        yield
+        if self.recorder is not None:
+            self.recorder.start()  # here, so that each forked worker runs its own writer
+        async with contextlib.AsyncExitStack() as stack:
+            if self.discovery is not None:
+                await stack.enter_async_context(self.discovery.kept(self.pool))
+            yield
         await self.pool.close()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
         await client.close()
 
     # -- proxying ------------------------------------------------------------------------
@@ -239,6 +264,7 @@ class Router:
             identity.harness or "none", identity.role, identity.call(facts.turn)
         ).inc()
         completion = Completion(api, path, is_stream(body), facts, identity)
+        completion.trigger = body_trigger(body)
         call = Call(request, path, raw, body, facts, completion)
         try:
             response = await self.dispatcher.dispatch(call)
@@ -260,6 +286,37 @@ class Router:
             raise BodyError(413, f"request body too large: over {limit} bytes")
         encoding = request.headers.get("Content-Encoding", "")
         return decoded_body(await request.read(), encoding, limit)
+
+    def record(self, completion: Completion) -> None:
+        """Queue a request an engine served (the client hanging up included) for the
+        recorder; a disaggregated one under its prefill engine, where its prompt is."""
+        assert self.recorder is not None
+        engine = completion.prefill_engine or completion.engine
+        if engine is None or not 200 <= completion.status < 400:
+            return
+        facts, identity = completion.facts, completion.identity
+        self.recorder.observe(
+            Observation(
+                arrival_s=completion.received_at,
+                completion_s=completion.received_at + completion.duration_s,
+                blocks=facts.blocks,
+                prompt_tokens=facts.prompt_tokens,
+                output_tokens=completion.output_tokens,
+                cached_tokens=(
+                    completion.cached_tokens
+                    if completion.prefill_engine is None
+                    else completion.prefill_cached_tokens
+                ),
+                turn=facts.turn,
+                conversation=facts.session_key,
+                engine=engine,
+                branch=completion.branch or "",
+                trigger=completion.trigger,
+                session=identity.session,
+                agent=identity.agent,
+                parent_agent=identity.parent,
+            )
+        )
 
     # -- small endpoints -----------------------------------------------------------------
 
@@ -288,3 +345,9 @@ class Router:
     async def prometheus(self, request: web.Request) -> web.Response:
         body = self.metrics.exposition(self.engines)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def alive(request: web.Request) -> web.Response:
+    """Liveness, apart from readiness (``/health``): the process answers, engines or not,
+    so a router without engines is taken out of rotation but not restarted."""
+    return web.json_response({"status": "alive"})

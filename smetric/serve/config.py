@@ -17,15 +17,24 @@ from smetric.serve.engines import Engine
 from smetric.serve.global_tier import GLOBAL_TIERS
 from smetric.serve.kv_subscriber import KVEventSubscriber
 
+# What a config may hold at its top level.
+SECTIONS = ("engines", "prefill_engines", "decode_engines", "router")
+
 
 def read_config(path: Path) -> dict[str, Any]:
-    """The config's top-level mapping (empty for an empty file)."""
+    """The config's top-level mapping (empty for an empty file); a key it does not know
+    (a typo such as ``engine:``) is an error, not silently nothing."""
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ValueError(f"{path}: cannot read YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a mapping (engines:, router:, ...)")
+    unknown = [str(key) for key in data if key not in SECTIONS]
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; a config has {', '.join(SECTIONS)}"
+        )
     return data
 
 
@@ -96,6 +105,7 @@ def engines_from(
 # setting's name. The flags win over it.
 TUNABLE = (
     "policy",
+    "api_keys",
     "block_size",
     "health_interval_s",
     "scrape_interval_s",
@@ -116,6 +126,7 @@ TUNABLE = (
     "open_metrics",
     "global_tier",
     "global_tier_tokens",
+    "drain_timeout_s",
 )
 
 
@@ -131,6 +142,10 @@ def router_options(config: Path | None) -> dict[str, Any]:
         if key not in TUNABLE:
             raise ValueError(f"{config}: unknown router setting {key!r}; one of {TUNABLE}")
         wanted = types[key]
+        if key == "api_keys":
+            if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+                raise ValueError(f"{config}: router.api_keys must be a list of keys")
+            continue
         if key == "policy":
             if not isinstance(value, str):
                 raise ValueError(f"{config}: router.policy must be a policy name")
@@ -142,7 +157,10 @@ def router_options(config: Path | None) -> dict[str, Any]:
         fits = isinstance(value, wanted) or (wanted is float and type(value) is int)
         if not fits or isinstance(value, bool) != (wanted is bool) or value < 0:
             raise ValueError(f"{config}: router.{key} must be a non-negative {wanted.__name__}")
-    return dict(section)
+    options = dict(section)
+    if "api_keys" in options:
+        options["api_keys"] = frozenset(options["api_keys"])
+    return options
 
 
 def disaggregation_from(

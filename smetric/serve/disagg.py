@@ -16,9 +16,9 @@ disaggregated serving proxy (the toy proxy in vLLM's
 The prefill engine is chosen by the policy under test, on a view whose load is each
 prefill engine's unprefilled prompt tokens in flight (the prompt minus the predicted hit,
 Figure 13 line 29), so the same policy code as the simulator's disaggregated mode runs
-here. The decode engine is chosen by ``decode_policy``: ``least_kv`` takes the engine's
-scraped ``kv_cache_usage`` where fresh (else its requests in flight), ``least_requests``
-the requests in flight, ``round_robin`` turns.
+here. The decode engine is chosen by ``decode_policy``, the simulator's decode policies
+(``core.policies.decode``) over the engines' requests in flight and scraped
+``kv_cache_usage`` (unknown where the scrape is stale).
 
 Failures are handled as for colocated engines, each leg on the forwarder's ``try_engines``
 (``serve.upstream.Attempt``: the leg's load, the ``first_byte_timeout_s`` and
@@ -42,7 +42,12 @@ from typing import Any
 
 from aiohttp import web
 
-from smetric.core.policies.ties import TieBreaker
+from smetric.core.policies.decode import (
+    DEFAULT_DECODE_POLICY,
+    DecodePolicy,
+    DecodeView,
+    make_decode_policy,
+)
 from smetric.serve.dispatch import PREDICTED_HIT_HEADER, Call, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error
@@ -51,7 +56,6 @@ from smetric.serve.upstream import Attempt, EngineFault
 
 log = logging.getLogger("smetric.serve")
 
-DECODE_POLICIES = ("least_kv", "least_requests", "round_robin")
 PREFILL_HEADER = "x-smetric-prefill-engine"
 # How long the prefill leg took as the router saw it, and the prompt tokens the prefill
 # engine found cached: what ``smetric replay`` measures prefill TTFT and reuse with.
@@ -89,19 +93,16 @@ class Disaggregation:
 
     prefill_urls: frozenset[str]
     decode_urls: frozenset[str]
-    decode_policy: str = "least_kv"
+    decode_policy: str = DEFAULT_DECODE_POLICY
     staleness_s: float = 5.0
-    _turns: TieBreaker = field(default_factory=TieBreaker)
+    _decode: DecodePolicy = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("a disaggregated cluster needs prefill and decode engines")
         if self.prefill_urls & self.decode_urls:
             raise ValueError("an engine cannot be both a prefill and a decode engine")
-        if self.decode_policy not in DECODE_POLICIES:
-            raise ValueError(
-                f"decode policy {self.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
-            )
+        self._decode = make_decode_policy(self.decode_policy)
 
     def attach(self, wiring: Wiring) -> Disaggregation:
         self.wiring = wiring
@@ -119,21 +120,18 @@ class Disaggregation:
     # -- choosing -------------------------------------------------------------------------
 
     def choose_decode(self, engines: list[Engine]) -> Engine:
-        rule = self.decode_policy
         now = time.monotonic()
 
-        def measure(engine: Engine) -> float:
+        def kv_used(engine: Engine) -> float | None:
             report = engine.report
             fresh = report is not None and now - report.at <= self.staleness_s
-            if rule == "least_kv" and fresh and report.kv_usage is not None:
-                return report.kv_usage
-            return float(engine.inflight)
+            return report.kv_usage if fresh and report is not None else None
 
-        if rule == "round_robin":
-            engine = engines[self._turns.take(len(engines))]
-        else:
-            engine = engines[self._turns.argmin([measure(e) for e in engines])]
-        log.info(json.dumps({"event": "route_decode", "engine": engine.url, "rule": rule}))
+        view = DecodeView([e.total_inflight() for e in engines], [kv_used(e) for e in engines])
+        decision = self._decode.choose(view)
+        engine = engines[decision.instance]
+        event = {"event": "route_decode", "engine": engine.url, "rule": self.decode_policy}
+        log.info(json.dumps({**event, "branch": decision.branch}))
         return engine
 
     # -- the two legs -----------------------------------------------------------------------
@@ -144,9 +142,9 @@ class Disaggregation:
         headers = forwarder.upstream_headers(call.request)
 
         def choose_prefill(engines: list[Engine]) -> tuple[Engine, int]:
-            """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29)."""
-            loads = [float(e.total_unprefilled()) for e in engines]
-            decision = wiring.decide_call(call, engines, loads)
+            """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29):
+            the router's policy balances them when it serves disaggregated."""
+            decision = wiring.decide_call(call, engines)
             return decision.engine, decision.predicted_hit_tokens
 
         async def prefill(attempt: Attempt, predicted: int) -> Prefilled | web.Response:

@@ -67,27 +67,24 @@ class Wiring:
         self,
         facts: RequestFacts,
         engines: Sequence[Engine],
-        loads: Sequence[float] | None = None,
         identity: AgentIdentity = ANONYMOUS,
     ) -> Decision:
         """The core's decision, counted and logged (every front door's decisions alike)."""
-        decision = self.core.decide(facts, engines, loads)
+        decision = self.core.decide(facts, engines)
         self.metrics.decisions.labels(decision.branch).inc()
         if log.isEnabledFor(logging.INFO):  # the line costs more than the decision
             log.info(json.dumps(explain(decision, facts, identity)))
         return decision
 
-    def decide_call(
-        self, call: Call, engines: list[Engine], loads: list[float] | None = None
-    ) -> Decision:
+    def decide_call(self, call: Call, engines: list[Engine]) -> Decision:
         """``decide`` for a dispatched call, noted in its completion record."""
         completion = call.completion
-        decision = self.decide(call.facts, engines, loads, completion.identity)
+        decision = self.decide(call.facts, engines, completion.identity)
         completion.branch = decision.branch
         completion.predicted_hit_tokens = decision.predicted_hit_tokens
         chosen = engines.index(decision.engine)
         completion.predicted_local_tokens = decision.hits[chosen]
-        completion.queued_tokens = decision.view.prefill_tokens[chosen]
+        completion.queued_tokens = decision.view.unprefilled_tokens[chosen]
         return decision
 
     def record_served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:

@@ -201,11 +201,11 @@ class Engine:
         return int(self._load[:, _INFLIGHT].sum())
 
     def total_inflight_tokens(self) -> int:
-        """Every worker's in-flight prompt tokens here: ``smetric_cost``'s ``token_load``."""
+        """Every worker's in-flight prompt tokens here: ``ClusterView.inflight_prompt_tokens``."""
         return int(self._load[:, _INFLIGHT_TOKENS].sum())
 
     def total_unprefilled(self) -> int:
-        """Every worker's unprefilled tokens here: Dynamo's ``prefill_tokens`` load."""
+        """Every worker's unprefilled tokens here: ``ClusterView.unprefilled_tokens``."""
         return int(self._load[:, _UNPREFILLED].sum())
 
     def share_load(self, table: np.ndarray, row: int) -> None:

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ from smetric.serve.identity import ANONYMOUS, IDENTITY_HEADERS, AgentIdentity
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.pool import EnginePool
 from smetric.serve.upstream import Attempt, EngineFault, Timeouts
+from smetric.trace.schema import Trigger
 
 log = logging.getLogger("smetric.serve")
 
@@ -60,7 +61,10 @@ class Completion:
     branch: str | None = None
     predicted_hit_tokens: int = 0
     cached_tokens: int | None = None
+    output_tokens: int | None = None
     prefill_cached_tokens: int | None = None
+    # Who sent it, by its last message: a user, or the agent loop with a tool result.
+    trigger: Trigger = Trigger.UNKNOWN
     status: int = 0
     # completed, engine_error (the client got an error), client_gone, cut (mid-stream).
     outcome: str = "engine_error"
@@ -200,7 +204,9 @@ class Forwarder:
             completion.ttft_s = time.perf_counter() - completion.started
             if delivery.served is not None:
                 delivery.served(attempt.engine)
-            completion.cached_tokens = self.count_cached(attempt.engine, UsageTap.of(body))
+            usage = UsageTap.of(body)
+            completion.cached_tokens = self.count_cached(attempt.engine, usage)
+            completion.output_tokens = usage.output_tokens()
             completion.outcome = "completed"
             response = web.Response(body=body, status=upstream.status)
             response.content_type = upstream.content_type or "application/json"
@@ -247,6 +253,7 @@ class Forwarder:
                 gaps.pop()  # the wait for the end, not a chunk
             # Before the client can see the end and ask again.
             completion.cached_tokens = self.count_cached(engine, usage)
+            completion.output_tokens = usage.output_tokens()
             completion.outcome = "completed"
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
@@ -311,16 +318,30 @@ class UsageTap:
             self.kept -= len(self.chunks.popleft())
 
     def cached_tokens(self) -> int | None:
-        tail = b"".join(self.chunks)[-self.KEEP :]
-        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
-            if b'"usage"' not in piece:
-                continue
-            try:
-                usage = json.loads(piece).get("usage") or {}
-            except (ValueError, AttributeError):
-                continue
+        for usage in self._usages():
             details = usage.get("prompt_tokens_details") or {}
             cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
             if isinstance(cached, int):
                 return cached
         return None
+
+    def output_tokens(self) -> int | None:
+        """OpenAI's ``completion_tokens`` or Anthropic's ``output_tokens``."""
+        for usage in self._usages():
+            tokens = usage.get("completion_tokens", usage.get("output_tokens"))
+            if isinstance(tokens, int):
+                return tokens
+        return None
+
+    def _usages(self) -> Iterator[dict]:
+        """The ``usage`` objects in the kept tail, last first."""
+        tail = b"".join(self.chunks)[-self.KEEP :]
+        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
+            if b'"usage"' not in piece:
+                continue
+            try:
+                usage = json.loads(piece).get("usage")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(usage, dict):
+                yield usage

@@ -6,11 +6,11 @@ Agent harnesses name their session and agent in headers: Claude Code sends
 ``thread-id``); OpenCode ``x-session-id`` or ``x-session-affinity``; Dynamo reads
 ``x-dynamo-session-id``; an OpenAI request may carry ``prompt_cache_key`` in its body.
 
-The router stays stateless (DESIGN.md): the turn is derived from the body, and nothing is
-stored under these ids. They label the decision log, a metric of bounded cardinality
-(harness and role, never the ids), and the completion record a recorder writes; and,
-with the body's turn, they tell a sub-agent's first call (its history starts here) from
-its follow-ups.
+The router stays stateless (docs/concepts/architecture.md): the turn is derived from the
+body, and nothing is stored under these ids. They label the decision log, a metric of
+bounded cardinality (harness and role, never the ids), and the completion record a
+recorder writes; and, with the body's turn, they tell a sub-agent's first call (its
+history starts here) from its follow-ups.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class AgentIdentity:
 
     def call(self, turn: int) -> str:
         """``first`` for the first call of this (sub-)agent's conversation (the body's
-        turn is 1: no earlier assistant message), else ``follow_up``."""
-        return "first" if turn <= 1 else "follow_up"
+        turn is 0: no earlier assistant message), else ``follow_up``."""
+        return "first" if turn == 0 else "follow_up"
 
     def labels(self, turn: int) -> dict[str, Any]:
         return {

@@ -138,6 +138,13 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.ejections = Counter(
+            "smetric_engine_ejections",
+            "Times the engine was taken out of rotation: a failed health check, failures in "
+            "a row, a lost connection or a stall.",
+            ["engine"],
+            registry=self.registry,
+        )
         self.pd_routed = Counter(
             "smetric_pd_routed",
             "Requests sent to each engine, by leg (prefill or decode).",
@@ -162,12 +169,24 @@ class RouterMetrics:
         for url in engines:
             self.engine_joined(url, True)
 
-    _PER_ENGINE = ("inflight", "unprefilled", "healthy", "view_blocks", "predicted", "reported")
+    _PER_ENGINE = (
+        "inflight",
+        "unprefilled",
+        "healthy",
+        "view_blocks",
+        "predicted",
+        "reported",
+        "ejections",
+        "stalls",
+    )
 
     def engine_joined(self, url: str, healthy: bool) -> None:
         self.healthy.labels(url).set(1 if healthy else 0)
         self.inflight.labels(url).set(0)
         self.unprefilled.labels(url).set(0)
+        # Counters start at 0, so a rate over them exists before the first event.
+        self.ejections.labels(url)
+        self.stalls.labels(url)
 
     def exposition(self, engines: Iterable[Engine]) -> bytes:
         """The text format, with the engines' gauges read now."""

@@ -183,6 +183,7 @@ class EnginePool:
     def eject(self, engine: Engine, reason: str) -> None:
         if engine.healthy:
             log.warning(json.dumps({"event": "eject", "engine": engine.url, "reason": reason}))
+            self.metrics.ejections.labels(engine.url).inc()
         engine.healthy = False
         self.metrics.healthy.labels(engine.url).set(0)
 

@@ -48,8 +48,9 @@ class RoutingCore:
         block_size: int,
         staleness_s: float,
         global_tier: GlobalTierView | None = None,
+        load: str = "inflight_requests",
     ) -> None:
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, load=load)
         self.block_size = block_size
         self.staleness_s = staleness_s
         self.global_tier = global_tier
@@ -58,16 +59,12 @@ class RoutingCore:
         self,
         facts: RequestFacts,
         engines: Sequence[Engine],
-        loads: Sequence[float] | None = None,
     ) -> tuple[ClusterView, list[int], int | None]:
         """The cluster as the policy sees it for this request, with each engine's local
-        hit and the global tier's (None: unknown). ``loads`` replaces the in-flight
-        requests as load (disaggregated prefills: unprefilled tokens)."""
+        hit and the global tier's (None: unknown)."""
         bs = self.block_size
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
-        if loads is None:
-            now = time.monotonic()
-            loads = [e.load(now, self.staleness_s) for e in engines]
+        now = time.monotonic()
         tier = self.global_tier
         global_hit = (
             None
@@ -76,10 +73,10 @@ class RoutingCore:
         )
         view = ClusterView(
             hit_tokens=hits,
-            load=list(loads),
-            prefill_tokens=[float(e.total_unprefilled()) for e in engines],
+            inflight_requests=[e.load(now, self.staleness_s) for e in engines],
+            unprefilled_tokens=[float(e.total_unprefilled()) for e in engines],
             instance_ids=[e.number for e in engines],
-            token_load=[float(e.total_inflight_tokens()) for e in engines],
+            inflight_prompt_tokens=[float(e.total_inflight_tokens()) for e in engines],
             global_hit_tokens=global_hit,
         )
         return view, hits, global_hit
@@ -88,14 +85,13 @@ class RoutingCore:
         self,
         facts: RequestFacts,
         engines: Sequence[Engine],
-        loads: Sequence[float] | None = None,
     ) -> Decision:
         """The policy's pick among ``engines`` (at least one).
 
         The predicted hit is the better of the engine's local hit and the global tier's,
         as the simulator's instance counts a queued request's unprefilled tokens and as
         vLLM reports ``cached_tokens`` (tokens a KV connector loads count as cached)."""
-        view, hits, global_hit = self.view(facts, engines, loads)
+        view, hits, global_hit = self.view(facts, engines)
         choice = self.policy.route(facts.routing_request(), view)
         predicted = hits[choice.instance]
         if global_hit is not None:
@@ -125,8 +121,8 @@ def explain(
         "predicted_hit_tokens": decision.predicted_hit_tokens,
         "hit_tokens": decision.hits,
         "global_hit_tokens": decision.global_hit_tokens,
-        "loads": view.load,
-        "token_loads": view.token_load,
-        "prefill_tokens": view.prefill_tokens,
+        "inflight_requests": view.inflight_requests,
+        "inflight_prompt_tokens": view.inflight_prompt_tokens,
+        "unprefilled_tokens": view.unprefilled_tokens,
         **identity.labels(facts.turn),
     }

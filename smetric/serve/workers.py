@@ -62,12 +62,15 @@ def serve(router: Router, sockets: list[socket.socket]) -> None:
     """Serve ``router`` on the listening ``sockets`` (``serve.listen``), one worker process
     each, until SIGINT or SIGTERM."""
     if len(sockets) == 1:
-        _run(router.app(), sockets[0])
+        _run(router.app(), sockets[0], router.settings.drain_timeout_s)
     else:
         _fork_workers(router, sockets)
 
 
-def _run(app: web.Application, sock: socket.socket) -> None:
+def _run(app: web.Application, sock: socket.socket, drain_s: float) -> None:
+    """Serve until SIGINT or SIGTERM, then drain: the socket closes at once (no new
+    connections), the requests in flight get ``drain_s`` to finish before they are cut,
+    and the engines' checks and subscriptions stop last."""
     # What exists by now (modules, the configuration) lives as long as the process: left
     # out of the collector's full passes, which otherwise cost milliseconds every few
     # hundred requests (the p99 of a decision).
@@ -79,6 +82,7 @@ def _run(app: web.Application, sock: socket.socket) -> None:
         print=None,
         access_log=None,
         handler_cancellation=True,
+        shutdown_timeout=drain_s,
         loop=new_event_loop(),
     )
 
@@ -177,7 +181,7 @@ def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
                 for other, sock in enumerate(sockets):
                     if other != worker:
                         sock.close()
-                _run(app, sockets[worker])
+                _run(app, sockets[worker], router.settings.drain_timeout_s)
             except BaseException:
                 log.exception("router worker %d failed", worker)
                 code = 1

@@ -4,7 +4,8 @@ Events sit on one heap keyed by (time, kind, sequence number): at equal times a 
 is applied before a wake-up and a wake-up before an arrival, and otherwise events keep
 the order they were created in, so a run is a pure function of its inputs and seed.
 The policy sees the same view the live router builds: per instance, the local-tier prefix
-hit for this request and the load (requests in flight), plus queued prefill tokens.
+hit for this request, the requests in flight, their prompt tokens and those not yet
+prefilled.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class Simulation:
         )
         req.instance, req.branch = decision
         req.seen_local_hit = view.hit_tokens[decision.instance]
-        req.seen_queued = view.prefill_tokens[decision.instance]
+        req.seen_queued = view.unprefilled_tokens[decision.instance]
         self.dispatch(self.instances[decision.instance], self.work(req), now)
 
     def work(self, req: SimRequest) -> SimRequest:
@@ -287,9 +288,9 @@ class Simulation:
         )
         return ClusterView(
             hit_tokens=hits,
-            load=[float(i.inflight) for i in routed],
-            prefill_tokens=[float(i.unprefilled) for i in routed],
-            token_load=[float(i.inflight_tokens) for i in routed],
+            inflight_requests=[float(i.inflight) for i in routed],
+            unprefilled_tokens=[float(i.unprefilled) for i in routed],
+            inflight_prompt_tokens=[float(i.inflight_tokens) for i in routed],
             global_hit_tokens=reusable_hit_tokens(
                 self.global_tier.match(req.blocks), req.prompt, bs
             ),

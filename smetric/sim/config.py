@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from smetric.core.policies import POLICY_NAMES
+from smetric.core.policies.decode import make_decode_policy
 from smetric.metrics.slo import SLOConfig
 
 
@@ -38,9 +39,9 @@ class ClusterConfig:
     # "none", "full" (never evicts) or a multiple of the cluster's total local capacity.
     global_capacity: str = "full"
     # Links to the global tier (kv.Route). The paper's testbed: servers of 8 H20 GPUs with
-    # 200 Gbps RDMA NICs (about 21.7 GB/s effective each, perf-anchors.md); the paper does
-    # not say how many NICs a server has, so the default is Mooncake's reference setup of
-    # four (87 GB/s per server, Mooncake README). The GPUs of a server share its NICs;
+    # 200 Gbps RDMA NICs (about 21.7 GB/s effective each, as measured for such NICs); the
+    # paper does not say how many NICs a server has, so the default is Mooncake's reference
+    # setup of four (87 GB/s per server, Mooncake README). The GPUs of a server share its NICs;
     # each GPU also has its own PCIe Gen5 x16 lane to host memory (~50 GB/s measured).
     gpus_per_server: int = 8
     nics_per_server: int = 4
@@ -173,7 +174,6 @@ def dump_yaml(config: SimConfig, path: Path) -> None:
 
 
 KV_LOAD_MODES = ("sync", "async")
-DECODE_POLICIES = ("least_kv", "least_requests", "round_robin")
 
 
 def check_disaggregation(cluster: ClusterConfig) -> None:
@@ -182,10 +182,7 @@ def check_disaggregation(cluster: ClusterConfig) -> None:
         raise ValueError("prefill and decode instance counts must not be negative")
     if cluster.decode_instances and not cluster.prefill_instances:
         raise ValueError("decode instances need prefill instances (--prefill-instances N)")
-    if cluster.decode_policy not in DECODE_POLICIES:
-        raise ValueError(
-            f"decode policy {cluster.decode_policy!r}: use one of {', '.join(DECODE_POLICIES)}"
-        )
+    make_decode_policy(cluster.decode_policy)
 
 
 def check_kv_load(mode: str) -> str:

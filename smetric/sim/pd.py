@@ -1,8 +1,8 @@
 """PD disaggregation: prefill-only instances hand their KV to decode instances over links.
 
 The paper's Figure 4c. The router picks a prefill instance with the policy under test,
-whose load is then the instance's unprefilled prompt tokens (Figure 13, line 29), and a
-decode instance with a rule of its own (``DECODE_RULES``). Only prefill instances read
+balancing the instances' unprefilled prompt tokens as load (Figure 13, line 29), and a
+decode instance with a decode policy (``core.policies.decode``). Only prefill instances read
 and write the global tier. What each side does is what vLLM does with its NIXL
 connector behind the disaggregated proxy:
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from smetric.core.policies import ClusterView, Policy
-from smetric.core.policies.ties import TieBreaker
+from smetric.core.policies import Policy
+from smetric.core.policies.decode import DecodeView, make_decode_policy
 from smetric.core.prefix_cache import Handle
 from smetric.core.prices import Completion, PriceLearner
 from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
@@ -105,7 +105,7 @@ class DecodeInstance(Instance):
             self.on_pull(rid, at)
 
 
-def _kv_use(decoder: DecodeInstance) -> float:
+def _kv_used_fraction(decoder: DecodeInstance) -> float:
     """Share of the KV pool in use or claimed by the queue (cached free blocks excluded).
 
     vLLM's ``kv_cache_usage`` counts only blocks running requests hold; the queue is added
@@ -117,27 +117,11 @@ def _kv_use(decoder: DecodeInstance) -> float:
     return (in_use + queued) / pool.capacity
 
 
-DECODE_RULES: dict[str, Callable[[DecodeInstance], float] | None] = {
-    "least_kv": _kv_use,
-    "least_requests": lambda d: float(d.inflight),
-    "round_robin": None,
-}
-
-
-class DecodeRule:
-    """Picks a decode instance: the least of a measure (ties round-robin), or round-robin."""
-
-    def __init__(self, name: str) -> None:
-        if name not in DECODE_RULES:
-            raise ValueError(f"decode policy {name!r}: use one of {', '.join(DECODE_RULES)}")
-        self.name = name
-        self._measure = DECODE_RULES[name]
-        self._ties = TieBreaker()
-
-    def choose(self, decoders: list[DecodeInstance]) -> int:
-        if self._measure is None:
-            return self._ties.take(len(decoders))
-        return self._ties.argmin([self._measure(d) for d in decoders])
+def decode_view(decoders: list[DecodeInstance]) -> DecodeView:
+    return DecodeView(
+        inflight_requests=[d.inflight for d in decoders],
+        kv_used_fraction=[_kv_used_fraction(d) for d in decoders],
+    )
 
 
 @dataclass(slots=True)
@@ -166,7 +150,7 @@ class DisaggSimulation(Simulation):
         super().__init__(
             dataclasses.replace(config, instances=prefill), policy, workload, progress, learner
         )
-        self.decode_rule = DecodeRule(config.decode_policy)
+        self.decode_policy = make_decode_policy(config.decode_policy)
         self.assumed_tpot_s = config.assumed_tpot_s
         perf, limits = engine_model(config, self.shape)
         blocks = self.instances[0].pool.capacity
@@ -192,11 +176,6 @@ class DisaggSimulation(Simulation):
         self.instances += self.decoders
         self.plan_version += [0] * decode
         self.handoffs: dict[int, Handoff] = {}
-
-    def view(self, req: SimRequest) -> ClusterView:
-        """Load is unprefilled prompt tokens under disaggregation (Figure 13, line 29)."""
-        view = super().view(req)
-        return dataclasses.replace(view, load=view.prefill_tokens)
 
     def work(self, req: SimRequest) -> SimRequest:
         """The proxy's prefill request: the same prompt, one token (``max_tokens=1``)."""
@@ -232,7 +211,7 @@ class DisaggSimulation(Simulation):
             client.first_token_at = client.finished_at = now
             super().completed(client, now + client.output * self.assumed_tpot_s)
             return
-        decoder = self.decoders[self.decode_rule.choose(self.decoders)]
+        decoder = self.decoders[self.decode_policy.choose(decode_view(self.decoders)).instance]
         handoff.decode_instance = decoder.index - self.routed
         # The pull crosses the prefill server's NICs, then the decode server's.
         decoder.sources[req.rid] = Route(self.instances[req.instance].route.nic, decoder.route.nic)

@@ -31,6 +31,11 @@ def policy_constants(cluster: ClusterConfig) -> dict[str, float]:
 
 def cluster_policy(spec: str, cluster: ClusterConfig) -> tuple[RoutingPolicy, dict[str, float]]:
     """The policy a simulated cluster routes with, and the value of each of its parameters:
-    the spec's, else derived from the cluster where the policy depends on the hardware."""
+    the spec's, else derived from the cluster where the policy depends on the hardware.
+
+    Where the policy balances load, it balances requests in flight, or under PD
+    disaggregation the prefill instances' unprefilled prompt tokens (Figure 13, line 29).
+    """
     derived = policy_constants(cluster)
-    return make_policy(spec, derived), resolve_policy(spec, derived)[1]
+    load = "unprefilled_tokens" if cluster.prefill_instances else "inflight_requests"
+    return make_policy(spec, derived, load), resolve_policy(spec, derived)[1]

@@ -213,10 +213,14 @@ class Suite:
 
     @contextlib.asynccontextmanager
     async def router(
-        self, engines: list[str], config: str | None = None
+        self, engines: list[str], config: str | None = None, default_timeouts: bool = False
     ) -> AsyncIterator[SmetricProcess]:
+        """A router in front of ``engines``; with the scale's short engine timeouts unless
+        ``default_timeouts`` (what a user who sets none gets)."""
         timeout = str(self.scale.engine_timeout_s)
-        args = ["serve", *ROUTER_FLAGS, "--first-byte-timeout", timeout, "--idle-timeout", timeout]
+        args = ["serve", *ROUTER_FLAGS]
+        if not default_timeouts:
+            args += ["--first-byte-timeout", timeout, "--idle-timeout", timeout]
         for url in engines:
             args += ["-e", url]
         if config is not None:
@@ -320,6 +324,34 @@ async def misbehaving_engine(suite: Suite, fault: Fault, title: str) -> None:
 
             row = await suite.scenario(title, router, load, healthy)
             row.note = f"the bad engine got {fake.generations} requests"
+    finally:
+        await fake.close()
+
+
+async def stalled_engine_default_timeouts(suite: Suite) -> None:
+    """An engine that takes requests, answers /health and never answers a generation, in
+    front of a router left at its default timeouts (a first byte may take 300 s): stall
+    detection and the short headers timeout of streams must end every request well
+    within 60 s, half of them streams, all retried on the good engines."""
+    scale = suite.scale
+    deadline = max(scale.deadline_s, 60.0)
+    fake = await FaultyEngine("stall").start()
+    healthy = [m.url for m in suite.mocks[1:]]
+    try:
+        async with suite.router([fake.url, *healthy], default_timeouts=True) as router:
+
+            async def load(client: aiohttp.ClientSession, url: str) -> list[str]:
+                bodies = [chat(i, stream=i % 2 == 1) for i in range(scale.requests)]
+                return list(
+                    await asyncio.gather(
+                        *(send(client, url, deadline, json_body=b) for b in bodies)
+                    )
+                )
+
+            row = await suite.scenario(
+                "stalled engine, default timeouts (1 of 4)", router, load, healthy
+            )
+            row.note = f"the stalled engine got {fake.generations} requests; none hung in 60 s"
     finally:
         await fake.close()
 
@@ -553,6 +585,7 @@ async def run_suite(scale: Scale, mocks: int = 4) -> list[Row]:
             await suite.start_mocks(mocks)
             await engine_killed_mid_stream(suite)
             await misbehaving_engine(suite, "stall", "stalled engine (1 of 4)")
+            await stalled_engine_default_timeouts(suite)
             await misbehaving_engine(suite, "http_500", "engine answering 500 (1 of 4)")
             await misbehaving_engine(suite, "garbage", "engine answering garbage (1 of 4)")
             await clients_hang_up(

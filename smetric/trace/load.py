@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -31,11 +33,17 @@ def sample_path(name: str) -> Path:
 
 
 def resolve(source: str | Path) -> Path:
-    """A path, or ``sample:NAME`` for a trace shipped with the package."""
+    """A path, or ``sample:NAME`` for a trace shipped with the package. ``~`` and
+    environment variables (``$SMETRIC_TRACES/...``) are expanded, so a preset can name a
+    trace that lives in a different place on every machine."""
     text = str(source)
     if text.startswith("sample:"):
         return sample_path(text.removeprefix("sample:"))
-    path = Path(text).expanduser()
+    expanded = os.path.expandvars(text)
+    unset = re.findall(r"\$\{?(\w+)", expanded)
+    if unset:
+        raise TraceError(text, f"environment variable {unset[0]} is not set")
+    path = Path(expanded).expanduser()
     if not path.exists():
         raise TraceError(path, "no such file or folder")
     return path

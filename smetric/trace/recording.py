@@ -24,6 +24,7 @@ import numpy as np
 import polars as pl
 
 from smetric.record.recorder import FORMAT, MANIFEST, METADATA_KEY, SEGMENT_GLOB, SEGMENT_SCHEMA
+from smetric.trace.jsonl import block_columns, list_column
 from smetric.trace.schema import (
     Trace,
     TraceError,
@@ -66,7 +67,8 @@ def segments(path: Path) -> list[Path]:
 
 
 def read_segments(path: Path) -> tuple[pl.DataFrame, int]:
-    """Every segment's rows in arrival order, and the requests the recorder dropped."""
+    """Every segment's rows in arrival order, each with its whole ``block_ids``, and the
+    requests the recorder dropped."""
     salt_id = manifest(path).get("salt_id")
     frames, dropped = [], 0
     for file in segments(path):
@@ -80,10 +82,30 @@ def read_segments(path: Path) -> tuple[pl.DataFrame, int]:
         missing = [c for c in SEGMENT_SCHEMA if c not in frame.columns]
         if missing:
             raise TraceError(file, f"not a recording segment: missing columns {missing}")
-        frames.append(frame.select([pl.col(c).cast(t) for c, t in SEGMENT_SCHEMA.items()]))
+        frame = frame.select([pl.col(c).cast(t) for c, t in SEGMENT_SCHEMA.items()])
+        frames.append(frame.with_columns(_whole_blocks(frame, file)).drop(_STORED_BLOCKS))
         dropped = max(dropped, int(meta.get("dropped", 0)))
     rows = pl.concat(frames).sort("arrival_s", maintain_order=True)
     return rows, dropped
+
+
+_STORED_BLOCKS = ("base_row", "shared_blocks", "new_block_ids")
+
+
+def _whole_blocks(frame: pl.DataFrame, file: Path) -> pl.Series:
+    """Each row's block ids: its base row's leading ``shared_blocks``, then its own."""
+    blocks: list[np.ndarray] = []
+    rows = zip(frame["base_row"], frame["shared_blocks"], frame["new_block_ids"], strict=True)
+    for i, (base, shared, new) in enumerate(rows):
+        own = new.to_numpy()
+        if base is None:
+            blocks.append(own)
+            continue
+        if not 0 <= base < i or shared > len(blocks[base]):
+            raise TraceError(file, f"row {i} refers to a base row it cannot follow")
+        blocks.append(np.concatenate([blocks[base][:shared], own]))
+    flat, offsets = block_columns(blocks)
+    return list_column(flat, offsets).alias("block_ids")
 
 
 def _parents(rows: pl.DataFrame) -> tuple[list[int | None], list[bool]]:
@@ -155,7 +177,7 @@ def load(path: Path) -> Trace:
     frame = pl.DataFrame(
         {
             "session_id": [f"{s & (2**64 - 1):016x}" for s in sessions],
-            "agent_id": [f"{a & (2**64 - 1):016x}" for a in rows["agent"].to_list()],
+            "agent_id": _agent_names(sessions, rows["agent"].to_list()),
             "turn": rows["turn"],
             "parent_id": pl.Series(parents, dtype=pl.Int64),
             "arrival_s": arrival - start,
@@ -179,6 +201,17 @@ def load(path: Path) -> Trace:
         sessions_inferred=True,
         notes=tuple(_notes(rows, info, dropped)),
     )
+
+
+def _agent_names(sessions: list[int], agents: list[int]) -> list[str]:
+    """``main`` for each session's first agent (the root, as the other loaders name it),
+    the salted id for the sub-agents."""
+    root: dict[int, int] = {}
+    names = []
+    for session, agent in zip(sessions, agents, strict=True):
+        main = root.setdefault(session, agent) == agent
+        names.append("main" if main else f"{agent & (2**64 - 1):016x}")
+    return names
 
 
 def _notes(rows: pl.DataFrame, info: dict, dropped: int) -> list[str]:

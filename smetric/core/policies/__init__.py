@@ -4,7 +4,14 @@ Build a ``ClusterView`` and a ``RoutingRequest``, get a policy from ``make_polic
 and call its ``route``.
 """
 
-from smetric.core.policies.base import ClusterView, Decision, Policy, RoutingPolicy, RoutingRequest
+from smetric.core.policies.base import (
+    LOAD_SIGNALS,
+    ClusterView,
+    Decision,
+    Policy,
+    RoutingPolicy,
+    RoutingRequest,
+)
 from smetric.core.policies.registry import (
     DEFAULT_POLICY,
     POLICIES,
@@ -21,6 +28,7 @@ from smetric.core.policies.registry import (
 
 __all__ = [
     "DEFAULT_POLICY",
+    "LOAD_SIGNALS",
     "POLICIES",
     "POLICY_NAMES",
     "ClusterView",

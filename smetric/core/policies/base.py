@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Protocol
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from smetric.core.settings import check_settings
 
@@ -40,20 +40,37 @@ class ClusterView:
 
     # Local-tier prefix hit for this request, in tokens.
     hit_tokens: Sequence[int]
-    # In-flight requests (PD colocation) or unprefilled prompt tokens (PD disaggregation).
-    load: Sequence[float]
+    # Requests in flight on the instance (a live router may raise its own count to what
+    # the engine reports queued).
+    inflight_requests: Sequence[float]
     # Unprefilled prompt tokens queued on the instance (Dynamo's rule): the sum over its
     # requests not yet past their first token of ``prompt_tokens - reusable_hit_tokens``.
-    prefill_tokens: Sequence[float]
+    unprefilled_tokens: Sequence[float]
     # Each instance's number among all the driver's configured instances, when the view
     # holds only some of them (the live router leaves ejected engines out); None: position
     # i is instance i. Session hashing keys on it, so an instance leaving the view moves
     # only its own sessions.
     instance_ids: Sequence[int] | None = None
     # Prompt tokens of the requests in flight; None where the driver does not count them.
-    token_load: Sequence[float] | None = None
+    inflight_prompt_tokens: Sequence[float] | None = None
     # How much of this request's prefix the global tier holds, in tokens; None: unknown.
     global_hit_tokens: int | None = None
+
+
+# The view's counts a policy may balance as the paper's "load": requests in flight (its
+# colocated evaluation) or unprefilled prompt tokens (disaggregated prefill, Figure 13
+# line 29). A driver tells a policy which one (``make_policy(..., load=...)``).
+LOAD_SIGNALS = ("inflight_requests", "unprefilled_tokens")
+
+
+def load_signal() -> Any:
+    """The field of a policy that balances load: which of the view's ``LOAD_SIGNALS``."""
+    return field(default="inflight_requests", metadata={"load_signal": True})
+
+
+def balances_load(cls: type) -> bool:
+    """Whether a policy class has a ``load_signal`` field."""
+    return any(f.metadata.get("load_signal") for f in fields(cls))
 
 
 class Decision(NamedTuple):
@@ -92,6 +109,9 @@ class RoutingPolicy(ABC):
 
     def __post_init__(self) -> None:
         check_settings(self)
+        load = getattr(self, "load", None)
+        if balances_load(type(self)) and load not in LOAD_SIGNALS:
+            raise ValueError(f"load {load!r}: use one of {', '.join(LOAD_SIGNALS)}")
 
     @abstractmethod
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision: ...

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.policies.base import (
+    ClusterView,
+    Decision,
+    RoutingPolicy,
+    RoutingRequest,
+    load_signal,
+)
 from smetric.core.policies.ties import TieBreaker, best_hit
 from smetric.core.settings import setting
 
@@ -30,10 +36,11 @@ class CacheAware(RoutingPolicy):
     balance_rel_threshold: float = setting(
         1.0001, "...and the most loaded exceeds this multiple of the least.", ge=0
     )
+    load: str = load_signal()
     _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        loads = view.load
+        loads = getattr(view, self.load)
         high, low = max(loads), min(loads)
         if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
             return Decision(self._ties.argmin(loads), "imbalance_balance")

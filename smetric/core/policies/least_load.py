@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from smetric.core.policies.base import ClusterView, RoutingRequest
+from smetric.core.policies.base import ClusterView, RoutingRequest, load_signal
 from smetric.core.policies.scored import Scored
 
 
@@ -17,5 +17,8 @@ class LeastLoad(Scored):
     branch = "least_load"
     branches = ("least_load",)
 
+    load: str = load_signal()
+
     def scores(self, request: RoutingRequest, view: ClusterView) -> Sequence[float]:
-        return view.load
+        loads: Sequence[float] = getattr(view, self.load)
+        return loads

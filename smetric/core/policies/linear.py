@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smetric.core.policies.base import ClusterView, RoutingRequest
+from smetric.core.policies.base import ClusterView, RoutingRequest, load_signal
 from smetric.core.policies.scored import Scored
 from smetric.core.settings import setting
 
@@ -22,9 +22,10 @@ class Linear(Scored):
     branches = ("score",)
 
     lam: float = setting(0.9, "Weight of the cache miss ratio against the load.", ge=0, le=1.0)
+    load: str = load_signal()
 
     def scores(self, request: RoutingRequest, view: ClusterView) -> list[float]:
-        loads = view.load
+        loads = getattr(view, self.load)
         max_load = max(loads)
         per_load = (1.0 - self.lam) / max_load if max_load > 0 else 0.0
         prompt = request.prompt_tokens

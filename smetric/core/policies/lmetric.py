@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smetric.core.policies.base import ClusterView, RoutingRequest
+from smetric.core.policies.base import ClusterView, RoutingRequest, load_signal
 from smetric.core.policies.scored import Scored
 
 
@@ -15,9 +15,11 @@ class LMetric(Scored):
     name = "lmetric"
     branches = ("score",)
 
+    load: str = load_signal()
+
     def scores(self, request: RoutingRequest, view: ClusterView) -> list[float]:
         prompt = request.prompt_tokens
         return [
             (prompt - hit) * (load + 1)
-            for hit, load in zip(view.hit_tokens, view.load, strict=True)
+            for hit, load in zip(view.hit_tokens, getattr(view, self.load), strict=True)
         ]

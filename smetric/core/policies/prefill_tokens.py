@@ -19,5 +19,5 @@ class PrefillTokens(Scored):
         prompt = request.prompt_tokens
         return [
             queued + (prompt - hit)
-            for queued, hit in zip(view.prefill_tokens, view.hit_tokens, strict=True)
+            for queued, hit in zip(view.unprefilled_tokens, view.hit_tokens, strict=True)
         ]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import Field
 from typing import Any
 
-from smetric.core.policies.base import RoutingPolicy
+from smetric.core.policies.base import RoutingPolicy, balances_load
 from smetric.core.policies.cache_aware import CacheAware
 from smetric.core.policies.least_load import LeastLoad
 from smetric.core.policies.linear import Linear
@@ -36,7 +36,7 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 # What ``smetric serve``, ``demo`` and ``knee`` use unless told otherwise: the policy that
-# earned it in the evaluation (README "Evaluation: each policy at its knee").
+# earned it in the evaluation (docs/results/knees.md).
 DEFAULT_POLICY = "smetric_cost"
 
 
@@ -127,12 +127,19 @@ def spec_params(spec: str) -> tuple[str, dict[str, float]]:
     return name, params
 
 
-def make_policy(spec: str, derived: Mapping[str, float] | None = None) -> RoutingPolicy:
+def make_policy(
+    spec: str, derived: Mapping[str, float] | None = None, load: str = "inflight_requests"
+) -> RoutingPolicy:
     """A fresh policy from ``name`` or ``name:key=value,key=value``.
 
     For example ``smetric:overload=1.5,hit_ratio=0.3`` or ``linear:lam=0.95``;
     ``derived`` fills the policy's hardware-derived parameters the spec leaves out
-    (``resolve_policy``).
+    (``resolve_policy``). ``load`` is the view's count the policy balances where it
+    balances one (``LOAD_SIGNALS``): the driver's to say, since it knows what it serves.
     """
     name, params = resolve_policy(spec, derived)
-    return policy_class(name)(**params)
+    cls = policy_class(name)
+    values: dict[str, Any] = dict(params)
+    if balances_load(cls):
+        values["load"] = load
+    return cls(**values)

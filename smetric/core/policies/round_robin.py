@@ -18,4 +18,4 @@ class RoundRobin(RoutingPolicy):
     _turns: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        return Decision(self._turns.take(len(view.load)), "round_robin")
+        return Decision(self._turns.take(len(view.hit_tokens)), "round_robin")

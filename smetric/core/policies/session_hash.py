@@ -7,7 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.policies.base import (
+    ClusterView,
+    Decision,
+    RoutingPolicy,
+    RoutingRequest,
+    load_signal,
+)
 from smetric.core.policies.ties import TieBreaker
 
 
@@ -49,13 +55,14 @@ class SessionHash(RoutingPolicy):
     name = "session_hash"
     branches = ("hash", "no_session_key")
 
+    load: str = load_signal()
     _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
         key = request.session_key
         if not key:
-            return Decision(self._ties.argmin(view.load), "no_session_key")
+            return Decision(self._ties.argmin(getattr(view, self.load)), "no_session_key")
         ids = view.instance_ids
         if ids is None:
-            return Decision(rendezvous(key, len(view.load)), "hash")
+            return Decision(rendezvous(key, len(view.hit_tokens)), "hash")
         return Decision(highest_random_weight(key, ids), "hash")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.policies.base import (
+    ClusterView,
+    Decision,
+    RoutingPolicy,
+    RoutingRequest,
+    load_signal,
+)
 from smetric.core.policies.ties import TieBreaker, best_hit
 from smetric.core.settings import setting
 
@@ -30,10 +36,11 @@ class SMetric(RoutingPolicy):
         "Treat a follow-up as new when its best local hit is at most this share of its history.",
         ge=0,
     )
+    load: str = load_signal()
     _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        loads = view.load
+        loads = getattr(view, self.load)
         if request.turn == 0:
             return Decision(self._ties.argmin(loads), "first_turn_balance")
         hits = view.hit_tokens

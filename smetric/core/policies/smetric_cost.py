@@ -21,21 +21,21 @@ class SMetricCost(RoutingPolicy):
     history only when the time it saves elsewhere exceeds the fetch or recompute there.
     Per instance, in seconds:
 
-    - queue: its unprefilled tokens (``prefill_tokens``) at the prefill rate of work
+    - queue: its unprefilled tokens (``unprefilled_tokens``) at the prefill rate of work
       ``queue_depth`` tokens deep into a prompt;
     - compute: this prompt's prefill beyond what it reuses there, the larger of the
       local hit and the global tier's hit (an unknown global tier counts as empty, so a
       move off a local hit costs a recompute);
     - fetch: what it takes from the global tier beyond its local hit, at ``fetch_tps``;
     - decode: ``output_tokens`` steps, each reading the KV of the instance's in-flight
-      prompts (``token_load``) at ``kv_read_s`` per token, which is what makes a crowded
+      prompts (``inflight_prompt_tokens``) at ``kv_read_s`` per token, which is what makes a crowded
       instance slow for every sequence it decodes.
 
     The work (compute and fetch) counts ``work_weight`` times: once as this request's
     wait, and once more as the wait it passes on to the requests that queue behind it on
     that instance, which near the knee is about as long; counted once, the rule moved
     sessions to recompute them whenever a queue was briefly longer than the recompute,
-    and spent the capacity it meant to save (README "Routing policies").
+    and spent the capacity it meant to save (docs/concepts/policies.md).
 
     Prefilling tokens ``0..n`` takes ``(n + n**2 / (2 * attn_tokens)) / prefill_tps``:
     linear work plus attention over the context so far, which at ``attn_tokens`` of
@@ -49,16 +49,15 @@ class SMetricCost(RoutingPolicy):
     round-robin.
 
     ``decode_weight`` charges the work once more per request in flight on the instance
-    (``load``): a prefill runs in the same steps as those requests' decodes, so each of
-    them waits about as long again, which is what makes a recompute move fail TPOT on
-    fast hardware where the work itself looks cheap (README "Where ``smetric_cost``
-    loses"). Default 0: the rule without that term. Only for PD colocation, where
-    ``load`` counts requests; a prefill-only pool's ``load`` is tokens.
+    (``inflight_requests``): a prefill runs in the same steps as those requests' decodes,
+    so each of them waits about as long again, which is what makes a recompute move fail
+    TPOT on fast hardware where the work itself looks cheap
+    (docs/results/grid-losses.md). Default 0: the rule without that term.
 
-    First turns are balanced on ``token_load`` alone and ignore their cache hit: a first
-    turn decides where a session lives for its next hour of turns, so saving a few
-    seconds on a shared system prompt there herds sessions (without a global tier that
-    cost several per cent, README "Routing policies").
+    First turns are balanced on ``inflight_prompt_tokens`` (else requests in flight) and
+    ignore their cache hit: a first turn decides where a session lives for its next hour
+    of turns, so saving a few seconds on a shared system prompt there herds sessions
+    (without a global tier that cost several per cent; docs/concepts/policies.md).
 
     With ``learn=1`` (the default) the hardware constants and ``output_tokens`` that the
     spec does not give are only starting values: the driver feeds every completed
@@ -149,9 +148,11 @@ class SMetricCost(RoutingPolicy):
         shared = self.decode_weight
         # Without token counts the decode term is left out: request counts say nothing
         # about the KV a step reads.
-        tokens = view.token_load or [0.0] * len(view.hit_tokens)
+        tokens = view.inflight_prompt_tokens or [0.0] * len(view.hit_tokens)
         out = []
-        rows = zip(view.hit_tokens, view.prefill_tokens, tokens, view.load, strict=True)
+        rows = zip(
+            view.hit_tokens, view.unprefilled_tokens, tokens, view.inflight_requests, strict=True
+        )
         for hit, queued, held, running in rows:
             reuse = max(hit, known)
             work = whole - self.prefill_s(reuse) + (reuse - hit) * per_fetch
@@ -160,7 +161,8 @@ class SMetricCost(RoutingPolicy):
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
         if request.turn == 0:
-            loads = view.load if view.token_load is None else view.token_load
+            held = view.inflight_prompt_tokens
+            loads = view.inflight_requests if held is None else held
             return Decision(self._ties.argmin(loads), "first_turn_balance")
         costs = self.costs(request, view)
         hits = view.hit_tokens

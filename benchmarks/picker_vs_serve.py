@@ -1,0 +1,202 @@
+"""``smetric pick`` behind Envoy against ``smetric serve``, on agent-sized bodies.
+
+    python benchmarks/picker_vs_serve.py [--rounds 3] [--requests 200] [--concurrency 8]
+
+Four paths to the same two trivial engines (``trivial_engine.py``: they answer at once,
+so what is measured is the path, not the engine), all in one run, round by round in a
+rotating order so that every path sees the same machine state:
+
+- **direct**: client to engine;
+- **envoy**: client, Envoy (the shipped configuration less its ext_proc filter, round robin
+  over the engines), engine: what the gateway costs by itself;
+- **serve**: client, ``smetric serve``, engine;
+- **pick**: client, Envoy, ext_proc to ``smetric pick`` (the body streamed there and back
+  over gRPC, the decision made), engine.
+
+Bodies are coding-agent sessions (``agentic_bodies.py``): the last turns of sessions of
+about ``--body-kb`` KB each, resent as an agent resends them. Each round measures every
+path's throughput (closed loop, ``--concurrency`` clients; one request is one routing
+decision for serve and pick) and its latency at concurrency 1. Reported: the median over
+rounds and the spread (min to max); the added latency of each path over direct; and the
+gRPC hop's cost, pick's latency less Envoy's and less the picker's own analysis and
+decision, timed in this process on the same bodies with the same routing core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+from agentic_bodies import agent_messages, chat_body, session_turns
+from router_overhead import LOCALHOST, processes, quantile_ms, wait_ready
+
+from smetric.gateway.picker import Picker
+from smetric.serve.app import Router, RouterSettings
+from smetric.serve.engines import Engine
+from smetric.testing.engines import free_port
+from smetric.testing.gateway import gateway_config, run_envoy, run_picker
+
+TRIVIAL = Path(__file__).resolve().parent / "trivial_engine.py"
+PATHS = ("direct", "envoy", "serve", "pick")
+
+
+def bodies(sessions: int, turns: int, body_kb: int) -> list[bytes]:
+    """The last ``turns`` turns of each session, interleaved as concurrent agents send them."""
+    per_session = [
+        session_turns(agent_messages(body_kb * 1000, seed=s))[-turns:] for s in range(sessions)
+    ]
+    return [
+        json.dumps(chat_body(turn, max_tokens=8)).encode()
+        for step in range(turns)
+        for session in per_session
+        for turn in session[step : step + 1]
+    ]
+
+
+def envoy_only(engines: Sequence[str]) -> dict:
+    """The shipped Envoy configuration without the picker: round robin over the engines."""
+    config = gateway_config(free_port(), engines=[e.split("//")[1] for e in engines])
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = manager["typed_config"]["http_filters"]
+    manager["typed_config"]["http_filters"] = [
+        f for f in filters if f["name"] != "envoy.filters.http.ext_proc"
+    ]
+    return config
+
+
+async def drive(url: str, payloads: Sequence[bytes], concurrency: int) -> tuple[float, list[float]]:
+    """Closed loop over ``payloads``: (requests/s, latencies); any failure aborts."""
+    latencies: list[float] = []
+    queue = iter(payloads)
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as client:
+
+        async def worker() -> None:
+            for payload in queue:
+                start = time.perf_counter()
+                async with client.post(
+                    url + "/v1/chat/completions", data=payload, headers=headers
+                ) as reply:
+                    body = await reply.read()
+                    if reply.status != 200:
+                        raise RuntimeError(f"{url}: {reply.status} {body[:200]!r}")
+                latencies.append(time.perf_counter() - start)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return len(latencies) / wall, latencies
+
+
+async def decision_cost(engines: Sequence[str], payloads: Sequence[bytes]) -> float:
+    """Median seconds the picker spends analysing and deciding one body, in process."""
+    router = Router([Engine(u, 16384) for u in engines], RouterSettings(policy="smetric"))
+    picker = Picker(router)
+    headers = {":method": "POST", "content-type": "application/json"}
+    costs = []
+    for payload in payloads:
+        started = time.perf_counter()
+        pick = await picker.pick("/v1/chat/completions", headers, payload, None)
+        costs.append(time.perf_counter() - started)
+        picker.served(pick, pick.endpoint, 200)
+        picker.finished(pick, complete=True)
+    return statistics.median(costs[len(costs) // 4 :])  # past the first, memo-cold quarter
+
+
+def spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+async def measure(args: argparse.Namespace, urls: dict[str, str], payloads: list[bytes]) -> dict:
+    results: dict[str, dict[str, list[float]]] = {
+        p: {"rps": [], "p50": [], "p99": []} for p in PATHS
+    }
+    single = payloads[: args.latency_requests]
+    for path in PATHS:  # warm every path (connections, the routers' memos) before measuring
+        await drive(urls[path], payloads[: 2 * args.concurrency], args.concurrency)
+    for round_ in range(args.rounds):
+        order = PATHS[round_ % len(PATHS) :] + PATHS[: round_ % len(PATHS)]
+        for path in order:
+            rps, _ = await drive(urls[path], payloads, args.concurrency)
+            _, latencies = await drive(urls[path], single, 1)
+            results[path]["rps"].append(rps)
+            results[path]["p50"].append(quantile_ms(latencies, 0.5))
+            results[path]["p99"].append(quantile_ms(latencies, 0.99))
+        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    return results
+
+
+def report(args: argparse.Namespace, results: dict, decision_ms: float, size_kb: float) -> None:
+    print(
+        f"\n{args.rounds} rounds; {args.requests} requests per throughput phase at concurrency "
+        f"{args.concurrency}, {args.latency_requests} at concurrency 1; bodies {size_kb:.0f} KB "
+        "on average; median over rounds (min-max)\n"
+    )
+    print("| path | requests/s | p50 ms (c=1) | p99 ms (c=1) | added p50 ms over direct |")
+    print("|---|---|---|---|---|")
+    direct = statistics.median(results["direct"]["p50"])
+    for path in PATHS:
+        row = results[path]
+        added = [p - direct for p in row["p50"]]
+        added_text = "-" if path == "direct" else spread(added)
+        print(
+            f"| {path} | {spread(row['rps'])} | {spread(row['p50'])} | {spread(row['p99'])} "
+            f"| {added_text} |"
+        )
+    pick_over_envoy = [
+        p - e for p, e in zip(results["pick"]["p50"], results["envoy"]["p50"], strict=True)
+    ]
+    hop = [x - decision_ms for x in pick_over_envoy]
+    rps = [p / s for p, s in zip(results["pick"]["rps"], results["serve"]["rps"], strict=True)]
+    print(f"\npick / serve throughput (decisions/s): {spread(rps)}x")
+    print(f"pick over envoy alone, p50: {spread(pick_over_envoy)} ms")
+    print(f"the picker's analysis and decision, in process: {decision_ms:.2f} ms per body")
+    print(f"the gRPC hop (pick over envoy, less the decision): {spread(hop)} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--latency-requests", type=int, default=40)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--body-kb", type=int, default=400)
+    args = parser.parse_args()
+    turns = max(1, args.requests // args.sessions)
+    payloads = bodies(args.sessions, turns, args.body_kb)[: args.requests]
+    size_kb = statistics.mean(len(p) for p in payloads) / 1000
+    with processes() as procs:
+        engines = []
+        for _ in range(2):
+            port = free_port()
+            procs.start([sys.executable, str(TRIVIAL), str(port)])
+            engines.append(f"http://{LOCALHOST}:{port}")
+        serve_port = free_port()
+        serve_args = [sys.executable, "-m", "smetric", "serve", "--port", str(serve_port)]
+        serve_args += ["--policy", "smetric", "--log-level", "warning"]
+        procs.start([*serve_args, *(a for e in engines for a in ("-e", e))])
+        urls = {"direct": engines[0], "serve": f"http://{LOCALHOST}:{serve_port}"}
+        asyncio.run(wait_ready([*engines, urls["serve"]]))
+        pick_args = [a for e in engines for a in ("-e", e)]
+        with (
+            run_picker([*pick_args, "--policy", "smetric", "--log-level", "warning"]) as picker,
+            run_envoy(gateway_config(picker.grpc_port)) as gateway,
+            run_envoy(envoy_only(engines)) as plain,
+        ):
+            urls |= {"pick": gateway.url, "envoy": plain.url}
+            results = asyncio.run(measure(args, urls, payloads))
+        decision_ms = asyncio.run(decision_cost(engines, payloads)) * 1000
+    report(args, results, decision_ms, size_kb)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Why a request was sent, as far as its body shows it.
+
+The analyzer's rules for Claude Code traces (``trace.weka``): a request whose last message
+carries a tool result was sent by the agent loop, one ending in a user's text was typed by
+a user. Compaction needs the parent's blocks, so the trace loader decides it; a sub-agent's
+first call is known from its harness's headers (``serve.identity``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from smetric.trace.schema import Trigger
+
+
+def body_trigger(body: Mapping[str, Any]) -> Trigger:
+    """User or agent, from the last message: a tool result (OpenAI ``role: tool``,
+    Anthropic ``tool_result`` blocks) means the agent loop sent it."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return Trigger.UNKNOWN
+    last = messages[-1]
+    if last.get("role") == "tool":
+        return Trigger.AGENT
+    content = last.get("content")
+    if isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "tool_result" for part in content
+    ):
+        return Trigger.AGENT
+    return Trigger.USER if last.get("role") == "user" else Trigger.UNKNOWN

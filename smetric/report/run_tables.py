@@ -1,0 +1,178 @@
+"""The tables of simulated and measured runs (``simulate``, ``sweep``, ``knee``, ``report``,
+``replay``), built from their summaries once for people and scripts alike."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from smetric.report.knee import knee_rows
+from smetric.report.tables import Column, Table
+
+Summary = Mapping[str, Any]
+
+
+def _num(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:.0f}"
+
+
+def _three(values: Mapping[str, float | None], scale: float = 1.0, digits: int = 1) -> str:
+    return "/".join(_num(values[p], scale, digits) for p in ("p50", "p90", "p99"))
+
+
+def results_table(title: str, summaries: Mapping[str, Summary]) -> Table:
+    """One row per run summary (a simulated policy or a measured replay), best TPS bold."""
+    columns = (
+        Column("policy", "left"),
+        Column("TPS\n@SLO"),
+        Column("SLO\nmet"),
+        Column("TTFT s\np50/p90/p99"),
+        Column("TPOT ms\np50/p90/p99"),
+        Column("hit %\nL/G"),
+        Column("imba-\nlance"),
+        Column("sticky %\nsess/agent/turn"),
+    )
+    best = max((s["tps_within_slo"] for s in summaries.values()), default=0.0)
+    rows, values, bold = [], [], set()
+    for i, (policy, s) in enumerate(summaries.items()):
+        ttft, tpot, reuse, sticky = s["ttft_s"], s["tpot_s"], s["reuse"], s["stickiness"]
+        rows.append(
+            (
+                policy,
+                f"{s['tps_within_slo']:,.0f}",
+                f"{s['slo_attainment']:.0%}",
+                _three(ttft, 1, 2),
+                _three(tpot, 1000, 0),
+                f"{reuse['local'] * 100:.0f}/{reuse['global'] * 100:.0f}",
+                f"{s['imbalance']['mean']:.2f}x",
+                "/".join(_pct(sticky.get(k)) for k in ("session", "agent", "turn")),
+            )
+        )
+        if s["tps_within_slo"] == best and best > 0:
+            bold.add((i, 1))
+        values.append(
+            {
+                "policy": policy,
+                "tps_within_slo": s["tps_within_slo"],
+                "slo_attainment": s["slo_attainment"],
+                **{f"ttft_{p}_s": ttft[p] for p in ("p50", "p90", "p99")},
+                **{f"tpot_{p}_s": tpot[p] for p in ("p50", "p90", "p99")},
+                "hit_local": reuse["local"],
+                "hit_global": reuse["global"],
+                "imbalance_mean": s["imbalance"]["mean"],
+                **{f"sticky_{k}": sticky.get(k) for k in ("session", "agent", "turn")},
+            }
+        )
+    return Table("runs", title, columns, tuple(rows), tuple(values), frozenset(bold))
+
+
+def branches_table(summaries: Mapping[str, Summary]) -> Table:
+    """Why each policy routed where it did: decisions per branch, for multi-branch policies."""
+    rows, values = [], []
+    for policy, summary in summaries.items():
+        counts = summary["branches"]
+        total = sum(counts.values())
+        if len(counts) > 1 and total:
+            parts = (f"{name} {n / total:.0%}" for name, n in sorted(counts.items()))
+            rows.append((policy, " · ".join(parts)))
+            values.append({"policy": policy, **{k: counts[k] / total for k in sorted(counts)}})
+    columns = (Column("policy", "left"), Column("branches", "left"))
+    return Table("branches", "Routing decisions per branch", columns, tuple(rows), tuple(values))
+
+
+def disaggregation_table(summaries: Mapping[str, Summary]) -> Table:
+    """What disaggregation adds per policy: the prefill stage, the KV pulls, the decode."""
+    columns = (
+        Column("policy", "left"),
+        Column("prefill TPS\n@TTFT SLO"),
+        Column("prefill TTFT s\np50/p90/p99"),
+        Column("KV pulled\nGB"),
+        Column("NIC use %\nP/D max"),
+        Column("end-to-end\nTPS@SLO"),
+    )
+    rows, values = [], []
+    for policy, s in summaries.items():
+        pd, ttft = s["pd"], s["pd"]["prefill_ttft_s"]
+        nics = pd["nic_utilisation"]
+        e2e = pd["end_to_end_tps_within_slo"]
+        rows.append(
+            (
+                policy,
+                f"{pd['prefill_tps_within_slo']:,.0f}",
+                _three(ttft, 1, 2),
+                f"{pd['transfer_bytes'] / 1e9:,.1f}",
+                f"{_num(nics['prefill']['max'], 100, 0)}/{_num(nics['decode']['max'], 100, 0)}",
+                "-" if e2e is None else f"{e2e:,.0f}",
+            )
+        )
+        values.append(
+            {
+                "policy": policy,
+                "prefill_tps_within_slo": pd["prefill_tps_within_slo"],
+                **{f"prefill_ttft_{p}_s": ttft[p] for p in ("p50", "p90", "p99")},
+                "transfer_bytes": pd["transfer_bytes"],
+                "nic_prefill_max": nics["prefill"]["max"],
+                "nic_decode_max": nics["decode"]["max"],
+                "end_to_end_tps_within_slo": e2e,
+            }
+        )
+    return Table("pd", "PD disaggregation", columns, tuple(rows), tuple(values))
+
+
+def sweep_table(summary: Summary) -> Table:
+    """Per policy and global tier: the best TPS within SLO over the offered rates."""
+    seeds = " (mean ± sd over seeds)" if summary.get("seeds", 1) > 1 else ""
+    tiers = summary["provisionings"]
+    columns = (Column("policy", "left"), *(Column(f"global\n{g}") for g in tiers))
+    rows, values, bold = [], [], set()
+    for i, p in enumerate(summary["policies"]):
+        cells = [p]
+        value: dict[str, Any] = {"policy": p}
+        for j, g in enumerate(tiers, start=1):
+            row = summary["max_tps"][g][p]
+            top = max(v["tps"] for v in summary["max_tps"][g].values())
+            sd = f" ± {row['stdev']:,.0f}" if "stdev" in row else ""
+            cells.append(f"{row['tps']:,.0f}{sd} (@{row['rate']:g})")
+            if row["tps"] == top and top > 0:
+                bold.add((i, j))
+            value |= {f"tps_{g}": row["tps"], f"rate_{g}": row["rate"]}
+            if "stdev" in row:
+                value[f"stdev_{g}"] = row["stdev"]
+        rows.append(tuple(cells))
+        values.append(value)
+    title = f"Max TPS within SLO{seeds} (at offered rate, sessions/s)"
+    return Table("max_tps", title, columns, tuple(rows), tuple(values), frozenset(bold))
+
+
+def knee_table(summary: Summary, default: str) -> Table:
+    """Each policy's knee per cell, then the default policy's lead over the best baseline."""
+    cells = summary["cells"]
+    columns = (
+        Column("policy", "left"),
+        *(Column(f"global {c['global']}\n{c['kv_load']} load") for c in cells),
+    )
+    marked = "\0"
+    rows = knee_rows(summary, (default,), lambda v: f"{v:,.0f}", lambda t: marked + t)
+    bold = {(i, j) for i, row in enumerate(rows) for j, c in enumerate(row) if c[:1] == marked}
+    rows = [[c.removeprefix(marked) for c in row] for row in rows]
+    values = []
+    for row in rows:
+        value: dict[str, Any] = {"policy": row[0]}
+        for cell, text in zip(cells, row[1:], strict=True):
+            key = f"{cell['global']}_{cell['kv_load']}"
+            knee = cell["knees"].get(row[0])
+            if knee is None:  # a "vs best baseline" row
+                value[f"lead_{key}"] = text
+            else:
+                value |= {
+                    f"mean_{key}": knee["mean"],
+                    f"stdev_{key}": knee["stdev"],
+                    f"load_{key}": knee["load"],
+                }
+        values.append(value)
+    title = "Max TPS within SLO: mean ± sd over seeds (at the knee's load)"
+    return Table("knees", title, columns, tuple(map(tuple, rows)), tuple(values), frozenset(bold))

@@ -1,0 +1,116 @@
+"""Engine discovery from DNS, against a real DNS server on loopback (UDP, dnspython's wire
+format): A/AAAA and SRV records, re-resolved as they change, and outages that change
+nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from smetric.serve.discovery import DnsDiscovery, DnsTarget, LookupFailed, resolve, resolver_for
+from smetric.testing.dns import LoopbackDNS
+
+NAME = "vllm.llm.svc.cluster.local"
+SRV = "_http._tcp." + NAME
+
+
+def test_targets_parse_and_bad_ones_are_refused() -> None:
+    assert DnsTarget.parse(f"dns://{NAME}:8000") == DnsTarget(NAME, 8000)
+    assert DnsTarget.parse(f"dns+srv://{SRV}") == DnsTarget(SRV, None, srv=True)
+    assert DnsTarget.parse(f"dns+https://{NAME}:443").scheme == "https"
+    for bad in (f"dns://{NAME}", f"http://{NAME}:80", "dns://:80", f"dns://{NAME}:99999"):
+        with pytest.raises(ValueError):
+            DnsTarget.parse(bad)
+    with pytest.raises(ValueError):
+        resolver_for("not-an-ip:53")
+
+
+def test_a_aaaa_and_srv_records_become_engine_urls() -> None:
+    async def go(server: LoopbackDNS) -> None:
+        resolver = resolver_for(server.address)
+        server.set(NAME, "A", ["127.0.0.11", "127.0.0.12"])
+        server.set(NAME, "AAAA", ["::1"])
+        found = await resolve(DnsTarget(NAME, 8000), resolver)
+        assert found == {"http://127.0.0.11:8000", "http://127.0.0.12:8000", "http://[::1]:8000"}
+        # SRV: ports from the records; one target's address comes as additional data, the
+        # other's is looked up.
+        server.set(SRV, "SRV", ["0 50 8001 pod-a.llm.svc.", "0 50 8002 pod-b.llm.svc."])
+        server.set("pod-a.llm.svc.", "A", ["127.0.0.21"])
+        found = await resolve(DnsTarget(SRV, srv=True), resolver)
+        assert found == {"http://127.0.0.21:8001"}  # pod-b has no address (yet)
+        server.set("pod-b.llm.svc.", "AAAA", ["::1"])
+        found = await resolve(DnsTarget(SRV, srv=True), resolver)
+        assert found == {"http://127.0.0.21:8001", "http://[::1]:8002"}
+        assert await resolve(DnsTarget("gone.llm.svc", 80), resolver) == set()  # NXDOMAIN
+
+    with LoopbackDNS() as server:
+        asyncio.run(go(server))
+
+
+def test_engines_join_and_leave_as_the_records_change_and_outages_change_nothing() -> None:
+    async def go(server: LoopbackDNS) -> None:
+        pool: dict[str, object] = {}
+        changes: list[str] = []
+
+        async def join(url: str) -> None:
+            pool[url] = object()
+            changes.append(f"+{url}")
+
+        async def leave(url: str) -> None:
+            del pool[url]
+            changes.append(f"-{url}")
+
+        discovery = DnsDiscovery(
+            DnsTarget(NAME, 8000),
+            resolver_for(server.address, timeout_s=0.3),
+            lambda: set(pool),
+            join,
+            leave,
+            interval_s=0.05,
+        )
+        server.set(NAME, "A", ["127.0.0.11", "127.0.0.12"])
+        assert await discovery.refresh()
+        stays = pool["http://127.0.0.11:8000"]
+        discovery.start()
+        server.set(NAME, "A", ["127.0.0.11", "127.0.0.13"])
+        await until(lambda: "http://127.0.0.13:8000" in pool)
+        assert set(pool) == {"http://127.0.0.11:8000", "http://127.0.0.13:8000"}
+        assert pool["http://127.0.0.11:8000"] is stays  # the engine that stayed is untouched
+        server.silent = True  # DNS down: lookups time out, the pool stays as it is
+        before = discovery.failures
+        await until(lambda: discovery.failures >= before + 2)
+        assert set(pool) == {"http://127.0.0.11:8000", "http://127.0.0.13:8000"}
+        server.silent = False
+        server.set(NAME, "A", [])  # no ready pod: NXDOMAIN, every engine leaves
+        await until(lambda: not pool)
+        await discovery.close()
+        assert changes == [
+            "+http://127.0.0.11:8000",
+            "+http://127.0.0.12:8000",
+            "+http://127.0.0.13:8000",
+            "-http://127.0.0.12:8000",
+            "-http://127.0.0.11:8000",
+            "-http://127.0.0.13:8000",
+        ]
+
+    with LoopbackDNS() as server:
+        asyncio.run(go(server))
+
+
+def test_a_dns_server_that_does_not_answer_is_a_failed_lookup() -> None:
+    async def go(server: LoopbackDNS) -> None:
+        server.silent = True
+        with pytest.raises(LookupFailed):
+            await resolve(DnsTarget(NAME, 80), resolver_for(server.address, timeout_s=0.2))
+
+    with LoopbackDNS() as server:
+        asyncio.run(go(server))
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
