@@ -194,7 +194,7 @@ def test_page_option_writes_validation_as_a_stamped_results_page(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--preset", "medium"], "use quick or full"),
+        (["--preset", "medium"], "use quick or full or large"),
         (["-p", "smetrik"], "smetrik"),
         (["sample:nothing"], "sample"),
         (["--page", "missing/reproduce.md"], "missing"),

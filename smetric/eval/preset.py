@@ -19,7 +19,7 @@ import yaml
 
 from smetric.sim.config import SimConfig, from_dict, parse_global_capacity
 
-PRESETS = ("quick", "full")
+PRESETS = ("quick", "full", "large")
 # The tier every load is measured against (Figs. 14, 15, 17 and 25 use the full tier).
 REFERENCE_TIER = "full"
 KEYS = ("config", "tiers", "seeds", "precision", "load_multiples", "overloads", "hit_ratios")

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -303,6 +303,7 @@ class UsageTap:
     def __init__(self) -> None:
         self.chunks: deque[bytes] = deque()
         self.kept = 0
+        self._parsed: list[dict] | None = None
 
     @classmethod
     def of(cls, body: bytes) -> UsageTap:
@@ -312,6 +313,7 @@ class UsageTap:
         return tap
 
     def feed(self, chunk: bytes) -> None:
+        self._parsed = None
         self.chunks.append(chunk)
         self.kept += len(chunk)
         while self.kept - len(self.chunks[0]) >= self.KEEP:
@@ -333,15 +335,18 @@ class UsageTap:
                 return tokens
         return None
 
-    def _usages(self) -> Iterator[dict]:
-        """The ``usage`` objects in the kept tail, last first."""
-        tail = b"".join(self.chunks)[-self.KEEP :]
-        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
-            if b'"usage"' not in piece:
-                continue
-            try:
-                usage = json.loads(piece).get("usage")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(usage, dict):
-                yield usage
+    def _usages(self) -> list[dict]:
+        """The ``usage`` objects in the kept tail, last first; parsed once per tap."""
+        if self._parsed is None:
+            self._parsed = []
+            tail = b"".join(self.chunks)[-self.KEEP :]
+            for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
+                if b'"usage"' not in piece:
+                    continue
+                try:
+                    usage = json.loads(piece).get("usage")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(usage, dict):
+                    self._parsed.append(usage)
+        return self._parsed
