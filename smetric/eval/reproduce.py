@@ -28,6 +28,7 @@ import polars as pl
 from smetric.core.policies import policy_params
 from smetric.eval.preset import REFERENCE_TIER, Preset
 from smetric.sim.config import SimConfig
+from smetric.sim.jobs import Job
 from smetric.sim.knee import (
     Knee,
     KneeSettings,
@@ -36,7 +37,7 @@ from smetric.sim.knee import (
     probe_job,
     search_knees,
 )
-from smetric.sim.parallel import Job, RunStore, run_sweep
+from smetric.sim.parallel import RunStore, run_sweep
 from smetric.trace.schema import Trace
 
 # The paper's baselines as it names them; the list is open: any policy spec works, and

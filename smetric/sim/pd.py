@@ -47,6 +47,7 @@ from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
 from smetric.sim.config import ClusterConfig, SimConfig
 from smetric.sim.instance import Instance, SimRequest
 from smetric.sim.policy import cluster_policy
+from smetric.sim.result import RunResult
 from smetric.sim.workload import SimWorkload, build_workload
 from smetric.trace.schema import Trace
 
@@ -167,6 +168,7 @@ class DisaggSimulation(Simulation):
             else []
         )
         for instance in self.instances:
+            assert isinstance(instance, PrefillInstance)
             instance.hold_for_pull = bool(self.decoders)
         self.instances += self.decoders
         self.plan_version += [0] * decode
@@ -282,8 +284,6 @@ def simulate_disaggregated(
     progress: Callable[[float], None] | None = None,
 ):
     """One disaggregated run: ``run.simulate``'s result for a PD cluster."""
-    from smetric.sim.run import RunResult
-
     if config.cluster.decode_instances < 0:
         raise ValueError("decode_instances must not be negative")
     workload = build_workload(trace, config.workload)
