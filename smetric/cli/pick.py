@@ -16,7 +16,12 @@ from smetric.cli.serve import (
     DiscoverOpt,
     DnsServerOpt,
     DrainTimeoutOpt,
+    RecordMaxMbOpt,
+    RecordOpt,
+    RecordRotateOpt,
+    RecordSaltFileOpt,
     discovered,
+    recorder_from,
 )
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
 from smetric.serve.app import Router, RouterSettings
@@ -79,6 +84,10 @@ def pick(
     discover_interval: DiscoverIntervalOpt = 5.0,
     dns_server: DnsServerOpt = None,
     drain_timeout: DrainTimeoutOpt = None,
+    record: RecordOpt = None,
+    record_max_mb: RecordMaxMbOpt = 1024,
+    record_rotate: RecordRotateOpt = 300.0,
+    record_salt_file: RecordSaltFileOpt = None,
     log_level: Annotated[
         str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
     ] = "info",
@@ -121,6 +130,9 @@ def pick(
             engine_tokenizer=tokenizer == "engine",
             subscribers=subscribers,
             discovery=discovery,
+            recorder=recorder_from(
+                record, record_max_mb, record_rotate, record_salt_file, block_size, tokenizer
+            ),
         )
         picker = Picker(router, max_inflight=max_inflight)
         level = logging.getLevelName(log_level.upper())

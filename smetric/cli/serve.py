@@ -47,6 +47,67 @@ DrainTimeoutOpt = Annotated[
     ),
 ]
 
+# ... and the recording of the requests served.
+RecordOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Write a trace of the requests served into this folder: per request its "
+        "salted block ids, arrival and completion times, token counts, turn, session, "
+        "agent, trigger, engine and branch, nothing else (no text, no header values). "
+        "Read it with analyze, simulate, replay and plan.",
+        rich_help_panel="Recording",
+    ),
+]
+RecordMaxMbOpt = Annotated[
+    int,
+    typer.Option(
+        help="Megabytes the recording may hold; the oldest segments go first.",
+        min=1,
+        rich_help_panel="Recording",
+    ),
+]
+RecordRotateOpt = Annotated[
+    float,
+    typer.Option(
+        help="Seconds between recording segments (each one zstd-compressed Parquet).",
+        min=0.1,
+        rich_help_panel="Recording",
+    ),
+]
+RecordSaltFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="The deployment's salt (16 bytes or more, e.g. head -c 32 /dev/urandom): "
+        "recordings with the same salt compare across restarts and replicas. Without "
+        "one, a fresh salt lives in memory only and the recording stands alone.",
+        rich_help_panel="Recording",
+    ),
+]
+
+
+def recorder_from(
+    folder: Path | None,
+    max_mb: int,
+    rotate_s: float,
+    salt_file: Path | None,
+    block_size: int,
+    tokenizer: str,
+) -> Recorder | None:
+    """The recorder ``--record`` asks for, if it does."""
+    if folder is None:
+        return None
+    salt = None if salt_file is None else read_salt(salt_file)
+    return Recorder(
+        RecordSettings(
+            folder,
+            max_bytes=max_mb << 20,
+            rotate_s=rotate_s,
+            salt=salt,
+            block_size=block_size,
+            tokenizer=tokenizer,
+        )
+    )
+
 
 def discovered(
     urls: list[str], spec: str | None, interval_s: float, server: str | None, kv_blocks: int
@@ -237,41 +298,10 @@ def serve(
     discover_interval: DiscoverIntervalOpt = 5.0,
     dns_server: DnsServerOpt = None,
     drain_timeout: DrainTimeoutOpt = None,
-    record: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write a trace of the requests served into this folder: per request its "
-            "salted block ids, arrival and completion times, token counts, turn, session, "
-            "agent, trigger, engine and branch, nothing else (no text, no header values). "
-            "Read it with analyze, simulate, replay and plan.",
-            rich_help_panel="Recording",
-        ),
-    ] = None,
-    record_max_mb: Annotated[
-        int,
-        typer.Option(
-            help="Megabytes the recording may hold; the oldest segments go first.",
-            min=1,
-            rich_help_panel="Recording",
-        ),
-    ] = 1024,
-    record_rotate: Annotated[
-        float,
-        typer.Option(
-            help="Seconds between recording segments (each one zstd-compressed Parquet).",
-            min=0.1,
-            rich_help_panel="Recording",
-        ),
-    ] = 300.0,
-    record_salt_file: Annotated[
-        Path | None,
-        typer.Option(
-            help="The deployment's salt (16 bytes or more, e.g. head -c 32 /dev/urandom): "
-            "recordings with the same salt compare across restarts and replicas. Without "
-            "one, a fresh salt lives in memory only and the recording stands alone.",
-            rich_help_panel="Recording",
-        ),
-    ] = None,
+    record: RecordOpt = None,
+    record_max_mb: RecordMaxMbOpt = 1024,
+    record_rotate: RecordRotateOpt = 300.0,
+    record_salt_file: RecordSaltFileOpt = None,
     log_level: Annotated[
         str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
     ] = "info",
@@ -336,19 +366,9 @@ def serve(
             share_metrics_between_processes()
         by_engine = tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else tokenizer)
-        recorder = None
-        if record is not None:
-            salt = None if record_salt_file is None else read_salt(record_salt_file)
-            recorder = Recorder(
-                RecordSettings(
-                    record,
-                    max_bytes=record_max_mb << 20,
-                    rotate_s=record_rotate,
-                    salt=salt,
-                    block_size=settings.block_size,
-                    tokenizer=tokenizer,
-                )
-            )
+        recorder = recorder_from(
+            record, record_max_mb, record_rotate, record_salt_file, settings.block_size, tokenizer
+        )
         router = Router(
             engines,
             settings,

@@ -269,13 +269,19 @@ def split_policies(text: str) -> tuple[str, ...]:
 
 
 def hardware_lines(results: dict[str, RunResult]) -> list[str]:
-    """What each policy assumed of the hardware, where the simulator derived it."""
+    """What each policy assumed of the hardware, where the simulator derived it, and
+    what it learned from its requests, where it learns."""
     lines = []
     for policy, result in results.items():
         derived = hardware_params(base_name(policy))
         if derived:
             values = ", ".join(f"{k}={result.policy_params[k]:g}" for k in derived)
             lines.append(f"{policy} assumed {values}")
+        learned = result.summary.get("learned_params")
+        if learned:
+            values = ", ".join(f"{k}={v:.3g}" for k, v in learned.items())
+            count = result.summary["learned_from"]
+            lines.append(f"{policy} learned {values} from {count:,} requests")
     return lines
 
 

@@ -8,30 +8,34 @@ from typing import Annotated
 
 import polars as pl
 import typer
-from rich.table import Table
 
 from smetric.cli.app import (
+    TableFormatOpt,
     TraceArg,
     TraceFormatOpt,
     console,
     load_with_progress,
+    out_console,
     trace_app,
     user_errors,
 )
+from smetric.report.tables import Column, Table, check_format, emit
 from smetric.trace.load import DEFAULT_SAMPLE, write_parquet
 
 
 @trace_app.command("info")
-def trace_info(source: TraceArg = DEFAULT_SAMPLE, fmt: TraceFormatOpt = None) -> None:
+def trace_info(
+    source: TraceArg = DEFAULT_SAMPLE,
+    fmt: TraceFormatOpt = None,
+    table_format: TableFormatOpt = "table",
+) -> None:
     """Summarise a trace: requests, sessions, clock, tokens, blocks, triggers."""
     with user_errors():
+        check_format(table_format)
         started = time.perf_counter()
         trace = load_with_progress(source, fmt)
         elapsed = time.perf_counter() - started
     frame = trace.requests
-    table = Table(title=f"{trace.name} ({trace.source_format})", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
     span = frame["arrival_s"] if trace.has_clock else frame["session_time_s"]
     rows = {
         "requests": f"{trace.num_requests:,}",
@@ -49,11 +53,12 @@ def trace_info(source: TraceArg = DEFAULT_SAMPLE, fmt: TraceFormatOpt = None) ->
         ),
         "loaded in": f"{elapsed:.2f} s",
     }
-    for key, value in rows.items():
-        table.add_row(key, value)
-    console.print(table)
+    columns = (Column("fact", "left"), Column("value", "left", wrap=True))
+    values = tuple({"fact": k, "value": v} for k, v in rows.items())
+    title = f"{trace.name} ({trace.source_format})"
+    emit([Table("trace", title, columns, tuple(rows.items()), values)], table_format, console)
     for note in trace.notes:
-        console.print(f"[dim]note: {note}[/]")
+        out_console(table_format).print(f"[dim]note: {note}[/]")
 
 
 def _total_and_mean(column: pl.Series) -> str:

@@ -18,11 +18,12 @@ from urllib.parse import urlsplit
 
 from smetric.core.conversation import RequestError, RequestFacts
 from smetric.core.parsing import decode_body
+from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES
 from smetric.serve.app import ROUTES, Router
 from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.errors import error_body
-from smetric.serve.forwarding import UsageTap
+from smetric.serve.forwarding import Completion, UsageTap, is_stream
 from smetric.serve.identity import identity_of
 from smetric.serve.limits import BodyError, decoded_body
 from smetric.serve.upstream import EngineFault
@@ -99,6 +100,9 @@ class Pick:
     predicted: int
     facts: RequestFacts | None
     load: Reservation
+    # What the completion observers (metrics, the recorder) learn once it ends; None for
+    # requests that are not generations.
+    completion: Completion | None = None
     started: float = field(default_factory=time.perf_counter)
     usage: UsageTap = field(default_factory=UsageTap)
     ok: bool = False
@@ -156,10 +160,18 @@ class Picker:
         body, facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
         engines = self.candidates(subset)  # health may have changed meanwhile
         identity = identity_of(headers, body)
+        self.router.metrics.agent_requests.labels(
+            identity.harness or "none", identity.role, identity.call(facts.turn)
+        ).inc()
         decision = self.router.wiring.decide(facts, engines, identity=identity)
         engine, predicted = decision.engine, decision.predicted_hit_tokens
         load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
-        return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load)
+        completion = Completion(api, path, is_stream(body), facts, identity)
+        completion.trigger = body_trigger(body)
+        completion.branch = decision.branch
+        completion.predicted_hit_tokens = predicted
+        completion.engine = engine.url
+        return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
 
     async def _analyze(self, raw: bytes, encoding: str, api: str) -> tuple[dict, RequestFacts]:
         try:
@@ -187,6 +199,10 @@ class Picker:
             pick.engine = engine
             self.router.metrics.retries.inc()
         router = self.router
+        if pick.completion is not None:
+            pick.completion.engine = pick.engine.url
+            pick.completion.status = status
+            pick.completion.attempts += 1
         if status >= 500:
             fault = EngineFault(f"answered {status}", status=status)
             router.pool.failed(pick.engine, fault)
@@ -200,13 +216,26 @@ class Picker:
         """A piece of the response passed: the prompt is prefilled by now."""
         pick.load.prefilled()
         pick.usage.feed(chunk)
+        completion = pick.completion
+        if completion is not None and completion.ttft_s is None and chunk:
+            completion.ttft_s = time.perf_counter() - completion.started
 
     def finished(self, pick: Pick, complete: bool) -> None:
         """The exchange ended (``complete``: the response reached its end). Safe to call
         again."""
         if pick.load.released:
             return
+        completion = pick.completion
         if complete and pick.ok:
-            self.router.forwarder.count_cached(pick.engine, pick.usage)
+            cached = self.router.forwarder.count_cached(pick.engine, pick.usage)
+            if completion is not None:
+                completion.cached_tokens = cached
+                completion.output_tokens = pick.usage.output_tokens()
         pick.load.release()
         self.router.metrics.latency.labels(pick.api).observe(time.perf_counter() - pick.started)
+        if completion is not None:
+            if complete:
+                completion.outcome = "completed" if pick.ok else "engine_error"
+            else:  # the stream ended first: the client left, or Envoy reset it
+                completion.outcome = "client_gone" if completion.status else "engine_error"
+            self.router.forwarder.completed(completion)

@@ -77,10 +77,11 @@ def branches_table(summaries: Mapping[str, Summary]) -> Table:
         counts = summary["branches"]
         total = sum(counts.values())
         if len(counts) > 1 and total:
-            parts = (f"{name} {n / total:.0%}" for name, n in sorted(counts.items()))
+            # A branch and its share stay on one line (a no-break space between them).
+            parts = (f"{name}\u00a0{n / total:.0%}" for name, n in sorted(counts.items()))
             rows.append((policy, " · ".join(parts)))
             values.append({"policy": policy, **{k: counts[k] / total for k in sorted(counts)}})
-    columns = (Column("policy", "left"), Column("branches", "left"))
+    columns = (Column("policy", "left"), Column("branches", "left", wrap=True))
     return Table("branches", "Routing decisions per branch", columns, tuple(rows), tuple(values))
 
 

@@ -35,10 +35,12 @@ HIGHLIGHT = "bold green"
 
 @dataclass(frozen=True)
 class Column:
-    """``header`` may hold a line break: two header lines in a rich table, one elsewhere."""
+    """``header`` may hold a line break: two header lines in a rich table, one elsewhere.
+    A ``wrap`` column holds prose, which may wrap between words; numbers never do."""
 
     header: str
     align: str = "right"
+    wrap: bool = False
 
     @property
     def flat(self) -> str:
@@ -134,8 +136,10 @@ def column_groups(table: Table, console: Console, width: int) -> list[list[int]]
 
 def _fits(table: Table, group: list[int], console: Console, width: int) -> bool:
     # Measured without a width limit: a measurement is otherwise clamped to the console's.
+    # The minimum is the widest cell of each unwrapped column and the longest word of a
+    # wrapped one.
     unbounded = console.options.update_width(1 << 20)
-    return Measurement.get(console, unbounded, _rich(table, group)).maximum <= width
+    return Measurement.get(console, unbounded, _rich(table, group)).minimum <= width
 
 
 def _rich(table: Table, group: list[int]) -> RichTable:
@@ -147,7 +151,12 @@ def _rich(table: Table, group: list[int]) -> RichTable:
     shown = [0, *group]
     for j in shown:
         column = table.columns[j]
-        out.add_column(column.header, justify=column.align, no_wrap=True)  # type: ignore[arg-type]
+        out.add_column(
+            column.header,
+            justify=column.align,  # type: ignore[arg-type]
+            no_wrap=not column.wrap,
+            overflow="fold",
+        )
     for i, row in enumerate(table.rows):
         out.add_row(*(Text(row[j], style=HIGHLIGHT if (i, j) in table.bold else "") for j in shown))
     return out

@@ -51,6 +51,7 @@ from smetric.serve.limits import BodyError, decoded_body
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.outliers import OutlierDetector
 from smetric.serve.pool import EnginePool
+from smetric.serve.prices import PriceFeed
 from smetric.serve.routing import RoutingCore
 from smetric.serve.upstream import Timeouts
 
@@ -178,6 +179,10 @@ class Router:
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
+        # A policy that prices work learns its prices from the engines' replies.
+        self.prices = PriceFeed(self.core.policy, settings.policy, self.metrics.learned_price)
+        if self.prices.learning:
+            self.observers.append(self.prices.observer(self.pool.get))
         self.wiring = Wiring(self.pool, self.core, self.forwarder, self.metrics)
         self.dispatcher = (
             Colocated(self.wiring) if self.disagg is None else self.disagg.attach(self.wiring)

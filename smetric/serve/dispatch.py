@@ -78,6 +78,9 @@ class Wiring:
         decision = self.decide(call.facts, engines, completion.identity)
         completion.branch = decision.branch
         completion.predicted_hit_tokens = decision.predicted_hit_tokens
+        chosen = engines.index(decision.engine)
+        completion.predicted_local_tokens = decision.hits[chosen]
+        completion.queued_tokens = decision.view.unprefilled_tokens[chosen]
         return decision
 
     def record_served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:

@@ -28,7 +28,8 @@ from smetric.core.prefix_cache import PrefixCache
 from smetric.serve.backends import VLLM, EngineBackend
 from smetric.serve.scrape import EngineReport
 
-_INFLIGHT, _UNPREFILLED, _INFLIGHT_TOKENS = 0, 1, 2
+# Columns of the load table, and of ``Engine.totals()``.
+INFLIGHT, UNPREFILLED, INFLIGHT_TOKENS = 0, 1, 2
 # Columns of the load table (``share_load``).
 LOAD_COLUMNS = 3
 
@@ -149,6 +150,9 @@ class Engine:
     # Monotonic time the engine last showed progress: a response byte, a moved counter,
     # or the moment it went from idle to busy (``serve.pool``'s stall detection).
     progressed_at: float = field(init=False, default=0.0)
+    # Unprefilled tokens this worker has ever routed here: a stream's decode is slowed
+    # by the prefills routed beside it (the price learner's decode fit, serve/prices.py).
+    routed_unprefilled: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -159,7 +163,7 @@ class Engine:
         # The attempts in flight here, which a stalled engine's ejection cuts short.
         self.attempts: set[Any] = set()
         # Load counted here per router worker: a row per worker, this worker's is ``_row``,
-        # columns ``_INFLIGHT``, ``_UNPREFILLED`` and ``_INFLIGHT_TOKENS``. One row of its
+        # columns ``INFLIGHT``, ``UNPREFILLED`` and ``INFLIGHT_TOKENS``. One row of its
         # own until ``share_load`` maps in a table that every worker writes.
         self._load = np.zeros((1, LOAD_COLUMNS), dtype=np.int64)
         self._row = 0
@@ -167,43 +171,49 @@ class Engine:
     @property
     def inflight(self) -> int:
         """Requests this worker routed here whose response has not ended."""
-        return int(self._load[self._row, _INFLIGHT])
+        return int(self._load[self._row, INFLIGHT])
 
     @inflight.setter
     def inflight(self, value: int) -> None:
-        self._load[self._row, _INFLIGHT] = value
+        self._load[self._row, INFLIGHT] = value
 
     @property
     def unprefilled(self) -> int:
         """Prompt tokens this worker routed here, not yet prefilled (each request's prompt
         less its predicted hit, until its first token or its end)."""
-        return int(self._load[self._row, _UNPREFILLED])
+        return int(self._load[self._row, UNPREFILLED])
 
     @unprefilled.setter
     def unprefilled(self, value: int) -> None:
-        self._load[self._row, _UNPREFILLED] = value
+        self._load[self._row, UNPREFILLED] = value
 
     @property
     def inflight_tokens(self) -> int:
         """Prompt tokens of the requests this worker routed here whose response has not
         ended."""
-        return int(self._load[self._row, _INFLIGHT_TOKENS])
+        return int(self._load[self._row, INFLIGHT_TOKENS])
 
     @inflight_tokens.setter
     def inflight_tokens(self, value: int) -> None:
-        self._load[self._row, _INFLIGHT_TOKENS] = value
+        self._load[self._row, INFLIGHT_TOKENS] = value
+
+    def totals(self) -> list[int]:
+        """Every worker's load here, by column (``INFLIGHT``, ``UNPREFILLED``,
+        ``INFLIGHT_TOKENS``): one read for a decision, not one numpy sum per figure."""
+        load = self._load
+        return (load[0] if load.shape[0] == 1 else load.sum(axis=0)).tolist()
 
     def total_inflight(self) -> int:
         """Every worker's in-flight requests here."""
-        return int(self._load[:, _INFLIGHT].sum())
+        return self.totals()[INFLIGHT]
 
     def total_inflight_tokens(self) -> int:
         """Every worker's in-flight prompt tokens here: ``ClusterView.inflight_prompt_tokens``."""
-        return int(self._load[:, _INFLIGHT_TOKENS].sum())
+        return self.totals()[INFLIGHT_TOKENS]
 
     def total_unprefilled(self) -> int:
         """Every worker's unprefilled tokens here: ``ClusterView.unprefilled_tokens``."""
-        return int(self._load[:, _UNPREFILLED].sum())
+        return self.totals()[UNPREFILLED]
 
     def share_load(self, table: np.ndarray, row: int) -> None:
         """Count load in ``table[row]`` (``(workers, LOAD_COLUMNS)`` int64, in memory all workers
@@ -235,10 +245,10 @@ class Engine:
         visible = self.report is not None and self.report.started_at is not None
         self.view.readmitted(self.kv_blocks, visible)
 
-    def load(self, now: float, staleness_s: float) -> float:
-        """In-flight requests (of every worker), raised to what the engine reports queued if
-        that is fresh."""
-        inflight = float(self.total_inflight())
+    def load(self, now: float, staleness_s: float, inflight: int | None = None) -> float:
+        """In-flight requests (of every worker; ``inflight`` if already read), raised to
+        what the engine reports queued if that is fresh."""
+        inflight = float(self.total_inflight() if inflight is None else inflight)
         report = self.report
         if report is None or now - report.at > staleness_s or report.queued is None:
             return inflight
@@ -288,6 +298,7 @@ class QueuedPrefill:
         self.engine = engine
         self.tokens = tokens
         engine.unprefilled += tokens
+        engine.routed_unprefilled += tokens
 
     def done(self) -> None:
         """The prompt is prefilled, or never will be; safe to call again."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -71,6 +72,14 @@ class Completion:
     ttft_s: float | None = None
     # Seconds between successive chunks of a stream, after the first.
     chunk_gaps_s: list[float] = field(default_factory=list)
+    # What the router counted on the chosen engine, for learning prices (serve/prices.py):
+    # when routed, its predicted local hit and the unprefilled tokens queued there; at the
+    # first chunk, the prompt tokens in flight there and the unprefilled tokens ever
+    # routed there.
+    predicted_local_tokens: int = 0
+    queued_tokens: float = 0.0
+    first_token_tokens: float = math.nan
+    first_token_routed: float = math.nan
     duration_s: float = 0.0
     error: str | None = None
 
@@ -220,6 +229,8 @@ class Forwarder:
         chunk = await attempt.read(self.timeouts.first_byte_s)
         last = time.perf_counter()
         completion.ttft_s = last - completion.started
+        completion.first_token_tokens = engine.total_inflight_tokens()
+        completion.first_token_routed = engine.routed_unprefilled
         self.pool.succeeded(engine)
         if delivery.served is not None:
             delivery.served(engine)
@@ -292,6 +303,7 @@ class UsageTap:
     def __init__(self) -> None:
         self.chunks: deque[bytes] = deque()
         self.kept = 0
+        self._parsed: list[dict] | None = None
 
     @classmethod
     def of(cls, body: bytes) -> UsageTap:
@@ -301,6 +313,7 @@ class UsageTap:
         return tap
 
     def feed(self, chunk: bytes) -> None:
+        self._parsed = None
         self.chunks.append(chunk)
         self.kept += len(chunk)
         while self.kept - len(self.chunks[0]) >= self.KEEP:
@@ -322,15 +335,18 @@ class UsageTap:
                 return tokens
         return None
 
-    def _usages(self) -> Iterator[dict]:
-        """The ``usage`` objects in the kept tail, last first."""
-        tail = b"".join(self.chunks)[-self.KEEP :]
-        for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
-            if b'"usage"' not in piece:
-                continue
-            try:
-                usage = json.loads(piece).get("usage")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(usage, dict):
-                yield usage
+    def _usages(self) -> list[dict]:
+        """The ``usage`` objects in the kept tail, last first; parsed once per tap."""
+        if self._parsed is None:
+            self._parsed = []
+            tail = b"".join(self.chunks)[-self.KEEP :]
+            for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
+                if b'"usage"' not in piece:
+                    continue
+                try:
+                    usage = json.loads(piece).get("usage")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(usage, dict):
+                    self._parsed.append(usage)
+        return self._parsed

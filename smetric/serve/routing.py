@@ -21,7 +21,7 @@ import numpy as np
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.conversation import RequestFacts
 from smetric.core.policies import ClusterView, make_policy
-from smetric.serve.engines import Engine
+from smetric.serve.engines import INFLIGHT, INFLIGHT_TOKENS, UNPREFILLED, Engine
 from smetric.serve.global_tier import GlobalTierView
 from smetric.serve.identity import ANONYMOUS, AgentIdentity
 
@@ -64,6 +64,7 @@ class RoutingCore:
         hit and the global tier's (None: unknown)."""
         bs = self.block_size
         hits = [e.predicted_hit(facts.blocks, bs, facts.prompt_tokens) for e in engines]
+        totals = [e.totals() for e in engines]
         now = time.monotonic()
         tier = self.global_tier
         global_hit = (
@@ -73,10 +74,13 @@ class RoutingCore:
         )
         view = ClusterView(
             hit_tokens=hits,
-            inflight_requests=[e.load(now, self.staleness_s) for e in engines],
-            unprefilled_tokens=[float(e.total_unprefilled()) for e in engines],
+            inflight_requests=[
+                e.load(now, self.staleness_s, t[INFLIGHT])
+                for e, t in zip(engines, totals, strict=True)
+            ],
+            unprefilled_tokens=[float(t[UNPREFILLED]) for t in totals],
             instance_ids=[e.number for e in engines],
-            inflight_prompt_tokens=[float(e.total_inflight_tokens()) for e in engines],
+            inflight_prompt_tokens=[float(t[INFLIGHT_TOKENS]) for t in totals],
             global_hit_tokens=global_hit,
         )
         return view, hits, global_hit

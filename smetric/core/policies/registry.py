@@ -81,6 +81,11 @@ def hardware_params(name: str) -> tuple[str, ...]:
     return params_from(name, "hardware")
 
 
+def learnable_params(name: str) -> tuple[str, ...]:
+    """What a driver may learn online for a policy: its hardware and learned parameters."""
+    return hardware_params(name) + params_from(name, "learned")
+
+
 def resolve_policy(
     spec: str, derived: Mapping[str, float] | None = None
 ) -> tuple[str, dict[str, float]]:
@@ -90,6 +95,21 @@ def resolve_policy(
     derived from the hardware (constants that depend on the hardware it routes for, which
     a driver that knows the hardware, the simulator, derives), else its default.
     """
+    name, params = spec_params(spec)
+    defaults = policy_params(name)
+    hardware = hardware_params(name)
+    for key, default in defaults.items():
+        if key in params:
+            continue
+        if derived is not None and key in hardware and key in derived:
+            params[key] = float(derived[key])
+        else:
+            params[key] = default
+    return name, params
+
+
+def spec_params(spec: str) -> tuple[str, dict[str, float]]:
+    """A spec's policy name and the parameters it gives, checked against the policy's."""
     name = base_name(spec)
     rest = spec.strip().partition(":")[2]
     defaults = policy_params(name)
@@ -107,14 +127,6 @@ def resolve_policy(
             params[key] = float(text)
         except ValueError:
             raise ValueError(f"policy {spec!r}: {key}={text!r} is not a number") from None
-    hardware = hardware_params(name)
-    for key, default in defaults.items():
-        if key in params:
-            continue
-        if derived is not None and key in hardware and key in derived:
-            params[key] = float(derived[key])
-        else:
-            params[key] = default
     return name, params
 
 
