@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs docs-serve setup clean pd-figures reproduce grid fidelity
+.PHONY: run test lint docs docs-serve setup clean pd-figures reproduce reproduce-large grid fidelity
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ reproduce: $(STAMP)
 grid: $(STAMP)
 	$(BIN)/smetric grid --preset grid-quick -o smetric-out/grid-quick --page docs/results/grid.md
 
+# The paper's larger model (Figures 18-20), its results page into the docs.
+reproduce-large: $(STAMP)
+	$(BIN)/smetric reproduce --preset large -p smetric,smetric_cost,least_load,lmetric,linear -o smetric-out/reproduce-large --page docs/results/reproduce-large.md
+
 # The performance model against every public measurement, into the docs.
 fidelity: $(STAMP)
 	$(BIN)/smetric fidelity --page docs/results/fidelity.md
@@ -39,6 +43,8 @@ fidelity: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts
 	$(BIN)/ruff format --check smetric tests benchmarks scripts
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The documentation site, into site/; --strict fails on a broken link or a missing page.
 docs: $(STAMP)

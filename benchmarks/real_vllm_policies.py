@@ -1,6 +1,7 @@
 """SMetric against least-load and cache-aware routing, in front of two real vLLM engines.
 
     python benchmarks/real_vllm_policies.py [--duration 120] [--rate 0.1] [--token-scale 30]
+        [--policies smetric_cost,smetric,least_load,cache_aware]
 
 Needs vLLM's CPU build and its model (``scripts/real_engines/setup_vllm.sh``); without them
 this prints why and exits 0. For each policy, two fresh vLLM instances (one core each, so no
@@ -11,7 +12,8 @@ embedded sample (prompts scaled down ``--token-scale`` times to fit the 135M mod
 and a CPU's speed). Reported per policy, from vLLM's own ``/metrics`` deltas: completed
 requests/s, p50/p90 end-to-end latency, prefix-cache hit ratio and imbalance (max over mean
 requests per engine); from the replayer: TTFT p50/p90, and how often the router's predicted
-hit (``x-smetric-predicted-hit-tokens``) equalled the cached tokens vLLM reported.
+hit (``x-smetric-predicted-hit-tokens``) equalled the cached tokens vLLM reported; for a
+policy that learns its prices (``smetric_cost``), what its router learned of the engines.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 from router_overhead import LOCALHOST, processes
 from router_vs_sglang import Outcome, measure, report, routes_chat
 
@@ -32,7 +36,7 @@ from smetric.testing.engines import BLOCK_SIZE, VLLMInstall, find_vllm, free_por
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
 from smetric.trace.schema import Trace
 
-POLICIES = ("smetric", "least_load", "cache_aware")
+POLICIES = "smetric_cost,smetric,least_load,cache_aware"
 
 
 async def run_one(
@@ -60,10 +64,28 @@ async def run_one(
                 token_scale=args.token_scale,
                 seed=args.seed,
             )
-            return await measure(policy, router, [s.url for s in servers], trace, options)
+            measured = await measure(policy, router, [s.url for s in servers], trace, options)
+            LEARNED[policy] = await learned_prices(router)
+            return measured
     finally:
         for server in servers:
             server.stop()
+
+
+# What each policy's router learned of the engines by the end of its run (empty for a
+# policy that learns nothing): smetric_learned_price{constant} from its /metrics.
+LEARNED: dict[str, dict[str, float]] = {}
+
+
+async def learned_prices(router: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as client, client.get(router + "/metrics") as reply:
+        text = await reply.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "smetric_learned_price":
+            for sample in family.samples:
+                out[sample.labels["constant"]] = sample.value
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -76,6 +98,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.1, help="session starts per second")
     parser.add_argument("--token-scale", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default=POLICIES, help="comma-separated policy specs")
     args = parser.parse_args()
     install = find_vllm()
     if install is None:
@@ -85,7 +108,7 @@ def main() -> None:
     trace = load_trace(DEFAULT_SAMPLE)
     runs = []
     with tempfile.TemporaryDirectory(prefix="smetric-vllm-") as scratch:
-        for policy in POLICIES:
+        for policy in args.policies.split(","):
             runs.append(asyncio.run(run_one(policy, args, trace, install, Path(scratch))))
     report(
         [outcome for outcome, _ in runs],
@@ -101,6 +124,10 @@ def main() -> None:
             f"{outcome.router:<20}{percentile(ttft, 0.5):>11.2f}{percentile(ttft, 0.9):>11.2f}"
             f"{sum(exact):>14} of {len(exact):<5}"
         )
+    for policy, values in LEARNED.items():
+        if values:
+            learned = ", ".join(f"{k}={v:.3g}" for k, v in sorted(values.items()))
+            print(f"{policy} learned: {learned}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
 
 

@@ -132,3 +132,26 @@ def test_home_page_and_a_guide_render_in_chromium(
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     if os.environ.get("SMETRIC_DOCS_SCREENSHOT"):
         shutil.copy(shot, os.environ["SMETRIC_DOCS_SCREENSHOT"])
+
+
+def test_the_references_are_generated_from_the_code(site: Path) -> None:
+    import typer.main
+
+    from smetric.cli import app
+    from smetric.core.policies.registry import POLICY_NAMES
+    from smetric.serve.metrics import RouterMetrics
+
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    root = typer.main.get_command(app)
+    for name, command in root.commands.items():  # type: ignore[attr-defined]
+        for sub in getattr(command, "commands", {None: command}):
+            full = f"smetric {name}" + (f" {sub}" if sub else "")
+            assert f'id="{full.replace(" ", "-")}"' in cli, full
+    assert "--trace-format" in cli and "--format" in cli
+    metrics = (site / "reference" / "metrics" / "index.html").read_text()
+    for family in RouterMetrics("smetric", []).registry.collect():
+        assert family.name in metrics, family.name
+    policies = (site / "reference" / "policies" / "index.html").read_text()
+    assert all(f"<code>{name}</code>" in policies for name in POLICY_NAMES)
+    config = (site / "reference" / "configuration" / "index.html").read_text()
+    assert "global_capacity" in config and "first_byte_timeout_s" in config

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,3 +246,31 @@ async def _served_elsewhere(url: str, picker, a: SmetricProcess, c: SmetricProce
             await response.read()
     text = picker.metrics()
     assert metric(text, "smetric_engine_inflight_requests", engine=a.url) == 0
+
+
+def test_sigterm_lets_the_picker_finish_the_streams_it_holds(scratch: Path) -> None:
+    (mock,) = engines(scratch, 1, speed="1")
+    try:
+        with run_picker(
+            ["-e", mock.url, "--health-interval", "0.2", "--drain-timeout", "30"]
+        ) as picker:
+            mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                received = asyncio.run(_stream_through_sigterm(envoy.url, picker))
+                assert received.rstrip().endswith(b"data: [DONE]")  # finished, not cut
+                assert picker.process.wait(30) == 0
+    finally:
+        mock.stop()
+
+
+async def _stream_through_sigterm(url: str, picker) -> bytes:
+    payload = {"model": "m", "messages": conversation(5, 0), "max_tokens": 300, "stream": True}
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client,
+        client.post(url + "/v1/chat/completions", json=payload) as response,
+    ):
+        assert response.status == 200
+        received = await response.content.readline()
+        picker.process.send_signal(signal.SIGTERM)
+        return received + await response.read()

@@ -234,3 +234,15 @@ def test_the_docs_ship_the_envoy_configuration_the_tests_run() -> None:
 
     page = (GATEWAY_CONFIG.parents[2] / "docs" / "guides" / "gateway.md").read_text()
     assert "```yaml\n" + GATEWAY_CONFIG.read_text() + "```" in page
+
+
+def test_the_served_endpoint_is_read_from_the_protocol_metadata_before_the_header() -> None:
+    metadata = base_pb2.Metadata()
+    served = struct_pb2.Struct()
+    served.update({protocol.SERVED: "10.0.0.7:8000"})
+    metadata.filter_metadata[protocol.LB_NAMESPACE].CopyFrom(served)
+    assert protocol.served_endpoint(metadata, {protocol.SERVED: "10.0.0.8:8000"}) == "10.0.0.7:8000"
+    assert protocol.served_endpoint(base_pb2.Metadata(), {protocol.SERVED: "10.0.0.8:8000"}) == (
+        "10.0.0.8:8000"
+    )
+    assert protocol.served_endpoint(base_pb2.Metadata(), {}) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from smetric.eval.grid import cell_verdict, grid_cells, verdict_summary
 from smetric.eval.grid_preset import load_grid_preset
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import tps_under_slo
-from smetric.report.grid import grid_table, verdict_line
+from smetric.report.grid import grid_markdown, grid_table, robustness_table, verdict_line
 from smetric.sim.knee import probe_job
 from smetric.sim.parallel import RunStore
 
@@ -109,8 +110,8 @@ def test_cells_cover_the_product_and_scale_first_loads_by_hardware(tmp_path: Pat
     )
     cells = grid_cells(load_grid_preset(str(path)))
     assert len(cells) == 2 * 2 * 2
-    assert cells["weka", "full", "async", "H20-bf16"][1] == 0.04
-    config, start = cells["weka", "full", "async", "H200-fp8"]
+    assert cells["weka", "full", "async", "H20-bf16", "configured"][1] == 0.04
+    config, start = cells["weka", "full", "async", "H200-fp8", "configured"]
     assert (config.cluster.hardware, config.cluster.kv_dtype) == ("H200", "fp8")
     assert (config.cluster.kv_load, config.cluster.global_capacity) == ("async", "full")
     assert start == pytest.approx(0.12)
@@ -158,7 +159,8 @@ def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) 
     preset.write_text(TINY)
     grid(preset, out, "least_load")
     store = RunStore(out / "runs")
-    config, _ = grid_cells(load_grid_preset(str(preset)))["weka", "full", "sync", "H20-bf16"]
+    cells = grid_cells(load_grid_preset(str(preset)))
+    config, _ = cells["weka", "full", "sync", "H20-bf16", "configured"]
     result = json.loads((out / "grid.json").read_text())
     load = result["cells"][1]["knees"]["least_load"]["load"]
     job = probe_job(("x",), dataclasses.replace(config, policies=("least_load",)), load, 0)
@@ -181,6 +183,9 @@ def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) 
         (("    tiers:", "    scale: {H20-bf16: 0}\n    tiers:"), "scale.H20-bf16"),
         (("loose_slo: {", "loose_slo: {ttft: 1, "), "loose_slo"),
         (("traces:", "trace:"), "unknown keys ['trace']"),
+        (("seeds: 1", "worlds: {slow: {prefill: 2}}\nseeds: 1"), "worlds.slow: unknown pert"),
+        (("seeds: 1", "worlds: {slow: {kv_room_scale: -1}}\nseeds: 1"), "kv_room_scale: expec"),
+        (("seeds: 1", "ceiling: 1\nseeds: 1"), "ceiling: expected true or false"),
     ],
 )
 def test_bad_preset_is_a_clear_error(tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -196,3 +201,59 @@ def test_unknown_preset_name_is_a_clear_error() -> None:
     result = runner.invoke(app, ["grid", "--preset", "grid-huge"])
     assert result.exit_code == 2
     assert "grid-quick" in result.output
+
+
+def test_worlds_and_ceiling_cells_perturb_only_the_engines(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        TINY.replace(
+            "seeds: 1",
+            "worlds: {configured: {}, slow: {prefill_slowdown: 1.5}}\nceiling: true\nseeds: 1",
+        )
+    )
+    cells = grid_cells(load_grid_preset(str(path)))
+    # (none, full, free) x (configured, slow)
+    assert len(cells) == 3 * 2
+    slow, _ = cells["weka", "none", "sync", "H20-bf16", "slow"]
+    assert slow.cluster.prefill_slowdown == 1.5
+    assert slow.cluster.global_capacity == "none"
+    free, start = cells["weka", "free", "sync", "H20-bf16", "slow"]
+    assert free.cluster.prefill_slowdown == 1.5
+    assert free.cluster.global_capacity == "full"
+    assert free.cluster.tier_bandwidth_scale == math.inf
+    assert start == 0.04  # the highest tier's first load
+
+
+def test_robustness_table_gives_the_default_policy_lead_per_world_over_seeds() -> None:
+    def knee(seeds: list[float]) -> dict:
+        mean = sum(seeds) / len(seeds)
+        return {"mean": mean, "stdev": 0.0, "load": 0.1, "seeds": seeds}
+
+    def cell(tier: str, world: str, ours: list[float], rival: list[float]) -> dict:
+        knees = {"smetric_cost": knee(ours), "least_load": knee(rival)}
+        return {
+            "trace": "weka", "tier": tier, "kv_load": "sync", "hardware": "H20",
+            "world": world, "knees": knees, "loose": knees,
+        }  # fmt: skip
+
+    result = {
+        "preset": "p", "policies": ["smetric_cost", "least_load"], "seeds": 2,
+        "precision": 1.3, "worlds": {"configured": {}, "slow": {"prefill_slowdown": 1.25}},
+        "slo": dataclasses.asdict(SLOConfig()), "loose_slo": dataclasses.asdict(SLOConfig()),
+        "cells": [
+            cell("full", "configured", [110.0, 120.0], [100.0, 100.0]),
+            cell("full", "slow", [99.0, 101.0], [100.0, 100.0]),
+            cell("free", "configured", [150.0, 150.0], [230.0, 230.0]),
+            cell("free", "slow", [150.0, 150.0], [160.0, 160.0]),
+        ],
+    }  # fmt: skip
+    table = robustness_table(result)
+    assert "| configured | +15.0 ± 7.1 % |" in table
+    assert "| slow | +0.0 ± 1.4 % |" in table
+    assert "free" not in table  # ceilings are no cells of the verdict
+    rows = grid_table(result)
+    assert "| weka · full · sync · H20 · configured | least_load" in rows
+    assert "0.2k, best 50%" in rows  # the ceiling: the best of any policy, free tier
+    text = grid_markdown(result, "smetric grid")
+    assert "`smetric_cost`'s lead in every world" in text
+    assert "- `slow`: prefill_slowdown 1.25" in text

@@ -27,6 +27,7 @@ precision: 2.0
 load_multiples: [1.0, 1.5, 2.0]
 overloads: [1.0, 2.0, .inf]
 hit_ratios: [0.0, 0.5]
+ceiling: true
 """
 )
 POLICIES = "smetric,least_load,linear"
@@ -81,6 +82,14 @@ def test_the_report_has_every_figure_and_table(tiny: tuple[Path, Path, str]) -> 
     result = json.loads((out / "reproduce.json").read_text())
     assert list(result["tiers"]) == ["none", "full"]
     assert result["policies"] == POLICIES.split(",")
+    # The ceiling: every policy's knee with a free global tier, the best of them.
+    ceiling = result["ceiling"]
+    assert set(ceiling["knees"]) == set(result["policies"])
+    top = ceiling["knees"][ceiling["best"]]["mean"]
+    assert top == max(k["mean"] for k in ceiling["knees"].values())
+    none = result["tiers"]["none"]["policies"]
+    assert top >= max(v["knee"]["mean"] for v in none.values())
+    assert f"| ceiling: free global tier, best of all ({ceiling['best']}) |" in markdown
     # 1.5x load is the best baseline's searched knee on the full tier, by definition.
     unit = result["load_unit"]
     assert unit["reference_policy"] in ("least_load", "linear")
@@ -185,7 +194,7 @@ def test_page_option_writes_validation_as_a_stamped_results_page(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--preset", "medium"], "use quick or full"),
+        (["--preset", "medium"], "use quick or full or large"),
         (["-p", "smetrik"], "smetrik"),
         (["sample:nothing"], "sample"),
         (["--page", "missing/reproduce.md"], "missing"),

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -49,42 +50,38 @@ async def stream_through_sigterm(router: SmetricProcess, max_tokens: int) -> tup
     return received, closed
 
 
-def test_sigterm_lets_the_stream_in_flight_finish_then_exits(tmp_path: Path) -> None:
-    engine = SmetricProcess(free_port(), tmp_path, args=("engine", "--speed", "1"))
+@contextlib.contextmanager
+def router_draining(scratch: Path, drain_s: str) -> Iterator[SmetricProcess]:
+    """A mock engine and ``smetric serve --drain-timeout drain_s`` in front of it, ready."""
+    engine = SmetricProcess(free_port(), scratch, args=("engine", "--speed", "1"))
     router = SmetricProcess(
-        free_port(), tmp_path, args=("serve", "-e", engine.url, "--drain-timeout", "30")
+        free_port(), scratch, args=("serve", "-e", engine.url, "--drain-timeout", drain_s)
     )
     try:
         engine.start()
         router.start()
         engine.wait_ready(90)
         router.wait_ready(90)
-        received, closed = asyncio.run(stream_through_sigterm(router, max_tokens=300))
-        assert closed < 5
-        assert received.rstrip().endswith(b"data: [DONE]")  # finished, not cut
-        assert router.process is not None
-        assert router.process.wait(30) == 0
+        yield router
     finally:
         router.stop()
         engine.stop()
 
 
+def test_sigterm_lets_the_stream_in_flight_finish_then_exits(tmp_path: Path) -> None:
+    with router_draining(tmp_path, "30") as router:
+        received, closed = asyncio.run(stream_through_sigterm(router, max_tokens=300))
+        assert closed < 5
+        assert received.rstrip().endswith(b"data: [DONE]")  # finished, not cut
+        assert router.process is not None
+        assert router.process.wait(30) == 0
+
+
 def test_what_outlasts_the_drain_timeout_is_cut(tmp_path: Path) -> None:
-    engine = SmetricProcess(free_port(), tmp_path, args=("engine", "--speed", "1"))
-    router = SmetricProcess(
-        free_port(), tmp_path, args=("serve", "-e", engine.url, "--drain-timeout", "1")
-    )
-    try:
-        engine.start()
-        router.start()
-        engine.wait_ready(90)
-        router.wait_ready(90)
+    with router_draining(tmp_path, "1") as router:
         started = time.monotonic()
         received, _ = asyncio.run(stream_through_sigterm(router, max_tokens=3000))
         assert not received.rstrip().endswith(b"data: [DONE]")
         assert router.process is not None
         router.process.wait(15)
         assert time.monotonic() - started < 15  # the drain ended it, not the stream's end
-    finally:
-        router.stop()
-        engine.stop()

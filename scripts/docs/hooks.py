@@ -183,16 +183,41 @@ def _declared_help(f: dataclasses.Field) -> str:
     return ""
 
 
-def dataclass_table(cls: type, keys: tuple[str, ...] | None = None) -> list[str]:
-    """One row per field of ``cls`` (only ``keys`` if given): name, type, default, notes."""
+def flag_help(command: str, fields: dict[str, str] | None = None) -> dict[str, str]:
+    """Per setting: the help of the ``smetric COMMAND`` flag that sets it, where one does.
+    ``fields`` maps flag parameter names to setting names; without it a flag sets the
+    setting of its own name, or of its name plus ``_s`` (seconds) or ``s`` (a list)."""
+    import typer.main
+
+    from smetric.cli import app
+
+    params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
+    out = {}
+    for param in params:
+        text = plain(getattr(param, "help", None))
+        if fields is not None:
+            if param.name in fields:
+                out[fields[param.name]] = text
+        else:
+            for name in (param.name, f"{param.name}_s", f"{param.name}s"):
+                out.setdefault(name, text)
+    return out
+
+
+def dataclass_table(
+    cls: type, keys: tuple[str, ...] | None = None, flags: dict[str, str] | None = None
+) -> list[str]:
+    """One row per field of ``cls`` (only ``keys`` if given): name, type, default, notes
+    (the field's declared help, else its comment, else the help of the flag that sets it)."""
     notes = _field_notes(cls)
+    flags = flags or {}
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if keys is not None and f.name not in keys:
             continue
         if dataclasses.is_dataclass(f.type) or f.name in ("cluster", "workload", "slo"):
             continue
-        note = _declared_help(f) or notes.get(f.name, "")
+        note = _declared_help(f) or notes.get(f.name) or flags.get(f.name, "")
         rows.append(
             f"| `{f.name}` | `{cell(_type_name(f.type))}` | {_field_default(f)} | {cell(note)} |"
         )
@@ -200,9 +225,13 @@ def dataclass_table(cls: type, keys: tuple[str, ...] | None = None) -> list[str]
 
 
 def config_page() -> str:
+    from smetric.cli.simulate import CLUSTER_FLAGS, SLO_FLAGS, WORKLOAD_FLAGS
     from smetric.serve.app import RouterSettings
     from smetric.serve.config import TUNABLE
     from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
+
+    simulate = flag_help("simulate", {**CLUSTER_FLAGS, **WORKLOAD_FLAGS, **SLO_FLAGS})
+    simulate |= flag_help("simulate", {"warmup": "warmup_s", "policies": "policies"})
 
     def doc(cls: type) -> str:
         text = inspect.getdoc(cls) or ""
@@ -229,12 +258,13 @@ def config_page() -> str:
         "",
         f"### Top level ({SimConfig.__name__})",
         "",
-        *dataclass_table(SimConfig),
+        *dataclass_table(SimConfig, flags=simulate),
     ]
     for section, cls in (("cluster", ClusterConfig), ("workload", WorkloadConfig)):
-        out += ["", f"### `{section}:` ({cls.__name__})", "", doc(cls), "", *dataclass_table(cls)]
+        table = dataclass_table(cls, flags=simulate)
+        out += ["", f"### `{section}:` ({cls.__name__})", "", doc(cls), "", *table]
     out += ["", f"### `slo:` ({SLOConfig.__name__})", "", doc(SLOConfig), ""]
-    out += dataclass_table(SLOConfig)
+    out += dataclass_table(SLOConfig, flags=simulate)
     out += [
         "",
         "## Router: `smetric serve --config`",
@@ -242,7 +272,7 @@ def config_page() -> str:
         "Besides `engines:` (or `prefill_engines:` and `decode_engines:`), a list of URLs or",
         "`{url, kv_blocks, kv_events}` mappings, the file's `router:` section may set:",
         "",
-        *dataclass_table(RouterSettings, TUNABLE),
+        *dataclass_table(RouterSettings, TUNABLE, flag_help("serve")),
     ]
     return "\n".join(out) + "\n"
 
@@ -277,8 +307,9 @@ def metrics_page() -> str:
         "# Prometheus metrics",
         "",
         "What `smetric serve` exports on `/metrics`, generated from the router's registry at",
-        "each build of this site. With `--workers N`, each worker answers with its own",
-        "counters; in-flight requests and unprefilled tokens are shared by all workers.",
+        "each build of this site. With `--workers N`, whichever worker takes a scrape answers",
+        "for all of them: counters and histograms summed over workers, per-engine gauges from",
+        "the load table they share.",
         "`/metrics` needs the API key when `--api-key` is set, unless `--open-metrics`.",
         "",
         "| metric | type | labels | meaning |",

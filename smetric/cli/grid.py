@@ -38,6 +38,13 @@ global tier x global-tier fetch mode x KV room, and per cell the best baseline a
 setting. A policy of the SMetric family counts as level with the best baseline within 1 %
 of it and as ahead at 5 % or more. How to run it and read it:
 [Simulate, sweep, knee, grid and reproduce](../guides/simulate.md#the-policy-grid)."""
+ROBUSTNESS_INTRO = """\
+The same knee searches with the simulated engines changed behind the policies' backs:
+the global tier slower, prefill slower, KV room smaller or larger, while what each policy
+is told of the hardware stays as configured. A lead that the performance model's own
+error bars could erase shows here. How to run it and read it:
+[Robustness](../guides/simulate.md#robustness-worlds-the-policies-are-not-told-about);
+how the default policy copes: [learned prices](../concepts/learned-prices.md)."""
 
 
 @app.command(name="grid")
@@ -87,7 +94,11 @@ def grid_command(
     markdown.write_text(grid_markdown(result, command))
     if page is not None:
         with user_errors():
-            write_results_page(page, "The policy grid", markdown.read_text(), command, GRID_INTRO)
+            worlds = len(chosen.worlds) > 1
+            title = "Robustness: the lead in worlds the policies are not told about"
+            intro = ROBUSTNESS_INTRO if worlds else GRID_INTRO
+            title = title if worlds else "The policy grid"
+            write_results_page(page, title, markdown.read_text(), command, intro)
     console.print(markdown.read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"simulated {store.written} runs in {time.monotonic() - started:,.0f} s wall, "

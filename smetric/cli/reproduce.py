@@ -17,6 +17,8 @@ from smetric.cli.evaluation import (
     report_command,
 )
 from smetric.cli.simulate import JobsOpt, OutOpt, SourceArg
+from smetric.eval.paper import is_large_model
+from smetric.eval.paper import title as paper_title
 from smetric.eval.preset import PRESETS, load_preset
 from smetric.eval.reproduce import DEFAULT_POLICIES, paper_load_runs, reproduce
 from smetric.report.reproduce import write_report
@@ -28,6 +30,12 @@ INTRO = """\
 The paper's colocation evaluation (its Figures 11, 12, 14-17 and 25) regenerated on a
 simulated cluster, with the paper's published numbers beside ours. The figures are in
 `report.html` in the command's output folder. How to run it and what each part measures:
+[Simulate, sweep, knee, grid and reproduce](../guides/simulate.md)."""
+LARGE_INTRO = """\
+The paper's larger-model evaluation (its Figures 18-20: Qwen3-235B-A22B-FP8 on 8
+instances of 4 H20s) regenerated on a simulated cluster, with the paper's published
+numbers beside ours. The sections below carry the 30B evaluation's figure numbers; the
+same figures are Figures 18-20 for this model. How to run it:
 [Simulate, sweep, knee, grid and reproduce](../guides/simulate.md)."""
 
 
@@ -80,9 +88,8 @@ def reproduce_command(
     html, markdown = write_report(result, summaries, tables, command, out)
     if page is not None:
         with user_errors():
-            write_results_page(
-                page, "The paper's colocation evaluation", markdown.read_text(), command, INTRO
-            )
+            intro = LARGE_INTRO if is_large_model(result) else INTRO
+            write_results_page(page, paper_title(result), markdown.read_text(), command, intro)
     reused = "" if store.written else " (every run reused from runs/)"
     console.print(
         f"simulated {store.written} runs{reused}\nwrote {html}, {markdown}, reproduce.json "

@@ -21,6 +21,7 @@ from smetric.cli.app import (
 )
 from smetric.core.policies import POLICY_NAMES, base_name, hardware_params, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
+from smetric.metrics.runs import run_file_name
 from smetric.model.perf import load_medium
 from smetric.report.run_tables import (
     branches_table,
@@ -28,7 +29,6 @@ from smetric.report.run_tables import (
     results_table,
     sweep_table,
 )
-from smetric.report.runs import run_file_name
 from smetric.report.tables import check_format, emit
 from smetric.sim.config import (
     SimConfig,
@@ -38,8 +38,9 @@ from smetric.sim.config import (
     load_yaml,
     parse_global_capacity,
 )
-from smetric.sim.parallel import Job, RunStore, default_jobs, run_jobs, run_sweep
-from smetric.sim.run import RunResult
+from smetric.sim.jobs import Job
+from smetric.sim.parallel import RunStore, default_jobs, run_jobs, run_sweep
+from smetric.sim.result import RunResult
 from smetric.sim.seeds import mean_summary, spread
 
 CLUSTER = "Cluster"
@@ -268,13 +269,19 @@ def split_policies(text: str) -> tuple[str, ...]:
 
 
 def hardware_lines(results: dict[str, RunResult]) -> list[str]:
-    """What each policy assumed of the hardware, where the simulator derived it."""
+    """What each policy assumed of the hardware, where the simulator derived it, and
+    what it learned from its requests, where it learns."""
     lines = []
     for policy, result in results.items():
         derived = hardware_params(base_name(policy))
         if derived:
             values = ", ".join(f"{k}={result.policy_params[k]:g}" for k in derived)
             lines.append(f"{policy} assumed {values}")
+        learned = result.summary.get("learned_params")
+        if learned:
+            values = ", ".join(f"{k}={v:.3g}" for k, v in learned.items())
+            count = result.summary["learned_from"]
+            lines.append(f"{policy} learned {values} from {count:,} requests")
     return lines
 
 

@@ -12,6 +12,7 @@ default SLO.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 from smetric.core.policies import is_ours
@@ -23,7 +24,15 @@ from smetric.sim.knee import Knee, KneeSettings, best_baseline, knee_of, probe_j
 from smetric.sim.parallel import RunStore
 from smetric.trace.schema import Trace
 
-CELL_FIELDS = ("trace", "tier", "kv_load", "hardware")
+CELL_FIELDS = ("trace", "tier", "kv_load", "hardware", "world")
+# The tier of a cell that gives its group a ceiling: the same cluster with a free global
+# tier (never evicts, moves KV in no time), under every policy, the best of them.
+FREE_TIER = "free"
+FREE_GLOBAL_TIER = {
+    "global_capacity": "full",
+    "global_medium": "line-rate",
+    "tier_bandwidth_scale": math.inf,
+}
 # The verdict's thresholds: within 1 % of the best baseline (a tie), at least 5 % ahead (a win).
 WITHIN, AHEAD = -1.0, 5.0
 
@@ -32,20 +41,30 @@ TraceLoader = Callable[[SimConfig], Trace]
 
 
 def grid_cells(preset: GridPreset) -> dict[tuple, tuple[SimConfig, float]]:
-    """Per cell ``(trace, tier, kv_load, hardware)``: its configuration and first load."""
+    """Per cell ``(trace, tier, kv_load, hardware, world)``: its configuration and first
+    load. With ``preset.ceiling``, each (trace, kv_load, hardware, world) has one more
+    cell, tier ``free``, started at the highest tier's first load."""
     cells = {}
     for name, trace in preset.traces.items():
-        for tier, start in trace.tiers.items():
+        tiers = dict(trace.tiers)
+        if preset.ceiling:
+            tiers[FREE_TIER] = max(trace.tiers.values())
+        for tier, start in tiers.items():
             for mode in preset.kv_loads:
                 for label, room in preset.hardware.items():
-                    config = trace.config.override(
-                        "cluster",
-                        global_capacity=tier,
-                        kv_load=mode,
-                        hardware=room.hardware,
-                        kv_dtype=room.kv_dtype,
-                    )
-                    cells[name, tier, mode, label] = (config, start * trace.scale[label])
+                    for world_name, world in preset.worlds.items():
+                        config = trace.config.override(
+                            "cluster",
+                            global_capacity=tier,
+                            kv_load=mode,
+                            hardware=room.hardware,
+                            kv_dtype=room.kv_dtype,
+                            **world,
+                        )
+                        if tier == FREE_TIER:
+                            config = config.override("cluster", **FREE_GLOBAL_TIER)
+                        key = (name, tier, mode, label, world_name)
+                        cells[key] = (config, start * trace.scale[label])
     return cells
 
 
@@ -70,7 +89,7 @@ def run_grid(
             for p in policies
         }
         settings = {
-            key: KneeSettings(start=mine[key[:4]][1], grow=preset.grow, precision=preset.precision)
+            key: KneeSettings(start=mine[key[:-1]][1], grow=preset.grow, precision=preset.precision)
             for key in searches
         }
         knees = search_knees(
@@ -99,6 +118,7 @@ def run_grid(
     return {
         "preset": preset.name,
         "policies": list(policies),
+        "worlds": preset.worlds,
         "seeds": preset.seeds,
         "precision": preset.precision,
         "slo": dataclasses.asdict(next(iter(preset.traces.values())).config.slo),

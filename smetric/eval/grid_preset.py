@@ -9,15 +9,27 @@ seeds, the search's step and precision, and the looser SLO the same runs are sco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from smetric.eval.preset import check_keys, positive, read_preset
+from smetric.eval.preset import check_keys, flag, positive, read_preset
 from smetric.metrics.slo import SLOConfig
-from smetric.sim.config import SimConfig, check_kv_load, from_dict, parse_global_capacity
+from smetric.sim.config import (
+    PERTURBATIONS,
+    SimConfig,
+    check_kv_load,
+    from_dict,
+    parse_global_capacity,
+)
 
-GRID_PRESETS = ("grid-quick",)
+GRID_PRESETS = ("grid-quick", "robustness")
 KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")
+# ``worlds``: name -> perturbations of the simulated engines that the policies are not
+# told about (``ClusterConfig``'s ``PERTURBATIONS``), every cell run in each; without it,
+# the configured world alone.
+# ``ceiling``: true adds a free-tier cell per group, the knee tables' ceiling.
+OPTIONAL_KEYS = ("worlds", "ceiling")
+CONFIGURED = "configured"
 
 
 @dataclass(frozen=True)
@@ -47,12 +59,14 @@ class GridPreset:
     grow: float
     precision: float
     loose_slo: SLOConfig
+    worlds: dict[str, dict[str, float]] = field(default_factory=lambda: {CONFIGURED: {}})
+    ceiling: bool = False
 
 
 def load_grid_preset(spec: str) -> GridPreset:
     """``grid-quick``, or the path of a YAML file shaped like it."""
     raw, where, name = read_preset(spec, GRID_PRESETS)
-    data = check_keys(raw, where, KEYS)
+    data = check_keys(raw, where, KEYS, OPTIONAL_KEYS)
     kv_loads = data["kv_loads"]
     if not isinstance(kv_loads, list) or not kv_loads:
         raise ValueError(f"{where}: kv_loads must be a non-empty list of sync, async")
@@ -79,7 +93,26 @@ def load_grid_preset(spec: str) -> GridPreset:
         grow=positive(data["grow"], f"{where}: grow"),
         precision=positive(data["precision"], f"{where}: precision"),
         loose_slo=loose_slo,
+        worlds=_worlds(data.get("worlds"), f"{where}: worlds"),
+        ceiling=flag(data.get("ceiling", False), f"{where}: ceiling"),
     )
+
+
+def _worlds(value: Any, where: str) -> dict[str, dict[str, float]]:
+    if value is None:
+        return {CONFIGURED: {}}
+    worlds = {}
+    for name, factors in _mapping(value, where).items():
+        factors = factors or {}
+        if not isinstance(factors, dict):
+            raise ValueError(f"{where}.{name}: expected a mapping of perturbations")
+        unknown = sorted(set(factors) - set(PERTURBATIONS))
+        if unknown:
+            raise ValueError(
+                f"{where}.{name}: unknown perturbations {unknown}; known: {list(PERTURBATIONS)}"
+            )
+        worlds[str(name)] = {k: positive(v, f"{where}.{name}.{k}") for k, v in factors.items()}
+    return worlds
 
 
 def _mapping(value: Any, where: str) -> dict:

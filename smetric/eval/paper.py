@@ -1,4 +1,5 @@
-"""The paper's published colocation numbers (§4.1, §4.2, §5.2, §5.4, §5.5) beside ours.
+"""The paper's published colocation numbers (§4.1, §4.2, §5.2, §5.4, §5.5) beside ours,
+and those of its larger-model evaluation (Figures 18-20) for a Qwen3-235B result.
 
 Each row names the figure, what the paper states, and the same quantity computed from a
 ``reproduce`` result; a row whose policies were not run says so instead of a number. The
@@ -284,6 +285,137 @@ SECTIONS: tuple[Callable[[Result], list[Comparison]], ...] = (
 )
 
 
+def is_large_model(result: Result) -> bool:
+    """A result of the paper's larger model (Qwen3-235B-A22B), whose evaluation is its
+    Figures 18-20 rather than the 30B model's."""
+    return "235B" in result["config"]["cluster"]["model"]
+
+
+def title(result: Result) -> str:
+    if is_large_model(result):
+        return "The paper's larger model: Qwen3-235B-A22B-FP8 on 8 x 4 H20 (Figs. 18-20)"
+    return "The paper's colocation evaluation"
+
+
+def _peak(result: Result) -> list[Comparison]:
+    sweep = result["rate_sweep"]
+    missing = _needs(result, "smetric", BAILIAN)
+    rows = [
+        Comparison(
+            "18a",
+            "Full tier: `smetric`'s peak TPS within SLO vs Bailian's peak over the sweep",
+            "+8 %",
+            missing or change(_knee(result, "full", "smetric"), _knee(result, "full", BAILIAN)),
+        )
+    ]
+    at_peak = "-"
+    if not _needs(result, "smetric", LMETRIC):
+        points = sweep["policies"]["smetric"]
+        i = max(range(len(points)), key=lambda j: points[j]["tps_within_slo"])
+        ours, theirs = points[i], sweep["policies"][LMETRIC][i]
+        at_peak = (
+            f"{change(ours['tps_within_slo'], theirs['tps_within_slo'])} "
+            f"(at {sweep['multiples'][i]:g}x, `smetric`'s best sweep point)"
+        )
+    rows.append(
+        Comparison(
+            "18a",
+            "Full tier: `smetric` vs LMetric at `smetric`'s peak operating point",
+            "+20 %",
+            at_peak,
+        )
+    )
+    return rows
+
+
+def _large_balance(result: Result) -> list[Comparison]:
+    at = result["at_paper_load"]["policies"]
+    four = ("smetric", LMETRIC, BAILIAN, LOAD_BALANCE)
+    gap = _needs(result, "smetric", LOAD_BALANCE) or change(
+        at[LOAD_BALANCE]["tps_within_slo"], at["smetric"]["tps_within_slo"]
+    )
+    return [
+        Comparison(
+            "18b",
+            f"Full tier, {PAPER_LOAD:g}x load: mean imbalance, `smetric` / LMetric / Bailian "
+            "/ least-load",
+            "1.6x / 1.6x / 1.6x / 1.3x",
+            _needs(result, *four) or " / ".join(times(at[p]["imbalance"]) for p in four),
+        ),
+        Comparison(
+            "18b",
+            f"Full tier, {PAPER_LOAD:g}x load: least-load's TPS within SLO vs `smetric`'s",
+            "-32 %",
+            gap,
+        ),
+    ]
+
+
+def _large_reuse(result: Result) -> list[Comparison]:
+    full = result["tiers"]["full"]["policies"]
+    if "smetric" not in full:
+        return [Comparison("19b", "Full tier: `smetric`'s local and overall reuse", "", "-")]
+    mine = full["smetric"]["reuse"]
+    overall = {p: v["reuse"]["local"] + v["reuse"]["global"] for p, v in full.items()}
+    best = max(overall, key=overall.get)
+    return [
+        Comparison(
+            "19b",
+            "Full tier, at each knee: `smetric`'s local-tier hits and overall reuse "
+            "(the highest of all policies)",
+            "69 % and 76 % (highest)",
+            f"{pct(mine['local'])} and {pct(overall['smetric'])} (highest: {best})",
+        )
+    ]
+
+
+def _large_latency(result: Result) -> list[Comparison]:
+    at = result["at_paper_load"]["policies"]
+    missing = _needs(result, "smetric", LMETRIC)
+
+    def ttft(q: str) -> str:
+        if missing:
+            return missing
+        mine = at["smetric"]["ttft_s"][q]
+        return f"{seconds(mine)}, {change(mine, at[LMETRIC]['ttft_s'][q])} vs LMetric"
+
+    rivals = [p for p in at if not is_ours(p)]
+    tpot = []
+    for q in ("p90", "p99"):
+        best = min((at[p]["tpot_s"][q] for p in rivals if at[p]["tpot_s"][q]), default=None)
+        mine = at["smetric"]["tpot_s"][q] if "smetric" in at else None
+        tpot.append(f"{q.upper()} {change(mine, best)}")
+    return [
+        Comparison(
+            "20",
+            f"Full tier, {PAPER_LOAD:g}x load: `smetric`'s median TTFT",
+            "0.85 s, -24 % vs LMetric",
+            ttft("p50"),
+        ),
+        Comparison(
+            "20",
+            f"Full tier, {PAPER_LOAD:g}x load: `smetric`'s P90 TTFT",
+            "7.7 s, -26 % vs LMetric",
+            ttft("p90"),
+        ),
+        Comparison(
+            "20",
+            f"Full tier, {PAPER_LOAD:g}x load: `smetric`'s TPOT vs the best baseline at P90 / P99",
+            "-13 % / -34 %",
+            _needs(result, "smetric") or ", ".join(tpot),
+        ),
+    ]
+
+
+LARGE_SECTIONS: tuple[Callable[[Result], list[Comparison]], ...] = (
+    _peak,
+    _large_balance,
+    _large_reuse,
+    _large_latency,
+)
+
+
 def comparisons(result: Result) -> list[Comparison]:
     """Every published number the result can be set beside, in the paper's order."""
-    return [row for section in SECTIONS for row in section(result)]
+    sections = LARGE_SECTIONS if is_large_model(result) else SECTIONS
+    return [row for section in sections for row in section(result)]

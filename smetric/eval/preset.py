@@ -19,10 +19,13 @@ import yaml
 
 from smetric.sim.config import SimConfig, from_dict, parse_global_capacity
 
-PRESETS = ("quick", "full")
+PRESETS = ("quick", "full", "large")
 # The tier every load is measured against (Figs. 14, 15, 17 and 25 use the full tier).
 REFERENCE_TIER = "full"
 KEYS = ("config", "tiers", "seeds", "precision", "load_multiples", "overloads", "hit_ratios")
+# ``ceiling: true`` searches every policy's knee once more with a free global tier: the
+# knee table's ceiling.
+OPTIONAL_KEYS = ("ceiling",)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Preset:
     load_multiples: tuple[float, ...]
     overloads: tuple[float, ...]
     hit_ratios: tuple[float, ...]
+    ceiling: bool = False
 
     def describe(self) -> str:
         c, w = self.config.cluster, self.config.workload
@@ -75,12 +79,13 @@ def read_preset(spec: str, names: Sequence[str]) -> tuple[Any, str, str]:
         raise ValueError(f"{where}: not YAML: {exc}") from exc
 
 
-def check_keys(data: Any, where: str, keys: Sequence[str]) -> dict:
-    """``data`` as a mapping with exactly ``keys``: a preset file is checked whole before
-    any of it is read, so a misspelt key is named rather than silently defaulted."""
+def check_keys(data: Any, where: str, keys: Sequence[str], optional: Sequence[str] = ()) -> dict:
+    """``data`` as a mapping with exactly ``keys``, and maybe some of ``optional``: a
+    preset file is checked whole before any of it is read, so a misspelt key is named
+    rather than silently defaulted."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a mapping with keys {', '.join(keys)}")
-    unknown = sorted(set(data) - set(keys))
+    unknown = sorted(set(data) - set(keys) - set(optional))
     missing = [k for k in keys if k not in data]
     if unknown or missing:
         raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
@@ -88,7 +93,7 @@ def check_keys(data: Any, where: str, keys: Sequence[str]) -> dict:
 
 
 def _parse(data: Any, where: str, name: str) -> Preset:
-    data = check_keys(data, where, KEYS)
+    data = check_keys(data, where, KEYS, OPTIONAL_KEYS)
     tiers = data["tiers"]
     if not isinstance(tiers, dict) or REFERENCE_TIER not in tiers:
         raise ValueError(f"{where}: tiers must map global tiers to loads and include 'full'")
@@ -103,7 +108,14 @@ def _parse(data: Any, where: str, name: str) -> Preset:
         load_multiples=_values(data["load_multiples"], f"{where}: load_multiples"),
         overloads=_values(data["overloads"], f"{where}: overloads"),
         hit_ratios=_values(data["hit_ratios"], f"{where}: hit_ratios", zero=True),
+        ceiling=flag(data.get("ceiling", False), f"{where}: ceiling"),
     )
+
+
+def flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
 
 
 def positive(value: Any, where: str, zero: bool = False) -> float:

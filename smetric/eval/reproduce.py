@@ -26,8 +26,10 @@ import numpy as np
 import polars as pl
 
 from smetric.core.policies import policy_params
+from smetric.eval.grid import FREE_GLOBAL_TIER, FREE_TIER
 from smetric.eval.preset import REFERENCE_TIER, Preset
 from smetric.sim.config import SimConfig
+from smetric.sim.jobs import Job
 from smetric.sim.knee import (
     Knee,
     KneeSettings,
@@ -36,7 +38,7 @@ from smetric.sim.knee import (
     probe_job,
     search_knees,
 )
-from smetric.sim.parallel import Job, RunStore, run_sweep
+from smetric.sim.parallel import RunStore, run_sweep
 from smetric.trace.schema import Trace
 
 # The paper's baselines as it names them; the list is open: any policy spec works, and
@@ -103,6 +105,7 @@ def reproduce(
     runner = Runner(trace, store, processes, progress)
     seeds = range(preset.seeds)
     tiers = _tiers(runner, base, preset, policies)
+    ceiling = tiers.pop(FREE_TIER, None)
     full = base.override("cluster", global_capacity=REFERENCE_TIER)
     reference = tiers[REFERENCE_TIER]["best_baseline"] or policies[0]
     knee_load = tiers[REFERENCE_TIER]["policies"][reference]["knee"]["load"]
@@ -142,6 +145,8 @@ def reproduce(
         "seeds": preset.seeds,
         "policies": list(policies),
         "tiers": tiers,
+        # The same cluster with a free global tier, the best of every policy's knee there.
+        "ceiling": ceiling,
         "load_unit": {
             "rate": unit,
             "reference_policy": reference,
@@ -204,8 +209,14 @@ def _tiers(runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[s
         for tier in preset.tiers
         for p in policies
     }
+    starts = dict(preset.tiers)
+    if preset.ceiling:
+        starts[FREE_TIER] = max(preset.tiers.values())
+        for p in policies:
+            free = base.override("cluster", **FREE_GLOBAL_TIER)
+            cells[FREE_TIER, p] = dataclasses.replace(free, policies=(p,))
     settings = {
-        key: KneeSettings(start=preset.tiers[key[0]], precision=preset.precision) for key in cells
+        key: KneeSettings(start=starts[key[0]], precision=preset.precision) for key in cells
     }
 
     def on_round(round_: int, runs: int) -> None:
@@ -226,6 +237,10 @@ def _tiers(runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[s
             per_policy[p] = {"knee": dataclasses.asdict(knee), **_point(runs)}
         rival = best_baseline({p: v["knee"]["mean"] for p, v in per_policy.items()})
         out[tier] = {"best_baseline": rival, "policies": per_policy}
+    if preset.ceiling:
+        ceilings = {p: dataclasses.asdict(knees[FREE_TIER, p]) for p in policies}
+        best = max(ceilings, key=lambda p: ceilings[p]["mean"])
+        out[FREE_TIER] = {"best": best, "knees": ceilings}
     return out
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from smetric.core.policies import is_ours
-from smetric.eval.grid import AHEAD, WITHIN, cell_verdict, means_of, verdict_summary
+from smetric.core.policies import DEFAULT_POLICY, is_ours
+from smetric.eval.grid import (
+    AHEAD,
+    FREE_TIER,
+    WITHIN,
+    cell_verdict,
+    means_of,
+    verdict_summary,
+)
+from smetric.eval.grid_preset import CONFIGURED
 from smetric.report.markdown import markdown_table
 
 
@@ -19,23 +28,37 @@ def _knee(knee: Mapping[str, Any]) -> str:
     return f"{_k(knee['mean'])}{spread} (@{knee['load']:.3g})"
 
 
+def cell_name(cell: Mapping[str, Any], worlds: bool = False) -> str:
+    """trace · tier · fetch · hardware, and the world where a grid has several."""
+    fields = [cell["trace"], cell["tier"], cell["kv_load"], cell["hardware"]]
+    return " · ".join(fields + ([cell["world"]] if worlds else []))
+
+
 def grid_table(result: Mapping[str, Any], which: str = "knees") -> str:
-    """Cells as rows (trace · tier · fetch · hardware): the best baseline (name, knee),
-    then each of our policies' knee and its lead over that baseline."""
+    """Cells as rows (trace · tier · fetch · hardware · world): the best baseline (name,
+    knee), then each of our policies' knee and its lead over that baseline; with
+    ceiling cells, the ceiling and the best policy's share of it."""
     ours = [p for p in result["policies"] if is_ours(p)]
-    head = ["cell", "best baseline", *ours]
+    ceilings = ceiling_of(result, which)
+    worlds = len(result.get("worlds", {})) > 1
+    head = ["cell", "best baseline", *ours, *(["ceiling (best of all)"] if ceilings else [])]
     rows = []
-    for cell in result["cells"]:
-        verdict = cell_verdict(means_of(cell, which))
+    for cell in measured_cells(result):
+        means = means_of(cell, which)
+        verdict = cell_verdict(means)
         rival = verdict["best_baseline"]
         row = [
-            f"{cell['trace']} · {cell['tier']} · {cell['kv_load']} · {cell['hardware']}",
+            cell_name(cell, worlds),
             f"{rival} {_knee(cell[which][rival])}" if rival else "-",
         ]
         for p in ours:
             lead = verdict["lead"][p]
             text = _knee(cell[which][p])
             row.append(f"{text}, {lead:+.1f} %" if lead is not None else text)
+        if ceilings:
+            top = ceilings.get(group_of(cell))
+            best = max(means.values())
+            row.append(f"{_k(top)}, best {best / top:.0%}" if top else "-")
         rows.append(row)
     return markdown_table(head, rows).rstrip("\n")
 
@@ -49,6 +72,66 @@ def verdict_line(cells: Sequence[Mapping[str, float]]) -> str:
         for p, s in verdict_summary(cells).items()
     ]
     return "Verdict: " + "; ".join(parts) + "."
+
+
+def measured_cells(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The cells the verdict counts: all but the free-tier ceilings."""
+    return [c for c in result["cells"] if c["tier"] != FREE_TIER]
+
+
+def group_of(cell: Mapping[str, Any]) -> tuple:
+    """The cells one ceiling bounds: all tiers of a trace, fetch mode, KV room, world."""
+    return (cell["trace"], cell["kv_load"], cell["hardware"], cell.get("world", CONFIGURED))
+
+
+def ceiling_of(result: Mapping[str, Any], which: str = "knees") -> dict[tuple, float]:
+    """Per group, the best knee any policy reached with a free global tier."""
+    return {
+        group_of(c): max(means_of(c, which).values())
+        for c in result["cells"]
+        if c["tier"] == FREE_TIER
+    }
+
+
+def default_policy(result: Mapping[str, Any]) -> str | None:
+    """The policy whose lead the robustness table follows: the default, else the first
+    of ours."""
+    ours = [p for p in result["policies"] if is_ours(p)]
+    return DEFAULT_POLICY if DEFAULT_POLICY in ours else (ours[0] if ours else None)
+
+
+def seed_leads(cell: Mapping[str, Any], policy: str, which: str = "knees") -> list[float]:
+    """``policy``'s lead over the cell's best baseline (by mean), seed by seed, in %."""
+    rival = cell_verdict(means_of(cell, which))["best_baseline"]
+    if rival is None:
+        return []
+    ours, theirs = cell[which][policy]["seeds"], cell[which][rival]["seeds"]
+    return [(a / b - 1) * 100 for a, b in zip(ours, theirs, strict=True) if b > 0]
+
+
+def robustness_table(result: Mapping[str, Any], which: str = "knees") -> str:
+    """Worlds as rows, cells (trace · tier · fetch · hardware) as columns: the default
+    policy's lead over the best baseline, mean ± standard deviation over seeds."""
+    policy = default_policy(result)
+    cells = measured_cells(result)
+    columns = list(dict.fromkeys(cell_name(c) for c in cells))
+    by_world: dict[str, dict[str, str]] = {}
+    for cell in cells:
+        leads = seed_leads(cell, policy, which) if policy else []
+        if not leads:
+            text = "-"
+        elif len(leads) > 1:
+            text = f"{statistics.fmean(leads):+.1f} ± {statistics.stdev(leads):.1f} %"
+        else:
+            text = f"{leads[0]:+.1f} %"
+        by_world.setdefault(cell["world"], {})[cell_name(cell)] = text
+    rows = [[world, *(row.get(c, "-") for c in columns)] for world, row in by_world.items()]
+    return markdown_table(["world", *columns], rows).rstrip("\n")
+
+
+def _world_line(name: str, factors: Mapping[str, float]) -> str:
+    changed = [f"{k} {v:.3g}" for k, v in factors.items() if v != 1]
+    return f"- `{name}`: " + (", ".join(changed) if changed else "as configured")
 
 
 def grid_markdown(result: Mapping[str, Any], command: str) -> str:
@@ -67,8 +150,9 @@ def grid_markdown(result: Mapping[str, Any], command: str) -> str:
         "",
         grid_table(result),
         "",
-        verdict_line([means_of(c) for c in result["cells"]]),
+        verdict_line([means_of(c) for c in measured_cells(result)]),
         "",
+        *_robustness_part(result),
         f"#### Looser SLO ({_slo(loose)})",
         "",
         "The same runs scored again (the SLO never changes what the simulator does); each "
@@ -76,9 +160,33 @@ def grid_markdown(result: Mapping[str, Any], command: str) -> str:
         "",
         grid_table(result, "loose"),
         "",
-        verdict_line([means_of(c, "loose") for c in result["cells"]]),
+        verdict_line([means_of(c, "loose") for c in measured_cells(result)]),
     ]
     return "\n".join(out) + "\n"
+
+
+def _robustness_part(result: Mapping[str, Any]) -> list[str]:
+    """Under the default SLO: how each world differs, and the default policy's lead in
+    each (nothing for a grid of one world)."""
+    worlds = result.get("worlds", {})
+    if len(worlds) < 2:
+        return []
+    policy = default_policy(result)
+    return [
+        f"#### `{policy}`'s lead in every world",
+        "",
+        "The same cells with the simulated engines changed behind the policies' backs: "
+        "what the policies are told of the hardware (their derived constants) stays as "
+        "configured, so a policy that learns its prices must find the change itself.",
+        "",
+        *(_world_line(name, factors) for name, factors in worlds.items()),
+        "",
+        f"Lead of `{policy}` over the cell's best baseline (by mean), per seed at each "
+        "policy's knee, mean ± standard deviation over seeds:",
+        "",
+        robustness_table(result),
+        "",
+    ]
 
 
 def _slo(slo: Mapping[str, float]) -> str:

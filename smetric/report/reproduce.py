@@ -137,7 +137,7 @@ def _tier_sections(result: Result) -> list[Section]:
             "setting.",
             ("max_tps", "knee"),
             head,
-            knee_rows(knees, ours, kilo, lambda text: f"**{text}**"),
+            knee_rows(knees, ours, kilo, lambda text: f"**{text}**") + ceiling_rows(result),
         ),
         Section(
             "Where prompt tokens came from at each knee (Figs. 11b, 16b)",
@@ -147,6 +147,27 @@ def _tier_sections(result: Result) -> list[Section]:
             head,
             split,
         ),
+    ]
+
+
+def ceiling_rows(result: Result) -> list[list[str]]:
+    """The knee table's ceiling, where the evaluation searched one: the best knee of any
+    policy with a free global tier (never evicts, moves KV in no time), and the best
+    policy of each tier as a share of it (none without a ceiling)."""
+    ceiling = result.get("ceiling")
+    if not ceiling:
+        return []
+    top = ceiling["knees"][ceiling["best"]]
+    columns = len(result["tiers"])
+    shares = []
+    for cell in result["tiers"].values():
+        best = max(cell["policies"], key=lambda p: cell["policies"][p]["knee"]["mean"])
+        share = cell["policies"][best]["knee"]["mean"] / top["mean"] if top["mean"] else 0
+        shares.append(f"{share:.0%} ({best})")
+    return [
+        [f"ceiling: free global tier, best of all ({ceiling['best']})"]
+        + [f"{kilo(top['mean'])} (@{top['load']:.3g})"] * columns,
+        ["best policy / ceiling", *shares],
     ]
 
 

@@ -40,7 +40,7 @@ from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.auth import require_key
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
-from smetric.serve.dispatch import ENGINE_HEADER, PREDICTED_HIT_HEADER, Call, Colocated, Wiring
+from smetric.serve.dispatch import Call, Colocated, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import error_response, errors_as_json
 from smetric.serve.forwarding import Completion, CompletionObserver, Forwarder, is_stream
@@ -51,10 +51,11 @@ from smetric.serve.limits import BodyError, decoded_body
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.outliers import OutlierDetector
 from smetric.serve.pool import EnginePool
+from smetric.serve.prices import PriceFeed
 from smetric.serve.routing import RoutingCore
 from smetric.serve.upstream import Timeouts
 
-__all__ = ["ENGINE_HEADER", "PREDICTED_HIT_HEADER", "ROUTES", "Router", "RouterSettings"]
+__all__ = ["ROUTES", "Router", "RouterSettings"]
 
 ROUTES: dict[str, Api] = {
     "/v1/chat/completions": "chat",
@@ -178,6 +179,10 @@ class Router:
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
+        # A policy that prices work learns its prices from the engines' replies.
+        self.prices = PriceFeed(self.core.policy, settings.policy, self.metrics.learned_price)
+        if self.prices.learning:
+            self.observers.append(self.prices.observer(self.pool.get))
         self.wiring = Wiring(self.pool, self.core, self.forwarder, self.metrics)
         self.dispatcher = (
             Colocated(self.wiring) if self.disagg is None else self.disagg.attach(self.wiring)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from smetric.core.conversation import RequestFacts
+from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.serve.engines import Engine
 from smetric.serve.forwarding import Completion, Delivery, Forwarder, is_stream
 from smetric.serve.identity import ANONYMOUS, AgentIdentity
@@ -26,11 +27,6 @@ from smetric.serve.routing import Decision, RoutingCore, explain
 from smetric.serve.upstream import Attempt
 
 log = logging.getLogger("smetric.serve")
-
-ENGINE_HEADER = "x-smetric-engine"
-# What the router expected the engine to find cached, so a client can set it beside the
-# engine's own ``cached_tokens`` request by request.
-PREDICTED_HIT_HEADER = "x-smetric-predicted-hit-tokens"
 
 
 @dataclass(frozen=True)
@@ -82,6 +78,9 @@ class Wiring:
         decision = self.decide(call.facts, engines, completion.identity)
         completion.branch = decision.branch
         completion.predicted_hit_tokens = decision.predicted_hit_tokens
+        chosen = engines.index(decision.engine)
+        completion.predicted_local_tokens = decision.hits[chosen]
+        completion.queued_tokens = decision.view.unprefilled_tokens[chosen]
         return decision
 
     def record_served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:

@@ -150,6 +150,9 @@ class Engine:
     # Monotonic time the engine last showed progress: a response byte, a moved counter,
     # or the moment it went from idle to busy (``serve.pool``'s stall detection).
     progressed_at: float = field(init=False, default=0.0)
+    # Unprefilled tokens this worker has ever routed here: a stream's decode is slowed
+    # by the prefills routed beside it (the price learner's decode fit, serve/prices.py).
+    routed_unprefilled: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -295,6 +298,7 @@ class QueuedPrefill:
         self.engine = engine
         self.tokens = tokens
         engine.unprefilled += tokens
+        engine.routed_unprefilled += tokens
 
     def done(self) -> None:
         """The prompt is prefilled, or never will be; safe to call again."""

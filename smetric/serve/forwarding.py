@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -71,6 +72,14 @@ class Completion:
     ttft_s: float | None = None
     # Seconds between successive chunks of a stream, after the first.
     chunk_gaps_s: list[float] = field(default_factory=list)
+    # What the router counted on the chosen engine, for learning prices (serve/prices.py):
+    # when routed, its predicted local hit and the unprefilled tokens queued there; at the
+    # first chunk, the prompt tokens in flight there and the unprefilled tokens ever
+    # routed there.
+    predicted_local_tokens: int = 0
+    queued_tokens: float = 0.0
+    first_token_tokens: float = math.nan
+    first_token_routed: float = math.nan
     duration_s: float = 0.0
     error: str | None = None
 
@@ -220,6 +229,8 @@ class Forwarder:
         chunk = await attempt.read(self.timeouts.first_byte_s)
         last = time.perf_counter()
         completion.ttft_s = last - completion.started
+        completion.first_token_tokens = engine.total_inflight_tokens()
+        completion.first_token_routed = engine.routed_unprefilled
         self.pool.succeeded(engine)
         if delivery.served is not None:
             delivery.served(engine)

@@ -56,6 +56,15 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.shared_dir = _shared_dir
         self._own_collectors: list[Collector] = []
+        self.learned_price = Gauge(
+            "smetric_learned_price",
+            "The routing policy's price constants as learned online from the engines' "
+            "replies (smetric_cost with learn=1): prefill_tps, attn_tokens, fetch_tps, "
+            "kv_read_s, output_tokens.",
+            ["constant"],
+            multiprocess_mode="mostrecent",
+            registry=self.registry,
+        )
         self.inflight = Gauge(
             "smetric_engine_inflight_requests",
             "Requests routed to the engine whose response has not ended.",

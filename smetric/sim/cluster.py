@@ -18,6 +18,7 @@ import polars as pl
 
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.policies import ClusterView, Policy, RoutingRequest
+from smetric.core.prices import Completion, PriceLearner
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.model.perf import (
     Corrections,
@@ -153,6 +154,7 @@ class Simulation:
         policy: Policy,
         workload: SimWorkload,
         progress: Callable[[float], None] | None = None,
+        learner: PriceLearner | None = None,
     ) -> None:
         self.policy = policy
         self.workload = workload
@@ -187,6 +189,35 @@ class Simulation:
         # Requests issued and not yet finished; finished ones live on as rows in ``log``.
         self.inflight: dict[int, SimRequest] = {}
         self.log = RequestLog(workload.horizon_s)
+        # Learns the policy's prices from the requests' outcomes, as a live router would.
+        self.learner = learner
+        # (completions observed, estimates) after each refit: how the prices converged.
+        self.learned: list[tuple[int, dict[str, float]]] = []
+
+    def completion(self, req: SimRequest) -> Completion:
+        """What a router saw of a finished request: its usage, its first token's time,
+        its decode time, the prompt tokens in flight on its engine while it decoded (the
+        mean of the counts at its first token and at its last, itself included) and the
+        unprefilled tokens routed there meanwhile."""
+        instance = self.instances[req.instance]
+        return Completion(
+            prompt_tokens=req.prompt,
+            cached_tokens=req.local_hit + req.global_hit,
+            predicted_local_tokens=req.seen_local_hit,
+            queued_tokens=req.seen_queued,
+            ttft_s=req.first_token_at - req.arrival,
+            output_tokens=req.output,
+            decode_s=req.finished_at - req.first_token_at,
+            decode_tokens=(req.first_token_tokens + instance.inflight_tokens + req.prompt) / 2,
+            decode_prefill_tokens=instance.routed_unprefilled - req.first_token_routed,
+        )
+
+    def learn(self, done: Completion) -> None:
+        assert self.learner is not None
+        values = self.learner.observe(done)
+        if values is not None:
+            self.policy.retune(**values)  # type: ignore[attr-defined]
+            self.learned.append((self.learner.observed, self.learner.learned()))
 
     def push(self, time: float, kind: int, payload: int, version: int = 0) -> None:
         heapq.heappush(self.events, (time, kind, self.sequence, payload, version))
@@ -226,10 +257,13 @@ class Simulation:
             req.finished_at = now
             self.completed(req, now)
             return
+        view = self.view(req)
         decision = self.policy.route(
-            RoutingRequest(req.turn, req.prompt, req.est_hit, req.session), self.view(req)
+            RoutingRequest(req.turn, req.prompt, req.est_hit, req.session), view
         )
         req.instance, req.branch = decision
+        req.seen_local_hit = view.hit_tokens[decision.instance]
+        req.seen_queued = view.unprefilled_tokens[decision.instance]
         self.dispatch(self.instances[decision.instance], self.work(req), now)
 
     def work(self, req: SimRequest) -> SimRequest:
@@ -286,6 +320,8 @@ class Simulation:
     def completed(self, req: SimRequest, now: float) -> None:
         del self.inflight[req.rid]
         self.log.add(req)
+        if self.learner is not None and not req.rejected:
+            self.learn(self.completion(req))
         if self.issuer is None:
             return
         for t, rid in self.issuer.complete(req.rid, now):

@@ -81,6 +81,13 @@ class SimRequest:
     preemptions: int = 0
     first_token_at: float = math.nan
     finished_at: float = math.nan
+    # What the router saw, for learning prices (core/prices.py): the local hit it
+    # predicted and the unprefilled tokens queued where it routed, and at the first token
+    # the prompt tokens in flight there and the unprefilled tokens ever routed there.
+    seen_local_hit: int = 0
+    seen_queued: float = 0.0
+    first_token_tokens: int = 0
+    first_token_routed: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class Instance:
     inflight: int = 0
     inflight_tokens: int = 0
     unprefilled: int = 0
+    # Unprefilled tokens of every request routed here so far, as the router counts them.
+    routed_unprefilled: int = 0
     busy: bool = False
     busy_time: float = 0.0
     chunks: list[tuple[SimRequest, int]] = field(default_factory=list)
@@ -133,6 +142,7 @@ class Instance:
         known = max(self.pool.cache.match(req.blocks), self._remote_blocks(req))
         req.target = req.prompt
         self._set_pending(req, req.prompt - reusable_hit_tokens(known, req.prompt, req.block_size))
+        self.routed_unprefilled += req.pending
         self.waiting.append(req)
         self.inflight += 1
         self.inflight_tokens += req.prompt
@@ -321,6 +331,8 @@ class Instance:
         if math.isnan(req.first_token_at):
             req.first_token_at = now
             req.generated = 1
+            req.first_token_tokens = self.inflight_tokens
+            req.first_token_routed = self.routed_unprefilled
         if req.generated >= req.output:
             self._retire(req, now)
             return True

@@ -4,26 +4,15 @@ summary. Pure apart from reading the trace, so runs can go to worker processes."
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import polars as pl
 
 from smetric.metrics.summary import summarize, with_latencies
-from smetric.sim.cluster import ClusterShape, Simulation
+from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
-from smetric.sim.policy import cluster_policy
+from smetric.sim.pd import simulate_disaggregated
+from smetric.sim.policy import cluster_policy, learned_summary, policy_learner
+from smetric.sim.result import RunResult
 from smetric.sim.workload import build_workload
 from smetric.trace.schema import Trace
-
-
-@dataclass(frozen=True)
-class RunResult:
-    policy: str
-    requests: pl.DataFrame
-    summary: dict
-    shape: ClusterShape
-    # Every parameter the policy ran with, hardware-derived ones included (model/calibrate.py).
-    policy_params: dict[str, float]
 
 
 def simulate(
@@ -33,12 +22,11 @@ def simulate(
     progress: Callable[[float], None] | None = None,
 ) -> RunResult:
     if config.cluster.prefill_instances:
-        from smetric.sim.pd import simulate_disaggregated
-
         return simulate_disaggregated(trace, config, policy, progress)
     workload = build_workload(trace, config.workload)
     router, params = cluster_policy(policy, config.cluster)
-    sim = Simulation(config.cluster, router, workload, progress)
+    learner = policy_learner(router, policy)
+    sim = Simulation(config.cluster, router, workload, progress, learner)
     horizon = workload.horizon_s
     table = with_latencies(sim.run(), config.slo, horizon)
     summary = summarize(
@@ -46,4 +34,5 @@ def simulate(
     )
     summary["global_tier_bytes"] = sum(i.route.bytes_moved for i in sim.instances)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
+    summary.update(learned_summary(learner))
     return RunResult(policy, table, summary, sim.shape, params)

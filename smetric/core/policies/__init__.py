@@ -19,9 +19,11 @@ from smetric.core.policies.registry import (
     base_name,
     hardware_params,
     is_ours,
+    learnable_params,
     make_policy,
     policy_params,
     resolve_policy,
+    spec_params,
 )
 
 __all__ = [
@@ -37,7 +39,9 @@ __all__ = [
     "base_name",
     "hardware_params",
     "is_ours",
+    "learnable_params",
     "make_policy",
     "policy_params",
     "resolve_policy",
+    "spec_params",
 ]

@@ -17,7 +17,7 @@ from smetric.core.policies.round_robin import RoundRobin
 from smetric.core.policies.session_hash import SessionHash
 from smetric.core.policies.smetric import SMetric
 from smetric.core.policies.smetric_cost import SMetricCost
-from smetric.core.settings import Meta, Source, settings_of
+from smetric.core.settings import Meta, Source, default_of, settings_of
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     cls.name: cls
@@ -67,7 +67,7 @@ def parameters(name: str) -> dict[str, tuple[Field[Any], Meta]]:
 
 def policy_params(name: str) -> dict[str, float]:
     """The tunable parameters of a policy and their defaults (empty when it has none)."""
-    return {key: f.default for key, (f, _) in parameters(name).items()}
+    return {key: default_of(f) for key, (f, _) in parameters(name).items()}
 
 
 def params_from(name: str, source: Source) -> tuple[str, ...]:
@@ -81,6 +81,11 @@ def hardware_params(name: str) -> tuple[str, ...]:
     return params_from(name, "hardware")
 
 
+def learnable_params(name: str) -> tuple[str, ...]:
+    """What a driver may learn online for a policy: its hardware and learned parameters."""
+    return hardware_params(name) + params_from(name, "learned")
+
+
 def resolve_policy(
     spec: str, derived: Mapping[str, float] | None = None
 ) -> tuple[str, dict[str, float]]:
@@ -90,6 +95,21 @@ def resolve_policy(
     derived from the hardware (constants that depend on the hardware it routes for, which
     a driver that knows the hardware, the simulator, derives), else its default.
     """
+    name, params = spec_params(spec)
+    defaults = policy_params(name)
+    hardware = hardware_params(name)
+    for key, default in defaults.items():
+        if key in params:
+            continue
+        if derived is not None and key in hardware and key in derived:
+            params[key] = float(derived[key])
+        else:
+            params[key] = default
+    return name, params
+
+
+def spec_params(spec: str) -> tuple[str, dict[str, float]]:
+    """A spec's policy name and the parameters it gives, checked against the policy's."""
     name = base_name(spec)
     rest = spec.strip().partition(":")[2]
     defaults = policy_params(name)
@@ -107,11 +127,6 @@ def resolve_policy(
             params[key] = float(text)
         except ValueError:
             raise ValueError(f"policy {spec!r}: {key}={text!r} is not a number") from None
-    hardware = hardware_params(name)
-    for key, default in defaults.items():
-        if key not in params:
-            from_hardware = derived is not None and key in hardware and key in derived
-            params[key] = float(derived[key]) if from_hardware else default
     return name, params
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
 from smetric.core.policies.ties import TieBreaker, best_hit
-from smetric.core.settings import setting
+from smetric.core.settings import setting, settings_of
 
 
 @dataclass(slots=True, kw_only=True)
@@ -58,6 +58,12 @@ class SMetricCost(RoutingPolicy):
     ignore their cache hit: a first turn decides where a session lives for its next hour
     of turns, so saving a few seconds on a shared system prompt there herds sessions
     (without a global tier that cost several per cent; docs/concepts/policies.md).
+
+    With ``learn=1`` (the default) the hardware constants and ``output_tokens`` that the
+    spec does not give are only starting values: the driver feeds every completed
+    request to a ``PriceLearner`` (core/prices.py) and passes its estimates to
+    ``retune``, so the prices come from what the router observes of its engines, not
+    from a model of them. ``learn=0`` keeps them as given or derived.
     """
 
     name = "smetric_cost"
@@ -81,7 +87,9 @@ class SMetricCost(RoutingPolicy):
     queue_depth: float = setting(
         50_000.0, "Context depth, tokens, at which queued prefill tokens are priced.", ge=0
     )
-    output_tokens: float = setting(373.0, "Expected output tokens of a request.", ge=0)
+    output_tokens: float = setting(
+        373.0, "Expected output tokens of a request.", ge=0, source="learned"
+    )
     kv_read_s: float = setting(
         3.2e-8, "Decode step time per token of KV read, seconds.", ge=0, source="hardware"
     )
@@ -93,14 +101,37 @@ class SMetricCost(RoutingPolicy):
     decode_weight: float = setting(
         0.0, "Times the work counts again per request in flight on the instance.", ge=0
     )
+    learn: float = setting(
+        1.0,
+        "1: learn the hardware and learned constants the spec leaves open from the "
+        "requests the router sees (core/prices.py); 0: keep them.",
+        ge=0,
+        le=1,
+    )
     _queue_s: float = field(default=0.0, init=False, repr=False)
     _decode_s: float = field(default=0.0, init=False, repr=False)
     _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
     def __post_init__(self) -> None:
         RoutingPolicy.__post_init__(self)
+        if self.learn not in (0.0, 1.0):
+            raise ValueError(f"learn must be 0 or 1, got {self.learn}")
+        self._derive()
+
+    def _derive(self) -> None:
         self._queue_s = (1.0 + self.queue_depth / self.attn_tokens) / self.prefill_tps
         self._decode_s = self.output_tokens * self.kv_read_s
+
+    def retune(self, **values: float) -> None:
+        """Take new values of some of the constants a driver learns (a learner's
+        estimates), each checked against its declared bounds."""
+        declared = {f.name: meta for f, meta in settings_of(self)}
+        for name, value in values.items():
+            meta = declared.get(name)
+            if meta is None or meta.source == "tuned":
+                raise ValueError(f"{self.name}: {name!r} is not one of its learned constants")
+            setattr(self, name, meta.check(name, value))
+        self._derive()
 
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill a prompt's first ``tokens`` tokens from nothing."""

@@ -1,0 +1,110 @@
+"""The live router's price feed: what the learner learns reaches the policy and the
+Prometheus gauge; a spec's values and ``learn=0`` are left alone."""
+
+from __future__ import annotations
+
+import itertools
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from smetric.core.policies import make_policy
+from smetric.serve.prices import PriceFeed
+from smetric.testing.prices import H20_PRICES, model_engines
+
+
+def gauge() -> tuple[Gauge, CollectorRegistry]:
+    registry = CollectorRegistry()
+    return Gauge("smetric_learned_price", "x", ["constant"], registry=registry), registry
+
+
+def test_the_feed_retunes_the_policy_and_exports_what_it_learned() -> None:
+    spec = "smetric_cost:prefill_tps=28400,attn_tokens=22000,fetch_tps=50000"
+    policy = make_policy(spec.replace("fetch_tps=50000", "fetch_tps=50000,learn=1"))
+    prices, registry = gauge()
+    feed = PriceFeed(policy, spec, prices)
+    assert registry.get_sample_value("smetric_learned_price", {"constant": "prefill_tps"}) == 28400
+    for done in itertools.islice(model_engines(H20_PRICES, 0), 1_500):
+        feed.observe(done)
+    learned = registry.get_sample_value("smetric_learned_price", {"constant": "kv_read_s"})
+    assert abs(learned / H20_PRICES["kv_read_s"] - 1) < 0.1
+    assert policy.kv_read_s == learned  # type: ignore[attr-defined]
+    # Given in the spec: never learned, whatever the replies say.
+    assert policy.prefill_tps == 28400  # type: ignore[attr-defined]
+    assert policy.fetch_tps == 50000  # type: ignore[attr-defined]
+
+
+def test_learn_0_feeds_nothing() -> None:
+    policy = make_policy("smetric_cost:learn=0")
+    feed = PriceFeed(policy, "smetric_cost:learn=0", gauge()[0])
+    assert not feed.learning
+    before = policy.prefill_tps  # type: ignore[attr-defined]
+    for done in itertools.islice(model_engines(H20_PRICES, 0), 100):
+        feed.observe(done)
+    assert policy.prefill_tps == before  # type: ignore[attr-defined]
+
+
+async def learn_behind_router(speed: float, requests: int) -> tuple[object, str]:
+    """A router with the default policy in front of two mock engines that run their model
+    ``speed`` times slower than real time, after one session of ``requests`` streamed
+    turns: the router and its /metrics text."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from smetric.engine import EngineConfig, create_app
+    from smetric.serve.app import Router, RouterSettings
+    from smetric.serve.engines import Engine
+
+    config = EngineConfig(speed=speed, kv_blocks=4096, default_max_tokens=8)
+    servers = [TestServer(create_app(config), host="127.0.0.1") for _ in range(2)]
+    for server in servers:
+        await server.start_server()
+    engines = [Engine(f"http://127.0.0.1:{s.port}", 4096) for s in servers]
+    router = Router(engines, RouterSettings(health_interval_s=60))
+    front = TestServer(router.app(), host="127.0.0.1")
+    await front.start_server()
+    url = f"http://127.0.0.1:{front.port}"
+    try:
+        async with asyncio.timeout(120), aiohttp.ClientSession() as client:
+            messages = [{"role": "system", "content": "you are terse " * 200}]
+            for turn in range(requests):
+                messages.append({"role": "user", "content": f"question {turn} " * 100})
+                chat = {
+                    "model": "m",
+                    "messages": messages,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                async with client.post(url + "/v1/chat/completions", json=chat) as reply:
+                    assert reply.status == 200
+                    assert "[DONE]" in await reply.text()
+                messages.append({"role": "assistant", "content": f"answer {turn}"})
+            async with client.get(url + "/metrics") as reply:
+                metrics = await reply.text()
+    finally:
+        await front.close()
+        for server in servers:
+            await server.close()
+    return router, metrics
+
+
+def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
+    """Every streamed reply that reports its cached tokens is one observation of the
+    router's learner; the policy takes what it learns, /metrics exports it, and engines
+    ten times slower are learned to decode slower. (The mock engine sends a stream's
+    opening chunk before its prefill, so its time to first token shows no prefill.)"""
+    import asyncio
+
+    requests = 20
+    fast, metrics = asyncio.run(learn_behind_router(0.2, requests))
+    slow, _ = asyncio.run(learn_behind_router(2.0, requests))
+    for router in (fast, slow):
+        learner = router.prices.learner  # type: ignore[attr-defined]
+        assert learner is not None and learner.observed == requests
+        policy = router.core.policy  # type: ignore[attr-defined]
+        assert policy.prefill_tps == learner.estimates["prefill_tps"]
+        assert policy.kv_read_s == learner.estimates["kv_read_s"]
+    assert 'smetric_learned_price{constant="kv_read_s"}' in metrics
+    kv_read = [r.core.policy.kv_read_s for r in (fast, slow)]  # type: ignore[attr-defined]
+    assert kv_read[1] > 3 * kv_read[0]
