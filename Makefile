@@ -43,6 +43,8 @@ fidelity: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts
 	$(BIN)/ruff format --check smetric tests benchmarks scripts
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The documentation site, into site/; --strict fails on a broken link or a missing page.
 docs: $(STAMP)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import polars as pl
 
+from smetric.metrics.runs import run_file_name
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import summarize, with_latencies
-from smetric.report.runs import run_file_name
 from smetric.sim.config import load_yaml
 
 

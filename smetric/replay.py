@@ -25,20 +25,20 @@ from typing import Any, Literal
 import aiohttp
 import polars as pl
 
-from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
-from smetric.metrics.slo import SLOConfig
-from smetric.metrics.summary import summarize, with_latencies
-from smetric.report.runs import run_file_name
-from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
-from smetric.serve.disagg import (
+from smetric.core.headers import (
     DECODE_HEADER,
+    ENGINE_HEADER,
+    PREDICTED_HIT_HEADER,
     PREFILL_CACHED_HEADER,
     PREFILL_HEADER,
     PREFILL_SECONDS_HEADER,
 )
-from smetric.sim.config import SimConfig
-from smetric.sim.workload import sample_sessions
+from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
+from smetric.metrics.runs import run_file_name
+from smetric.metrics.slo import SLOConfig
+from smetric.metrics.summary import WINDOW_S, summarize, with_latencies
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals
+from smetric.trace.sample import sample_sessions
 from smetric.trace.schema import Trace
 
 _WORDS = ("read", "file", "grep", "test", "patch", "build", "diff", "log", "run", "fix")
@@ -419,7 +419,7 @@ class Replayer:
         slo = slo or SLOConfig()
         horizon = max(self.horizon_s, 1e-9)
         table = with_latencies(self.table(), slo, horizon)
-        window = SimConfig().window_s / self.options.time_scale
+        window = WINDOW_S / self.options.time_scale
         if self.decoders:
             table = with_prefill_latency(table, slo, horizon)
             instances = max(len(self.engines), 1)

@@ -17,7 +17,7 @@ from smetric.core.policies.smetric_cost import SMetricCost
 from smetric.model.calibrate import HardwareRates
 from smetric.model.perf import StepTimeModel, load_hardware, load_model
 from smetric.sim.config import ClusterConfig, SimConfig
-from smetric.sim.parallel import Job
+from smetric.sim.jobs import Job
 from smetric.sim.policy import cluster_policy, policy_constants
 from smetric.sim.run import simulate
 from smetric.trace.load import load_trace

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from real_engines import SYSTEM, find_or_install, post_chat, running_cluster
 
-from smetric.serve.disagg import DECODE_HEADER, PREFILL_HEADER
+from smetric.core.headers import DECODE_HEADER, PREFILL_HEADER
 from smetric.testing.engines import BLOCK_SIZE, find_vllm, vllm_pd_pair
 
 pytestmark = pytest.mark.real_engine

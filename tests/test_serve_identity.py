@@ -13,9 +13,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import conversation, run
 
+from smetric.core.headers import PREDICTED_HIT_HEADER, PREFILL_HEADER
 from smetric.serve.app import Router, RouterSettings
-from smetric.serve.disagg import PREFILL_HEADER, Disaggregation
-from smetric.serve.dispatch import PREDICTED_HIT_HEADER
+from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.serve.forwarding import Completion
 from smetric.serve.identity import ANONYMOUS, AgentIdentity, identity_of

@@ -16,11 +16,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import closed_port, conversation, wait_healthy
 
+from smetric.core.headers import DECODE_HEADER, PREFILL_HEADER
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, TRANSFERS
 from smetric.engine.scheduler import EngineConfig
 from smetric.engine.server import create_app
 from smetric.serve.app import Router, RouterSettings
-from smetric.serve.disagg import DECODE_HEADER, PREFILL_HEADER, Disaggregation
+from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.testing.faulty import Fault, FaultyEngine
 

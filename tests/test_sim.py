@@ -14,7 +14,8 @@ from smetric.sim.cluster import Simulation
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.run import simulate
-from smetric.sim.workload import build_workload, sample_sessions
+from smetric.sim.workload import build_workload
+from smetric.trace.sample import sample_sessions
 
 from conftest import make_trace
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from smetric.cli import app
 from smetric.sim.config import SimConfig
-from smetric.sim.parallel import Job, RunStore
+from smetric.sim.jobs import Job
+from smetric.sim.parallel import RunStore
 
 runner = CliRunner()
 

@@ -132,3 +132,16 @@ def test_simulate_piped_at_80_columns_prints_its_numbers_whole(tmp_path: Path) -
     assert {r["policy"] for r in rows} == set(policies)
     for r in rows:
         assert float(r["tps_within_slo"]) == policies[r["policy"]]["tps_within_slo"]
+
+
+def test_cells_with_spaces_are_never_squeezed_into_a_cut() -> None:
+    from smetric.report.tables import Column, Table
+
+    columns = (Column("id", "left"), *(Column(h, "left") for h in ("role", "note", "within")))
+    rows = tuple((f"anchor-{i}", "held out", "no reason given yet", "yes") for i in range(3))
+    table = Table("t", "t", columns, rows, tuple({"id": r[0]} for r in rows))
+    for width in (30, 40, 60):
+        out = io.StringIO()
+        print_table(table, Console(file=out, width=width))
+        text = out.getvalue()
+        assert text.count("held out") == 3 and text.count("no reason given yet") == 3, text

@@ -16,7 +16,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from smetric.serve.app import ENGINE_HEADER
+from smetric.core.headers import ENGINE_HEADER
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 
 COMPLETION = {

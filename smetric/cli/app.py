@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from smetric.cli.help import ProseGroup
-from smetric.report.runs import safe_name
+from smetric.metrics.runs import safe_name
 from smetric.report.tables import FORMATS as TABLE_FORMATS
 from smetric.trace.load import FORMATS, count_units, load_trace
 from smetric.trace.schema import Trace, TraceError

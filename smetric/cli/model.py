@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
-from rich.table import Table
 
 from smetric.cli.app import app, console, user_errors
 from smetric.model import fidelity
@@ -29,6 +27,7 @@ from smetric.model.perf import (
     load_model,
 )
 from smetric.report.stamp import write_results_page
+from smetric.report.tables import Column, Table, print_table
 from smetric.sim.cluster import lane_gb_s
 from smetric.sim.config import ClusterConfig
 
@@ -142,46 +141,46 @@ def answers(
 
 
 def answers_table(result: dict[str, Any]) -> Table:
-    table = Table(
-        title=f"{result['model']} ({result['weight_dtype']}, KV {result['kv_dtype']}) "
-        f"on {result['hardware']}",
-        title_style="bold",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
+    title = (
+        f"{result['model']} ({result['weight_dtype']}, KV {result['kv_dtype']}) "
+        f"on {result['hardware']}"
     )
-    table.add_column("question")
-    table.add_column("answer", justify="right")
-    table.add_column("rate", justify="right")
     p, d, k, g = (result[key] for key in ("prefill", "decode_step", "kv_room", "global_tier_load"))
-    table.add_row(
-        f"prefill {p['new_tokens']:,} new tokens after {p['cached_tokens']:,} cached "
-        f"({p['chunk']:,}-token chunks)",
-        f"{p['seconds']:.3f} s",
-        f"{p['tokens_per_s']:,.0f} tok/s",
-    )
-    table.add_row(
-        f"decode step, batch {d['batch']} at mean context {d['mean_context']:,}",
-        f"{d['seconds'] * 1e3:.2f} ms",
-        f"{d['output_tokens_per_s']:,.0f} tok/s",
-    )
-    table.add_row(
-        f"KV room at utilisation {k['gpu_memory_utilization']} "
-        f"({k['max_num_batched_tokens']:,} batched tokens profiled)",
-        f"{k['tokens']:,} tokens",
-        f"{k['bytes_per_token']:,} B/token",
-    )
-    table.add_row(
-        f"recompute {g['tokens']:,} tokens instead of loading them",
-        f"{g['recompute_seconds']:.2f} s",
-        "",
-    )
+    rows = [
+        (
+            f"prefill {p['new_tokens']:,} new tokens after {p['cached_tokens']:,} cached "
+            f"({p['chunk']:,}-token chunks)",
+            f"{p['seconds']:.3f} s",
+            f"{p['tokens_per_s']:,.0f} tok/s",
+        ),
+        (
+            f"decode step, batch {d['batch']} at mean context {d['mean_context']:,}",
+            f"{d['seconds'] * 1e3:.2f} ms",
+            f"{d['output_tokens_per_s']:,.0f} tok/s",
+        ),
+        (
+            f"KV room at utilisation {k['gpu_memory_utilization']} "
+            f"({k['max_num_batched_tokens']:,} batched tokens profiled)",
+            f"{k['tokens']:,} tokens",
+            f"{k['bytes_per_token']:,} B/token",
+        ),
+        (
+            f"recompute {g['tokens']:,} tokens instead of loading them",
+            f"{g['recompute_seconds']:.2f} s",
+            "",
+        ),
+    ]
     for name, load in g["media"].items():
-        table.add_row(
-            f"load {g['tokens']:,} tokens ({g['bytes'] / 1e9:.2f} GB) over {name}",
-            f"{load['seconds']:.3f} s",
-            f"{load['effective_gb_s']:.1f} GB/s",
+        rows.append(
+            (
+                f"load {g['tokens']:,} tokens ({g['bytes'] / 1e9:.2f} GB) over {name}",
+                f"{load['seconds']:.3f} s",
+                f"{load['effective_gb_s']:.1f} GB/s",
+            )
         )
-    return table
+    columns = (Column("question", "left", wrap=True), Column("answer"), Column("rate"))
+    values = tuple({"question": q, "answer": a, "rate": r} for q, a, r in rows)
+    return Table("answers", title, columns, tuple(rows), values)
 
 
 @app.command(name="model")
@@ -270,7 +269,7 @@ def model_command(
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
-    console.print(answers_table(result))
+    print_table(answers_table(result), console)
 
 
 FIDELITY_TITLE = "Fidelity of the performance model"
@@ -310,24 +309,13 @@ def fidelity_command(
     if as_json:
         typer.echo(json.dumps({"summary": dataclasses.asdict(summary), "rows": rows}, indent=1))
         return
-    table = Table(title=FIDELITY_TITLE, title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name, justify in (
-        ("id", "left"),
-        ("unit", "left"),
-        ("measured", "right"),
-        ("model", "right"),
-        ("ratio", "right"),
-        ("role", "left"),
-        ("within", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name == "id")
-    for r in rows:
-        style = None if r["within"] == "yes" else "yellow"
-        table.add_row(
-            *(r[k] for k in ("id", "unit", "measured", "model", "ratio", "role", "within")),
-            style=style,
-        )
-    console.print(table)
+    keys = ("id", "unit", "measured", "model", "ratio", "role", "within")
+    left = {"id", "unit", "role", "within"}
+    columns = tuple(Column(k, "left" if k in left else "right") for k in keys)
+    cells = tuple(tuple(r[k] for k in keys) for r in rows)
+    # Rows outside the band are highlighted (their "within" cell).
+    outside = frozenset((i, 6) for i, r in enumerate(rows) if r["within"] != "yes")
+    print_table(Table("fidelity", FIDELITY_TITLE, columns, cells, tuple(rows), outside), console)
     console.print(fidelity.markdown().split("\n\n", 1)[0])
     if page is not None:
         console.print(f"wrote {page}")

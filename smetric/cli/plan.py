@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 import yaml
-from rich.table import Table
 
 from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
 from smetric.cli.simulate import (
@@ -34,6 +33,7 @@ from smetric.cli.simulate import (
     global_levels,
 )
 from smetric.eval.plan import PlanSettings, plan_summary, search_plan
+from smetric.report.tables import Column, Table, print_table
 from smetric.sim.config import dump_yaml
 from smetric.sim.parallel import RunStore, default_jobs
 
@@ -41,35 +41,44 @@ from smetric.sim.parallel import RunStore, default_jobs
 def plan_table(summary: dict) -> Table:
     priced = summary["price_per_gpu_hour"] is not None
     unit = summary["load_unit"]
-    table = Table(
-        title=f"Fewest instances serving the trace's load ({summary['trace_load']:g} {unit}) "
+    title = (
+        f"Fewest instances serving the trace's load ({summary['trace_load']:g} {unit}) "
         f"with {summary['attainment']:.0%} of requests within SLO"
     )
-    for header in ("policy", "instances", "GPUs", "global tier", "TPS within SLO", "SLO met"):
-        table.add_column(header, justify="left" if header == "policy" else "right")
-    if priced:
-        table.add_column("$ / M tokens", justify="right")
-    for policy, plan in summary["plans"].items():
+    headers = ["instances", "GPUs", "global tier", "TPS within SLO", "SLO met"]
+    headers += ["$ / M tokens"] if priced else []
+    columns = (Column("policy", "left"), *(Column(h) for h in headers))
+    rows, values, bold = [], [], set()
+    for i, (policy, plan) in enumerate(summary["plans"].items()):
         if plan is None:
             most = summary["instances_searched"][1]
-            table.add_row(policy, f"> {most}", "-", "-", "-", "-", *(["-"] if priced else []))
+            rows.append((policy, f"> {most}", *["-"] * (len(headers) - 1)))
+            values.append({"policy": policy, "instances": None})
             continue
         size = plan["global_bytes"]
         tier = plan["global"] if not size else f"{plan['global']} ({size / 1e9:,.0f} GB)"
-        label = f"[bold green]{policy}[/]" if policy == summary["choice"] else policy
+        if policy == summary["choice"]:
+            bold.add((i, 0))
         row = [
-            label,
+            policy,
             str(plan["instances"]),
             str(plan["gpus"]),
             tier,
             f"{plan['tps_within_slo']:,.0f}",
             f"{plan['slo_attainment']:.0%}",
         ]
+        value = {
+            "policy": policy,
+            **{k: plan[k] for k in ("instances", "gpus", "global", "global_bytes")},
+            **{k: plan[k] for k in ("tps_within_slo", "slo_attainment")},
+        }
         if priced:
             cost = plan["cost_per_million_tokens"]
             row.append("-" if cost is None else f"{cost:,.3f}")
-        table.add_row(*row)
-    return table
+            value["cost_per_million_tokens"] = cost
+        rows.append(tuple(row))
+        values.append(value)
+    return Table("plans", title, columns, tuple(rows), tuple(values), frozenset(bold))
 
 
 def _sets_duration(config: Path | None) -> bool:
@@ -180,7 +189,7 @@ def plan(
     dump_yaml(base, out / "config.yaml")
     (out / "plan.json").write_text(json.dumps(summary, indent=1))
     write_plan_png(summary, out / "plan.png")
-    console.print(plan_table(summary))
+    print_table(plan_table(summary), console)
     console.print(
         f"\n{store.written} runs simulated now, the rest from {out}/runs/; "
         f"wrote {out}/ (config.yaml, plan.json, plan.png)"

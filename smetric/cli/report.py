@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from smetric.cli.app import TableFormatOpt, app, console, out_console, user_errors
+from smetric.metrics.runs import load_runs
 from smetric.report.run_tables import results_table
-from smetric.report.runs import load_runs
 from smetric.report.tables import check_format, emit
 
 

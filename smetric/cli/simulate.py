@@ -21,6 +21,7 @@ from smetric.cli.app import (
 )
 from smetric.core.policies import POLICY_NAMES, base_name, hardware_params, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
+from smetric.metrics.runs import run_file_name
 from smetric.model.perf import load_medium
 from smetric.report.run_tables import (
     branches_table,
@@ -28,7 +29,6 @@ from smetric.report.run_tables import (
     results_table,
     sweep_table,
 )
-from smetric.report.runs import run_file_name
 from smetric.report.tables import check_format, emit
 from smetric.sim.config import (
     SimConfig,
@@ -38,8 +38,9 @@ from smetric.sim.config import (
     load_yaml,
     parse_global_capacity,
 )
-from smetric.sim.parallel import Job, RunStore, default_jobs, run_jobs, run_sweep
-from smetric.sim.run import RunResult
+from smetric.sim.jobs import Job
+from smetric.sim.parallel import RunStore, default_jobs, run_jobs, run_sweep
+from smetric.sim.result import RunResult
 from smetric.sim.seeds import mean_summary, spread
 
 CLUSTER = "Cluster"

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import msgspec
 import numpy as np
@@ -176,7 +176,7 @@ def _decode_event(raw: Any) -> Event | None:
         if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
             raise KVEventError(f"BlockStored token_ids must be integers: {_preview(tokens)}")
         # Offloading's hash-only events may give 0 (an unknown size); others must not.
-        if not _is_int(block_size) or block_size < (1 if tokens else 0):
+        if not (_is_int(block_size) and block_size >= (1 if tokens else 0)):
             raise KVEventError(f"BlockStored block_size must be positive, got {block_size!r}")
         # Token ids are hashed as uint32, as the router hashes prompts.
         if tokens and not (min(tokens) >= 0 and max(tokens) < _TOKEN_LIMIT):
@@ -204,7 +204,7 @@ def _decode_event(raw: Any) -> Event | None:
     return None
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

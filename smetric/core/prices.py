@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -258,7 +259,7 @@ class PriceLearner:
 
 
 def price_learner(
-    policy: RoutingPolicy, given: Collection[str], **settings: float
+    policy: RoutingPolicy, given: Collection[str], **settings: Any
 ) -> PriceLearner | None:
     """The learner a driver feeds for ``policy``, or None when it learns nothing (a policy
     with nothing to learn, or ``learn=0``): started from the policy's own values, with

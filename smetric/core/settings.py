@@ -99,6 +99,13 @@ def settings_of(cls_or_obj: Any) -> Iterator[tuple[dataclasses.Field[Any], Meta]
             yield f, meta
 
 
+def default_of(f: dataclasses.Field[Any]) -> Any:
+    """A setting's default (every setting has one)."""
+    if f.default is dataclasses.MISSING:
+        raise TypeError(f"setting {f.name} declares no default")
+    return f.default
+
+
 def check_settings(obj: Any) -> None:
     """Raise a ValueError for the first setting of ``obj`` outside its bounds or choices."""
     for f, meta in settings_of(obj):

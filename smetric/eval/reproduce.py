@@ -29,6 +29,7 @@ from smetric.core.policies import policy_params
 from smetric.eval.grid import FREE_GLOBAL_TIER, FREE_TIER
 from smetric.eval.preset import REFERENCE_TIER, Preset
 from smetric.sim.config import SimConfig
+from smetric.sim.jobs import Job
 from smetric.sim.knee import (
     Knee,
     KneeSettings,
@@ -37,7 +38,7 @@ from smetric.sim.knee import (
     probe_job,
     search_knees,
 )
-from smetric.sim.parallel import Job, RunStore, run_sweep
+from smetric.sim.parallel import RunStore, run_sweep
 from smetric.trace.schema import Trace
 
 # The paper's baselines as it names them; the list is open: any policy spec works, and

@@ -19,9 +19,9 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
+from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.gateway import protocol
 from smetric.gateway.picker import Pick, Picker, Refusal
-from smetric.serve.app import ENGINE_HEADER, PREDICTED_HIT_HEADER
 
 log = logging.getLogger("smetric.pick")
 

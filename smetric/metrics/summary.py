@@ -20,6 +20,8 @@ from smetric.metrics.slo import SLOConfig
 from smetric.trace.analysis.balance import window_loads
 
 PERCENTILES = (50, 90, 99)
+# Width of the windows in which load imbalance is measured, unless a run says otherwise.
+WINDOW_S = 60.0
 
 
 def with_latencies(table: pl.DataFrame, slo: SLOConfig, horizon_s: float) -> pl.DataFrame:
@@ -64,7 +66,7 @@ def stickiness(table: pl.DataFrame) -> dict[str, float | None]:
         joined = follow.select(*keys, "instance").join(home, on=on)
         if joined.height == 0:
             return None
-        return float((joined["instance"] == joined["home"]).mean())
+        return float((joined["instance"] == joined["home"]).to_numpy().mean())
 
     def first_of(keys: list[str]) -> pl.DataFrame:
         return routed.group_by(keys).agg(pl.col("instance").first().alias("home"))

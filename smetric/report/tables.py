@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table as RichTable
@@ -135,14 +136,23 @@ def column_groups(table: Table, console: Console, width: int) -> list[list[int]]
 
 
 def _fits(table: Table, group: list[int], console: Console, width: int) -> bool:
-    # Measured without a width limit: a measurement is otherwise clamped to the console's.
-    # The minimum is the widest cell of each unwrapped column and the longest word of a
-    # wrapped one.
+    """Whether the label column and ``group`` fit ``width`` with every unwrapped cell
+    whole and every wrapped one at least its longest word wide (measured by rich with
+    those column widths fixed, and without a width limit, which would clamp it)."""
     unbounded = console.options.update_width(1 << 20)
-    return Measurement.get(console, unbounded, _rich(table, group)).minimum <= width
+    fixed = {j: _needed(table, j) for j in [0, *group]}
+    return Measurement.get(console, unbounded, _rich(table, group, fixed)).maximum <= width
 
 
-def _rich(table: Table, group: list[int]) -> RichTable:
+def _needed(table: Table, j: int) -> int:
+    column = table.columns[j]
+    texts = [row[j] for row in table.rows]
+    if column.wrap:
+        texts = [word for text in texts for word in text.split()]
+    return max(cell_len(t) for t in [*texts, *column.header.splitlines()])
+
+
+def _rich(table: Table, group: list[int], widths: dict[int, int] | None = None) -> RichTable:
     out = RichTable(
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -156,6 +166,8 @@ def _rich(table: Table, group: list[int]) -> RichTable:
             justify=column.align,  # type: ignore[arg-type]
             no_wrap=not column.wrap,
             overflow="fold",
+            min_width=(widths or {}).get(j),
+            max_width=(widths or {}).get(j),
         )
     for i, row in enumerate(table.rows):
         out.add_row(*(Text(row[j], style=HIGHLIGHT if (i, j) in table.bold else "") for j in shown))

@@ -40,7 +40,7 @@ from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.auth import require_key
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
-from smetric.serve.dispatch import ENGINE_HEADER, PREDICTED_HIT_HEADER, Call, Colocated, Wiring
+from smetric.serve.dispatch import Call, Colocated, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import error_response, errors_as_json
 from smetric.serve.forwarding import Completion, CompletionObserver, Forwarder, is_stream
@@ -55,7 +55,7 @@ from smetric.serve.prices import PriceFeed
 from smetric.serve.routing import RoutingCore
 from smetric.serve.upstream import Timeouts
 
-__all__ = ["ENGINE_HEADER", "PREDICTED_HIT_HEADER", "ROUTES", "Router", "RouterSettings"]
+__all__ = ["ROUTES", "Router", "RouterSettings"]
 
 ROUTES: dict[str, Api] = {
     "/v1/chat/completions": "chat",

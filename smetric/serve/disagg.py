@@ -42,26 +42,26 @@ from typing import Any
 
 from aiohttp import web
 
+from smetric.core.headers import (
+    DECODE_HEADER,
+    PREDICTED_HIT_HEADER,
+    PREFILL_CACHED_HEADER,
+    PREFILL_HEADER,
+    PREFILL_SECONDS_HEADER,
+)
 from smetric.core.policies.decode import (
     DEFAULT_DECODE_POLICY,
     DecodePolicy,
     DecodeView,
     make_decode_policy,
 )
-from smetric.serve.dispatch import PREDICTED_HIT_HEADER, Call, Wiring
+from smetric.serve.dispatch import Call, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import engine_error
 from smetric.serve.forwarding import Delivery, UsageTap, is_stream
 from smetric.serve.upstream import Attempt, EngineFault
 
 log = logging.getLogger("smetric.serve")
-
-PREFILL_HEADER = "x-smetric-prefill-engine"
-# How long the prefill leg took as the router saw it, and the prompt tokens the prefill
-# engine found cached: what ``smetric replay`` measures prefill TTFT and reuse with.
-PREFILL_SECONDS_HEADER = "x-smetric-prefill-seconds"
-PREFILL_CACHED_HEADER = "x-smetric-prefill-cached-tokens"
-DECODE_HEADER = "x-smetric-decode-engine"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from smetric.core.conversation import RequestFacts
+from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.serve.engines import Engine
 from smetric.serve.forwarding import Completion, Delivery, Forwarder, is_stream
 from smetric.serve.identity import ANONYMOUS, AgentIdentity
@@ -26,11 +27,6 @@ from smetric.serve.routing import Decision, RoutingCore, explain
 from smetric.serve.upstream import Attempt
 
 log = logging.getLogger("smetric.serve")
-
-ENGINE_HEADER = "x-smetric-engine"
-# What the router expected the engine to find cached, so a client can set it beside the
-# engine's own ``cached_tokens`` request by request.
-PREDICTED_HIT_HEADER = "x-smetric-predicted-hit-tokens"
 
 
 @dataclass(frozen=True)

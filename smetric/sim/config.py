@@ -18,6 +18,7 @@ import yaml
 from smetric.core.policies import POLICY_NAMES
 from smetric.core.policies.decode import make_decode_policy
 from smetric.metrics.slo import SLOConfig
+from smetric.metrics.summary import WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ PERTURBATIONS = ("tier_bandwidth_scale", "prefill_slowdown", "kv_room_scale")
 
 def nominal(cluster: ClusterConfig) -> ClusterConfig:
     """The cluster as its operator believes it to be: no perturbation."""
-    return dataclasses.replace(cluster, **{name: 1.0 for name in PERTURBATIONS})
+    unperturbed: dict[str, Any] = dict.fromkeys(PERTURBATIONS, 1.0)
+    return dataclasses.replace(cluster, **unperturbed)
 
 
 def check_perturbations(cluster: ClusterConfig) -> None:
@@ -108,7 +110,7 @@ class SimConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     policies: tuple[str, ...] = POLICY_NAMES
     # Width of the windows in which load imbalance is measured.
-    window_s: float = 60.0
+    window_s: float = WINDOW_S
     # Requests arriving before this are left out of throughput and latency (metrics.py).
     warmup_s: float = 0.0
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from smetric.core.policies import is_ours
 from smetric.sim.config import SimConfig
-from smetric.sim.parallel import Job, RunStore, run_sweep
+from smetric.sim.jobs import Job
+from smetric.sim.parallel import RunStore, run_sweep
 from smetric.trace.schema import Trace
 
 

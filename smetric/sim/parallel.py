@@ -8,68 +8,31 @@ backend, runs only what is missing.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from smetric.core.policies import resolve_policy
-from smetric.sim.config import SimConfig, dump_yaml
-from smetric.sim.policy import policy_constants
-from smetric.sim.run import RunResult, simulate
+from smetric.sim.config import dump_yaml
+from smetric.sim.jobs import (
+    Events,
+    Job,
+    Task,
+    run_result,
+    run_summary,
+    run_summary_and_requests,
+)
+from smetric.sim.ray_runner import map_on_ray
+from smetric.sim.result import RunResult
 from smetric.trace.load import load_trace
 from smetric.trace.schema import Trace
 
 _worker_trace: Trace | None = None
-
-
-@dataclass(frozen=True)
-class Job:
-    key: tuple
-    config: SimConfig
-    policy: str
-
-    @property
-    def resolved(self) -> SimConfig:
-        """The run's whole configuration: its config with this job's policy alone."""
-        return dataclasses.replace(self.config, policies=(self.policy,))
-
-    @property
-    def run_id(self) -> str:
-        """A name for the run that changes whenever anything that shapes its result does:
-        its configuration and every parameter its policy routes with, so a policy default
-        changed in the code, or a constant derived from other hardware, is another run
-        rather than a stored one reused under the same spec."""
-        name, params = resolve_policy(self.policy, policy_constants(self.config.cluster))
-        config = dataclasses.replace(self.config, policies=(name,))
-        shape = {**config.to_dict(), "policy_params": params}
-        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:20]
-
-
-# What a worker computes for a job: the run, or just its summary (a sweep's runs send
-# back no per-request tables).
-Task = Callable[[Trace, Job], Any]
-
-
-def run_result(trace: Trace, job: Job) -> RunResult:
-    return simulate(trace, job.config, job.policy)
-
-
-def run_summary(trace: Trace, job: Job) -> dict:
-    return simulate(trace, job.config, job.policy).summary
-
-
-def run_summary_and_requests(trace: Trace, job: Job) -> tuple[dict, pl.DataFrame]:
-    result = simulate(trace, job.config, job.policy)
-    return result.summary, result.requests
 
 
 def _init(source: str, fmt: str | None) -> None:
@@ -195,17 +158,15 @@ def run_sweep(
         progress(len(done), {})
     task = run_summary_and_requests if with_requests else run_summary
     if ray_address is not None and todo:
-        from smetric.sim.ray_runner import map_on_ray
-
         finished = map_on_ray(ray_address, trace, todo, task)
     else:
         finished = _local(source, fmt, todo, processes, trace, task)
-    for job, output, inflight in finished:
-        if job is not None:
+    for ran, output, inflight in finished:
+        if ran is not None:
             summary, requests = output if with_requests else (output, None)
             if store is not None:
-                store.put(job, summary, requests)
-            done[job.key] = summary
+                store.put(ran, summary, requests)
+            done[ran.key] = summary
         if progress is not None:
             progress(len(done), inflight)
     return done, len(todo)
@@ -213,7 +174,6 @@ def run_sweep(
 
 # A backend's events: a finished job and its summary, or (None, None) when runs start,
 # each with the runs then in flight per node.
-Events = Iterator[tuple[Job | None, Any, dict[str, int]]]
 
 
 def _local(

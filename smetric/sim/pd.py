@@ -48,7 +48,8 @@ from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
 from smetric.sim.config import ClusterConfig, SimConfig
 from smetric.sim.instance import Instance, SimRequest
-from smetric.sim.policy import cluster_policy
+from smetric.sim.policy import cluster_policy, learned_summary, policy_learner
+from smetric.sim.result import RunResult
 from smetric.sim.workload import SimWorkload, build_workload
 from smetric.trace.schema import Trace
 
@@ -172,6 +173,7 @@ class DisaggSimulation(Simulation):
             else []
         )
         for instance in self.instances:
+            assert isinstance(instance, PrefillInstance)
             instance.hold_for_pull = bool(self.decoders)
         self.instances += self.decoders
         self.plan_version += [0] * decode
@@ -294,8 +296,6 @@ def simulate_disaggregated(
     progress: Callable[[float], None] | None = None,
 ):
     """One disaggregated run: ``run.simulate``'s result for a PD cluster."""
-    from smetric.sim.run import RunResult, learned_summary, policy_learner
-
     if config.cluster.decode_instances < 0:
         raise ValueError("decode_instances must not be negative")
     workload = build_workload(trace, config.workload)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from smetric.core.policies import RoutingPolicy, make_policy, resolve_policy
+from smetric.core.policies import RoutingPolicy, make_policy, resolve_policy, spec_params
+from smetric.core.prices import PriceLearner, price_learner
 from smetric.model.calibrate import hardware_rates
 from smetric.model.perf import kv_bytes_per_token, load_model
 from smetric.sim.cluster import instances_per_server, lane_gb_s, step_time_model
@@ -39,3 +40,16 @@ def cluster_policy(spec: str, cluster: ClusterConfig) -> tuple[RoutingPolicy, di
     derived = policy_constants(cluster)
     load = "unprefilled_tokens" if cluster.prefill_instances else "inflight_requests"
     return make_policy(spec, derived, load), resolve_policy(spec, derived)[1]
+
+
+def policy_learner(router: RoutingPolicy, spec: str) -> PriceLearner | None:
+    """The learner of the prices the spec leaves open, if the policy learns any."""
+    return price_learner(router, spec_params(spec)[1])
+
+
+def learned_summary(learner: PriceLearner | None) -> dict:
+    """What a run learned, for its summary: the final estimates and from how many
+    completed requests (nothing for a policy that learns nothing)."""
+    if learner is None:
+        return {}
+    return {"learned_params": learner.learned(), "learned_from": learner.observed}

@@ -14,7 +14,7 @@ import os
 from collections import Counter, deque
 from typing import Any
 
-from smetric.sim.parallel import Events, Job, Task
+from smetric.sim.jobs import Events, Job, Task
 from smetric.trace.schema import Trace
 
 # No square brackets: the CLI prints errors as Rich markup.

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-import polars as pl
-
 from smetric.sim.config import WorkloadConfig
 from smetric.sim.instance import SimRequest
 from smetric.trace.compose import (
@@ -22,6 +19,7 @@ from smetric.trace.compose import (
     open_loop_issue_times,
     replay_arrivals,
 )
+from smetric.trace.sample import sample_sessions
 from smetric.trace.schema import Trace
 
 
@@ -111,27 +109,3 @@ def build_workload(trace: Trace, config: WorkloadConfig) -> SimWorkload:
         )
         horizon = config.duration_s
     return SimWorkload(workload, horizon)
-
-
-def sample_sessions(trace: Trace, fraction: float, seed: int) -> Trace:
-    """Keep each session with probability ``fraction``: fewer sessions, same timing."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"sample fraction must be in (0, 1], got {fraction}")
-    if fraction == 1:
-        return trace
-    sessions = trace.requests["session_id"].unique(maintain_order=True)
-    keep = np.random.default_rng(seed).random(len(sessions)) < fraction
-    kept = trace.requests.filter(pl.col("session_id").is_in(sessions.filter(keep).implode()))
-    if kept.height == 0:
-        raise ValueError(f"sampling {fraction:g} of {len(sessions)} sessions kept none")
-    return trace.with_requests(renumber(kept))
-
-
-def renumber(frame: pl.DataFrame) -> pl.DataFrame:
-    """Request ids 0..n-1 again after rows were dropped; parents outside become roots."""
-    old = frame["request_id"]
-    new = pl.int_range(frame.height, dtype=pl.Int64, eager=True)
-    return frame.with_columns(
-        request_id=new,
-        parent_id=pl.col("parent_id").replace_strict(old, new, default=None),
-    )

@@ -85,9 +85,12 @@ class Policy(Protocol):
     and two fresh objects fed the same calls make the same decisions.
     """
 
-    name: str
+    @property
+    def name(self) -> str: ...
+
     # Every branch ``route`` can report, so reports can show zero counts too.
-    branches: tuple[str, ...]
+    @property
+    def branches(self) -> tuple[str, ...]: ...
 
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision: ...
 

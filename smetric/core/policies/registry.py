@@ -17,7 +17,7 @@ from smetric.core.policies.round_robin import RoundRobin
 from smetric.core.policies.session_hash import SessionHash
 from smetric.core.policies.smetric import SMetric
 from smetric.core.policies.smetric_cost import SMetricCost
-from smetric.core.settings import Meta, Source, settings_of
+from smetric.core.settings import Meta, Source, default_of, settings_of
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     cls.name: cls
@@ -67,7 +67,7 @@ def parameters(name: str) -> dict[str, tuple[Field[Any], Meta]]:
 
 def policy_params(name: str) -> dict[str, float]:
     """The tunable parameters of a policy and their defaults (empty when it has none)."""
-    return {key: f.default for key, (f, _) in parameters(name).items()}
+    return {key: default_of(f) for key, (f, _) in parameters(name).items()}
 
 
 def params_from(name: str, source: Source) -> tuple[str, ...]:
@@ -99,9 +99,12 @@ def resolve_policy(
     defaults = policy_params(name)
     hardware = hardware_params(name)
     for key, default in defaults.items():
-        if key not in params:
-            from_hardware = derived is not None and key in hardware and key in derived
-            params[key] = float(derived[key]) if from_hardware else default
+        if key in params:
+            continue
+        if derived is not None and key in hardware and key in derived:
+            params[key] = float(derived[key])
+        else:
+            params[key] = default
     return name, params
 
 
