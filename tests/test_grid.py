@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from smetric.cli import app
-from smetric.eval.grid import cell_verdict, grid_cells, verdict_summary
+from smetric.eval.grid import cell_verdict, grid_cells, means_of, verdict_summary
 from smetric.eval.grid_preset import load_grid_preset
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import tps_under_slo
@@ -257,3 +257,26 @@ def test_robustness_table_gives_the_default_policy_lead_per_world_over_seeds() -
     text = grid_markdown(result, "smetric grid")
     assert "`smetric_cost`'s lead in every world" in text
     assert "- `slow`: prefill_slowdown 1.25" in text
+
+
+def test_a_tiny_robustness_grid_end_to_end(tmp_path: Path) -> None:
+    """Two worlds and a ceiling: every world's cells and the ceiling run, the report has
+    the lead per world and the ceiling column, and the slower world is no faster."""
+    preset, out = tmp_path / "robust.yaml", tmp_path / "out"
+    preset.write_text(
+        TINY.replace("tiers: {none: 0.02, full: 0.04}", "tiers: {full: 0.04}").replace(
+            "seeds: 1",
+            "worlds: {configured: {}, slow: {prefill_slowdown: 2.0}}\nceiling: true\nseeds: 1",
+        )
+    )
+    grid(preset, out, "smetric_cost,least_load")
+    result = json.loads((out / "grid.json").read_text())
+    assert {(c["tier"], c["world"]) for c in result["cells"]} == {
+        ("full", "configured"), ("full", "slow"), ("free", "configured"), ("free", "slow"),
+    }  # fmt: skip
+    text = (out / "grid.md").read_text()
+    assert "`smetric_cost`'s lead in every world" in text
+    assert "| configured |" in text and "| slow |" in text
+    assert "ceiling (best of all)" in text
+    best = {c["world"]: max(means_of(c).values()) for c in result["cells"] if c["tier"] == "full"}
+    assert best["slow"] <= best["configured"]

@@ -32,6 +32,7 @@ from smetric.report.run_tables import (
 from smetric.report.tables import check_format, emit
 from smetric.sim.config import (
     SimConfig,
+    check_config,
     check_disaggregation,
     check_kv_load,
     dump_yaml,
@@ -239,6 +240,7 @@ def command_config(params: dict[str, Any]) -> SimConfig:
         config = config.override("workload", trace=trace)
     if flags.get("warmup") is not None:
         config = dataclasses.replace(config, warmup_s=flags["warmup"])
+    check_config(config)
     if config.warmup_s >= config.workload.duration_s:
         raise ValueError(
             f"--warmup {config.warmup_s:g} must be shorter than --duration "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from smetric.core.settings import setting
+
 
 @dataclass(frozen=True)
 class SLOConfig:
@@ -15,6 +17,6 @@ class SLOConfig:
     as in the paper.
     """
 
-    ttft_base_s: float = 1.0
-    ttft_per_token_s: float = 0.00025
-    tpot_s: float = 0.030
+    ttft_base_s: float = setting(1.0, "TTFT SLO: seconds allowed to every request.", ge=0)
+    ttft_per_token_s: float = setting(0.00025, "TTFT SLO: seconds more per prompt token.", ge=0)
+    tpot_s: float = setting(0.030, "TPOT SLO: seconds per output token.", gt=0)

@@ -17,59 +17,86 @@ import yaml
 
 from smetric.core.policies import POLICY_NAMES
 from smetric.core.policies.decode import make_decode_policy
+from smetric.core.settings import setting, settings_of
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    instances: int = 32
-    model: str = "Qwen3-Coder-30B-A3B"
-    hardware: str = "H20"
-    gpus_per_instance: int = 1
+    instances: int = setting(32, "Instances in the cluster.", ge=1)
+    model: str = setting("Qwen3-Coder-30B-A3B", "Model preset.")
+    hardware: str = setting("H20", "GPU preset.")
+    gpus_per_instance: int = setting(1, "GPUs per instance (tensor parallel).", ge=1)
     # None: the model preset's own (fp8 for Qwen3-235B-A22B-FP8, else bf16).
-    weight_dtype: str | None = None
-    kv_dtype: str = "bf16"
-    gpu_memory_utilization: float = 0.9
+    weight_dtype: str | None = setting(None, "Weight dtype; none: the model preset's own.")
+    kv_dtype: str = setting("bf16", "KV-cache dtype.")
+    gpu_memory_utilization: float = setting(
+        0.9, "Share of GPU memory the engine may use.", gt=0, le=1.0
+    )
     # None: GPU memory x utilisation - weights - activations, over KV bytes per token.
-    kv_capacity_tokens: int | None = None
+    kv_capacity_tokens: int | None = setting(
+        None, "KV room per instance in tokens; none: from GPU memory.", ge=1
+    )
     # None: the model's context, capped at what one instance's KV pool can hold.
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = setting(
+        None, "Maximum context; none: the model's, capped by one KV pool.", ge=1
+    )
+    max_num_seqs: int = setting(256, "Running sequences cap per instance.", ge=1)
+    max_num_batched_tokens: int = setting(
+        8192, "Token budget per engine step (chunked prefill).", ge=1
+    )
     # "none", "full" (never evicts) or a multiple of the cluster's total local capacity.
-    global_capacity: str = "full"
+    global_capacity: str = setting(
+        "full", "Global KV tier: none, full, or a multiple of local capacity."
+    )
     # Links to the global tier (kv.Route). The paper's testbed: servers of 8 H20 GPUs with
     # 200 Gbps RDMA NICs (about 21.7 GB/s effective each, as measured for such NICs); the
     # paper does not say how many NICs a server has, so the default is Mooncake's reference
     # setup of four (87 GB/s per server, Mooncake README). The GPUs of a server share its NICs;
     # each GPU also has its own PCIe Gen5 x16 lane to host memory (~50 GB/s measured).
-    gpus_per_server: int = 8
-    nics_per_server: int = 4
-    nic_gb_s: float = 21.7
-    pcie_gb_s: float = 50.0
+    gpus_per_server: int = setting(8, "GPUs per server, sharing its NICs.", ge=1)
+    nics_per_server: int = setting(
+        4, "RDMA NICs per server, shared by its GPUs' global-tier traffic.", ge=1
+    )
+    nic_gb_s: float = setting(21.7, "Effective bandwidth of one RDMA NIC, GB/s.", gt=0)
+    pcie_gb_s: float = setting(50.0, "Bandwidth of a GPU's PCIe lane to host memory, GB/s.", gt=0)
     # What the connector reaches end to end on top of those links (presets/tiers.toml):
     # "line-rate" (the paper's testbed), "lmcache-cpu", "mooncake-rdma", "mooncake-tcp".
-    global_medium: str = "line-rate"
+    global_medium: str = setting(
+        "line-rate", "How the global tier moves KV end to end (presets/tiers.toml)."
+    )
     # How an admitted request reads the global tier: "sync" loads before the forward pass
     # and stretches that step (LMCache's default), "async" holds the request, not the batch.
-    kv_load: str = "sync"
+    kv_load: str = setting("sync", "Global-tier loads: sync (before the forward pass) or async.")
     # PD disaggregation (the paper's Figure 4c, sim/pd.py): prefill_instances > 0 replaces
     # ``instances`` by that many prefill-only instances (they alone read the global tier)
     # and decode_instances that decode with the KV pulled from them over the links. No
     # decode instances is the paper's prefill-only evaluation: decode is not modelled and a
     # session's next turn comes assumed_tpot_s per output token after its prefill.
-    prefill_instances: int = 0
-    decode_instances: int = 0
-    decode_policy: str = "least_kv"
-    assumed_tpot_s: float = 0.03
+    prefill_instances: int = setting(
+        0, "PD disaggregation: prefill-only instances; replaces instances.", ge=0
+    )
+    decode_instances: int = setting(
+        0, "PD disaggregation: decode instances; 0: prefill-only evaluation.", ge=0
+    )
+    decode_policy: str = setting("least_kv", "How the decode instance is chosen.")
+    assumed_tpot_s: float = setting(
+        0.03, "Prefill-only evaluation: seconds per output token before the next turn.", ge=0
+    )
     # Perturbations of the simulated world that the policies are not told about (their
     # hardware constants come from the nominal cluster, ``nominal``): every global-tier
     # link's rate scaled, every engine's compute-bound prefill work slowed, every
     # instance's KV room scaled.
-    tier_bandwidth_scale: float = 1.0
-    prefill_slowdown: float = 1.0
-    kv_room_scale: float = 1.0
+    tier_bandwidth_scale: float = setting(
+        1.0, "Every global-tier link's rate scaled (the policies are not told).", gt=0
+    )
+    prefill_slowdown: float = setting(
+        1.0, "Every engine's compute-bound prefill slowed (the policies are not told).", gt=0
+    )
+    kv_room_scale: float = setting(
+        1.0, "Every instance's KV room scaled (the policies are not told).", gt=0
+    )
 
 
 PERTURBATIONS = ("tier_bandwidth_scale", "prefill_slowdown", "kv_room_scale")
@@ -89,18 +116,18 @@ def check_perturbations(cluster: ClusterConfig) -> None:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    trace: str = "sample:weka"
-    format: str | None = None
+    trace: str = setting("sample:weka", "Trace: a path, or sample:NAME.")
+    format: str | None = setting(None, "Trace format; none: from the file.")
     # Closed-loop sessions composed from the trace: start rate and how long starts go on.
-    session_rate: float = 0.25
-    duration_s: float = 600.0
-    arrival: str = "poisson"
+    session_rate: float = setting(0.25, "Closed loop: sessions started per second.", gt=0)
+    duration_s: float = setting(600.0, "Closed loop: seconds in which sessions start.", gt=0)
+    arrival: str = setting("poisson", "Closed loop: how session starts arrive.")
     # Traces with a clock may instead be replayed open loop at their recorded arrivals,
     # scaled by keeping a seeded fraction of their sessions (the paper's method) or by speed.
-    open_loop: bool = False
-    sample: float = 1.0
-    speed: float = 1.0
-    seed: int = 0
+    open_loop: bool = setting(False, "Replay the trace's recorded arrivals instead.")
+    sample: float = setting(1.0, "Open loop: share of sessions kept.", gt=0, le=1.0)
+    speed: float = setting(1.0, "Open loop: replay speed-up.", gt=0)
+    seed: int = setting(0, "Seed of the workload.", ge=0)
 
 
 @dataclass(frozen=True)
@@ -110,9 +137,13 @@ class SimConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     policies: tuple[str, ...] = POLICY_NAMES
     # Width of the windows in which load imbalance is measured.
-    window_s: float = WINDOW_S
+    window_s: float = setting(
+        WINDOW_S, "Width of the windows in which load imbalance is measured, seconds.", gt=0
+    )
     # Requests arriving before this are left out of throughput and latency (metrics.py).
-    warmup_s: float = 0.0
+    warmup_s: float = setting(
+        0.0, "Requests arriving before this are left out of the metrics, seconds.", ge=0
+    )
 
     def override(self, section: str, **values: Any) -> SimConfig:
         """A copy with fields of one section changed; None values leave a field as is."""
@@ -151,19 +182,40 @@ def from_dict(data: dict[str, Any], where: str = "config") -> SimConfig:
     policies = data.get("policies", SimConfig().policies)
     if isinstance(policies, str):
         policies = [p.strip() for p in policies.split(",") if p.strip()]
-    return SimConfig(
-        cluster=_section(ClusterConfig, data.get("cluster"), f"{where}: cluster"),
-        workload=_section(WorkloadConfig, data.get("workload"), f"{where}: workload"),
-        slo=_section(SLOConfig, data.get("slo"), f"{where}: slo"),
-        policies=tuple(policies),
-        window_s=float(data.get("window_s", SimConfig().window_s)),
-        warmup_s=float(data.get("warmup_s", SimConfig().warmup_s)),
+    return check_config(
+        SimConfig(
+            cluster=_section(ClusterConfig, data.get("cluster"), f"{where}: cluster"),
+            workload=_section(WorkloadConfig, data.get("workload"), f"{where}: workload"),
+            slo=_section(SLOConfig, data.get("slo"), f"{where}: slo"),
+            policies=tuple(policies),
+            window_s=float(data.get("window_s", SimConfig().window_s)),
+            warmup_s=float(data.get("warmup_s", SimConfig().warmup_s)),
+        ),
+        where,
     )
+
+
+def check_config(config: SimConfig, where: str = "") -> SimConfig:
+    """``config`` if every setting lies within its declared bounds, else a ValueError
+    naming ``where`` (a file), the key and the bounds: the same check for a YAML file and
+    for command-line flags."""
+    sections = {"": config, **{f"{name}.": getattr(config, name) for name in SECTIONS}}
+    for prefix, values in sections.items():
+        for f, meta in settings_of(values):
+            try:
+                meta.check(prefix + f.name, getattr(values, f.name))
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}" if where else str(exc)) from None
+    return config
+
+
+SECTIONS = ("cluster", "workload", "slo")
 
 
 def load_yaml(path: Path) -> SimConfig:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with path.open(encoding="utf-8") as stream:  # so a syntax error names the file
+            data = yaml.safe_load(stream) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ValueError(f"{path}: cannot read YAML: {exc}") from exc
     if not isinstance(data, dict):

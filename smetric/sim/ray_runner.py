@@ -11,7 +11,10 @@ what runs where, for the progress display, and a node of 64 cores takes 64 runs 
 from __future__ import annotations
 
 import os
+import socket
+import tempfile
 from collections import Counter, deque
+from pathlib import Path
 from typing import Any
 
 from smetric.sim.jobs import Events, Job, Task
@@ -54,8 +57,43 @@ def connect(address: str) -> bool:
     options: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
     if address == "local":
         options["include_dashboard"] = False
-    ray.init(address=address, **options)
+    else:
+        check_reachable(address)
+    try:
+        ray.init(address=address, **options)
+    except (ConnectionError, RuntimeError, TimeoutError) as exc:
+        raise ValueError(f"cannot join the Ray cluster at {address}: {exc}") from None
     return True
+
+
+# Where ``ray start`` leaves the address of the cluster it started (``ray.init``'s docs).
+CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+
+
+def check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Fail within seconds, with what to do, when no Ray cluster answers at ``address``:
+    Ray itself prints a traceback (``auto`` with no cluster) or retries for minutes (a
+    head that does not answer)."""
+    target = address
+    if address == "auto":
+        target = os.environ.get("RAY_ADDRESS", "").strip()
+        if not target and CURRENT_CLUSTER.is_file():
+            target = CURRENT_CLUSTER.read_text().strip()
+        if not target or target == "auto":
+            raise ValueError(
+                "--ray auto: no Ray cluster runs on this machine (start one with "
+                "`ray start --head`, or use --ray local for a one-machine cluster)"
+            )
+    host, _, port = target.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray {address}: expected auto, local, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ValueError(
+            f"--ray {address}: no Ray cluster answers at {host}:{port} ({exc}); is its head "
+            "running (`ray start --head`) and reachable?"
+        ) from None
 
 
 def map_on_ray(address: str, trace: Trace, jobs: list[Job], task: Task) -> Events:
