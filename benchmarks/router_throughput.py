@@ -120,7 +120,8 @@ def median_cell(cells: list[Cell]) -> Cell:
 
 def wrk(target: Target, script: Path, connections: int, seconds: int) -> Cell:
     """One wrk run against ``target``; non-2xx replies fail the run."""
-    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script), target.url]
+    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "30s"]
+    args += ["-s", str(script), target.url]
     cpu = cpu_seconds(target.pid)
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     cpu = cpu_seconds(target.pid) - cpu

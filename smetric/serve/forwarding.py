@@ -141,11 +141,11 @@ class Forwarder:
         refused connection never ran it); then the last failure is the client's error."""
         retries = self.retries
         tried: set[str] = set()
-        failure = error_response(503, f"no healthy {role} to serve the request")
+        failure: web.Response | None = None  # the last engine's, once one failed
         while True:
             available = [e for e in candidates() if e.url not in tried]
             if not available:
-                return failure
+                return failure or error_response(503, f"no healthy {role} to serve the request")
             engine, predicted = choose(available)
             tried.add(engine.url)
             completion.attempts += 1
