@@ -11,7 +11,7 @@ import pytest
 
 from smetric.core.blocks import chain_hashes
 from smetric.core.kv_events import EventIndex, decode_batch
-from smetric.engine.scheduler import END, Engine, EngineConfig, EngineRequest
+from smetric.engine.scheduler import END, EngineConfig, EngineRequest, MockEngine
 
 BS = 16
 
@@ -22,7 +22,7 @@ def prompt(first: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, chain_hashes(tokens, BS)
 
 
-async def serve(engine: Engine, tokens: np.ndarray, blocks: np.ndarray) -> int:
+async def serve(engine: MockEngine, tokens: np.ndarray, blocks: np.ndarray) -> int:
     """Run one request to its end; its cached tokens."""
     request = EngineRequest(tokens, blocks, max_tokens=1)
     engine.submit(request)
@@ -35,7 +35,7 @@ def test_offloaded_blocks_are_given_back_after_the_gpu_evicted_them() -> None:
     batches: list[list[dict]] = []
     # GPU: 8 blocks; CPU: 12. A (4 blocks) then B (7) evicts A from the GPU, not the CPU.
     config = EngineConfig(speed=0.0, kv_blocks=8, block_size=BS, cpu_offload_blocks=12)
-    engine = Engine(config, kv_sink=batches.append)
+    engine = MockEngine(config, kv_sink=batches.append)
     a, b, c = prompt(0, 4), prompt(1000, 7), prompt(2000, 5)
 
     async def scenario() -> list[int]:
@@ -74,6 +74,6 @@ def test_offloaded_blocks_are_given_back_after_the_gpu_evicted_them() -> None:
 
 
 def test_no_offloading_by_default_and_a_negative_store_is_refused() -> None:
-    assert Engine(EngineConfig()).cpu is None
+    assert MockEngine(EngineConfig()).cpu is None
     with pytest.raises(ValueError, match="cpu_offload_blocks"):
         EngineConfig(cpu_offload_blocks=-1)

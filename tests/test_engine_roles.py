@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from smetric.engine.scheduler import Engine, EngineConfig
+from smetric.engine.scheduler import EngineConfig, MockEngine
 
 
 def test_blocks_pulled_from_a_prefill_engine_are_cached_pinned_and_announced() -> None:
     events: list[dict] = []
-    engine = Engine(EngineConfig(kv_blocks=8, block_size=4), kv_sink=events.extend)
+    engine = MockEngine(EngineConfig(kv_blocks=8, block_size=4), kv_sink=events.extend)
     tokens = np.arange(20)
     blocks = np.array([11, 12, 13, 14, 15], dtype=np.int64)
     handle = engine.adopt(tokens, blocks, 3, now=0.0)

@@ -37,7 +37,7 @@ def instance(
     return Instance(
         index=0,
         pool=LocalPool(capacity_blocks),
-        route=Route(Link(bytes_per_s), Link(bytes_per_s)),
+        tier_route=Route(Link(bytes_per_s), Link(bytes_per_s)),
         global_tier=GlobalTier(global_blocks),
         perf=OneSecondSteps(),
         limits=EngineLimits(max_num_seqs=8, max_num_batched_tokens=budget, kv_bytes_per_token=1),
@@ -327,11 +327,11 @@ def test_a_preempted_request_looks_the_global_tier_up_again() -> None:
     assert req.decoding and inst.global_tier.match(req.blocks) == 4
     inst._preempt(req, now)  # as a decode short of blocks would
     inst.pool.cache.evict(4)  # and its local prefix goes meanwhile
-    moved = inst.route.bytes_moved
+    moved = inst.tier_route.bytes_moved
     # Re-admitted, it loads its 4 prompt blocks (64 B, 0.064 s) instead of recomputing
     # them, queued behind the write of those blocks that its prefill started at t=1 (the
     # link is first come, first served), so they land at 1.128; then it computes only
     # the token it had generated, in one 1 s step.
     assert inst.plan_step(now) == pytest.approx(now + 0.128 + 1.0)
-    assert inst.route.bytes_moved - moved == 64
+    assert inst.tier_route.bytes_moved - moved == 64
     assert req.done == 64 and req.target == 65

@@ -71,7 +71,9 @@ def test_disaggregated_runs_free_every_block_and_are_deterministic(
         assert (inst.pool.private, inst.pool.cache.locked, inst.inflight) == (0, 0, 0)
         assert inst.unprefilled == 0
     for decoder in sim.decoders:
-        assert decoder.route.pcie.bytes_moved == 0  # only prefill instances use the global tier
+        assert (
+            decoder.tier_route.pcie.bytes_moved == 0
+        )  # only prefill instances use the global tier
         assert not decoder.sources
     first = simulate(trace, config, policy)
     second = simulate(trace, config, policy)
@@ -108,7 +110,7 @@ def test_the_decode_pulls_the_prompt_over_both_servers_nics_before_its_first_tok
     pull_s = 112 * sim.shape.kv_bytes_per_token / 1e6
     assert handoff.transfer_tokens == 112
     assert pull_s < req["first_token_s"] - handoff.prefill_done < pull_s + 0.5
-    prefill_nic, decode_nic = sim.instances[0].route.nic, sim.decoders[0].route.nic
+    prefill_nic, decode_nic = sim.instances[0].tier_route.nic, sim.decoders[0].tier_route.nic
     assert prefill_nic is not decode_nic  # the two pools sit on their own servers
     assert prefill_nic.bytes_moved == decode_nic.bytes_moved == 112 * sim.shape.kv_bytes_per_token
 

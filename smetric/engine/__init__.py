@@ -4,7 +4,7 @@ Its timing and prefix cache are the simulator's (``model.perf``,
 ``model.kv``, ``core.prefix_cache``), so the mock and the simulator tell the same story.
 """
 
-from smetric.engine.scheduler import Engine, EngineConfig
+from smetric.engine.scheduler import EngineConfig, MockEngine
 from smetric.engine.server import KVEventPublisher, create_app, run_engine
 
-__all__ = ["Engine", "EngineConfig", "KVEventPublisher", "create_app", "run_engine"]
+__all__ = ["EngineConfig", "KVEventPublisher", "MockEngine", "create_app", "run_engine"]

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from smetric.core.conversation import RequestError, RequestFacts
 from smetric.core.prefix_cache import Handle
-from smetric.engine.scheduler import Engine, EngineRequest
+from smetric.engine.scheduler import EngineRequest, MockEngine
 from smetric.model.kv import Link
 from smetric.model.perf import kv_bytes_per_token, load_model
 
@@ -57,7 +57,7 @@ class _Held:
 class KVTransfers:
     """One engine's disaggregation state: blocks held for decodes, and its pull link."""
 
-    engine: Engine
+    engine: MockEngine
     role: str
     link_bytes_s: float
     lease_s: float

@@ -168,7 +168,7 @@ class EngineCounters:
     finished_requests: int = 0
 
 
-class Engine:
+class MockEngine:
     """Waiting queue, running batch and KV pool, advanced one modelled step at a time."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""vLLM's observable HTTP surface over the mock ``Engine``: what a router sends and scrapes.
+"""vLLM's observable HTTP surface over ``MockEngine``: what a router sends and scrapes.
 
 Only what routers and load generators touch is modelled: the OpenAI chat and completions
 endpoints (streamed or not, with ``usage.prompt_tokens_details.cached_tokens`` as vLLM
@@ -39,9 +39,9 @@ from smetric.core.conversation import Api, RequestError, analyze_request
 from smetric.core.kv_events import REPLAY_END
 from smetric.engine.anthropic import MessagesReply, messages_usage
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, PULL_PATH, TRANSFERS, KVTransfers, handle_pull
-from smetric.engine.scheduler import END, Engine, EngineConfig, EngineRequest, filler_token
+from smetric.engine.scheduler import END, EngineConfig, EngineRequest, MockEngine, filler_token
 
-ENGINE = web.AppKey("engine", Engine)
+ENGINE = web.AppKey("engine", MockEngine)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 _TOKENIZER = ByteTokenizer()
 
@@ -53,7 +53,7 @@ def create_app(config: EngineConfig) -> web.Application:
     demo cluster do.
     """
     publisher = KVEventPublisher(config) if config.kv_events_endpoint else None
-    engine = Engine(config, None if publisher is None else publisher.publish)
+    engine = MockEngine(config, None if publisher is None else publisher.publish)
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
     app = web.Application()
@@ -427,7 +427,7 @@ async def _metrics(request: web.Request) -> web.Response:
 class _EngineCollector:
     """Reads the engine's state at scrape time, so no gauge can lag behind the engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: MockEngine) -> None:
         self.engine = engine
         # As a real engine's process collector reports it: a router reads a change as a
         # restart. One per app, since several mock engines may share a process.

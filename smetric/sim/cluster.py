@@ -171,7 +171,7 @@ class Simulation:
             self.instance_class(
                 index=i,
                 pool=LocalPool(local_blocks, self.holders.watcher(i)),
-                route=route,
+                tier_route=route,
                 global_tier=self.global_tier,
                 perf=perf,
                 limits=limits,

@@ -101,7 +101,7 @@ class EngineLimits:
 class Instance:
     index: int
     pool: LocalPool
-    route: Route
+    tier_route: Route
     global_tier: GlobalTier
     perf: StepTimeModel
     limits: EngineLimits
@@ -266,7 +266,7 @@ class Instance:
 
     def _load(self, req: SimRequest, now: float, nbytes: float) -> float:
         """Start reading ``nbytes`` of the request's remote blocks; returns when they land."""
-        return self.route.transfer(now, nbytes)
+        return self.tier_route.transfer(now, nbytes)
 
     def _allocate(self, req: SimRequest, now: float) -> int | None:
         """Pin the local hit and take private blocks for the rest of what must be in KV.
@@ -327,7 +327,7 @@ class Instance:
         req.pinned_blocks = len(req.blocks)
         new = self.global_tier.write(req.blocks, now)
         if new:
-            self.route.transfer(now, new * req.block_size * self.limits.kv_bytes_per_token)
+            self.tier_route.transfer(now, new * req.block_size * self.limits.kv_bytes_per_token)
         if math.isnan(req.first_token_at):
             req.first_token_at = now
             req.generated = 1

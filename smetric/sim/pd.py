@@ -160,7 +160,7 @@ class DisaggSimulation(Simulation):
                 DecodeInstance(
                     index=prefill + j,
                     pool=LocalPool(blocks),
-                    route=route,
+                    tier_route=route,
                     global_tier=GlobalTier(0),
                     perf=perf,
                     limits=limits,
@@ -216,7 +216,9 @@ class DisaggSimulation(Simulation):
         decoder = self.decoders[self.decode_policy.choose(decode_view(self.decoders)).instance]
         handoff.decode_instance = decoder.index - self.routed
         # The pull crosses the prefill server's NICs, then the decode server's.
-        decoder.sources[req.rid] = Route(self.instances[req.instance].route.nic, decoder.route.nic)
+        decoder.sources[req.rid] = Route(
+            self.instances[req.instance].tier_route.nic, decoder.tier_route.nic
+        )
         decode = SimRequest(
             client.rid, client.session, client.turn, client.blocks, client.prompt,
             client.output, 0, client.block_size, arrival=client.arrival,
@@ -233,7 +235,7 @@ class DisaggSimulation(Simulation):
         """The distinct NIC links of the prefill servers and of the decode servers."""
 
         def distinct(instances: list) -> list[Link]:
-            return list({id(i.route.nic): i.route.nic for i in instances}.values())
+            return list({id(i.tier_route.nic): i.tier_route.nic for i in instances}.values())
 
         return distinct(self.instances[: self.routed]), distinct(self.decoders)
 
@@ -307,7 +309,7 @@ def simulate_disaggregated(
     table = with_prefill_latency(with_latencies(table, config.slo, horizon), config.slo, horizon)
     summary = pd_summary(table, config, sim, horizon)
     prefill = sim.instances[: sim.routed]
-    summary["global_tier_bytes"] = sum(i.route.bytes_moved for i in prefill)
+    summary["global_tier_bytes"] = sum(i.tier_route.bytes_moved for i in prefill)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
     summary.update(learned_summary(learner))
     return RunResult(policy, table, summary, sim.shape, params)

@@ -32,7 +32,7 @@ def simulate(
     summary = summarize(
         table, config.slo, horizon, config.cluster.instances, config.window_s, config.warmup_s
     )
-    summary["global_tier_bytes"] = sum(i.route.bytes_moved for i in sim.instances)
+    summary["global_tier_bytes"] = sum(i.tier_route.bytes_moved for i in sim.instances)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
     summary.update(learned_summary(learner))
     return RunResult(policy, table, summary, sim.shape, params)
