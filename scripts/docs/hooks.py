@@ -224,10 +224,89 @@ def dataclass_table(
     return rows
 
 
+def settings_table(
+    cls: type, declared_in: tuple[type, ...] | None = None, flags: bool = True
+) -> list[str]:
+    """One row per setting of ``cls`` and its sections (only those the classes
+    ``declared_in`` declare, if given): key, flag, type, default and help, from the one
+    declaration both the YAML key and the flag are generated from."""
+    from smetric.cli.settings_options import flag_names
+    from smetric.core.settings_load import leaves
+
+    columns = ["key", *(["flag"] if flags else []), "type", "default", "meaning"]
+    rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for leaf in leaves(cls):
+        if declared_in is not None and leaf.declared_in not in declared_in:
+            continue
+        f = leaf.field
+        default = '`""`' if f.default == "" else _field_default(f)
+        cells = [f"`{f.name}`", f"`{cell(_type_name(f.type))}`", default]
+        if flags:
+            cells.insert(1, cell(" ".join(f"`{name}`" for name in flag_names(leaf))))
+        rows.append("| " + " | ".join([*cells, cell(_declared_help(f))]) + " |")
+    return rows
+
+
+def router_config() -> list[str]:
+    from smetric.gateway.options import PickConfig, PickOptions
+    from smetric.serve.config import (
+        Colocated,
+        ColocatedEngine,
+        EngineEntry,
+        KVEvents,
+        ServeConfig,
+        ServeOptions,
+    )
+
+    return [
+        "## Router: `smetric serve --config`, `smetric pick --config`",
+        "",
+        "Every key is also a flag of the same meaning (the table names it), and every flag",
+        "a key; a flag wins over the file, except that engines of `--engine`,",
+        "`--prefill-engine` and `--decode-engine` join those of the file. A key the",
+        "command does not take, or a value of the wrong type or range, is an error naming",
+        "the file and the key.",
+        "",
+        "```yaml",
+        "engines:",
+        "- http://10.0.0.1:8000",
+        "- {url: http://10.0.0.2:8000, kv_blocks: 8192,",
+        "   kv_events: {endpoint: 'tcp://10.0.0.2:5557', bind: false}}",
+        "router: {policy: smetric_cost, retries: 2, scrape_interval_s: 1.0}",
+        "```",
+        "",
+        "### Top level",
+        "",
+        *settings_table(ServeConfig, (Colocated, ServeConfig)),
+        "",
+        f"### An engine of `engines:` ({ColocatedEngine.__name__})",
+        "",
+        "A URL, or a mapping of these keys; one of `prefill_engines:` or `decode_engines:`",
+        f"takes only {', '.join(f'`{f.name}`' for f in dataclasses.fields(EngineEntry))}.",
+        "",
+        *settings_table(ColocatedEngine, flags=False),
+        "",
+        f"### `kv_events:` ({KVEvents.__name__})",
+        "",
+        plain(inspect.getdoc(KVEvents)),
+        "",
+        *settings_table(KVEvents, flags=False),
+        "",
+        f"### `router:` of `smetric serve` ({ServeOptions.__name__})",
+        "",
+        *settings_table(ServeOptions),
+        "",
+        f"### `router:` of `smetric pick` ({PickOptions.__name__})",
+        "",
+        "The keys of `smetric serve` but `workers` and `decode_policy` (the picker does not",
+        "serve disaggregated clusters), with the picker's own ports and shedding:",
+        "",
+        *settings_table(PickConfig, (PickOptions,)),
+    ]
+
+
 def config_page() -> str:
     from smetric.cli.simulate import CLUSTER_FLAGS, SLO_FLAGS, WORKLOAD_FLAGS
-    from smetric.serve.app import RouterSettings
-    from smetric.serve.config import TUNABLE
     from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
 
     simulate = flag_help("simulate", {**CLUSTER_FLAGS, **WORKLOAD_FLAGS, **SLO_FLAGS})
@@ -265,15 +344,7 @@ def config_page() -> str:
         out += ["", f"### `{section}:` ({cls.__name__})", "", doc(cls), "", *table]
     out += ["", f"### `slo:` ({SLOConfig.__name__})", "", doc(SLOConfig), ""]
     out += dataclass_table(SLOConfig, flags=simulate)
-    out += [
-        "",
-        "## Router: `smetric serve --config`",
-        "",
-        "Besides `engines:` (or `prefill_engines:` and `decode_engines:`), a list of URLs or",
-        "`{url, kv_blocks, kv_events}` mappings, the file's `router:` section may set:",
-        "",
-        *dataclass_table(RouterSettings, TUNABLE, flag_help("serve")),
-    ]
+    out += ["", *router_config()]
     return "\n".join(out) + "\n"
 
 

@@ -29,6 +29,9 @@ class Meta:
     lt: float | None = None
     choices: tuple[str, ...] | None = None
     source: Source = "tuned"
+    # The command-line names of the setting, where they are not its key's (``--engine``
+    # for ``engines``, a short ``-p``); empty: ``--KEY``, less a trailing ``_s`` (seconds).
+    flags: tuple[str, ...] = ()
 
     def check(self, name: str, value: Any) -> Any:
         """``value`` if it lies within the bounds and choices, else a ValueError naming
@@ -85,9 +88,10 @@ def setting(
     lt: float | None = None,
     choices: tuple[str, ...] | None = None,
     source: Source = "tuned",
+    flags: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field declaring one setting: its default, help text and bounds."""
-    meta = Meta(help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, source=source)
+    meta = Meta(help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, source=source, flags=flags)
     return field(default=default, metadata={"setting": meta})
 
 
