@@ -85,9 +85,11 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
     that engine is overloaded or has evicted it. One JSON log line per decision.
 
     A request that fails before the client got any byte (engine refused, stalled, answered
-    5xx or garbage) is retried on another engine, so it may run twice (at-least-once); the
-    YAML config's 'router:' section may set the limits, timeouts, ejection settings and
-    the global tier's source.
+    5xx or garbage) is retried on another engine, so it may run twice (at-least-once).
+
+    Every flag is also a key of the YAML config (--config): the engine lists at its top
+    level, the rest in its 'router:' section, under the names the configuration reference
+    lists.
     """
     with user_errors():
         resolved = with_flags(load_config(ServeConfig, config), given)

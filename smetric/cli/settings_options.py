@@ -30,10 +30,12 @@ _SCALARS = (bool, int, float, str, Path)
 
 
 def flag_names(leaf: Leaf) -> tuple[str, ...]:
-    """A setting's flags: its declared ones, else ``--KEY`` less a trailing ``_s``."""
+    """A setting's flags: its declared ones, else ``--KEY`` less a trailing ``_s`` where it
+    means seconds (not in a rate, ``_gb_s``)."""
     if leaf.meta.flags:
         return leaf.meta.flags
-    name = "--" + leaf.field.name.removesuffix("_s").replace("_", "-")
+    key = leaf.field.name
+    name = "--" + (key if key.endswith("_gb_s") else key.removesuffix("_s")).replace("_", "-")
     return (f"{name}/--no-{name[2:]}",) if _scalar(leaf.hint) is bool else (name,)
 
 
@@ -113,6 +115,16 @@ def option(leaf: Leaf, panel: str | None) -> inspect.Parameter:
     )
 
 
+def given_of(ctx: typer.Context, names: list[str]) -> Given:
+    """The settings of ``names`` that the command line of ``ctx`` gave (not defaults)."""
+    given: Given = {}
+    for name in names:
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
+            given[name] = ctx.params[name]
+    return given
+
+
 def settings_flags(
     cls: type, panels: Mapping[type, str] | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -131,13 +143,8 @@ def settings_flags(
         context = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
 
         def run(ctx: typer.Context, **values: Any) -> Any:
-            given: Given = {}
-            for name in names:
-                value = values.pop(name)
-                source = ctx.get_parameter_source(name)
-                if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
-                    given[name] = value
-            return command(given, **values)
+            given = given_of(ctx, names)
+            return command(given, **{k: v for k, v in values.items() if k not in names})
 
         for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
             setattr(run, attribute, getattr(command, attribute))

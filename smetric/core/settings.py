@@ -30,7 +30,8 @@ class Meta:
     choices: tuple[str, ...] | None = None
     source: Source = "tuned"
     # The command-line names of the setting, where they are not its key's (``--engine``
-    # for ``engines``, a short ``-p``); empty: ``--KEY``, less a trailing ``_s`` (seconds).
+    # for ``engines``, a short ``-p``); empty: ``--KEY``, less a trailing ``_s`` where it
+    # means seconds (``--health-interval``; ``--nic-gb-s`` keeps it, GB per second).
     flags: tuple[str, ...] = ()
 
     def check(self, name: str, value: Any) -> Any:

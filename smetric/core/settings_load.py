@@ -148,6 +148,8 @@ def _typed(hint: Any, value: Any, where: str, key: str) -> Any:
         items = [_typed(item, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
         return frozenset(items) if origin is frozenset else origin(items)
     elif dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if isinstance(value, hint):  # read already
+            return value
         if isinstance(value, Mapping):
             return load(hint, value, where, key)
     elif _fits(hint, value):
@@ -161,7 +163,7 @@ def _fits(hint: Any, value: Any) -> bool:
     if origin in _LISTS:
         return isinstance(value, list | tuple)
     if dataclasses.is_dataclass(origin):
-        return isinstance(value, Mapping)
+        return isinstance(value, Mapping | origin)
     if origin is bool:
         return isinstance(value, bool)
     if origin is int:

@@ -106,9 +106,7 @@ class EngineConfig:
         "answers kv_transfer_params), decode (pulls it over the link model first), or both.",
         choices=ROLES,
     )
-    kv_link_gb_s: float = setting(
-        21.7, "Bandwidth a decode engine pulls KV at, GB/s.", gt=0, flags=("--kv-link-gb-s",)
-    )
+    kv_link_gb_s: float = setting(21.7, "Bandwidth a decode engine pulls KV at, GB/s.", gt=0)
     kv_lease_s: float = setting(
         30.0, "Seconds a prefill engine keeps a finished prompt's KV for a decode to pull.", gt=0
     )
