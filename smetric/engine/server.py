@@ -184,8 +184,9 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     try:
         body = await _json_body(request)
         facts = analyze_request(body, api, _TOKENIZER, config.block_size)
+        assert isinstance(body, dict)  # analyze_request accepts nothing but an object
         max_tokens, stream, include_usage = _sampling(body, api, config.default_max_tokens)
-        params = body.get(KV_TRANSFER_PARAMS) if isinstance(body, dict) else None
+        params = body.get(KV_TRANSFER_PARAMS)
         transfers = request.app[TRANSFERS]
         transfers.check(params)
         if facts.prompt_tokens == 0:
@@ -215,7 +216,10 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             count += 1
         answer = reply.full(count, _usage(job))
         if params and params.get("do_remote_decode"):
-            answer[KV_TRANSFER_PARAMS] = transfers.hold(job, request.url.host, request.url.port)
+            host, port = request.url.host, request.url.port
+            # A served request's URL is absolute: a host, and a port given or the scheme's.
+            assert host is not None and port is not None
+            answer[KV_TRANSFER_PARAMS] = transfers.hold(job, host, port)
         return web.json_response(answer)
     finally:
         engine.cancel(job)
