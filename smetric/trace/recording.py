@@ -23,8 +23,14 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from smetric.record.recorder import FORMAT, MANIFEST, METADATA_KEY, SEGMENT_GLOB, SEGMENT_SCHEMA
 from smetric.trace.jsonl import block_columns, list_column
+from smetric.trace.recording_format import (
+    FORMAT,
+    MANIFEST,
+    METADATA_KEY,
+    SEGMENT_GLOB,
+    SEGMENT_SCHEMA,
+)
 from smetric.trace.schema import (
     Trace,
     TraceError,
