@@ -39,10 +39,8 @@ from pathlib import Path
 
 import numpy as np
 from agentic_bodies import agent_messages, chat_body
-from router_overhead import LOCALHOST, Processes, processes, wait_ready
+from router_overhead import Processes, processes, wait_ready
 from router_vs_sglang import routes_chat, sglang_available, start_sglang_router
-
-from smetric.testing.engines import free_port
 
 HERE = Path(__file__).parent
 LUA = """
@@ -72,18 +70,16 @@ class Cell:
 
 
 def start_trivial_engine(procs: Processes) -> Target:
-    port = free_port()
-    proc = procs.start([sys.executable, str(HERE / "trivial_engine.py"), str(port)])
-    return Target(f"http://{LOCALHOST}:{port}", proc.pid)
+    url, proc = procs.start_listening([sys.executable, str(HERE / "trivial_engine.py"), "0"])
+    return Target(url, proc.pid)
 
 
 def start_smetric(procs: Processes, engines: list[str], workers: int) -> Target:
-    port = free_port()
-    args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--workers"]
-    args += [str(workers), "--log-level", "warning"]
-    for url in engines:
-        args += ["-e", url]
-    return Target(f"http://{LOCALHOST}:{port}", procs.start(args).pid)
+    args = ["serve", "--workers", str(workers), "--log-level", "warning"]
+    for engine in engines:
+        args += ["-e", engine]
+    url, proc = procs.start_smetric(args)
+    return Target(url, proc.pid)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -183,10 +183,9 @@ def _declared_help(f: dataclasses.Field) -> str:
     return ""
 
 
-def flag_help(command: str, fields: dict[str, str] | None = None) -> dict[str, str]:
-    """Per setting: the help of the ``smetric COMMAND`` flag that sets it, where one does.
-    ``fields`` maps flag parameter names to setting names; without it a flag sets the
-    setting of its own name, or of its name plus ``_s`` (seconds) or ``s`` (a list)."""
+def flag_help(command: str) -> dict[str, str]:
+    """Per setting: the help of the ``smetric COMMAND`` flag that sets it, where one does:
+    the flag of its own name, or of its name less ``_s`` (seconds) or ``s`` (a list)."""
     import typer.main
 
     from smetric.cli import app
@@ -195,12 +194,8 @@ def flag_help(command: str, fields: dict[str, str] | None = None) -> dict[str, s
     out = {}
     for param in params:
         text = plain(getattr(param, "help", None))
-        if fields is not None:
-            if param.name in fields:
-                out[fields[param.name]] = text
-        else:
-            for name in (param.name, f"{param.name}_s", f"{param.name}s"):
-                out.setdefault(name, text)
+        for name in (param.name, f"{param.name}_s", f"{param.name}s"):
+            out.setdefault(name, text)
     return out
 
 
@@ -225,13 +220,11 @@ def dataclass_table(
 
 
 def config_page() -> str:
-    from smetric.cli.simulate import CLUSTER_FLAGS, SLO_FLAGS, WORKLOAD_FLAGS
     from smetric.serve.app import RouterSettings
     from smetric.serve.config import TUNABLE
     from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
 
-    simulate = flag_help("simulate", {**CLUSTER_FLAGS, **WORKLOAD_FLAGS, **SLO_FLAGS})
-    simulate |= flag_help("simulate", {"warmup": "warmup_s", "policies": "policies"})
+    simulate = flag_help("simulate")
 
     def doc(cls: type) -> str:
         text = inspect.getdoc(cls) or ""
