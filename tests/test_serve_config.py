@@ -14,9 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from smetric.cli import app
-from smetric.cli.settings_options import flag_names, flag_type, given_of
-from smetric.core.settings_load import Leaf, leaves
-from smetric.engine import EngineConfig
+from smetric.cli.engine import ENGINE_FLAGS
+from smetric.cli.pick import PICK_FLAGS
+from smetric.cli.serve import SERVE_FLAGS, resolved
+from smetric.cli.settings_options import SettingFlag, given_settings
 from smetric.gateway.options import PickConfig
 from smetric.serve.config import (
     ColocatedEngine,
@@ -24,10 +25,10 @@ from smetric.serve.config import (
     engines_from,
     load_config,
     router_settings,
-    with_flags,
 )
 
 COMMANDS = {"serve": ServeConfig, "pick": PickConfig}
+FLAGS = {"serve": SERVE_FLAGS, "pick": PICK_FLAGS, "engine": ENGINE_FLAGS}
 
 
 def command(name: str) -> Any:
@@ -53,44 +54,42 @@ def test_every_flag_is_a_file_key_and_every_key_a_flag(name: str) -> None:
     assert flags == file_keys(COMMANDS[name])
 
 
-def other_value(leaf: Leaf) -> tuple[Any, list[str]]:
+def other_value(flag: SettingFlag) -> tuple[Any, list[str]]:
     """A value of the setting other than its default, as YAML and as command-line words."""
-    meta, default = leaf.meta, leaf.field.default
-    flag = flag_names(leaf)[0].split("/")[0]
-    scalar = flag_type(leaf)
+    meta, default, hint = flag.meta, flag.default, flag.annotation
     if meta.choices:
         value: Any = next(c for c in meta.choices if c != default)
-    elif isinstance(default, bool) or leaf.hint == bool | None:
-        return True, [flag]
-    elif isinstance(default, int) and not isinstance(default, bool):
+    elif hint in (bool, bool | None):
+        return True, [flag.flag]
+    elif hint is int:
         value = default + 1 if meta.le is None or default + 1 <= meta.le else default - 1
-    elif isinstance(default, float):
+    elif hint is float:
         value = default + 1.5
-    elif isinstance(default, tuple | frozenset):
+    elif hint == list[str]:
         value = ["http://127.0.0.1:9"]
-        return value, [flag, value[0]]
-    elif scalar in (Path, Path | None):
+        return value, [flag.flag, value[0]]
+    elif hint in (Path, Path | None):
         value = "/tmp/elsewhere"
     else:
         value = f"{default}-other" if default else "dns://engines.local:80"
-    return value, [flag, str(value)]
+    return value, [flag.flag, str(value)]
+
+
+def from_words(name: str, words: list[str]) -> Any:
+    """The config the command line ``words`` of command ``name`` sets, with no file."""
+    ctx = command(name).make_context(name, words)
+    return resolved(COMMANDS[name], None, given_settings(FLAGS[name], ctx.params, ctx))
 
 
 @pytest.mark.parametrize("name", COMMANDS)
 def test_a_flag_and_its_key_set_the_same_setting(name: str, tmp_path: Path) -> None:
-    cls, cmd = COMMANDS[name], command(name)
-    sections = {f.name for f in dataclasses.fields(cls) if "setting" not in f.metadata}
-    top = {f.name for f in dataclasses.fields(cls)} - sections
-    for leaf in leaves(cls):
-        key = leaf.field.name
-        value, words = other_value(leaf)
-        document = {key: value} if key in top else {"router": {key: value}}
-        path = tmp_path / f"{key}.yaml"
+    cls = COMMANDS[name]
+    for flag in FLAGS[name]:
+        value, words = other_value(flag)
+        document = {flag.field: value} if not flag.section else {"router": {flag.field: value}}
+        path = tmp_path / f"{flag.field}.yaml"
         path.write_text(yaml.safe_dump(document))
-        from_file = load_config(cls, path)
-        ctx = cmd.make_context(name, words)
-        from_flag = with_flags(cls(), given_of(ctx, [key]))
-        assert from_file == from_flag != cls(), key
+        assert load_config(cls, path) == from_words(name, words) != cls(), flag.key
 
 
 def help_text(name: str) -> str:
@@ -99,29 +98,28 @@ def help_text(name: str) -> str:
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
 
 
-def shown_default(leaf: Leaf) -> str | None:
-    default = leaf.field.default
-    if default is None or default in ((), frozenset()):
+def shown_default(flag: SettingFlag) -> str | None:
+    default = flag.default
+    if default is None:
         return None
     if isinstance(default, bool):
-        on, _, off = flag_names(leaf)[0].partition("/")
-        return (on if default else off).removeprefix("--")
+        name = flag.flag.removeprefix("--")
+        return name if default else f"no-{name}"
     return str(default)
 
 
-@pytest.mark.parametrize(("name", "cls"), [*COMMANDS.items(), ("engine", EngineConfig)])
-def test_help_describes_every_option_and_shows_its_declared_default(name: str, cls: type) -> None:
+@pytest.mark.parametrize("name", FLAGS)
+def test_help_describes_every_option_and_shows_its_declared_default(name: str) -> None:
     text = help_text(name)
-    declared = list(leaves(cls))
-    flags = [flag_names(leaf)[0].split("/")[0] for leaf in declared]
-    positions = [text.index(f" {flag} ") for flag in flags]
+    flags = FLAGS[name]
+    positions = [text.index(f" {flag.flag} ") for flag in flags]
     ends = sorted([*positions, len(text)])
-    for leaf, start in zip(declared, positions, strict=True):
+    for flag, start in zip(flags, positions, strict=True):
         passage = text[start : next(e for e in ends if e > start)]
-        assert leaf.meta.help.split()[0] in passage, leaf.field.name
-        shown = shown_default(leaf)
+        assert flag.meta.help.split()[0] in passage, flag.key
+        shown = shown_default(flag)
         if shown is not None:
-            assert f"[default: {shown}]" in passage, (leaf.field.name, passage)
+            assert f"[default: {shown}]" in passage, (flag.key, passage)
     for param in command(name).params:
         assert param.help, f"{name} {param.name} has no description"
 
@@ -150,7 +148,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ("router: {block_sise: 16}", "unknown key 'router.block_sise'; router takes policy"),
         ("router: {first_byte_timeout_s: 0}", "router.first_byte_timeout_s must lie in (0, inf]"),
         ("router: {log_level: loud}", "'loud': use one of debug, info, warning, error"),
-        ("router: {port: 70000}", "router.port must lie in [1, 65535]"),
+        ("router: {port: 70000}", "router.port must lie in [0, 65535]"),
         ("router: {workers: many}", "router.workers must be an integer, got 'many'"),
         ("router: {api_keys: [k1, 2]}", "router.api_keys[1] must be a string, got 2"),
         ("prefill_engines: [{url: 'http://h:1', backend: vllm}]", "prefill_engines[0].backend"),
@@ -196,7 +194,7 @@ def test_flags_win_over_the_file_and_engines_of_both_are_served(tmp_path: Path) 
         "router: {retries: 0, policy: least_load, kv_blocks: 128}\n",
     )
     ctx = command("serve").make_context("serve", ["-e", "http://127.0.0.1:3", "--retries", "4"])
-    config = with_flags(load_config(ServeConfig, path), given_of(ctx, ["engines", "retries"]))
+    config = resolved(ServeConfig, path, given_settings(SERVE_FLAGS, ctx.params, ctx))
     assert config.engines == (
         "http://127.0.0.1:1",
         ColocatedEngine("http://127.0.0.1:2", 64),

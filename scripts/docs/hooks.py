@@ -21,8 +21,7 @@ import dataclasses
 import inspect
 import sys
 import textwrap
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from rich.text import Text
@@ -139,7 +138,7 @@ def _field_notes(cls: type) -> dict[str, str]:
         ):
             notes[name] = inspect.cleandoc(after.value.value)
             continue
-        comments = []
+        comments: list[str] = []
         row = node.lineno - 2
         while row >= 0 and lines[row].strip().startswith("#"):
             comments.insert(0, lines[row].strip().lstrip("#").strip())
@@ -183,24 +182,22 @@ def _declared_help(f: dataclasses.Field) -> str:
     return ""
 
 
-def flag_help(command: str, fields: dict[str, str] | None = None) -> dict[str, str]:
-    """Per setting: the help of the ``smetric COMMAND`` flag that sets it, where one does.
-    ``fields`` maps flag parameter names to setting names; without it a flag sets the
-    setting of its own name, or of its name plus ``_s`` (seconds) or ``s`` (a list)."""
+def flag_help(command: str) -> dict[str, str]:
+    """Per setting: the help of the ``smetric COMMAND`` flag that sets it, where one does:
+    the flag of its own name, or of its name less ``_s`` (seconds) or ``s`` (a list)."""
     import typer.main
+    from typer.core import TyperGroup
 
     from smetric.cli import app
 
-    params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
-    out = {}
+    root = typer.main.get_command(app)
+    assert isinstance(root, TyperGroup)  # the app has subcommands
+    params = root.commands[command].params
+    out: dict[str, str] = {}
     for param in params:
         text = plain(getattr(param, "help", None))
-        if fields is not None:
-            if param.name in fields:
-                out[fields[param.name]] = text
-        else:
-            for name in (param.name, f"{param.name}_s", f"{param.name}s"):
-                out.setdefault(name, text)
+        for name in (param.name, f"{param.name}_s", f"{param.name}s"):
+            out.setdefault(name, text)
     return out
 
 
@@ -224,33 +221,32 @@ def dataclass_table(
     return rows
 
 
-def settings_table(
-    cls: type, declared_in: tuple[type, ...] | None = None, flags: bool = True
-) -> list[str]:
-    """One row per setting of ``cls`` and its sections (only those the classes
-    ``declared_in`` declare, if given): key, flag, type, default and help, from the one
-    declaration both the YAML key and the flag are generated from."""
-    from smetric.cli.settings_options import flag_names
-    from smetric.core.settings_load import leaves
+def settings_table(cls: type, flags: Sequence[Any] = (), only: Iterable[str] = ()) -> list[str]:
+    """One row per setting of ``cls`` (only the fields ``only`` names, if any): key, the
+    flag of ``flags`` (``cli.settings_options.SettingFlag``) that sets it, type, default
+    and help, from the one declaration both the key and the flag are generated from."""
+    from smetric.core.settings import settings_of
 
+    decls = {flag.field: flag.decls for flag in flags}
+    kept = set(only)
     columns = ["key", *(["flag"] if flags else []), "type", "default", "meaning"]
     rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    for leaf in leaves(cls):
-        if declared_in is not None and leaf.declared_in not in declared_in:
+    for f, _ in settings_of(cls):
+        if kept and f.name not in kept:
             continue
-        f = leaf.field
         default = '`""`' if f.default == "" else _field_default(f)
         cells = [f"`{f.name}`", f"`{cell(_type_name(f.type))}`", default]
         if flags:
-            cells.insert(1, cell(" ".join(f"`{name}`" for name in flag_names(leaf))))
+            cells.insert(1, cell(" ".join(f"`{d}`" for d in decls.get(f.name, ()))))
         rows.append("| " + " | ".join([*cells, cell(_declared_help(f))]) + " |")
     return rows
 
 
 def router_config() -> list[str]:
-    from smetric.gateway.options import PickConfig, PickOptions
+    from smetric.cli.pick import PICK_FLAGS
+    from smetric.cli.serve import SERVE_FLAGS
+    from smetric.gateway.options import PickOptions
     from smetric.serve.config import (
-        Colocated,
         ColocatedEngine,
         EngineEntry,
         KVEvents,
@@ -277,40 +273,38 @@ def router_config() -> list[str]:
         "",
         "### Top level",
         "",
-        *settings_table(ServeConfig, (Colocated, ServeConfig)),
+        *settings_table(ServeConfig, SERVE_FLAGS),
         "",
         f"### An engine of `engines:` ({ColocatedEngine.__name__})",
         "",
         "A URL, or a mapping of these keys; one of `prefill_engines:` or `decode_engines:`",
         f"takes only {', '.join(f'`{f.name}`' for f in dataclasses.fields(EngineEntry))}.",
         "",
-        *settings_table(ColocatedEngine, flags=False),
+        *settings_table(ColocatedEngine),
         "",
         f"### `kv_events:` ({KVEvents.__name__})",
         "",
         plain(inspect.getdoc(KVEvents)),
         "",
-        *settings_table(KVEvents, flags=False),
+        *settings_table(KVEvents),
         "",
         f"### `router:` of `smetric serve` ({ServeOptions.__name__})",
         "",
-        *settings_table(ServeOptions),
+        *settings_table(ServeOptions, SERVE_FLAGS),
         "",
         f"### `router:` of `smetric pick` ({PickOptions.__name__})",
         "",
         "The keys of `smetric serve` but `workers` and `decode_policy` (the picker does not",
         "serve disaggregated clusters), with the picker's own ports and shedding:",
         "",
-        *settings_table(PickConfig, (PickOptions,)),
+        *settings_table(PickOptions, PICK_FLAGS, PickOptions.__annotations__),
     ]
 
 
 def config_page() -> str:
-    from smetric.cli.simulate import CLUSTER_FLAGS, SLO_FLAGS, WORKLOAD_FLAGS
     from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
 
-    simulate = flag_help("simulate", {**CLUSTER_FLAGS, **WORKLOAD_FLAGS, **SLO_FLAGS})
-    simulate |= flag_help("simulate", {"warmup": "warmup_s", "policies": "policies"})
+    simulate = flag_help("simulate")
 
     def doc(cls: type) -> str:
         text = inspect.getdoc(cls) or ""
@@ -355,13 +349,15 @@ def _families() -> Iterator[tuple[str, str, str, list[str]]]:
     """(name, type, help, labels) of every metric a router's registry exports."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from smetric.serve.kv_subscriber import SubscriberCounters
+    from smetric.core.kv_events import EventIndex
+    from smetric.serve.kv_subscriber import KVEventSubscriber
     from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 
     engine = "http://engine:8000"
     metrics = RouterMetrics("smetric", [engine])
-    stand_in = types.SimpleNamespace(exact=True, counters=SubscriberCounters())
-    metrics.registry.register(SubscriberCollector({engine: stand_in}))  # type: ignore[dict-item]
+    # Never started: a subscriber opens its sockets only then, and exports its state now.
+    subscriber = KVEventSubscriber(EventIndex(16), "tcp://127.0.0.1:5557", "")
+    metrics.registry.register(SubscriberCollector({engine: subscriber}))
     wrappers = {
         m._name: list(m._labelnames)
         for m in vars(metrics).values()

@@ -10,19 +10,28 @@ from typing import TYPE_CHECKING
 import typer
 
 from smetric.cli.app import app, console, err_console, user_errors
-from smetric.cli.serve import PANELS, ConfigOpt, discovered, log_level, recorder_from
-from smetric.cli.settings_options import Given, settings_flags
-from smetric.gateway.options import PickConfig
+from smetric.cli.serve import (
+    ConfigOpt,
+    discovered,
+    log_level,
+    recorder_from,
+    resolved,
+    router_flags,
+)
+from smetric.cli.settings_options import Given, with_setting_flags
+from smetric.gateway.options import PickConfig, PickOptions
 from smetric.serve.app import Router
-from smetric.serve.config import engines_from, load_config, router_settings, with_flags
+from smetric.serve.config import engines_from, router_settings
 from smetric.serve.tokenizers import make_tokenizer
+
+PICK_FLAGS = router_flags(PickConfig, PickOptions)
 
 if TYPE_CHECKING:
     from smetric.gateway.server import PickerServer
 
 
 @app.command()
-@settings_flags(PickConfig, PANELS)
+@with_setting_flags(PICK_FLAGS)
 def pick(given: Given, config: ConfigOpt = None) -> None:
     """Pick engines for an Envoy gateway (Gateway API Inference Extension protocol).
 
@@ -41,11 +50,11 @@ def pick(given: Given, config: ConfigOpt = None) -> None:
         )
         raise typer.Exit(2) from exc
     with user_errors():
-        resolved = with_flags(load_config(PickConfig, config), given)
-        options = resolved.router
+        file = resolved(PickConfig, config, given)
+        options = file.router
         found, discovery = discovered(options)
         engines, subscribers = engines_from(
-            (*resolved.engines, *found), options.kv_blocks, options.block_size
+            (*file.engines, *found), options.kv_blocks, options.block_size
         )
         tokenizer = options.tokenizer
         encoder, template = make_tokenizer("bytes" if tokenizer == "engine" else tokenizer)

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
 from smetric.cli.app import app, console, user_errors
-from smetric.cli.settings_options import Given, settings_flags
+from smetric.cli.settings_options import Given, SettingFlag, setting_flags, with_setting_flags
 from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import (
     FrontDoor,
     Recording,
     ServeConfig,
+    ServeOptions,
     disaggregation_from,
     engines_from,
     load_config,
@@ -23,7 +25,7 @@ from smetric.serve.config import (
     with_flags,
 )
 from smetric.serve.discovery import Discovery
-from smetric.serve.listen import listen
+from smetric.serve.listen import bound_port, listen
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
@@ -38,8 +40,37 @@ ConfigOpt = Annotated[
         show_default=False,
     ),
 ]
-# The help groups of the flags: the classes that declare their settings, by heading.
-PANELS = {RouterSettings: "Routing", Recording: "Recording"}
+
+C = TypeVar("C")
+
+
+def router_flags(top: type, router: type) -> tuple[SettingFlag, ...]:
+    """The flags of serve or pick: one per setting of the config file ``top`` and of its
+    ``router:`` section (``router``). Engine lists take a flag per engine
+    (``--engine``), a setting of seconds drops its ``_s`` (``--health-interval``), and
+    the router's and the recording's settings have their own headings in ``--help``."""
+    seconds = {f.name: (f"--{f.name[:-2].replace('_', '-')}",) for f in dataclasses.fields(router)}
+    names = {name: decls for name, decls in seconds.items() if name.endswith("_s")}
+    names |= {
+        "engines": ("--engine", "-e"),
+        "prefill_engines": ("--prefill-engine",),
+        "decode_engines": ("--decode-engine",),
+        "policy": ("--policy", "-p"),
+        "api_keys": ("--api-key",),
+        "open_metrics": ("--open-metrics/--no-open-metrics",),
+    }
+    panels = {f.name: "Routing" for f in dataclasses.fields(RouterSettings)}
+    panels |= {f.name: "Recording" for f in dataclasses.fields(Recording)}
+    flags = (*setting_flags(top, names=names), *setting_flags(router, "router", names=names))
+    return tuple(dataclasses.replace(f, panel=panels.get(f.field)) for f in flags)
+
+
+def resolved(cls: type[C], config: Path | None, given: Given) -> C:
+    """The config file of ``cls`` at ``config`` with the flags ``given`` over it."""
+    return with_flags(load_config(cls, config), {**given.section(""), **given.section("router")})
+
+
+SERVE_FLAGS = router_flags(ServeConfig, ServeOptions)
 
 
 def recorder_from(options: FrontDoor) -> Recorder | None:
@@ -77,7 +108,7 @@ def log_level(options: FrontDoor) -> int:
 
 
 @app.command()
-@settings_flags(ServeConfig, PANELS)
+@with_setting_flags(SERVE_FLAGS)
 def serve(given: Given, config: ConfigOpt = None) -> None:
     """Route OpenAI-compatible traffic (chat, completions, Anthropic messages) to engines.
 
@@ -92,10 +123,10 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
     lists.
     """
     with user_errors():
-        resolved = with_flags(load_config(ServeConfig, config), given)
-        options = resolved.router
+        file = resolved(ServeConfig, config, given)
+        options = file.router
         settings = router_settings(options)
-        disaggregated = disaggregation_from(resolved)
+        disaggregated = disaggregation_from(file)
         disagg = None
         workers = options.workers
         if options.discover is not None and (disaggregated is not None or workers > 1):
@@ -103,9 +134,9 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
         if disaggregated is None:
             found, discovery = discovered(options)
             engines, subscribers = engines_from(
-                (*resolved.engines, *found), options.kv_blocks, settings.block_size
+                (*file.engines, *found), options.kv_blocks, settings.block_size
             )
-        elif resolved.engines:
+        elif file.engines:
             raise ValueError("give --engine for a colocated cluster, or prefill and decode engines")
         else:
             (engines, disagg), subscribers, discovery = disaggregated, {}, None
@@ -133,10 +164,13 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
     shape = f"{len(engines)} engines"
     if disagg is not None:
         shape = f"{len(disagg.prefill_urls)} prefill + {len(disagg.decode_urls)} decode engines"
+    # One line, flushed before any worker forks: scripts read the port from it.
     console.print(
-        f"smetric serve: {settings.policy} over {shape} on http://{host}:{port}"
+        f"smetric serve: {settings.policy} over {shape} on http://{host}:{bound_port(sockets[0])}"
         + (f" ({workers} workers)" if workers > 1 else ""),
         highlight=False,
+        soft_wrap=True,
     )
+    console.file.flush()
     with user_errors():
         serve_router(router, sockets)

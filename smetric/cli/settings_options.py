@@ -1,155 +1,203 @@
-"""Command-line flags generated from settings declared once (``core.settings.setting``).
+"""Command-line options generated from the settings' one declaration.
 
-``settings_flags(cls)`` gives a command one typer option per setting of the settings
-dataclass ``cls`` and of its sections: named after the key (``--health-interval`` for
-``health_interval_s``) unless the setting names its own, with the setting's help, its
-default shown in ``--help``, and its bounds and choices checked as a file's are. A
-flag's name, help and range thus live in the dataclass alone.
+A setting (``core.settings.setting``) carries its default, help and bounds; a command
+that offers it as a flag takes all three from there, so ``--help``, the YAML key and the
+check of a given value cannot disagree. Each flag's Python default is the declared
+default, so ``--help`` shows it, and the command receives only the flags its command
+line gave: a value read from a ``--config`` file is overridden by a flag, never by a
+flag's default.
 
-The command receives the settings the user gave as flags (not the defaults of the rest),
-so the values of a config file stand where no flag overrides them.
+Usage: ``flags = setting_flags(ClusterConfig, "cluster", panel="Cluster")``, then
+``@with_setting_flags(flags)`` under ``@app.command()`` on a function that takes
+``given: Given``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import types
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import typer
 
-from smetric.core.settings import Meta
-from smetric.core.settings_load import Leaf, leaves
+from smetric.cli.app import user_errors
+from smetric.core.settings import Meta, default_of, settings_of
 
-# The settings given as flags, by setting name.
-Given = dict[str, Any]
-
-_SCALARS = (bool, int, float, str, Path)
+Command = TypeVar("Command", bound=Callable[..., Any])
 
 
-def flag_names(leaf: Leaf) -> tuple[str, ...]:
-    """A setting's flags: its declared ones, else ``--KEY`` less a trailing ``_s`` where it
-    means seconds (not in a rate, ``_gb_s``)."""
-    if leaf.meta.flags:
-        return leaf.meta.flags
-    key = leaf.field.name
-    name = "--" + (key if key.endswith("_gb_s") else key.removesuffix("_s")).replace("_", "-")
-    return (f"{name}/--no-{name[2:]}",) if _scalar(leaf.hint) is bool else (name,)
+@dataclass(frozen=True)
+class SettingFlag:
+    """One setting offered as a flag: where it lives and what its declaration says."""
+
+    section: str  # the YAML section holding the key; "" for the top level
+    field: str  # the key: the dataclass field's name
+    decls: tuple[str, ...]  # the flag's names, as click takes them
+    annotation: Any
+    default: Any
+    meta: Meta
+    panel: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The setting as a YAML error names it: ``cluster.instances``, ``warmup_s``."""
+        return f"{self.section}.{self.field}" if self.section else self.field
+
+    @property
+    def flag(self) -> str:
+        """The flag as an error names it: its first name."""
+        return self.decls[0].split("/")[0]
+
+    @property
+    def param(self) -> str:
+        """The command parameter that receives it (unique across the sections)."""
+        return self.field
+
+    def help(self) -> str:
+        """The declared help, with the values it takes, as the configuration page says."""
+        text = self.meta.help
+        if self.meta.choices:
+            return f"{text} One of: {', '.join(self.meta.choices)}."
+        if self.meta.bounded:
+            return f"{text} Range: {self.meta.range()}."
+        return text
+
+    def parameter(self) -> inspect.Parameter:
+        option = typer.Option(
+            self.default, *self.decls, help=self.help(), rich_help_panel=self.panel
+        )
+        return inspect.Parameter(
+            self.param, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=self.annotation
+        )
 
 
-def _scalar(hint: Any) -> Any:
-    """The scalar type a flag reads for ``hint``: its own, a list's items', or the first
-    scalar of a union (a URL for ``str | Engine``)."""
-    if hint in _SCALARS:
-        return hint
-    args = [a for a in get_args(hint) if a is not type(None)]
-    if get_origin(hint) in (Union, types.UnionType):
-        return next(_scalar(a) for a in args if _scalar(a) is not None)
-    if get_origin(hint) in (tuple, list, frozenset):
-        return _scalar(args[0])
-    return None
+def _dashed(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
-def _is_list(hint: Any) -> bool:
-    return get_origin(hint) in (tuple, list, frozenset)
+_LISTS = (tuple, list, frozenset)
 
 
-def flag_type(leaf: Leaf) -> Any:
-    """The type typer parses the flag as."""
-    scalar = _scalar(leaf.hint)
-    if leaf.meta.choices:
-        scalar = Literal.__getitem__(leaf.meta.choices)
-    if _is_list(leaf.hint):
-        return list[scalar]  # type: ignore[valid-type]
-    optional = type(None) in get_args(leaf.hint)
-    return Optional[scalar] if optional else scalar  # noqa: UP045 - built from a variable
+def flag_type(hint: Any) -> Any:
+    """The type typer parses a setting's flag as: a list setting takes the flag once per
+    item; a setting that is a string or a mapping (``str | Engine``) takes the string."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in _LISTS:
+        return list[flag_type(args[0])]  # type: ignore[misc]
+    if origin in (typing.Union, types.UnionType):
+        kept = [a for a in args if not dataclasses.is_dataclass(a)]
+        if len(kept) < len(args):
+            return functools.reduce(lambda a, b: a | b, kept)
+    return hint
 
 
-def flag_default(leaf: Leaf) -> Any:
-    """The flag's default: the setting's (a list's as a list; none for an empty one)."""
-    default: Any = leaf.field.default
-    if _is_list(leaf.hint):
+def flag_default(hint: Any, default: Any) -> Any:
+    """The flag's default: the setting's, a list one's as a list (none when empty)."""
+    if typing.get_origin(hint) in _LISTS:
         return list(default) or None
     return default
 
 
-def flag_help(meta: Meta) -> str:
-    """The setting's help; an open bound, which typer's ranges do not show, added."""
-    if meta.gt is not None or meta.lt is not None:
-        return f"{meta.help} Range: {meta.range()}."
-    return meta.help
-
-
-def _checker(name: str, meta: Meta) -> Callable[[Any], Any]:
-    def check(value: Any) -> Any:
-        try:
-            for item in value if isinstance(value, list) else [value]:
-                meta.check(name, item)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
-        return value
-
-    return check
-
-
-def option(leaf: Leaf, panel: str | None) -> inspect.Parameter:
-    """The typer option of one setting, as a keyword parameter of a command."""
-    meta, default = leaf.meta, flag_default(leaf)
-    shown = default is not None and default != []
-    info = typer.Option(
-        *flag_names(leaf),
-        help=flag_help(meta),
-        show_default=shown,
-        min=meta.ge,
-        max=meta.le,
-        callback=_checker(leaf.field.name, meta),
-        rich_help_panel=panel,
-    )
-    return inspect.Parameter(
-        leaf.field.name,
-        inspect.Parameter.KEYWORD_ONLY,
-        default=default,
-        annotation=Annotated[flag_type(leaf), info],
+def setting_flags(
+    cls: type,
+    section: str = "",
+    *,
+    panel: str | None = None,
+    names: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[SettingFlag, ...]:
+    """A flag per setting of the dataclass ``cls``: ``--field-name`` unless ``names``
+    gives a field its flag names (aliases, a ``--on/--off`` pair, a rename where the
+    field's own name is taken)."""
+    names = names or {}
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        SettingFlag(
+            section=section,
+            field=f.name,
+            decls=tuple(names.get(f.name, (_dashed(f.name),))),
+            annotation=flag_type(hints[f.name]),
+            default=flag_default(hints[f.name], default_of(f)),
+            meta=meta,
+            panel=panel,
+        )
+        for f, meta in settings_of(cls)
     )
 
 
-def given_of(ctx: typer.Context, names: list[str]) -> Given:
-    """The settings of ``names`` that the command line of ``ctx`` gave (not defaults)."""
-    given: Given = {}
-    for name in names:
-        source = ctx.get_parameter_source(name)
-        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
-            given[name] = ctx.params[name]
-    return given
+@dataclass(frozen=True)
+class Given:
+    """The settings a command line gave, each checked against its declaration, by key
+    (``cluster.instances``); settings left at their default are absent."""
+
+    values: Mapping[str, Any]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.values
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The given settings of one section (``""``: the top level), by field."""
+        if not name:
+            return {key: value for key, value in self.values.items() if "." not in key}
+        prefix = f"{name}."
+        return {
+            key.removeprefix(prefix): value
+            for key, value in self.values.items()
+            if key.startswith(prefix)
+        }
 
 
-def settings_flags(
-    cls: type, panels: Mapping[type, str] | None = None
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A decorator giving a typer command a flag per setting of ``cls``; the command is
-    called with the settings given as flags first (a ``Given``), then its own parameters.
-    ``panels`` groups the settings a class declares under a heading of ``--help``."""
-    declared = list(leaves(cls))
-    names = [leaf.field.name for leaf in declared]
-    if len(set(names)) != len(names):
-        raise TypeError(f"{cls.__name__}: a setting name appears in two sections")
-    panels = panels or {}
+# Where a parameter's value came from, as click names it: a default is not "given".
+DEFAULTS = frozenset({"DEFAULT", "DEFAULT_MAP"})
+CONTEXT = "settings_context"  # the parameter through which typer passes the click context
 
-    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
-        own = list(inspect.signature(command, eval_str=True).parameters.values())[1:]
-        flags = [option(leaf, panels.get(leaf.declared_in)) for leaf in declared]
-        context = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
 
-        def run(ctx: typer.Context, **values: Any) -> Any:
-            given = given_of(ctx, names)
-            return command(given, **{k: v for k, v in values.items() if k not in names})
+def given_settings(
+    flags: Iterable[SettingFlag], values: Mapping[str, Any], ctx: typer.Context
+) -> Given:
+    """The flags of ``values`` (a command's parameters) that its command line set, checked
+    as a YAML file's keys are, a ValueError naming the flag otherwise."""
+    given = {}
+    for flag in flags:
+        source = ctx.get_parameter_source(flag.param)
+        if source is None or source.name in DEFAULTS:
+            continue
+        given[flag.key] = flag.meta.check(flag.flag, values[flag.param])
+    return Given(given)
 
-        for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
-            setattr(run, attribute, getattr(command, attribute))
-        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
-        run.__signature__ = inspect.Signature([context, *own, *flags])  # type: ignore[attr-defined]
-        return run
+
+def with_setting_flags(flags: Sequence[SettingFlag]) -> Callable[[Command], Command]:
+    """A decorator: the command gains one option per flag, after its own parameters, and
+    is called with ``given``, the settings its command line gave, instead of them."""
+
+    def decorate(command: Command) -> Command:
+        own = inspect.signature(command, eval_str=True)
+        params = [p for p in own.parameters.values() if p.name != "given"]
+        clash = {p.name for p in params} & {f.param for f in flags}
+        if clash or len({f.param for f in flags}) != len(flags):
+            raise TypeError(f"{command.__name__}: flag parameters collide: {sorted(clash)}")
+        context = inspect.Parameter(
+            CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context
+        )
+        generated = [f.parameter() for f in flags]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            ctx = kwargs.pop(CONTEXT)
+            with user_errors():
+                given = given_settings(flags, kwargs, ctx)
+            for flag in flags:
+                del kwargs[flag.param]
+            return command(**kwargs, given=given)
+
+        wrapper.__signature__ = own.replace(  # type: ignore[attr-defined]
+            parameters=[*params, context, *generated], return_annotation=own.return_annotation
+        )
+        wrapper.__annotations__ = {p.name: p.annotation for p in (*params, context, *generated)}
+        return typing.cast(Command, wrapper)
 
     return decorate

@@ -29,10 +29,6 @@ class Meta:
     lt: float | None = None
     choices: tuple[str, ...] | None = None
     source: Source = "tuned"
-    # The command-line names of the setting, where they are not its key's (``--engine``
-    # for ``engines``, a short ``-p``); empty: ``--KEY``, less a trailing ``_s`` where it
-    # means seconds (``--health-interval``; ``--nic-gb-s`` keeps it, GB per second).
-    flags: tuple[str, ...] = ()
 
     def check(self, name: str, value: Any) -> Any:
         """``value`` if it lies within the bounds and choices, else a ValueError naming
@@ -89,10 +85,9 @@ def setting(
     lt: float | None = None,
     choices: tuple[str, ...] | None = None,
     source: Source = "tuned",
-    flags: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field declaring one setting: its default, help text and bounds."""
-    meta = Meta(help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, source=source, flags=flags)
+    meta = Meta(help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, source=source)
     return field(default=default, metadata={"setting": meta})
 
 

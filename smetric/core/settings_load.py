@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from smetric.core.settings import Meta
 
@@ -31,29 +31,6 @@ def hints_of(cls: type) -> dict[str, Any]:
 def is_section(hint: Any, f: dataclasses.Field[Any]) -> bool:
     """A field holding a nested settings dataclass rather than one setting."""
     return isinstance(hint, type) and dataclasses.is_dataclass(hint) and "setting" not in f.metadata
-
-
-class Leaf(NamedTuple):
-    """One setting of a settings dataclass or of its sections."""
-
-    field: dataclasses.Field[Any]
-    meta: Meta
-    hint: Any
-    # The class whose body declares the field (a base of the dataclass, or itself).
-    declared_in: type
-
-
-def leaves(cls: type) -> Iterator[Leaf]:
-    """Each setting of ``cls`` and of its sections, depth first: the names a command's
-    flags take, as they are unique across sections."""
-    hints = hints_of(cls)
-    for f in dataclasses.fields(cls):
-        meta = f.metadata.get("setting")
-        if meta is not None:
-            owner = next(k for k in cls.__mro__ if f.name in vars(k).get("__annotations__", {}))
-            yield Leaf(f, meta, hints[f.name], owner)
-        elif is_section(hints[f.name], f):
-            yield from leaves(hints[f.name])
 
 
 def load(cls: type[T], data: Any, where: str, key: str = "") -> T:

@@ -116,12 +116,14 @@ class EngineConfig:
     kv_events_endpoint: str | None = setting(
         None,
         "Publish vLLM KV events on this ZMQ endpoint, as vLLM does: tcp://*:PORT binds "
-        "(routers connect, several per engine), tcp://HOST:PORT connects (to a router "
-        "that binds). None: no events.",
+        "(routers connect, several per engine; PORT * : any free port, the startup line "
+        "names it), tcp://HOST:PORT connects (to a router that binds). None: no events.",
     )
     kv_events_topic: str = setting("kv", "Topic of the KV events.")
     kv_events_replay_endpoint: str | None = setting(
-        None, "ZMQ endpoint to bind the replay socket on. None: no replay."
+        None,
+        "ZMQ endpoint to bind the replay socket on (tcp://HOST:* : any free port, the "
+        "startup line names it). None: no replay.",
     )
     # None decides from the endpoint as vLLM does (``publisher_binds``).
     kv_events_bind: bool | None = setting(

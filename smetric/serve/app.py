@@ -73,14 +73,12 @@ class RouterSettings:
     policy: str = setting(
         DEFAULT_POLICY,
         f"Routing policy: {', '.join(POLICY_NAMES)}, or NAME:key=value,... with its parameters.",
-        flags=("--policy", "-p"),
     )
     block_size: int = setting(16, "Tokens per KV block (the engines' block size).", ge=1)
     api_keys: frozenset[str] = setting(
         frozenset(),
         "Accepted client keys (a flag per key); with any, every route but /health needs one, "
         "as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
-        flags=("--api-key",),
     )
     open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
@@ -121,8 +119,19 @@ class RouterSettings:
         "Seconds an engine with requests in flight may show no progress (no byte of any "
         "response, no prompt or generation counter moved in its /metrics) before it is "
         "ejected as stalled and its requests that sent the client nothing are retried "
-        "elsewhere (0: never).",
+        "elsewhere (0: never); prompts still to prefill add a second per stall_prefill_tps "
+        "tokens.",
         ge=0,
+    )
+    # The default is below the slowest long prefills the performance model puts on its
+    # presets: a fresh 129 k-token prompt of Qwen3-30B-A3B on one H20 at about 2,200
+    # tokens/s (58 s), of Qwen3-235B-A22B-FP8 on four at about 1,700 (76 s).
+    stall_prefill_tps: float = setting(
+        1000.0,
+        "Prompt tokens routed to an engine and not yet prefilled that earn it one more "
+        "second before a stall: a prefill sends nothing and moves no counter until its "
+        "first token.",
+        gt=0,
     )
     retries: int = setting(
         2,
@@ -217,6 +226,7 @@ class Router:
             scrape_interval_s=settings.scrape_interval_s,
             staleness_s=settings.staleness_s,
             stall_timeout_s=settings.stall_timeout_s,
+            stall_prefill_tps=settings.stall_prefill_tps,
             outliers=OutlierDetector(
                 settings.eject_after, settings.eject_backoff_s, settings.eject_backoff_max_s
             ),

@@ -135,7 +135,9 @@ class FrontDoor(Recording, RouterSettings):
 class ServeOptions(FrontDoor):
     """The ``router:`` section of ``smetric serve --config``."""
 
-    port: int = setting(8000, "Port to listen on.", ge=1, le=65535)
+    port: int = setting(
+        8000, "Port to listen on (0: any free port; the startup line names it).", ge=0, le=65535
+    )
     workers: int = setting(
         1,
         "Router processes sharing the port (SO_REUSEPORT), in-flight load and routed "
@@ -157,7 +159,6 @@ class Colocated:
         (),
         "Engines: base URLs, or {url, kv_blocks, backend, kv_events} (a flag per engine; "
         "those of the flags join those of the file).",
-        flags=("--engine", "-e"),
     )
 
 
@@ -169,13 +170,11 @@ class ServeConfig(Colocated):
         (),
         "Disaggregated serving: prefill engines, URLs or {url, kv_blocks} (a flag per "
         "engine). The policy picks one per request on unprefilled tokens.",
-        flags=("--prefill-engine",),
     )
     decode_engines: tuple[str | EngineEntry, ...] = setting(
         (),
         "Disaggregated serving: decode engines, URLs or {url, kv_blocks} (a flag per "
         "engine); they get the request with the prefill's kv_transfer_params.",
-        flags=("--decode-engine",),
     )
     router: ServeOptions = field(default_factory=ServeOptions)
 
