@@ -202,9 +202,9 @@ def model_command(
         ),
     ] = None,
     weight_dtype: Annotated[
-        str | None, _opt("Weights: bf16 or fp8 [default: the model's own].", PRESETS)
+        str | None, _opt("Weights: bf16, fp8 or fp32 [default: the model's own].", PRESETS)
     ] = None,
-    kv_dtype: Annotated[str, _opt("KV cache dtype: bf16 or fp8.", PRESETS)] = "bf16",
+    kv_dtype: Annotated[str, _opt("KV cache dtype: bf16, fp8 or fp32.", PRESETS)] = "bf16",
     mem_util: Annotated[
         float, _opt("vLLM's gpu_memory_utilization.", PRESETS, min=0.05, max=1.0)
     ] = 0.9,

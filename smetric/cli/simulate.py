@@ -79,8 +79,8 @@ InstancesOpt = Annotated[int | None, _opt("Instances in the cluster.", CLUSTER, 
 ModelOpt = Annotated[str | None, _opt("Model preset.", CLUSTER)]
 HardwareOpt = Annotated[str | None, _opt("GPU preset (H20, H100, H200).", CLUSTER)]
 GpusOpt = Annotated[int | None, _opt("GPUs per instance (tensor parallel).", CLUSTER, min=1)]
-WeightDtypeOpt = Annotated[str | None, _opt("Weight dtype (bf16, fp8).", CLUSTER)]
-KvDtypeOpt = Annotated[str | None, _opt("KV-cache dtype (bf16, fp8).", CLUSTER)]
+WeightDtypeOpt = Annotated[str | None, _opt("Weight dtype (bf16, fp8, fp32).", CLUSTER)]
+KvDtypeOpt = Annotated[str | None, _opt("KV-cache dtype (bf16, fp8, fp32).", CLUSTER)]
 MemUtilOpt = Annotated[
     float | None, _opt("GPU memory utilisation.", CLUSTER, "--mem-util", min=0.1, max=1.0)
 ]

@@ -80,7 +80,8 @@ def anchors() -> tuple[Anchor, ...]:
 def step_model(params: dict[str, Any]) -> StepTimeModel:
     spec = load_model(params["model"])
     hardware = load_hardware(params["hardware"], params.get("gpus", 1))
-    return StepTimeModel(spec, hardware, weight_dtype=spec.weight_dtype)
+    kv_dtype = params.get("kv_dtype", "bf16")
+    return StepTimeModel(spec, hardware, weight_dtype=spec.weight_dtype, kv_dtype=kv_dtype)
 
 
 def prefill_seconds(
