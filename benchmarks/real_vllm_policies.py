@@ -139,7 +139,8 @@ def main() -> None:
             "ttft_p90_s": percentile(ttft, 0.9),
             "hit_ratio": outcome.hit_ratio,
             "imbalance": outcome.imbalance,
-            "prompt_tokens": [r.prompt_tokens for r in done],
+            # Per finished request: session, turn, prompt tokens, cached tokens.
+            "requests": [[r.session_id, r.turn, r.prompt_tokens, r.cached_tokens] for r in done],
         }
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")

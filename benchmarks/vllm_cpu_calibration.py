@@ -146,7 +146,8 @@ async def measure(engine: Engine, repeats: int) -> list[Point]:
 
 def nominal_fp32_tflops() -> float:
     """One AVX2 core's FP32 peak: 2 FMA units x 8 lanes x 2 FLOP a cycle, at its clock."""
-    mhz = [float(line.split(":")[1]) for line in open("/proc/cpuinfo") if "MHz" in line]
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    mhz = [float(line.split(":")[1]) for line in lines if "MHz" in line]
     return 32 * max(mhz) * 1e6 / 1e12
 
 

@@ -124,9 +124,7 @@ def replayed_trace(
     for rid, (session, parent, tokens, output, turn) in enumerate(rows):
         outputs.append(scaled_output(output, token_scale))
         keep.append(
-            parent is None
-            or keep[parent]
-            and prompts[parent] + outputs[parent] <= max_model_len
+            parent is None or (keep[parent] and prompts[parent] + outputs[parent] <= max_model_len)
         )
         facts = []
         for copy, messages in enumerate(sent):

@@ -50,15 +50,18 @@ def test_the_model_preset_has_the_engines_kv_size() -> None:
     """vLLM logs 23,296 tokens for 1 GiB of KV: 46,080 bytes a float32 token."""
     model = load_model("SmolLM2-135M-Instruct")
     assert kv_bytes_per_token(model, "fp32") == 46_080
-    assert (2**30 // 46_080) // 32 * 32 == load_yaml(twin.CONFIG).cluster.kv_capacity_tokens
+    assert load_yaml(twin.CONFIG).cluster.kv_capacity_tokens == (2**30 // 46_080) // 32 * 32
 
 
 def test_the_cpu_preset_reproduces_what_it_was_fitted_on() -> None:
     """Points timed by the preset's own model fit back to the preset's values."""
     hardware = load_hardware("CPU-core")
-    perf = StepTimeModel(load_model("SmolLM2-135M-Instruct"), hardware, weight_dtype="fp32")
+    model = load_model("SmolLM2-135M-Instruct")
+    perf = StepTimeModel(model, hardware, weight_dtype="fp32", kv_dtype="fp32")
     point = calibration.Point
-    points = [point("prefill", n, 0, 1, perf.step_time(n, n * n / 2, 0, 0)) for n in (64, 512, 1536)]
+    points = [
+        point("prefill", n, 0, 1, perf.step_time(n, n * n / 2, 0, 0)) for n in (64, 512, 1536)
+    ]
     context = 64 + calibration.DECODE_TOKENS // 2
     points.append(point("decode", 0, 64, 1, perf.step_time(0, 0, 1, context)))
     fitted = calibration.fit(points)

@@ -25,10 +25,6 @@ DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 # What an FP8 checkpoint keeps in BF16 (embedding, lm_head, routers) is stored at this width;
 # a checkpoint served at a wider dtype (float32 on a CPU) keeps them at its own.
 _UNQUANTIZED_BYTES = 2
-
-
-def _unquantized_bytes(weight_bytes: int) -> int:
-    return max(weight_bytes, _UNQUANTIZED_BYTES)
 # Activations cross the tensor-parallel all-reduces in BF16.
 _ACTIVATION_BYTES = 2
 # load_model() rejects a preset whose published parameter counts its shape misses by more.
@@ -53,6 +49,10 @@ def _dtype_bytes(dtype: str) -> int:
         raise ValueError(
             f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
         ) from None
+
+
+def _unquantized_bytes(weight_bytes: int) -> int:
+    return max(weight_bytes, _UNQUANTIZED_BYTES)
 
 
 @dataclass(frozen=True)
