@@ -83,14 +83,40 @@ def figures(table: pl.DataFrame, horizon_s: float, instances: int) -> dict[str, 
     }
 
 
-def simulated(trace: Trace, config: SimConfig) -> dict[str, dict[str, float]]:
-    """The benchmark's figures for each policy of ``config``, simulated."""
+def simulated(trace: Trace, config: SimConfig) -> dict[str, dict]:
+    """The benchmark's figures for each policy of ``config``, simulated, with the same
+    per-request list the benchmark writes (session, turn, prompt and cached tokens)."""
     out = {}
     for policy in config.policies:
         result = simulate(trace, config, policy)
         horizon = result.summary["horizon_s"]
         out[policy] = figures(result.requests, horizon, config.cluster.instances)
+        done = result.requests.filter(pl.col("completed"))
+        columns = ("session_id", "turn", "prompt_tokens", "local_hit_tokens")
+        out[policy]["requests"] = [list(row) for row in done.select(columns).rows()]
     return out
+
+
+def matched(sim: list[list], measured: list[list]) -> tuple[int, float, float, float]:
+    """Requests finished in both runs, keyed by session copy and turn (where the key is
+    unique in both): how many, the mean relative gap of their prompt tokens, and their
+    hit ratio simulated and measured. Timing apart, this checks the derived workload and
+    the cache: the same requests, the same history, the same hits?"""
+
+    def unique(rows: list[list]) -> dict[tuple[str, int], tuple[int, int]]:
+        seen: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for session, turn, prompt, hit in rows:
+            seen.setdefault((session, turn), []).append((prompt, hit))
+        return {key: values[0] for key, values in seen.items() if len(values) == 1}
+
+    ours, theirs = unique(sim), unique(measured)
+    keys = sorted(ours.keys() & theirs.keys())
+    if not keys:
+        return 0, float("nan"), float("nan"), float("nan")
+    gap = np.mean([abs(ours[k][0] - theirs[k][0]) / theirs[k][0] for k in keys])
+    hit = sum(ours[k][1] for k in keys) / sum(ours[k][0] for k in keys)
+    real = sum(theirs[k][1] for k in keys) / sum(theirs[k][0] for k in keys)
+    return len(keys), float(gap), hit, real
 
 
 def ranking(runs: dict[str, dict[str, float]], figure: str, higher: bool) -> list[str]:
@@ -119,6 +145,14 @@ def report(sim: dict[str, dict[str, float]], measured: dict[str, dict[str, float
     if shared:
         gaps = [abs(sim[p]["hit_ratio"] - shared[p]["hit_ratio"]) * 100 for p in shared]
         print(f"hit ratio: largest gap {max(gaps):.1f} points")
+    for policy, row in shared.items():
+        if "requests" not in row:
+            continue
+        n, gap, hit, real = matched(sim[policy]["requests"], row["requests"])
+        print(
+            f"{policy}: {n} requests finished in both; prompt tokens differ by {gap:.1%} on "
+            f"average; their hit ratio simulated {hit:.3f}, measured {real:.3f}"
+        )
 
 
 def main() -> None:

@@ -124,3 +124,12 @@ def test_the_twin_simulates_the_policies(trace) -> None:
         assert figures["latency_p90_s"] >= figures["latency_p50_s"] > 0
     # Least-load ignores the caches: it finds less of each session's history.
     assert runs["least_load"]["hit_ratio"] < runs["cache_aware"]["hit_ratio"]
+
+
+def test_requests_are_matched_by_session_and_turn_where_unique() -> None:
+    sim = [["a#0", 0, 100, 0], ["a#0", 1, 200, 96], ["b#0", 0, 50, 0], ["b#0", 0, 60, 32]]
+    real = [["a#0", 0, 101, 0], ["a#0", 1, 198, 64], ["b#0", 0, 50, 0], ["c#0", 0, 10, 0]]
+    n, gap, hit, measured = twin.matched(sim, real)
+    assert n == 2  # b#0 turn 0 is ambiguous in the simulated run, c#0 only measured
+    assert gap == pytest.approx((1 / 101 + 2 / 198) / 2)
+    assert hit == pytest.approx(96 / 300) and measured == pytest.approx(64 / 299)
