@@ -12,7 +12,7 @@ import sys
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from test_serve import FAST, closed_port, conversation, run
+from test_serve import FAST, conversation, run
 from typer.testing import CliRunner
 
 from smetric.cli import app
@@ -24,7 +24,7 @@ from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 
-from conftest import router_client
+from conftest import closed_port, router_client
 
 
 def test_health_says_503_when_a_role_has_no_healthy_engine() -> None:
@@ -134,12 +134,13 @@ def test_the_config_refuses_unknown_keys_and_sets_what_flags_set(tmp_path) -> No
     config.write_text(
         "engines: [http://127.0.0.1:8100]\n"
         "router: {api_keys: [k1], stall_timeout_s: 3, stream_headers_timeout_s: 2.5, "
-        "policy: least_load, block_size: 32}\n"
+        "stall_prefill_tps: 400, policy: least_load, block_size: 32}\n"
     )
     options = router_options(config)
     settings = RouterSettings(**options)
     assert settings.api_keys == frozenset({"k1"}) and settings.block_size == 32
     assert (settings.stall_timeout_s, settings.stream_headers_timeout_s) == (3, 2.5)
+    assert settings.stall_prefill_tps == 400
     config.write_text("router: {api_keys: k1}\n")
     with pytest.raises(ValueError, match="api_keys"):
         router_options(config)

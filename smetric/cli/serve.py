@@ -234,7 +234,8 @@ def serve(
             help="Seconds an engine with requests in flight may show no progress (no byte "
             "of any response, no prompt or generation counter moved in its /metrics) "
             "before it is ejected as stalled and its requests that sent the client nothing "
-            "are retried elsewhere (0: never). Default: 20.",
+            "are retried elsewhere (0: never); prompts still to prefill add a second per "
+            "stall_prefill_tps tokens (config, default 1000). Default: 20.",
             min=0.0,
         ),
     ] = None,

@@ -201,8 +201,9 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     try:
         body = await _json_body(request)
         facts = analyze_request(body, api, _TOKENIZER, config.block_size)
+        assert isinstance(body, dict)  # analyze_request accepts nothing but an object
         max_tokens, stream, include_usage = _sampling(body, api, config.default_max_tokens)
-        params = body.get(KV_TRANSFER_PARAMS) if isinstance(body, dict) else None
+        params = body.get(KV_TRANSFER_PARAMS)
         transfers = request.app[TRANSFERS]
         transfers.check(params)
         if facts.prompt_tokens == 0:
@@ -232,7 +233,10 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             count += 1
         answer = reply.full(count, _usage(job))
         if params and params.get("do_remote_decode"):
-            answer[KV_TRANSFER_PARAMS] = transfers.hold(job, request.url.host, request.url.port)
+            host, port = request.url.host, request.url.port
+            # A served request's URL is absolute: a host, and a port given or the scheme's.
+            assert host is not None and port is not None
+            answer[KV_TRANSFER_PARAMS] = transfers.hold(job, host, port)
         return web.json_response(answer)
     finally:
         engine.cancel(job)
@@ -243,15 +247,20 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
 async def _stream(
     request: web.Request, job: EngineRequest, reply: _Reply, include_usage: bool
 ) -> web.StreamResponse:
-    """Server-sent events, one chunk per token as vLLM sends them; a gone client cancels."""
+    """Server-sent events, one chunk per token as vLLM sends them; a gone client cancels.
+
+    The headers leave at once, the body's first bytes only with the first token: vLLM's
+    ``OpenAIServingChat.chat_completion_stream_generator`` sends the role chunk on the
+    first output the engine yields (``first_iteration``), and a prefill yields none.
+    """
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
+        index = await job.tokens.get()
         for chunk in reply.opening():
             await _send(response, chunk)
-        index = await job.tokens.get()
         while index is not END:
             following = await job.tokens.get()
             await _send(response, reply.token(index, last=following is END))
@@ -268,7 +277,12 @@ async def _stream(
 async def _anthropic(
     request: web.Request, job: EngineRequest, model: str, stream: bool
 ) -> web.StreamResponse:
-    """The Messages API's shapes: one JSON message, or its named server-sent events."""
+    """The Messages API's shapes: one JSON message, or its named server-sent events.
+
+    As on the chat stream, nothing of the body precedes the first token: vLLM's
+    ``AnthropicServingMessages.message_stream_converter`` opens the message on the chat
+    stream's first chunk.
+    """
     reply = MessagesReply(model)
     if not stream:
         count = 0
@@ -281,10 +295,12 @@ async def _anthropic(
     )
     await response.prepare(request)
     try:
+        index = await job.tokens.get()
         for data in reply.opening(_anthropic_usage(job)):
             await response.write(data)
-        while (index := await job.tokens.get()) is not END:
+        while index is not END:
             await response.write(reply.token(filler_token(index)))
+            index = await job.tokens.get()
         for data in reply.closing(_anthropic_usage(job)):
             await response.write(data)
         await response.write_eof()
@@ -331,7 +347,8 @@ class _Reply:
         return {**body, "usage": usage}
 
     def opening(self) -> Iterable[dict[str, Any]]:
-        """vLLM opens a chat stream with an empty assistant delta; completions start at once."""
+        """vLLM opens a chat stream with an empty assistant delta, sent with the first
+        token; completions have no opening chunk."""
         if self.chat:
             delta = {"role": "assistant", "content": ""}
             yield self._chunk({"index": 0, "delta": delta, "finish_reason": None})

@@ -248,7 +248,7 @@ class Recorder:
             latest[agent] = (len(segment.lengths), o.blocks)
             fresh.append(o.blocks[shared:])
             segment.lengths.append(len(o.blocks) - shared)
-            rows["base_row"].append(base[0] if shared else None)
+            rows["base_row"].append(base[0] if base is not None and shared else None)
             rows["shared_blocks"].append(shared)
             rows["arrival_s"].append(o.arrival_s)
             rows["completion_s"].append(o.completion_s)
