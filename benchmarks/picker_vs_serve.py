@@ -35,12 +35,11 @@ from pathlib import Path
 
 import aiohttp
 from agentic_bodies import agent_messages, chat_body, session_turns
-from router_overhead import LOCALHOST, processes, quantile_ms, wait_ready
+from router_overhead import processes, quantile_ms, wait_ready
 
 from smetric.gateway.picker import Picker
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
-from smetric.testing.engines import free_port
 from smetric.testing.gateway import gateway_config, run_envoy, run_picker
 
 TRIVIAL = Path(__file__).resolve().parent / "trivial_engine.py"
@@ -61,13 +60,16 @@ def bodies(sessions: int, turns: int, body_kb: int) -> list[bytes]:
 
 
 def envoy_only(engines: Sequence[str]) -> dict:
-    """The shipped Envoy configuration without the picker: round robin over the engines."""
-    config = gateway_config(free_port(), engines=[e.split("//")[1] for e in engines])
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    """The shipped Envoy configuration without the picker (its filter and its cluster):
+    round robin over the engines."""
+    config = gateway_config(0, engines=[e.split("//")[1] for e in engines])
+    resources = config["static_resources"]
+    manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]
     filters = manager["typed_config"]["http_filters"]
     manager["typed_config"]["http_filters"] = [
         f for f in filters if f["name"] != "envoy.filters.http.ext_proc"
     ]
+    resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "picker"]
     return config
 
 
@@ -177,14 +179,10 @@ def main() -> None:
     with processes() as procs:
         engines = []
         for _ in range(2):
-            port = free_port()
-            procs.start([sys.executable, str(TRIVIAL), str(port)])
-            engines.append(f"http://{LOCALHOST}:{port}")
-        serve_port = free_port()
-        serve_args = [sys.executable, "-m", "smetric", "serve", "--port", str(serve_port)]
-        serve_args += ["--policy", "smetric", "--log-level", "warning"]
-        procs.start([*serve_args, *(a for e in engines for a in ("-e", e))])
-        urls = {"direct": engines[0], "serve": f"http://{LOCALHOST}:{serve_port}"}
+            engines.append(procs.start_listening([sys.executable, str(TRIVIAL), "0"])[0])
+        serve_args = ["serve", "--policy", "smetric", "--log-level", "warning"]
+        serve, _ = procs.start_smetric([*serve_args, *(a for e in engines for a in ("-e", e))])
+        urls = {"direct": engines[0], "serve": serve}
         asyncio.run(wait_ready([*engines, urls["serve"]]))
         pick_args = [a for e in engines for a in ("-e", e)]
         with (

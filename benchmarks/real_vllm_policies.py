@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,11 +30,17 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
-from router_overhead import LOCALHOST, processes
+from router_overhead import processes
 from router_vs_sglang import Outcome, measure, report, routes_chat
 
 from smetric.replay import Replayer, ReplayOptions
-from smetric.testing.engines import BLOCK_SIZE, VLLMInstall, find_vllm, free_port, vllm_instances
+from smetric.testing.engines import (
+    BLOCK_SIZE,
+    VLLMInstall,
+    find_vllm,
+    start_engines,
+    vllm_instances,
+)
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
 from smetric.trace.schema import Trace
 
@@ -46,19 +51,14 @@ async def run_one(
     policy: str, args: argparse.Namespace, trace: Trace, install: VLLMInstall, scratch: Path
 ) -> tuple[Outcome, Replayer]:
     servers = vllm_instances(install, scratch)
-    config = scratch / f"engines-{policy}.yaml"
-    config.write_text("engines:\n" + "".join(s.engines_yaml_entry() for s in servers))
     try:
-        for server in servers:
-            server.start()
+        await asyncio.to_thread(start_engines, servers)
+        config = scratch / f"engines-{policy}.yaml"
+        config.write_text("engines:\n" + "".join(s.engines_yaml_entry() for s in servers))
         with processes() as procs:
-            port = free_port()
-            command = [sys.executable, "-m", "smetric", "serve", "--config", str(config)]
-            command += ["--port", str(port), "--policy", policy, "--block-size", str(BLOCK_SIZE)]
-            procs.start([*command, "--tokenizer", f"hf:{install.model}", "--scrape-interval", "1"])
-            for server in servers:
-                await asyncio.to_thread(server.wait_ready)
-            router = f"http://{LOCALHOST}:{port}"
+            command = ["serve", "--config", str(config), "--policy", policy]
+            command += ["--block-size", str(BLOCK_SIZE), "--tokenizer", f"hf:{install.model}"]
+            router, _ = procs.start_smetric([*command, "--scrape-interval", "1"])
             await routes_chat(router, timeout_s=120)
             options = ReplayOptions(
                 url=router,

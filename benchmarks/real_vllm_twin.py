@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -62,7 +63,7 @@ def quantile(values: np.ndarray, q: float) -> float:
     return float(np.quantile(values, q)) if len(values) else float("nan")
 
 
-def figures(table: pl.DataFrame, horizon_s: float, instances: int) -> dict[str, float]:
+def figures(table: pl.DataFrame, horizon_s: float, instances: int) -> dict[str, Any]:
     """One run's requests in the benchmark's terms (``real_vllm_policies.py --json``)."""
     done = table.filter(pl.col("completed"))
     latency = (done["finished_s"] - done["arrival_s"]).to_numpy()
@@ -83,7 +84,7 @@ def figures(table: pl.DataFrame, horizon_s: float, instances: int) -> dict[str, 
     }
 
 
-def simulated(trace: Trace, config: SimConfig) -> dict[str, dict]:
+def simulated(trace: Trace, config: SimConfig) -> dict[str, dict[str, Any]]:
     """The benchmark's figures for each policy of ``config``, simulated, with the same
     per-request list the benchmark writes (session, turn, prompt and cached tokens)."""
     out = {}
@@ -119,12 +120,12 @@ def matched(sim: list[list], measured: list[list]) -> tuple[int, float, float, f
     return len(keys), float(gap), hit, real
 
 
-def ranking(runs: dict[str, dict[str, float]], figure: str, higher: bool) -> list[str]:
+def ranking(runs: dict[str, dict[str, Any]], figure: str, higher: bool) -> list[str]:
     """Policies best first by ``figure``."""
     return sorted(runs, key=lambda p: runs[p][figure], reverse=higher)
 
 
-def report(sim: dict[str, dict[str, float]], measured: dict[str, dict[str, float]]) -> None:
+def report(sim: dict[str, dict[str, Any]], measured: dict[str, dict[str, Any]]) -> None:
     head = f"{'policy':<14}{'':<10}" + "".join(f"{h:>11}" for _, h, _ in FIGURES)
     print(head + f"{'completed':>11}")
     for policy, values in sim.items():

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -35,7 +34,6 @@ from pathlib import Path
 
 from agentic_bodies import agent_messages, chat_body, session_turns
 from router_overhead import (
-    LOCALHOST,
     PhaseResult,
     Processes,
     drive,
@@ -44,7 +42,6 @@ from router_overhead import (
     wait_ready,
 )
 
-from smetric.testing.engines import free_port
 from smetric.trace.load import load_trace
 
 HISTORY_CHARS = 120_000
@@ -85,13 +82,12 @@ class Phase:
 def start_router(
     procs: Processes, engine: str, record: Path | None, rotate_s: float = 1.0
 ) -> tuple[str, int]:
-    port = free_port()
-    args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "-e", engine]
+    args = ["serve", "-e", engine]
     args += ["--kv-blocks", "65536", "--health-interval", "1", "--log-level", "warning"]
     if record is not None:
         args += ["--record", str(record), "--record-rotate", str(rotate_s)]
-    proc = procs.start(args)
-    return f"http://{LOCALHOST}:{port}", proc.pid
+    url, proc = procs.start_smetric(args)
+    return url, proc.pid
 
 
 def summary(phases: Sequence[Phase]) -> tuple[float, float, float, float]:
@@ -123,10 +119,7 @@ async def run(
 ) -> None:
     with tempfile.TemporaryDirectory() as scratch, processes() as procs:
         folder = Path(scratch) / "recording"
-        engine_port = free_port()
-        engine = f"http://{LOCALHOST}:{engine_port}"
-        args = ["--port", str(engine_port), "--speed", "0", "--kv-blocks", "65536"]
-        procs.start([sys.executable, "-m", "smetric", "engine", *args])
+        engine, _ = procs.start_smetric(["engine", "--speed", "0", "--kv-blocks", "65536"])
         await wait_ready([engine])
         plain, plain_pid = start_router(procs, engine, None)
         recording, recording_pid = start_router(procs, engine, folder, rotate_s)
@@ -137,11 +130,11 @@ async def run(
             "agent": lambda r, tag: agent_bodies(r, tag, sessions),
             "tiny": lambda r, tag: tiny_bodies(r, tag, requests),
         }
-        shapes = {name: makers[name] for name in shapes.split(",")}
+        chosen = {name: makers[name] for name in shapes.split(",")}
         for url, tag in ((plain, "warm-plain"), (recording, "warm-rec")):
             await drive(url, agent_bodies(99, tag, 2), concurrency, "warm")
         for r in range(rounds):
-            for shape, make in shapes.items():
+            for shape, make in chosen.items():
                 for name, url in (("plain", plain), ("recording", recording)):
                     bodies = make(r, f"{name}-{shape}")
                     before = cpu_s(pids[url])
@@ -151,7 +144,7 @@ async def run(
                     used = (cpu_s(pids[url]) - before) / max(result.requests, 1)
                     results.setdefault((shape, name), []).append(Phase(result, used))
         procs.stop()  # SIGTERM: the recording router writes what it still holds
-        for shape in shapes:
+        for shape in chosen:
             count = results[(shape, "plain")][0].result.requests
             print(f"\n{shape} bodies, {count} requests a round, concurrency {concurrency}:")
             print(f"{'':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'CPU ms/req':>12}")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
-from smetric.testing.engines import free_port
+from smetric.testing.ports import read_startup_port
 
 LOCALHOST = "127.0.0.1"
 PROMPT_BYTES = 2_000
@@ -52,6 +52,20 @@ class Processes:
         )
         self.procs.append(proc)
         return proc
+
+    def start_listening(self, args: Sequence[str]) -> tuple[str, subprocess.Popen[bytes]]:
+        """A server told to bind port 0, and its URL, read from its startup line once it
+        listens on the port the OS picked."""
+        proc = subprocess.Popen(
+            list(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        return f"http://{LOCALHOST}:{read_startup_port(proc.stdout, proc)}", proc
+
+    def start_smetric(self, args: Sequence[str]) -> tuple[str, subprocess.Popen[bytes]]:
+        """``python -m smetric ARGS --port 0`` (serve or engine) and its URL."""
+        return self.start_listening([sys.executable, "-m", "smetric", *args, "--port", "0"])
 
     def stop(self) -> None:
         """SIGTERM, a grace period, then SIGKILL for whatever is still there."""
@@ -82,22 +96,19 @@ def processes() -> Iterator[Processes]:
 
 
 def start_engine(procs: Processes, speed: float, kv_blocks: int) -> str:
-    port = free_port()
-    args = [sys.executable, "-m", "smetric", "engine", "--port", str(port)]
-    procs.start([*args, "--speed", str(speed), "--kv-blocks", str(kv_blocks)])
-    return f"http://{LOCALHOST}:{port}"
+    url, _ = procs.start_smetric(["engine", "--speed", str(speed), "--kv-blocks", str(kv_blocks)])
+    return url
 
 
 def start_smetric_router(
     procs: Processes, engines: Sequence[str], policy: str, kv: int, workers: int = 1
 ) -> str:
-    port = free_port()
-    args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--policy", policy]
+    args = ["serve", "--policy", policy]
     args += ["--kv-blocks", str(kv), "--health-interval", "1", "--workers", str(workers)]
     for url in engines:
         args += ["-e", url]
-    procs.start(args)
-    return f"http://{LOCALHOST}:{port}"
+    url, _ = procs.start_smetric(args)
+    return url
 
 
 async def wait_ready(urls: Sequence[str], path: str = "/health", timeout_s: float = 60.0) -> None:

@@ -40,7 +40,7 @@ from router_overhead import (
 
 from smetric.demo import DemoOptions
 from smetric.replay import Replayer, ReplayOptions
-from smetric.testing.engines import free_port
+from smetric.testing.ports import port_for_external
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
 from smetric.trace.schema import Trace
 
@@ -83,10 +83,13 @@ def sglang_available() -> bool:
 
 
 def start_sglang_router(procs: Processes, engines: Sequence[str]) -> str:
-    port = free_port()
+    # Picked here: sglang-router says the ports it bound nowhere this reads. A benchmark
+    # runs alone on a quiet machine, where a port is not taken meanwhile; if it were, the
+    # router would exit and the wait for it fail plainly.
+    port = port_for_external()
     args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *engines]
     args += ["--policy", "cache_aware", "--host", LOCALHOST, "--port", str(port)]
-    args += ["--log-level", "warn", "--prometheus-port", str(free_port())]
+    args += ["--log-level", "warn", "--prometheus-port", str(port_for_external())]
     procs.start(args)
     return f"http://{LOCALHOST}:{port}"
 

@@ -3,12 +3,15 @@ with a fixed chat completion, so a benchmark through it measures the router, not
 
     python benchmarks/trivial_engine.py PORT
 
+PORT 0 takes a free one; the startup line ("... on http://127.0.0.1:PORT") names it.
+
 It also answers what routers probe at start (``/health``, ``/model_info``,
 ``/server_info``, ``/v1/models``).
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 
 from aiohttp import web
@@ -40,10 +43,11 @@ def main() -> None:
         loop_factory = None
     else:
         loop_factory = uvloop.new_event_loop
+    sock = socket.create_server(("127.0.0.1", int(sys.argv[1])), backlog=1024)
+    print(f"trivial engine on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     web.run_app(
         app,
-        host="127.0.0.1",
-        port=int(sys.argv[1]),
+        sock=sock,
         print=None,
         access_log=None,
         loop=loop_factory() if loop_factory else None,

@@ -41,7 +41,14 @@ import aiohttp
 import numpy as np
 
 from smetric.model.perf import Corrections, StepTimeModel, load_hardware, load_model
-from smetric.testing.engines import MODEL_NAME, VLLMServer, find_vllm, free_port, metric
+from smetric.testing.engines import (
+    MODEL_NAME,
+    VLLMServer,
+    find_vllm,
+    metric,
+    start_engines,
+    vllm_instances,
+)
 
 PREFILL_TOKENS = (32, 128, 256, 512, 1024, 1536)
 CONTEXT_CASES = ((1024, 256), (1536, 256))  # (cached tokens, new tokens)
@@ -207,18 +214,9 @@ async def run(args: argparse.Namespace) -> list[Point]:
     install = find_vllm()
     assert install is not None
     with tempfile.TemporaryDirectory(prefix="smetric-calib-") as scratch:
-        server = VLLMServer(
-            free_port(),
-            Path(scratch),
-            install=install,
-            events_port=free_port(),
-            replay_port=free_port(),
-            topic="kv-calib",
-            core=0,
-        )
-        server.start()
+        (server,) = vllm_instances(install, Path(scratch), count=1)  # core 0
         try:
-            await asyncio.to_thread(server.wait_ready)
+            await asyncio.to_thread(start_engines, [server])
             log = server.log_tail(200_000)
             for line in log.splitlines():
                 if "KV cache" in line or "max_num_batched_tokens" in line or "blocks" in line:

@@ -392,6 +392,7 @@ class Replayer:
         self.answers[rid] = answer
         if self.issuer is None:
             return  # open loop: every request is already scheduled at its arrival
+        assert record.finished_s is not None  # _stream stamps every answer's finish
         now_trace = record.finished_s * self.options.time_scale
         for at, child in self.issuer.complete(rid, now_trace):
             self._schedule(client, at, child)

@@ -11,12 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,11 +24,12 @@ import pytest
 from smetric.testing.engines import (
     MODEL_NAME,
     EngineProcess,
-    free_port,
     http_get,
     metric,
     run_setup,
+    start_engines,
 )
+from smetric.testing.fault_suite import SmetricProcess
 
 T = TypeVar("T")
 
@@ -64,13 +63,11 @@ class Cluster:
     """Engine processes behind one ``smetric serve`` subprocess."""
 
     engines: Sequence[EngineProcess]
-    router_port: int
-    router_log: Path
-    router: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    router: SmetricProcess
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}"
+        return self.router.url
 
     def router_metrics(self) -> str:
         status, text = http_get(self.url + "/metrics")
@@ -78,13 +75,14 @@ class Cluster:
         return text
 
     def router_tail(self) -> str:
-        return self.router_log.read_text(errors="replace")[-4000:]
+        return self.router.log_tail()
 
     def wait_router_sees(self, engine: EngineProcess, healthy: bool, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert self.router is None or self.router.poll() is None, self.router_tail()
-            status, text = http_get(self.url + "/metrics")  # 0 while the router starts
+            process = self.router.process
+            assert process is None or process.poll() is None, self.router_tail()
+            status, text = http_get(self.url + "/metrics")
             if status == 200:
                 seen = metric(text, "smetric_engine_healthy", engine=engine.url)
                 if seen == float(healthy):
@@ -103,33 +101,27 @@ class Cluster:
 
 @contextlib.contextmanager
 def running_cluster(
-    engines: Sequence[EngineProcess], scratch: Path, router_args: list[str]
+    engines: Sequence[EngineProcess], scratch: Path, router_args: Callable[[], list[str]]
 ) -> Iterator[Cluster]:
-    """Start the engines and ``smetric serve ROUTER_ARGS`` in front; stop all on exit.
+    """Start the engines, then ``smetric serve ROUTER_ARGS`` in front (``router_args`` is
+    called once the engines are up, on the ports they got); stop all on exit.
 
     The router gets no ``--scrape-interval``: a scraped load can be a second stale, and the
     placements the tests check should follow from in-flight counts alone.
     """
-    cluster = Cluster(engines, free_port(), scratch / "router.log")
+    router: SmetricProcess | None = None
     try:
-        for engine in engines:
-            engine.start()
-        command = [sys.executable, "-m", "smetric", "serve", "--port", str(cluster.router_port)]
-        with cluster.router_log.open("wb") as log:
-            cluster.router = subprocess.Popen(
-                [*command, "--health-interval", "0.5", *router_args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        for engine in engines:
-            engine.wait_ready()
+        start_engines(engines)
+        router = SmetricProcess(scratch, args=("serve", "--health-interval", "0.5", *router_args()))
+        router.start()
+        router.wait_listening()
+        cluster = Cluster(engines, router)
         for engine in engines:
             cluster.wait_router_sees(engine, healthy=True)
         yield cluster
     finally:
-        if cluster.router is not None:
-            cluster.router.terminate()
-            cluster.router.wait(10)
+        if router is not None:
+            router.stop()
         for engine in engines:
             engine.stop()
 

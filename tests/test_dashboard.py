@@ -15,9 +15,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from smetric.testing.engines import free_port, http_get
+from smetric.testing.engines import http_get
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import FaultyEngine
+from smetric.testing.ports import startup_events_ports
 from smetric.testing.prometheus import prometheus_binary, run_prometheus
 
 from conftest import events_engine
@@ -65,32 +66,35 @@ class FaultyThread:
 
 def test_every_panel_has_data_from_a_real_prometheus(tmp_path: Path) -> None:
     need_prometheus()
-    pub, replay = free_port(), free_port()
     events = SmetricProcess(
-        free_port(),
         tmp_path,
         args=(
             "engine",
             "--speed",
             "0.001",
             "--kv-events-endpoint",
-            f"tcp://*:{pub}",
+            "tcp://*:*",
             "--kv-events-replay-endpoint",
-            f"tcp://127.0.0.1:{replay}",
+            "tcp://127.0.0.1:*",
         ),
     )
-    plain = SmetricProcess(free_port(), tmp_path, args=("engine", "--speed", "0.001"))
+    plain = SmetricProcess(tmp_path, args=("engine", "--speed", "0.001"))
     faulty = FaultyThread()
-    config = tmp_path / "router.yaml"
-    config.write_text(
-        "engines:\n"
-        + events_engine(events.port, pub, replay, "kv", bind="false")
-        + f"  - http://127.0.0.1:{plain.port}\n  - {faulty.engine.url}\n"
-    )
-    router = SmetricProcess(
-        free_port(),
-        tmp_path,
-        args=(
+    router = SmetricProcess(tmp_path)
+    try:
+        for process in (events, plain):
+            process.start()
+        for process in (events, plain):
+            process.wait_ready(90)
+        ports = startup_events_ports(events.log_since_start())
+        assert ports is not None, events.log_tail()
+        config = tmp_path / "router.yaml"
+        config.write_text(
+            "engines:\n"
+            + events_engine(events.port, *ports, "kv", bind="false")
+            + f"  - {plain.url}\n  - {faulty.engine.url}\n"
+        )
+        router.args = (
             "serve",
             "--config",
             str(config),
@@ -99,13 +103,9 @@ def test_every_panel_has_data_from_a_real_prometheus(tmp_path: Path) -> None:
             "--open-metrics",
             "--eject-backoff",
             "0.5",
-        ),
-    )
-    try:
-        for process in (events, plain, router):
-            process.start()
-        for process in (events, plain, router):
-            process.wait_ready(90)
+        )
+        router.start()
+        router.wait_ready(90)
         with run_prometheus({"smetric-router": [f"127.0.0.1:{router.port}"]}, tmp_path) as prom:
             deadline = time.monotonic() + 60
             while prom.targets_up() < 1:

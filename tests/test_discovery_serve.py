@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 
 from smetric.testing.dns import LoopbackDNS
-from smetric.testing.engines import free_port, http_get
+from smetric.testing.engines import http_get
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.gateway import run_picker
 
@@ -56,19 +56,25 @@ def wait_until(condition, timeout_s: float = 30.0) -> None:
 
 
 def test_engines_join_and_leave_a_running_router(tmp_path: Path) -> None:
-    port = free_port()
     a, b = "127.0.0.11", "127.0.0.12"
     engines = {
-        address: SmetricProcess(
-            port, tmp_path, args=("engine", "--host", address, "--speed", "0.001")
-        )
+        address: SmetricProcess(tmp_path, args=("engine", "--host", address, "--speed", "0.001"))
         for address in (a, b)
     }
+    # DNS names hosts, not ports: both engines listen on the port the OS gave the first.
+    # Nothing else binds the second's address, and a wildcard bind of that port fails
+    # while the first holds it, so the port stays free for the second.
+    engines[a].start()
+    try:
+        engines[a].wait_listening()
+    except BaseException:
+        engines[a].stop()
+        raise
+    port = engines[b].port = engines[a].port
     urls = {address: f"http://{address}:{port}" for address in engines}
     with LoopbackDNS() as dns:
         dns.set(NAME, "A", [a])
         router = SmetricProcess(
-            free_port(),
             tmp_path,
             args=(
                 "serve",
@@ -85,8 +91,7 @@ def test_engines_join_and_leave_a_running_router(tmp_path: Path) -> None:
             ),
         )
         try:
-            for engine in engines.values():
-                engine.start()
+            engines[b].start()
             for address in engines:
                 wait_until(lambda u=urls[address]: http_get(u + "/health")[0] == 200, 90)
             router.start()

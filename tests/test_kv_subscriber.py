@@ -6,9 +6,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -30,6 +27,8 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import SubscriberCollector
+from smetric.testing.fault_suite import SmetricProcess
+from smetric.testing.ports import startup_events_ports
 
 from conftest import block_stored, events_engine, until_heard
 
@@ -38,10 +37,9 @@ SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}
 _TOKENIZER = ByteTokenizer()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# What a socket binds when the test needs no fixed address: a loopback port the OS picks,
+# read back from the socket (``endpoint``, ``replay_endpoint``) by whoever connects.
+ANY = "tcp://127.0.0.1:*"
 
 
 def blocks(body: dict[str, Any], api: Api) -> np.ndarray:
@@ -77,18 +75,16 @@ def cached(reply: dict[str, Any]) -> int:
 
 
 def test_events_view_predicts_the_engines_hits_and_restarts_clear_it() -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    config = EngineConfig(
-        speed=0.001,
-        kv_blocks=64,
-        kv_events_endpoint=endpoint,
-        kv_events_topic="kv-a",
-        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
-    )
-
     async def main() -> None:
         index = EventIndex(BS)
-        async with subscriber(index, endpoint, "kv-a", config.kv_events_replay_endpoint) as sub:
+        async with subscriber(index, ANY, "kv-a", None) as sub:
+            config = EngineConfig(
+                speed=0.001,
+                kv_blocks=64,
+                kv_events_endpoint=sub.endpoint,
+                kv_events_topic="kv-a",
+                kv_events_replay_endpoint=ANY,
+            )
             app = create_app(config)
             publisher = app[KV_EVENTS]
 
@@ -101,6 +97,7 @@ def test_events_view_predicts_the_engines_hits_and_restarts_clear_it() -> None:
                 await post(client, "/v1/completions", {"prompt": f"hello {attempt} " * 8})
 
             async with TestClient(TestServer(app)) as client:
+                sub.replay_endpoint = publisher.replay_endpoint  # bound as the app started
                 start = sub.counters.batches
                 await until_heard(warm_up, lambda: sub.counters.batches > start)
                 first = [SYSTEM, {"role": "user", "content": "List the files in src/."}]
@@ -130,6 +127,7 @@ def test_events_view_predicts_the_engines_hits_and_restarts_clear_it() -> None:
             app = create_app(config)
             publisher = app[KV_EVENTS]
             async with TestClient(TestServer(app)) as client:
+                sub.replay_endpoint = publisher.replay_endpoint
                 start = sub.counters.batches
                 await until_heard(warm_up, lambda: sub.counters.batches > start)
                 fresh = {"prompt": "z" * 100, "max_tokens": 4}
@@ -162,17 +160,27 @@ async def publishing(config: EngineConfig) -> AsyncIterator[KVEventPublisher]:
         yield publisher
 
 
+@contextlib.asynccontextmanager
+async def publishing_to(
+    index: EventIndex, **options: Any
+) -> AsyncIterator[tuple[KVEventPublisher, KVEventSubscriber]]:
+    """A subscriber on topic "kv" that binds, and the mock engine's publisher connected to
+    it as vLLM's connects to a router; the subscriber asks the replay socket the publisher
+    bound once it did."""
+    async with subscriber(index, ANY, "kv", None, **options) as sub:
+        config = EngineConfig(kv_events_endpoint=sub.endpoint, kv_events_replay_endpoint=ANY)
+        async with publishing(config) as publisher:
+            sub.replay_endpoint = publisher.replay_endpoint
+            yield publisher, sub
+
+
 def replay_only() -> EngineConfig:
     """A publisher nobody subscribes to: all it sends is dropped, only its replay answers."""
-    return EngineConfig(
-        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
-        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
-    )
+    return EngineConfig(kv_events_endpoint=ANY, kv_events_bind=True, kv_events_replay_endpoint=ANY)
 
 
 def test_a_gap_is_filled_from_replay_in_order() -> None:
     config = replay_only()
-    replay = config.kv_events_replay_endpoint
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)
 
@@ -181,7 +189,8 @@ def test_a_gap_is_filled_from_replay_in_order() -> None:
             for events in batches:
                 publisher.publish(events)
             index = EventIndex(BS)
-            async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", replay) as sub:
+            replay = publisher.replay_endpoint
+            async with subscriber(index, ANY, "kv", replay) as sub:
                 await sub.receive(_frames(0, batches[0]))
                 await sub.receive(_frames(2, batches[2]))  # batch 1 was lost on the way
                 assert index.match(keys) == 3
@@ -193,7 +202,7 @@ def test_a_gap_is_filled_from_replay_in_order() -> None:
 
                 # Joining late asks for the history from batch 0.
                 late = EventIndex(BS)
-                async with subscriber(late, f"tcp://127.0.0.1:{free_port()}", "kv", replay) as s:
+                async with subscriber(late, ANY, "kv", replay) as s:
                     await s.receive(_frames(2, batches[2]))
                     assert late.match(keys) == 3
                     assert s.exact and s.counters.replayed == 2
@@ -204,27 +213,28 @@ def test_a_gap_is_filled_from_replay_in_order() -> None:
 def test_an_empty_topic_takes_whatever_topic_the_engine_publishes_on() -> None:
     """vLLM's default topic is empty; a router left at it must not drop an engine's
     events because that engine names a topic."""
-    config = dataclasses.replace(replay_only(), kv_events_topic="kv-a")
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)
 
     async def main() -> None:
         index = EventIndex(BS)
-        async with (
-            subscriber(
-                index, config.kv_events_endpoint, "", config.kv_events_replay_endpoint
-            ) as sub,
-            publishing(config) as publisher,
-        ):
+        async with subscriber(index, ANY, "", None) as sub:
+            config = EngineConfig(
+                kv_events_endpoint=sub.endpoint,
+                kv_events_topic="kv-a",
+                kv_events_replay_endpoint=ANY,
+            )
+            async with publishing(config) as publisher:
+                sub.replay_endpoint = publisher.replay_endpoint
 
-            async def send(_attempt: int) -> None:
-                publisher.publish(batches[0])
+                async def send(_attempt: int) -> None:
+                    publisher.publish(batches[0])
 
-            await until_heard(send, lambda: sub.counters.batches > 0)
-            for events in batches[1:]:
-                publisher.publish(events)
-            await settle(lambda: index.match(keys) == 3)
-            assert sub.exact
+                await until_heard(send, lambda: sub.counters.batches > 0)
+                for events in batches[1:]:
+                    publisher.publish(events)
+                await settle(lambda: index.match(keys) == 3)
+                assert sub.exact
 
     asyncio.run(main())
 
@@ -235,7 +245,7 @@ def test_an_unfilled_gap_or_bad_payload_makes_the_view_inexact_until_a_restart(c
 
     async def main() -> None:
         index = EventIndex(BS)
-        async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", None) as sub:
+        async with subscriber(index, ANY, "kv", None) as sub:
             await sub.receive(_frames(0, batches[0]))
             await sub.receive(_frames(2, batches[2]))
             assert not sub.exact
@@ -265,20 +275,21 @@ def exported(sub: KVEventSubscriber, kind: str) -> float:
     return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
 
 
-def test_an_orphaned_block_degrades_the_view_until_a_resync_rebuilds_it() -> None:
+def test_an_orphaned_block_degrades_the_view_until_a_resync_rebuilds_it(tmp_path) -> None:
     """A view that lost events (here: joined when the replay could not answer) learns it
     from the first orphan, says so in /metrics, and is rebuilt from the engine's replay
     buffer as soon as that answers."""
-    config = replay_only()
-    replay = config.kv_events_replay_endpoint
+    # The replay's address must be known before anything binds it: a socket file, which no
+    # other process can take.
+    replay = f"ipc://{tmp_path}/replay"
+    config = dataclasses.replace(replay_only(), kv_events_replay_endpoint=replay)
     tokens, batches = _batches()
     keys = chain_hashes(tokens, BS)
 
     async def main() -> None:
         index = EventIndex(BS)
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
         options = {"replay_timeout_s": 0.2, "resync_backoff_s": 0.0}
-        async with subscriber(index, endpoint, "kv", replay, **options) as sub:
+        async with subscriber(index, ANY, "kv", replay, **options) as sub:
             await sub.receive(_frames(1, batches[1]))  # the replay socket is not up yet
             assert not sub.exact and index.size() == 0
             assert exported(sub, "orphaned") == 1
@@ -299,7 +310,7 @@ def test_a_restart_is_cleared_once_whether_the_stream_or_a_scrape_shows_it_first
 
     async def main() -> None:
         index = EventIndex(BS)
-        async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", None) as sub:
+        async with subscriber(index, ANY, "kv", None) as sub:
             before = time.monotonic()
             for seq in (5, 6):  # an old process's last batches
                 await sub.receive(_frames(seq, batches[seq - 5]))
@@ -318,30 +329,24 @@ def test_a_restart_is_cleared_once_whether_the_stream_or_a_scrape_shows_it_first
 def test_a_token_id_out_of_range_is_left_out_and_the_stream_goes_on() -> None:
     """Once a ValueError in chain_hashes that killed the subscriber for good (and was
     raised again at shutdown); now the event is counted and the rest still applied."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    config = EngineConfig(
-        kv_events_endpoint=endpoint, kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}"
-    )
     tokens = list(range(2 * BS))
     keys = chain_hashes(tokens, BS)
 
     async def main() -> None:
-        async with publishing(config) as publisher:
-            index = EventIndex(BS)
-            replay = config.kv_events_replay_endpoint
-            async with subscriber(index, endpoint, "kv", replay) as sub:
+        index = EventIndex(BS)
+        async with publishing_to(index) as (publisher, sub):
 
-                async def warm_up(attempt: int) -> None:
-                    publisher.publish([])
+            async def warm_up(attempt: int) -> None:
+                publisher.publish([])
 
-                await until_heard(warm_up, lambda: sub.counters.batches > 0)
-                assert sub.exact
-                bad = block_stored([9], None, [1 << 32] * BS, BS)
-                publisher.publish([bad, block_stored([1], None, tokens[:BS], BS)])
-                publisher.publish([block_stored([2], 1, tokens[BS:], BS)])
-                await settle(lambda: index.match(keys) == 2)
-                assert sub.counters.invalid_events >= 1 and not sub.exact
-            # Closing raised the subscriber's error again before; now it returns.
+            await until_heard(warm_up, lambda: sub.counters.batches > 0)
+            assert sub.exact
+            bad = block_stored([9], None, [1 << 32] * BS, BS)
+            publisher.publish([bad, block_stored([1], None, tokens[:BS], BS)])
+            publisher.publish([block_stored([2], 1, tokens[BS:], BS)])
+            await settle(lambda: index.match(keys) == 2)
+            assert sub.counters.invalid_events >= 1 and not sub.exact
+        # Closing raised the subscriber's error again before; now it returns.
 
     asyncio.run(main())
 
@@ -361,24 +366,20 @@ class FailingOnce(EventIndex):
 
 
 def test_a_failing_subscriber_is_restarted_and_its_view_resynced(caplog) -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    replay = f"tcp://127.0.0.1:{free_port()}"
-    config = EngineConfig(kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay)
     tokens = list(range(BS))
 
     async def main() -> None:
-        async with publishing(config) as publisher:
-            index = FailingOnce(BS)
-            async with subscriber(index, endpoint, "kv", replay, resync_backoff_s=0.0) as sub:
+        index = FailingOnce(BS)
+        async with publishing_to(index, resync_backoff_s=0.0) as (publisher, sub):
 
-                async def warm_up(attempt: int) -> None:
-                    publisher.publish([])
+            async def warm_up(attempt: int) -> None:
+                publisher.publish([])
 
-                await until_heard(warm_up, lambda: sub.counters.failures > 0)
-                assert not sub.exact and exported(sub, "failures") == 1
-                publisher.publish([block_stored([1], None, tokens, BS)])
-                await settle(lambda: index.match(chain_hashes(tokens, BS)) == 1 and sub.exact)
-                assert sub.counters.resyncs == 1 and sub.counters.failures == 1
+            await until_heard(warm_up, lambda: sub.counters.failures > 0)
+            assert not sub.exact and exported(sub, "failures") == 1
+            publisher.publish([block_stored([1], None, tokens, BS)])
+            await settle(lambda: index.match(chain_hashes(tokens, BS)) == 1 and sub.exact)
+            assert sub.counters.resyncs == 1 and sub.counters.failures == 1
 
     with caplog.at_level("WARNING", logger="smetric.serve"):
         asyncio.run(main())
@@ -389,11 +390,9 @@ def test_a_failing_subscriber_is_restarted_and_its_view_resynced(caplog) -> None
 def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
     """A transient ejection (the engine kept its cache) once cleared the view, so the next
     turn's hit was predicted 0 and its BlockStored dropped as orphaned."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    # The engine binds (the router needs its URL first, so the engine starts first).
     config = EngineConfig(
-        speed=0.001,
-        kv_events_endpoint=endpoint,
-        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        speed=0.001, kv_events_endpoint=ANY, kv_events_bind=True, kv_events_replay_endpoint=ANY
     )
 
     async def main() -> None:
@@ -403,7 +402,12 @@ def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
             url = str(engine_client.make_url("")).rstrip("/")
             engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
             sub = KVEventSubscriber(
-                engine.events, endpoint, "kv", config.kv_events_replay_endpoint, name=url
+                engine.events,
+                publisher.endpoint,
+                "kv",
+                publisher.replay_endpoint,
+                bind=False,
+                name=url,
             )
             router = Router(
                 [engine], RouterSettings(health_interval_s=0.05), subscribers={url: sub}
@@ -440,29 +444,12 @@ def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) ->
     with the real CLI: the engine binds ``tcp://*:PORT`` as vLLM does, both routers connect
     (``bind: false``), and a turn served through one router is predicted by the other from
     events alone."""
-    pub, replay, port = free_port(), free_port(), free_port()
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "smetric", "engine", "--port", str(port)),
-            *("--speed", "0.001", "--kv-events-endpoint", f"tcp://*:{pub}"),
-            *("--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
+    events = ("--kv-events-endpoint", "tcp://*:*", "--kv-events-replay-endpoint", ANY)
+    process = SmetricProcess(tmp_path, args=("engine", "--speed", "0.001", *events))
     config = tmp_path / "engines.yaml"
-    config.write_text("engines:\n" + events_engine(port, pub, replay, "kv", bind="false"))
 
     async def main() -> None:
         async with aiohttp.ClientSession() as direct:
-            for _ in range(300):
-                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with direct.get(url + "/health") as response:
-                        if response.status == 200:
-                            break
-                await asyncio.sleep(0.05)
             routers = []
             for _ in range(2):
                 engines, subscribers = engines_from([], config, 1000, BS)
@@ -498,10 +485,15 @@ def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) ->
                     await client.close()
 
     try:
+        process.start()
+        process.wait_ready(60.0)
+        ports = startup_events_ports(process.log_since_start())
+        assert ports is not None, process.log_tail()
+        url = process.url
+        config.write_text("engines:\n" + events_engine(process.port, *ports, "kv", bind="false"))
         asyncio.run(main())
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        process.stop()
 
 
 def test_a_view_the_replay_cannot_rebuild_waits_for_a_restart(caplog) -> None:
@@ -515,8 +507,8 @@ def test_a_view_the_replay_cannot_rebuild_waits_for_a_restart(caplog) -> None:
             for events in batches:
                 publisher.publish(events)  # the buffer keeps batches 1 and 2
             index = EventIndex(BS)
-            replay = config.kv_events_replay_endpoint
-            async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", replay) as sub:
+            replay = publisher.replay_endpoint
+            async with subscriber(index, ANY, "kv", replay) as sub:
                 await sub.receive(_frames(2, batches[2]))
                 assert not sub.exact and sub.counters.resyncs == 0
                 replayed = sub.counters.replayed
@@ -531,16 +523,20 @@ def test_a_view_the_replay_cannot_rebuild_waits_for_a_restart(caplog) -> None:
     assert events == ["kv_view_degraded", "kv_view_unresyncable", "kv_events_restart"]
 
 
-def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_show_it() -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_show_it(
+    tmp_path,
+) -> None:
+    # Every engine process connects to the router's subscriber, which binds a socket file
+    # (its address known before the router, which needs the engine's URL, exists); the
+    # first process binds the ports the OS picks, and each restart the same ones again.
     config = EngineConfig(
         speed=0.001,
-        kv_events_endpoint=endpoint,
-        kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        kv_events_endpoint=f"ipc://{tmp_path}/events",
+        kv_events_bind=False,
+        kv_events_replay_endpoint=ANY,
     )
-    port = free_port()
 
-    async def engine_process() -> TestClient:
+    async def engine_process(config: EngineConfig, port: int = 0) -> TestClient:
         client = TestClient(TestServer(create_app(config), host="127.0.0.1", port=port))
         await client.start_server()
         return client
@@ -553,15 +549,20 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
         return send
 
     async def main() -> None:
+        first: TestClient | None = await engine_process(config)
+        assert first is not None and first.port is not None
+        port, publisher = first.port, first.app[KV_EVENTS]
+        replay = publisher.replay_endpoint
+        same = dataclasses.replace(config, kv_events_replay_endpoint=replay)
         url = f"http://127.0.0.1:{port}"
         engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
-        sub = KVEventSubscriber(
-            engine.events, endpoint, "kv", config.kv_events_replay_endpoint, name=url
-        )
+        endpoint = publisher.endpoint
+        sub = KVEventSubscriber(engine.events, endpoint, "kv", replay, bind=True, name=url)
         router = Router([engine], RouterSettings(health_interval_s=60), subscribers={url: sub})
         async with TestClient(TestServer(router.app())) as client:
             for restart_in_stream_first in (False, True):
-                process = await engine_process()
+                process = first or await engine_process(same, port)
+                first = None
                 await router.pool.check(engine)  # up after the router's first health check
                 heard = sub.counters.batches
                 await until_heard(warm_up(process), lambda h=heard: sub.counters.batches > h)
@@ -569,7 +570,7 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
                 await post(client, "/v1/completions", {"prompt": "p" * 200, "max_tokens": 1})
                 await settle(lambda: engine.events.size() >= 200 // BS)
                 await process.close()
-                process = await engine_process()  # a new process, same addresses
+                process = await engine_process(same, port)  # a new process, same addresses
                 restarts = sub.counters.restarts
                 if restart_in_stream_first:
                     await until_heard(
@@ -593,7 +594,7 @@ def test_blocks_of_another_size_degrade_the_view_and_are_exported() -> None:
 
     async def main() -> None:
         index = EventIndex(BS)
-        async with subscriber(index, f"tcp://127.0.0.1:{free_port()}", "kv", None) as sub:
+        async with subscriber(index, ANY, "kv", None) as sub:
             await sub.receive(_frames(0, [block_stored([1], None, list(range(2 * BS)), 2 * BS)]))
             assert not sub.exact and index.size() == 0
             assert exported(sub, "mismatched") == 1

@@ -38,7 +38,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     scratch = tmp_path_factory.mktemp("llama-cpp")
     engines = llama_cpp_instances(install, scratch)
-    with running_cluster(engines, scratch, [a for e in engines for a in ("-e", e.url)]) as made:
+    with running_cluster(
+        engines, scratch, lambda: [a for e in engines for a in ("-e", e.url)]
+    ) as made:
         yield made
 
 

@@ -32,10 +32,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     install = find_or_install(find_vllm, "setup_vllm.sh", "vLLM (CPU build)", "about 7 minutes")
     scratch = tmp_path_factory.mktemp("vllm")
     engines = vllm_instances(install, scratch)
-    config = scratch / "engines.yaml"
-    config.write_text("engines:\n" + "".join(e.engines_yaml_entry() for e in engines))
-    router_args = ["--config", str(config), "--block-size", str(BLOCK_SIZE)]
-    router_args += ["--tokenizer", f"hf:{install.model}"]
+
+    def router_args() -> list[str]:
+        config = scratch / "engines.yaml"
+        config.write_text("engines:\n" + "".join(e.engines_yaml_entry() for e in engines))
+        args = ["--config", str(config), "--block-size", str(BLOCK_SIZE)]
+        return [*args, "--tokenizer", f"hf:{install.model}"]
+
     with running_cluster(engines, scratch, router_args) as made:
         yield made
 

@@ -22,9 +22,12 @@ def test_the_decode_instance_loads_the_prefill_instances_kv(
     # A short folder: vLLM puts IPC sockets under it, and a socket path has 107 bytes at most.
     tmp_path = tmp_path_factory.mktemp("pd")
     prefill, decode = engines = vllm_pd_pair(install, tmp_path)
-    args = ["--prefill-engine", prefill.url, "--decode-engine", decode.url]
-    args += ["--block-size", str(BLOCK_SIZE), "--tokenizer", f"hf:{install.model}"]
-    with running_cluster(engines, tmp_path, args) as cluster:
+
+    def router_args() -> list[str]:
+        args = ["--prefill-engine", prefill.url, "--decode-engine", decode.url]
+        return [*args, "--block-size", str(BLOCK_SIZE), "--tokenizer", f"hf:{install.model}"]
+
+    with running_cluster(engines, tmp_path, router_args) as cluster:
         messages = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Explain what the failing test checks, step by step."},

@@ -10,17 +10,11 @@ import polars as pl
 import pytest
 
 from smetric.core.blocks import chain_hashes
-from smetric.record.recorder import (
-    MANIFEST,
-    SEGMENT_GLOB,
-    Observation,
-    Recorder,
-    RecordSettings,
-    read_salt,
-)
+from smetric.record.recorder import Observation, Recorder, RecordSettings, read_salt
 from smetric.record.salt import siphash24
 from smetric.record.trigger import body_trigger
 from smetric.trace.load import count_units, detect_format, load_trace
+from smetric.trace.recording_format import MANIFEST, SEGMENT_GLOB
 from smetric.trace.schema import Trigger
 
 SALT = b"a deployment's salt, 32 bytes.."

@@ -26,7 +26,7 @@ from smetric.replay import Replayer, ReplayOptions
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
-from smetric.testing.engines import free_port
+from smetric.testing.ports import read_startup_port
 from smetric.trace.analysis import analyze
 from smetric.trace.load import load_trace
 from smetric.trace.recording import read_segments
@@ -59,13 +59,14 @@ async def record_a_replay(folder: Path) -> Replayer:
     ]
     for server in engines:
         await server.start_server()
-    port = free_port()
-    args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--log-level",
+    args = [sys.executable, "-m", "smetric", "serve", "--port", "0", "--log-level",
             "warning", "--record", str(folder), "--record-rotate", "0.5"]  # fmt: skip
     for server in engines:
         args += ["-e", f"http://127.0.0.1:{server.port}"]
-    router = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    router = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
+        assert router.stdout is not None
+        port = await asyncio.to_thread(read_startup_port, router.stdout, router)
         url = f"http://127.0.0.1:{port}"
         await _ready(url, router)
         options = ReplayOptions(url, rate=4.0, duration_s=4.0, time_scale=20.0, token_scale=100.0)

@@ -12,7 +12,7 @@ import sys
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from test_serve import FAST, closed_port, conversation, run
+from test_serve import FAST, conversation, run
 from typer.testing import CliRunner
 
 from smetric.cli import app
@@ -21,9 +21,10 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import engine_url, engines_from
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
-from smetric.testing.engines import free_port, metric
+from smetric.testing.engines import metric
+from smetric.testing.fault_suite import SmetricProcess
 
-from conftest import router_client
+from conftest import closed_port, router_client
 
 
 def test_health_says_503_when_a_role_has_no_healthy_engine() -> None:
@@ -87,31 +88,19 @@ def test_a_port_in_use_is_said_plainly_before_any_banner() -> None:
             assert "smetric serve:" not in output and "smetric engine (" not in output, output
 
 
-def test_metrics_sum_over_workers_and_never_go_back() -> None:
+def test_metrics_sum_over_workers_and_never_go_back(tmp_path) -> None:
     """Requests over new connections land on both workers; every scrape, whichever worker
     takes it, counts all of them."""
 
     async def scenario() -> None:
         engine = TestServer(create_app(FAST), host="127.0.0.1")
         await engine.start_server()
-        port = free_port()
-        router = subprocess.Popen(
-            [sys.executable, "-m", "smetric", "serve", "-e", f"http://127.0.0.1:{engine.port}",
-             "--port", str(port), "--workers", "2", "--log-level", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
+        args = ("serve", "-e", f"http://127.0.0.1:{engine.port}", "--workers", "2")
+        router = SmetricProcess(tmp_path, args=(*args, "--log-level", "warning"))
         try:
-            async with asyncio.timeout(120):
-                while True:
-                    try:
-                        async with aiohttp.request("GET", url + "/health") as response:
-                            if response.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.2)
+            router.start()
+            await asyncio.to_thread(router.wait_ready, 120.0)
+            url = router.url
             payload = {"model": "m", "messages": conversation(0, 0), "max_tokens": 2}
             for _ in range(24):  # a new connection each: SO_REUSEPORT spreads them
                 async with aiohttp.request(
@@ -128,8 +117,7 @@ def test_metrics_sum_over_workers_and_never_go_back() -> None:
             assert seen == [24] * 6
             assert metric(text, "smetric_engine_healthy") == 1
         finally:
-            router.terminate()
-            router.wait(30)
+            await asyncio.to_thread(router.stop)
             await engine.close()
 
     run(scenario)
@@ -146,12 +134,13 @@ def test_the_config_refuses_unknown_keys_and_sets_what_flags_set(tmp_path) -> No
     config.write_text(
         "engines: [http://127.0.0.1:8100]\n"
         "router: {api_keys: [k1], stall_timeout_s: 3, stream_headers_timeout_s: 2.5, "
-        "policy: least_load, block_size: 32}\n"
+        "stall_prefill_tps: 400, policy: least_load, block_size: 32}\n"
     )
     options = router_options(config)
     settings = RouterSettings(**options)
     assert settings.api_keys == frozenset({"k1"}) and settings.block_size == 32
     assert (settings.stall_timeout_s, settings.stream_headers_timeout_s) == (3, 2.5)
+    assert settings.stall_prefill_tps == 400
     config.write_text("router: {api_keys: k1}\n")
     with pytest.raises(ValueError, match="api_keys"):
         router_options(config)

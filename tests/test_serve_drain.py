@@ -14,7 +14,6 @@ from pathlib import Path
 
 import aiohttp
 
-from smetric.testing.engines import free_port
 from smetric.testing.fault_suite import SmetricProcess
 
 
@@ -53,12 +52,12 @@ async def stream_through_sigterm(router: SmetricProcess, max_tokens: int) -> tup
 @contextlib.contextmanager
 def router_draining(scratch: Path, drain_s: str) -> Iterator[SmetricProcess]:
     """A mock engine and ``smetric serve --drain-timeout drain_s`` in front of it, ready."""
-    engine = SmetricProcess(free_port(), scratch, args=("engine", "--speed", "1"))
-    router = SmetricProcess(
-        free_port(), scratch, args=("serve", "-e", engine.url, "--drain-timeout", drain_s)
-    )
+    engine = SmetricProcess(scratch, args=("engine", "--speed", "1"))
+    router = SmetricProcess(scratch)
     try:
         engine.start()
+        engine.wait_listening(90)
+        router.args = ("serve", "-e", engine.url, "--drain-timeout", drain_s)
         router.start()
         engine.wait_ready(90)
         router.wait_ready(90)

@@ -171,11 +171,13 @@ def test_a_stream_that_goes_silent_ends_with_an_error_event() -> None:
 
 def test_more_concurrent_streams_than_a_connection_pool_holds_all_start() -> None:
     """No hidden cap on connections to the engines: the 101st stream is not queued in the
-    router past its first-byte timeout (and blamed on the engine)."""
-    slow = EngineConfig(speed=1.0, default_max_tokens=8)
+    router past its first-byte timeout (and blamed on the engine). The engine's pool holds
+    all 110 (a stream sends nothing before its first token, so one the engine queued would
+    time out too); each then decodes for tens of seconds, longer than the test holds it."""
+    slow = EngineConfig(speed=1.0, default_max_tokens=8, kv_blocks=32_768)
 
     async def body(client, url, router, fakes) -> None:
-        payload = {"messages": conversation(2, 0), "max_tokens": 50_000, "stream": True}
+        payload = {"messages": conversation(2, 0), "max_tokens": 2_000, "stream": True}
         streams = [await client.post(url + "/v1/chat/completions", json=payload)]
         streams += await asyncio.gather(
             *(client.post(url + "/v1/chat/completions", json=payload) for _ in range(109))

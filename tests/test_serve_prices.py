@@ -92,8 +92,8 @@ async def learn_behind_router(speed: float, requests: int) -> tuple[object, str]
 def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
     """Every streamed reply that reports its cached tokens is one observation of the
     router's learner; the policy takes what it learns, /metrics exports it, and engines
-    ten times slower are learned to decode slower. (The mock engine sends a stream's
-    opening chunk before its prefill, so its time to first token shows no prefill.)"""
+    ten times slower are learned to prefill and to decode slower (a stream's first chunk
+    comes with its first token, after the prefill, as vLLM sends it)."""
     import asyncio
 
     requests = 20
@@ -108,3 +108,5 @@ def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
     assert 'smetric_learned_price{constant="kv_read_s"}' in metrics
     kv_read = [r.core.policy.kv_read_s for r in (fast, slow)]  # type: ignore[attr-defined]
     assert kv_read[1] > 3 * kv_read[0]
+    prefill_tps = [r.core.policy.prefill_tps for r in (fast, slow)]  # type: ignore[attr-defined]
+    assert prefill_tps[0] > 3 * prefill_tps[1]

@@ -102,6 +102,29 @@ def test_a_long_generation_whose_counters_move_is_not_a_stall() -> None:
     run(lambda: with_mixed([], 1, body, engine_config=slow, stall_timeout_s=0.5, **PATIENT))
 
 
+def test_a_long_prefill_is_not_a_stall() -> None:
+    """A prompt's prefill sends no byte and moves no counter (vLLM counts prompt tokens at
+    the first token) for seconds: the engine has the prompt's tokens to work through, so
+    its silence is no stall, and nothing is retried."""
+    slow = EngineConfig(speed=3.0, default_max_tokens=8)
+
+    async def body(client, url, router, fakes) -> None:
+        messages = [{"role": "user", "content": "long context " * 1_000}]  # 13 k tokens
+        payload = {**CHAT, "messages": messages, "max_tokens": 2, "stream": True}
+        started = time.monotonic()
+        async with client.post(url + "/v1/chat/completions", json=payload) as response:
+            assert response.status == 200, await response.text()
+            assert b"[DONE]" in await response.read()
+        assert time.monotonic() - started > 3 * router.settings.stall_timeout_s  # meaningful
+        assert router.engines[0].healthy
+        async with client.get(url + "/metrics") as response:
+            text = await response.text()
+        assert metric(text, "smetric_engine_stalls_total") == 0
+        assert metric(text, "smetric_retries_total") == 0
+
+    run(lambda: with_mixed([], 1, body, engine_config=slow, stall_timeout_s=0.5, **PATIENT))
+
+
 def test_engines_join_and_leave_at_runtime_and_those_that_stay_keep_their_views() -> None:
     async def scenario() -> None:
         mocks = [TestServer(create_app(FAST), host="127.0.0.1") for _ in range(2)]

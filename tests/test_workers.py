@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ from aiohttp import web
 
 from smetric.core.headers import ENGINE_HEADER
 from smetric.serve.engines import LOAD_COLUMNS, Engine
+from smetric.testing.ports import read_startup_port
 
 COMPLETION = {
     "object": "chat.completion",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_load_is_summed_over_workers_in_shared_memory() -> None:
@@ -78,9 +72,8 @@ class HoldingEngine:
         app.router.add_get("/health", self.health)
         runner = web.AppRunner(app)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner, f"http://127.0.0.1:{port}"
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 def children_of(pid: int) -> list[int]:
@@ -117,12 +110,13 @@ async def scenario() -> None:
     engines = [HoldingEngine(), HoldingEngine()]
     started = [await e.start() for e in engines]
     urls = [url for _, url in started]
-    port = free_port()
-    args = [sys.executable, "-m", "smetric", "serve", "--port", str(port), "--workers", "2"]
+    args = [sys.executable, "-m", "smetric", "serve", "--port", "0", "--workers", "2"]
     args += ["--log-level", "warning", "--health-interval", "0.2", "-e", urls[0], "-e", urls[1]]
-    router = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    router = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
+        assert router.stdout is not None
+        port = await asyncio.to_thread(read_startup_port, router.stdout, router)
+        url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as client:
 
             async def ready() -> bool:

@@ -27,23 +27,15 @@ from smetric.testing.engines import (
     LlamaCppServer,
     VLLMInstall,
     VLLMServer,
-    free_port,
+    start_engines,
 )
 
 
 def engine(kind: str, program: Path, model: Path, scratch: Path) -> EngineProcess:
     if kind == "llama-cpp":
-        return LlamaCppServer(free_port(), scratch, install=LlamaCppInstall(program, model), core=0)
+        return LlamaCppServer(scratch, install=LlamaCppInstall(program, model), core=0)
     if kind == "vllm":
-        return VLLMServer(
-            free_port(),
-            scratch,
-            install=VLLMInstall(program, model),
-            events_port=free_port(),
-            replay_port=free_port(),
-            topic="smoke",
-            core=0,
-        )
+        return VLLMServer(scratch, install=VLLMInstall(program, model), topic="smoke", core=0)
     raise SystemExit(f"unknown engine kind {kind!r}: llama-cpp or vllm")
 
 
@@ -66,8 +58,7 @@ def main(kind: str, program: str, model: str) -> int:
     with tempfile.TemporaryDirectory(prefix="smetric-smoke-") as scratch:
         server = engine(kind, Path(program), Path(model), Path(scratch))
         try:
-            server.start()
-            server.wait_ready()
+            start_engines([server])
             text = complete(server.url)
             if server.process is None or server.process.poll() is not None:
                 raise RuntimeError("the engine exited after answering")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -56,6 +57,11 @@ TableFormatOpt = Annotated[
         "terminal's width and never cuts a number; csv is the main table; with json, csv or "
         "markdown only the tables go to standard output.",
     ),
+]
+
+OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Result folder.")]
+JobsOpt = Annotated[
+    int | None, typer.Option("--jobs", "-j", help="Worker processes [default: CPUs].", min=1)
 ]
 
 

@@ -5,17 +5,26 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from aiohttp import web
 
 from smetric.cli.app import app, console, user_errors
 from smetric.engine import EngineConfig, run_engine
+from smetric.engine.server import KV_EVENTS
 from smetric.model.perf import load_hardware, load_model
-from smetric.serve.listen import listen
+from smetric.serve.listen import bound_port, listen
 
 
 @app.command()
 def engine(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8100,
+    port: Annotated[
+        int,
+        typer.Option(
+            help="Port to listen on (0: any free port; the startup line names it).",
+            min=0,
+            max=65535,
+        ),
+    ] = 8100,
     served_model_name: Annotated[str, typer.Option(help="Model id it reports.")] = (
         EngineConfig.served_model_name
     ),
@@ -45,13 +54,17 @@ def engine(
         str | None,
         typer.Option(
             help="Publish vLLM KV events on this ZMQ endpoint, as vLLM does: tcp://*:PORT "
-            "binds (routers connect, several per engine), tcp://HOST:PORT connects (to a "
-            "router that binds)."
+            "binds (routers connect, several per engine; PORT * : any free port, the "
+            "startup line names it), tcp://HOST:PORT connects (to a router that binds)."
         ),
     ] = None,
     kv_events_topic: Annotated[str, typer.Option(help="Topic of the KV events.")] = "kv",
     kv_events_replay_endpoint: Annotated[
-        str | None, typer.Option(help="ZMQ endpoint to bind the replay socket on.")
+        str | None,
+        typer.Option(
+            help="ZMQ endpoint to bind the replay socket on (tcp://HOST:* : any free port, "
+            "the startup line names it)."
+        ),
     ] = None,
     cpu_offload_blocks: Annotated[
         int,
@@ -92,5 +105,17 @@ def engine(
         load_hardware(hardware, gpus=gpus)
         # Bound before the banner: a port in use is said plainly, not as a traceback.
         (sock,) = listen(host, port)
-    console.print(f"smetric engine ({model} on {gpus}x{hardware}) on http://{host}:{port}")
-    run_engine(config, sock)
+    banner = f"smetric engine ({model} on {gpus}x{hardware}) on http://{host}:{bound_port(sock)}"
+
+    def announce(app: web.Application) -> None:
+        """One line, flushed, once every socket is bound: scripts read the addresses from it."""
+        line = banner
+        if KV_EVENTS in app:
+            events = app[KV_EVENTS]
+            line += f"; KV events on {events.endpoint}"
+            if events.replay_endpoint is not None:
+                line += f", replay on {events.replay_endpoint}"
+        console.print(line, highlight=False, soft_wrap=True)
+        console.file.flush()
+
+    run_engine(config, sock, announce)

@@ -11,8 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from smetric.cli.simulate import split_policies
-from smetric.core.policies import make_policy
+from smetric.core.policies import make_policy, split_policies
 
 PolicyListOpt = Annotated[
     str,

@@ -8,7 +8,16 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
+from smetric.cli.app import (
+    JobsOpt,
+    OutOpt,
+    app,
+    console,
+    load_with_progress,
+    progress_bar,
+    slug,
+    user_errors,
+)
 from smetric.cli.evaluation import (
     PolicyListOpt,
     check_page,
@@ -17,7 +26,6 @@ from smetric.cli.evaluation import (
     preset_option,
     report_command,
 )
-from smetric.cli.simulate import JobsOpt, OutOpt
 from smetric.eval.grid import grid_cells, run_grid
 from smetric.eval.grid_preset import GRID_PRESETS, load_grid_preset
 from smetric.eval.reproduce import DEFAULT_POLICIES

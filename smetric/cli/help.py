@@ -47,8 +47,8 @@ def reflow(command: Any) -> None:
 class ProseGroup(TyperGroup):
     """The ``smetric`` group: every command's help reflowed when the CLI is built."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         for sub in self.commands.values():
             reflow(sub)
         self.help = prose(self.help)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from smetric.cli.app import (
+    JobsOpt,
+    OutOpt,
     TableFormatOpt,
     app,
     console,
@@ -19,48 +20,21 @@ from smetric.cli.app import (
     slug,
     user_errors,
 )
-from smetric.cli.simulate import (
-    ConfigOpt,
-    DecodeOpt,
-    DurationOpt,
-    HardwareOpt,
-    InstancesOpt,
-    JobsOpt,
-    OutOpt,
-    PoliciesOpt,
-    PrefillOpt,
-    SourceArg,
-    WarmupOpt,
-    command_config,
-    global_levels,
-)
+from smetric.cli.settings_options import Given, with_setting_flags
+from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
 from smetric.core.policies import DEFAULT_POLICY
-from smetric.report.knee import knee_markdown
+from smetric.report.results import write_knee
 from smetric.report.run_tables import knee_table
 from smetric.report.tables import check_format, emit
-from smetric.sim.config import SimConfig, check_kv_load, dump_yaml
-from smetric.sim.knee import KneeSettings, best_baseline, search_knees
+from smetric.sim.config import SimConfig, check_kv_load, global_levels
+from smetric.sim.knee import KneeSettings, knee_summary, search_knees
 from smetric.sim.parallel import RunStore, default_jobs
 
 
-def knee_summary(cells: list[tuple[str, str]], policies: tuple[str, ...], knees: dict) -> dict:
-    out = []
-    for glob, load in cells:
-        per_policy = {p: knees[(glob, load, p)] for p in policies}
-        rival = best_baseline({p: k.mean for p, k in per_policy.items()})
-        out.append(
-            {
-                "global": glob,
-                "kv_load": load,
-                "knees": {p: dataclasses.asdict(k) for p, k in per_policy.items()},
-                "best_baseline": rival,
-            }
-        )
-    return {"policies": list(policies), "cells": out}
-
-
 @app.command()
+@with_setting_flags(sim_flags("knee"))
 def knee(
+    given: Given,
     source: SourceArg = None,
     config_path: ConfigOpt = None,
     policies: PoliciesOpt = None,
@@ -81,12 +55,6 @@ def knee(
     default: Annotated[
         str, typer.Option(help="The policy compared with the best baseline.")
     ] = DEFAULT_POLICY,
-    instances: InstancesOpt = None,
-    prefill_instances: PrefillOpt = None,
-    decode_instances: DecodeOpt = None,
-    hardware: HardwareOpt = None,
-    duration: DurationOpt = None,
-    warmup: WarmupOpt = None,
     out: OutOpt = None,
     jobs: JobsOpt = None,
     table_format: TableFormatOpt = "table",
@@ -101,14 +69,11 @@ def knee(
     (smetric-out/knee-TRACE unless given); every probe is kept in OUT/runs/ID/, so running
     the same command again runs only what is missing.
     """
-    params = locals()
-    from smetric.report.simulation import write_knee_png
-
     with user_errors():
         check_format(table_format)
         levels = global_levels(provisionings)
         modes = [check_kv_load(m.strip()) for m in kv_loads.split(",") if m.strip()]
-        base = command_config(params)
+        base = command_config(given, config_path, source, policies)
         settings = KneeSettings(start=start, precision=precision)
         cells: dict[tuple, SimConfig] = {
             (g, m, p): dataclasses.replace(
@@ -133,10 +98,6 @@ def knee(
     summary = knee_summary([(g, m) for g in levels for m in modes], base.policies, knees)
     summary["seeds"] = seeds
     summary["settings"] = dataclasses.asdict(settings)
-    out.mkdir(parents=True, exist_ok=True)
-    dump_yaml(base, out / "config.yaml")
-    (out / "knee.json").write_text(json.dumps(summary, indent=1))
-    (out / "knee.md").write_text(knee_markdown(summary, (default,)))
-    write_knee_png(summary, out / "knee.png")
+    write_knee(out, base, summary, default)
     emit([knee_table(summary, default)], table_format, console)
     out_console(table_format).print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")

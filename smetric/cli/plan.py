@@ -2,83 +2,32 @@
 
 from __future__ import annotations
 
-import json
 import math
+import typing
 from pathlib import Path
 from typing import Annotated
 
 import typer
 import yaml
 
-from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
-from smetric.cli.simulate import (
-    ConfigOpt,
-    DurationOpt,
-    GpusOpt,
-    HardwareOpt,
+from smetric.cli.app import (
     JobsOpt,
-    KvLoadOpt,
-    ModelOpt,
-    OpenLoopOpt,
     OutOpt,
-    PoliciesOpt,
-    RateOpt,
-    SourceArg,
-    SpeedOpt,
-    TpotOpt,
-    TtftBaseOpt,
-    TtftPerTokenOpt,
-    WarmupOpt,
-    command_config,
-    global_levels,
+    app,
+    console,
+    load_with_progress,
+    progress_bar,
+    slug,
+    user_errors,
 )
+from smetric.cli.settings_options import Given, with_setting_flags
+from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
 from smetric.eval.plan import PlanSettings, plan_summary, search_plan
-from smetric.report.tables import Column, Table, print_table
-from smetric.sim.config import dump_yaml
+from smetric.report.results import write_plan
+from smetric.report.run_tables import plan_table
+from smetric.report.tables import print_table
+from smetric.sim.config import global_levels
 from smetric.sim.parallel import RunStore, default_jobs
-
-
-def plan_table(summary: dict) -> Table:
-    priced = summary["price_per_gpu_hour"] is not None
-    unit = summary["load_unit"]
-    title = (
-        f"Fewest instances serving the trace's load ({summary['trace_load']:g} {unit}) "
-        f"with {summary['attainment']:.0%} of requests within SLO"
-    )
-    headers = ["instances", "GPUs", "global tier", "TPS within SLO", "SLO met"]
-    headers += ["$ / M tokens"] if priced else []
-    columns = (Column("policy", "left"), *(Column(h) for h in headers))
-    rows, values, bold = [], [], set()
-    for i, (policy, plan) in enumerate(summary["plans"].items()):
-        if plan is None:
-            most = summary["instances_searched"][1]
-            rows.append((policy, f"> {most}", *["-"] * (len(headers) - 1)))
-            values.append({"policy": policy, "instances": None})
-            continue
-        size = plan["global_bytes"]
-        tier = plan["global"] if not size else f"{plan['global']} ({size / 1e9:,.0f} GB)"
-        if policy == summary["choice"]:
-            bold.add((i, 0))
-        row = [
-            policy,
-            str(plan["instances"]),
-            str(plan["gpus"]),
-            tier,
-            f"{plan['tps_within_slo']:,.0f}",
-            f"{plan['slo_attainment']:.0%}",
-        ]
-        value = {
-            "policy": policy,
-            **{k: plan[k] for k in ("instances", "gpus", "global", "global_bytes")},
-            **{k: plan[k] for k in ("tps_within_slo", "slo_attainment")},
-        }
-        if priced:
-            cost = plan["cost_per_million_tokens"]
-            row.append("-" if cost is None else f"{cost:,.3f}")
-            value["cost_per_million_tokens"] = cost
-        rows.append(tuple(row))
-        values.append(value)
-    return Table("plans", title, columns, tuple(rows), tuple(values), frozenset(bold))
 
 
 def _sets_duration(config: Path | None) -> bool:
@@ -90,7 +39,9 @@ def _sets_duration(config: Path | None) -> bool:
 
 
 @app.command()
+@with_setting_flags(sim_flags("plan"))
 def plan(
+    given: Given,
     source: SourceArg = None,
     config_path: ConfigOpt = None,
     policies: PoliciesOpt = None,
@@ -121,18 +72,6 @@ def plan(
     probes: Annotated[
         int, typer.Option(help="Knee search: probes per instance count at most.", min=2)
     ] = 10,
-    model: ModelOpt = None,
-    hardware: HardwareOpt = None,
-    gpus: GpusOpt = None,
-    kv_load: KvLoadOpt = None,
-    open_loop: OpenLoopOpt = None,
-    speed: SpeedOpt = None,
-    rate: RateOpt = None,
-    duration: DurationOpt = None,
-    warmup: WarmupOpt = None,
-    ttft_base: TtftBaseOpt = None,
-    ttft_per_token: TtftPerTokenOpt = None,
-    tpot: TpotOpt = None,
     out: OutOpt = None,
     jobs: JobsOpt = None,
 ) -> None:
@@ -148,16 +87,15 @@ def plan(
     within SLO against instances) and every run in OUT/runs/, so asking again simulates
     only what is new (default folder: smetric-out/plan-TRACE).
     """
-    params = locals()
-    from smetric.report.simulation import write_plan_png
-
     with user_errors():
-        base = command_config(params)
+        base = command_config(given, config_path, source, policies)
         trace = load_with_progress(base.workload.trace, base.workload.format)
-        if open_loop is None:
+        if "workload.open_loop" not in given:
             base = base.override("workload", open_loop=trace.has_clock)
-        if base.workload.open_loop and duration is None and not _sets_duration(config_path):
-            span = float(trace.requests["arrival_s"].max() or 0.0) / base.workload.speed
+        given_duration = "workload.duration_s" in given or _sets_duration(config_path)
+        if base.workload.open_loop and not given_duration:
+            last = typing.cast(float | None, trace.requests["arrival_s"].max())
+            span = float(last or 0.0) / base.workload.speed
             base = base.override("workload", duration_s=float(max(math.ceil(span) + 1, 2)))
         if base.warmup_s >= base.workload.duration_s:
             raise ValueError(f"--warmup {base.warmup_s:g} must be shorter than the duration")
@@ -185,10 +123,7 @@ def plan(
         block_size = int(trace.requests["block_size"][0]) if trace.num_requests else 16
         summary = plan_summary(base, points, settings, block_size)
     summary["runs_simulated"] = store.written
-    out.mkdir(parents=True, exist_ok=True)
-    dump_yaml(base, out / "config.yaml")
-    (out / "plan.json").write_text(json.dumps(summary, indent=1))
-    write_plan_png(summary, out / "plan.png")
+    write_plan(out, base, summary)
     print_table(plan_table(summary), console)
     console.print(
         f"\n{store.written} runs simulated now, the rest from {out}/runs/; "

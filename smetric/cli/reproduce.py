@@ -7,7 +7,16 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from smetric.cli.app import app, console, load_with_progress, progress_bar, slug, user_errors
+from smetric.cli.app import (
+    JobsOpt,
+    OutOpt,
+    app,
+    console,
+    load_with_progress,
+    progress_bar,
+    slug,
+    user_errors,
+)
 from smetric.cli.evaluation import (
     PolicyListOpt,
     check_page,
@@ -16,7 +25,7 @@ from smetric.cli.evaluation import (
     preset_option,
     report_command,
 )
-from smetric.cli.simulate import JobsOpt, OutOpt, SourceArg
+from smetric.cli.sim_options import SourceArg
 from smetric.eval.paper import is_large_model
 from smetric.eval.paper import title as paper_title
 from smetric.eval.preset import PRESETS, load_preset

@@ -15,7 +15,7 @@ from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import disaggregation_from, engines_from, router_options
 from smetric.serve.discovery import Discovery
-from smetric.serve.listen import listen
+from smetric.serve.listen import bound_port, listen
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
@@ -136,7 +136,14 @@ def serve(
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000,
+    port: Annotated[
+        int,
+        typer.Option(
+            help="Port to listen on (0: any free port; the startup line names it).",
+            min=0,
+            max=65535,
+        ),
+    ] = 8000,
     block_size: Annotated[
         int | None,
         typer.Option(help="Tokens per KV block (the engines' block size). Default: 16.", min=1),
@@ -227,7 +234,8 @@ def serve(
             help="Seconds an engine with requests in flight may show no progress (no byte "
             "of any response, no prompt or generation counter moved in its /metrics) "
             "before it is ejected as stalled and its requests that sent the client nothing "
-            "are retried elsewhere (0: never). Default: 20.",
+            "are retried elsewhere (0: never); prompts still to prefill add a second per "
+            "stall_prefill_tps tokens (config, default 1000). Default: 20.",
             min=0.0,
         ),
     ] = None,
@@ -386,10 +394,13 @@ def serve(
     shape = f"{len(engines)} engines"
     if disagg is not None:
         shape = f"{len(disagg.prefill_urls)} prefill + {len(disagg.decode_urls)} decode engines"
+    # One line, flushed before any worker forks: scripts read the port from it.
     console.print(
-        f"smetric serve: {settings.policy} over {shape} on http://{host}:{port}"
+        f"smetric serve: {settings.policy} over {shape} on http://{host}:{bound_port(sockets[0])}"
         + (f" ({workers} workers)" if workers > 1 else ""),
         highlight=False,
+        soft_wrap=True,
     )
+    console.file.flush()
     with user_errors():
         serve_router(router, sockets)

@@ -36,15 +36,15 @@ def trace_info(
         trace = load_with_progress(source, fmt)
         elapsed = time.perf_counter() - started
     frame = trace.requests
-    span = frame["arrival_s"] if trace.has_clock else frame["session_time_s"]
+    span = pl.col("arrival_s" if trace.has_clock else "session_time_s")
     rows = {
         "requests": f"{trace.num_requests:,}",
         "sessions": f"{trace.num_sessions:,}" + (" (inferred)" if trace.sessions_inferred else ""),
         "agents": f"{frame.select(['session_id', 'agent_id']).n_unique():,}",
         "clock": "global" if trace.has_clock else "per session only",
-        "time span": f"{(span.max() or 0) - (span.min() or 0):,.1f} s",
-        "input tokens": _total_and_mean(frame["input_tokens"]),
-        "output tokens": _total_and_mean(frame["output_tokens"]),
+        "time span": f"{frame.select(span.max() - span.min()).item() or 0:,.1f} s",
+        "input tokens": _total_and_mean(frame, "input_tokens"),
+        "output tokens": _total_and_mean(frame, "output_tokens"),
         "block size": ", ".join(str(b) for b in sorted(frame["block_size"].unique().to_list())),
         "blocks": f"{frame['block_ids'].list.len().sum():,}",
         "triggers": ", ".join(
@@ -61,8 +61,9 @@ def trace_info(
         out_console(table_format).print(f"[dim]note: {note}[/]")
 
 
-def _total_and_mean(column: pl.Series) -> str:
-    return f"{column.sum():,} (mean {column.mean() or 0:,.0f})"
+def _total_and_mean(frame: pl.DataFrame, name: str) -> str:
+    total, mean = frame.select(pl.col(name).sum(), pl.col(name).mean().alias("mean")).row(0)
+    return f"{total:,} (mean {mean or 0:,.0f})"
 
 
 @trace_app.command("convert")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -256,6 +256,14 @@ class PriceLearner:
             "decode_step_s": float(d0),
             "decode_prefill_token_s": float(prefill),
         }
+
+
+@runtime_checkable
+class Retunable(Protocol):
+    """A policy that takes the prices a learner estimates (``smetric_cost``), the only kind
+    ``price_learner`` makes a learner for."""
+
+    def retune(self, **values: float) -> None: ...
 
 
 def price_learner(

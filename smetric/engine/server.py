@@ -23,7 +23,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -78,10 +78,22 @@ def create_app(config: EngineConfig) -> web.Application:
     return app
 
 
-def run_engine(config: EngineConfig, sock: socket.socket) -> None:
+def run_engine(
+    config: EngineConfig,
+    sock: socket.socket,
+    on_ready: Callable[[web.Application], None] | None = None,
+) -> None:
     """Serve on the listening ``sock`` until interrupted; a client that disconnects cancels
-    its request at once."""
-    web.run_app(create_app(config), sock=sock, print=None, handler_cancellation=True)
+    its request at once. ``on_ready`` runs once the app's sockets are all bound, so what it
+    says of their addresses holds."""
+    app = create_app(config)
+    if on_ready is not None:
+
+        async def ready(app: web.Application) -> None:
+            on_ready(app)
+
+        app.on_startup.append(ready)  # after the cleanup contexts, which bind ZMQ
+    web.run_app(app, sock=sock, print=None, handler_cancellation=True)
 
 
 async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
@@ -104,7 +116,10 @@ class KVEventPublisher:
     def __init__(self, config: EngineConfig) -> None:
         if config.kv_events_endpoint is None:
             raise ValueError("KV events need kv_events_endpoint")
+        # What the sockets use: once bound, the addresses they got (``tcp://host:*`` binds
+        # a port the OS picks, which subscribers then need to know).
         self.endpoint = config.kv_events_endpoint
+        self.replay_endpoint = config.kv_events_replay_endpoint
         self.config = config
         self.topic = config.kv_events_topic.encode()
         self.seq = 0
@@ -120,13 +135,15 @@ class KVEventPublisher:
         bind = config.kv_events_bind
         if publisher_binds(self.endpoint) if bind is None else bind:
             pub.bind(self.endpoint)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             pub.connect(self.endpoint)
         self._pub = pub
         replay_task = None
-        if config.kv_events_replay_endpoint is not None:
+        if self.replay_endpoint is not None:
             router = context.socket(zmq.ROUTER)
-            router.bind(config.kv_events_replay_endpoint)
+            router.bind(self.replay_endpoint)
+            self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             replay_task = asyncio.create_task(self._replay(router))
         try:
             yield
@@ -184,8 +201,9 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     try:
         body = await _json_body(request)
         facts = analyze_request(body, api, _TOKENIZER, config.block_size)
+        assert isinstance(body, dict)  # analyze_request accepts nothing but an object
         max_tokens, stream, include_usage = _sampling(body, api, config.default_max_tokens)
-        params = body.get(KV_TRANSFER_PARAMS) if isinstance(body, dict) else None
+        params = body.get(KV_TRANSFER_PARAMS)
         transfers = request.app[TRANSFERS]
         transfers.check(params)
         if facts.prompt_tokens == 0:
@@ -215,7 +233,10 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             count += 1
         answer = reply.full(count, _usage(job))
         if params and params.get("do_remote_decode"):
-            answer[KV_TRANSFER_PARAMS] = transfers.hold(job, request.url.host, request.url.port)
+            host, port = request.url.host, request.url.port
+            # A served request's URL is absolute: a host, and a port given or the scheme's.
+            assert host is not None and port is not None
+            answer[KV_TRANSFER_PARAMS] = transfers.hold(job, host, port)
         return web.json_response(answer)
     finally:
         engine.cancel(job)
@@ -226,15 +247,20 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
 async def _stream(
     request: web.Request, job: EngineRequest, reply: _Reply, include_usage: bool
 ) -> web.StreamResponse:
-    """Server-sent events, one chunk per token as vLLM sends them; a gone client cancels."""
+    """Server-sent events, one chunk per token as vLLM sends them; a gone client cancels.
+
+    The headers leave at once, the body's first bytes only with the first token: vLLM's
+    ``OpenAIServingChat.chat_completion_stream_generator`` sends the role chunk on the
+    first output the engine yields (``first_iteration``), and a prefill yields none.
+    """
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
+        index = await job.tokens.get()
         for chunk in reply.opening():
             await _send(response, chunk)
-        index = await job.tokens.get()
         while index is not END:
             following = await job.tokens.get()
             await _send(response, reply.token(index, last=following is END))
@@ -251,7 +277,12 @@ async def _stream(
 async def _anthropic(
     request: web.Request, job: EngineRequest, model: str, stream: bool
 ) -> web.StreamResponse:
-    """The Messages API's shapes: one JSON message, or its named server-sent events."""
+    """The Messages API's shapes: one JSON message, or its named server-sent events.
+
+    As on the chat stream, nothing of the body precedes the first token: vLLM's
+    ``AnthropicServingMessages.message_stream_converter`` opens the message on the chat
+    stream's first chunk.
+    """
     reply = MessagesReply(model)
     if not stream:
         count = 0
@@ -264,10 +295,12 @@ async def _anthropic(
     )
     await response.prepare(request)
     try:
+        index = await job.tokens.get()
         for data in reply.opening(_anthropic_usage(job)):
             await response.write(data)
-        while (index := await job.tokens.get()) is not END:
+        while index is not END:
             await response.write(reply.token(filler_token(index)))
+            index = await job.tokens.get()
         for data in reply.closing(_anthropic_usage(job)):
             await response.write(data)
         await response.write_eof()
@@ -314,7 +347,8 @@ class _Reply:
         return {**body, "usage": usage}
 
     def opening(self) -> Iterable[dict[str, Any]]:
-        """vLLM opens a chat stream with an empty assistant delta; completions start at once."""
+        """vLLM opens a chat stream with an empty assistant delta, sent with the first
+        token; completions have no opening chunk."""
         if self.chat:
             delta = {"role": "assistant", "content": ""}
             yield self._chunk({"index": 0, "delta": delta, "finish_reason": None})

@@ -12,6 +12,7 @@ default SLO.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -98,7 +99,7 @@ def run_grid(
             settings,
             processes,
             trace,
-            lambda round_, runs, name=name: on_round(name, round_, runs),
+            functools.partial(on_round, name),
             store,
             with_requests=True,
         )
@@ -142,9 +143,7 @@ def rescored_knee(
         values = []
         for seed in seeds:
             job = probe_job(key, config, load, seed)
-            summary = store.get(job, with_requests=True)
-            if summary is None:
-                raise ValueError(f"{store.folder}: run {job.run_id} is missing")
+            summary = store.stored(job, with_requests=True)
             values.append(
                 tps_under_slo(store.requests(job), summary, slo, config.cluster.instances)
             )

@@ -357,7 +357,7 @@ def _large_reuse(result: Result) -> list[Comparison]:
         return [Comparison("19b", "Full tier: `smetric`'s local and overall reuse", "", "-")]
     mine = full["smetric"]["reuse"]
     overall = {p: v["reuse"]["local"] + v["reuse"]["global"] for p, v in full.items()}
-    best = max(overall, key=overall.get)
+    best = max(overall, key=overall.__getitem__)
     return [
         Comparison(
             "19b",

@@ -211,10 +211,10 @@ def plan_summary(
             "knee_load": point.knee.load,
             "cost_per_million_tokens": cost,
         }
-    ranked = [p for p in base.policies if plans[p] is not None]
+    ranked = {p: plan for p in base.policies if (plan := plans[p]) is not None}
     choice = min(
         ranked,
-        key=lambda p: (plans[p]["instances"], settings.globals.index(plans[p]["global"])),
+        key=lambda p: (ranked[p]["instances"], settings.globals.index(ranked[p]["global"])),
         default=None,
     )
     return {

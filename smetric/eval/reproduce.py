@@ -232,7 +232,8 @@ def _tiers(runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[s
         for p in policies:
             knee: Knee = knees[tier, p]
             runs = [
-                runner.store.get(probe_job((tier, p), cells[tier, p], knee.load, s)) for s in seeds
+                runner.store.stored(probe_job((tier, p), cells[tier, p], knee.load, s))
+                for s in seeds
             ]
             per_policy[p] = {"knee": dataclasses.asdict(knee), **_point(runs)}
         rival = best_baseline({p: v["knee"]["mean"] for p, v in per_policy.items()})

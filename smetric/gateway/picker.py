@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from smetric.core.conversation import RequestError, RequestFacts
+from smetric.core.conversation import Api, RequestError, RequestFacts
 from smetric.core.parsing import decode_body
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES
@@ -173,7 +173,7 @@ class Picker:
         completion.engine = engine.url
         return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
 
-    async def _analyze(self, raw: bytes, encoding: str, api: str) -> tuple[dict, RequestFacts]:
+    async def _analyze(self, raw: bytes, encoding: str, api: Api) -> tuple[dict, RequestFacts]:
         try:
             body = decode_body(decoded_body(raw, encoding, self.body_limit()))
         except BodyError as exc:
@@ -184,7 +184,7 @@ class Picker:
             raise Refusal(400, "body must be a JSON object")
         try:
             large = len(raw) > OFF_LOOP_BYTES
-            return body, await self.router.analyzer.analyze(body, api, large=large)  # type: ignore[arg-type]
+            return body, await self.router.analyzer.analyze(body, api, large=large)
         except RequestError as exc:
             raise Refusal(400, str(exc)) from None
         except (TimeoutError, OSError, ValueError) as exc:

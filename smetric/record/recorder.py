@@ -9,7 +9,7 @@ into place whole so a reader never sees half a file. After each segment it delet
 oldest ones until the folder is within ``max_bytes``. When the writer falls behind by
 ``max_pending`` observations, new ones are dropped and counted, never waited for.
 
-What is written is exactly the trace's columns (``SEGMENT_SCHEMA``): no text, no header
+What is written is exactly the trace's columns (``trace.recording_format``): no text, no header
 value, no key. Block ids are the router's own chained hashes passed through a keyed
 pseudo-random function under a per-deployment salt (``record.salt``), so an id cannot be
 tested against guessed content without the salt; session and agent names likewise.
@@ -35,43 +35,19 @@ import polars as pl
 
 from smetric.record.salt import Salter
 from smetric.trace.jsonl import list_column
+from smetric.trace.recording_format import (
+    FORMAT,
+    MANIFEST,
+    METADATA_KEY,
+    SEGMENT_GLOB,
+    SEGMENT_SCHEMA,
+    VERSION,
+)
 from smetric.trace.schema import Trigger, common_prefix_len
 
 log = logging.getLogger("smetric.record")
 
-FORMAT = "smetric-recording"
-VERSION = 1
-MANIFEST = "recording.json"
-SEGMENT_GLOB = "requests-*.parquet"
-METADATA_KEY = "smetric.recording"
 SALT_BYTES = 32
-
-SEGMENT_SCHEMA: dict[str, pl.DataType] = {
-    # Wall-clock seconds (Unix time) when the request arrived and when its response ended.
-    "arrival_s": pl.Float64(),
-    "completion_s": pl.Float64(),
-    # Prompt tokens as the router counted them (the units of its blocks), the output
-    # tokens and cached prompt tokens the engine reported (null where it did not).
-    "prompt_tokens": pl.Int64(),
-    "output_tokens": pl.Int64(),
-    "cached_tokens": pl.Int64(),
-    "turn": pl.Int32(),
-    # Salted names: the harness's session (else the conversation), the agent (the
-    # harness's, else the conversation) and the agent that spawned it (harness only).
-    "session": pl.Int64(),
-    "agent": pl.Int64(),
-    "parent_agent": pl.Int64(),
-    # user, agent or unknown from the body; the loader adds compaction.
-    "trigger": pl.String(),
-    "engine": pl.String(),
-    "branch": pl.String(),
-    # The prompt's salted block ids, stored as the leading ``shared_blocks`` of an earlier
-    # row of the same segment (``base_row``, the agent's latest request there) followed by
-    # ``new_block_ids``: a follow-up re-sends its history, which is then written once.
-    "base_row": pl.Int32(),
-    "shared_blocks": pl.Int32(),
-    "new_block_ids": pl.List(pl.Int64()),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +248,7 @@ class Recorder:
             latest[agent] = (len(segment.lengths), o.blocks)
             fresh.append(o.blocks[shared:])
             segment.lengths.append(len(o.blocks) - shared)
-            rows["base_row"].append(base[0] if shared else None)
+            rows["base_row"].append(base[0] if base is not None and shared else None)
             rows["shared_blocks"].append(shared)
             rows["arrival_s"].append(o.arrival_s)
             rows["completion_s"].append(o.completion_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from functools import wraps
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import matplotlib as mpl
 import numpy as np
@@ -19,6 +19,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 from smetric.report.terminal import REUSE_SOURCES, TRIGGER_SOURCES, Section, shares
+
+if TYPE_CHECKING:  # matplotlib names its rc keys from 3.10 on, and only for type checkers
+    from matplotlib.typing import RcKeyType
 
 DPI = 120
 COLORS = {
@@ -35,7 +38,7 @@ COLORS = {
 }
 LIGHT = frozenset({"miss", "unknown"})  # segments too pale for white labels
 REUSE_LABELS = {**REUSE_SOURCES, "miss": "Miss (computed)"}
-STYLE = {
+STYLE: dict[RcKeyType, Any] = {
     "font.size": 10,
     "axes.titlesize": 11,
     "axes.titleweight": "bold",

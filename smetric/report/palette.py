@@ -49,8 +49,8 @@ def _stable(text: str) -> int:
 
 def _shade(color: str, amount: float) -> str:
     target = 0.0 if amount < 0 else 1.0
-    mixed = (c + (target - c) * abs(amount) for c in to_rgb(color))
-    return to_hex(tuple(mixed))
+    red, green, blue = (c + (target - c) * abs(amount) for c in to_rgb(color))
+    return to_hex((red, green, blue))
 
 
 def _candidates(spec: str) -> list[str]:

@@ -19,7 +19,7 @@ import io
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rich import box
 from rich.cells import cell_len
@@ -40,7 +40,7 @@ class Column:
     A ``wrap`` column holds prose, which may wrap between words; numbers never do."""
 
     header: str
-    align: str = "right"
+    align: Literal["left", "right"] = "right"
     wrap: bool = False
 
     @property
@@ -163,7 +163,7 @@ def _rich(table: Table, group: list[int], widths: dict[int, int] | None = None) 
         column = table.columns[j]
         out.add_column(
             column.header,
-            justify=column.align,  # type: ignore[arg-type]
+            justify=column.align,
             no_wrap=not column.wrap,
             overflow="fold",
             min_width=(widths or {}).get(j),

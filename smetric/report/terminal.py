@@ -268,12 +268,12 @@ def render_summary(result: Mapping[str, Any], console: Console) -> None:
     notes = [Text(f"• {note}", style="yellow") for note in trace["notes"]]
     title = Text(f"Trace {trace['name']}")
     console.print(Panel(Group(facts, *notes), title=title, title_align="left", expand=False))
-    for name, title in TITLES.items():
+    for name, heading in TITLES.items():
         section = result.get(name)
         if section is None:
             continue
         console.print()
-        console.rule(Text(title, style="bold cyan"), align="left")
+        console.rule(Text(heading, style="bold cyan"), align="left")
         console.print(Text(finding(result, name), style="italic"))
         table = section_table(name, section)
         if table is not None:

@@ -86,6 +86,12 @@ class RouterSettings:
     # An engine with requests in flight that shows no progress (no byte, no counter
     # moved) this long is ejected as stalled, and its requests retried (0: never).
     stall_timeout_s: float = 20.0
+    # ...plus a second per this many prompt tokens routed there and not yet prefilled: a
+    # prefill sends nothing and moves no counter until its first token. The default is
+    # below the slowest long prefills the performance model puts on its presets: a fresh
+    # 129 k-token prompt of Qwen3-30B-A3B on one H20 at about 2,200 tokens/s (58 s), of
+    # Qwen3-235B-A22B-FP8 on four at about 1,700 (76 s).
+    stall_prefill_tps: float = 1000.0
     # Tries on other engines for a request that failed before the client got any byte.
     retries: int = 2
     # Passive health: this many failed requests in a row eject an engine, for a backoff
@@ -150,6 +156,7 @@ class Router:
             scrape_interval_s=settings.scrape_interval_s,
             staleness_s=settings.staleness_s,
             stall_timeout_s=settings.stall_timeout_s,
+            stall_prefill_tps=settings.stall_prefill_tps,
             outliers=OutlierDetector(
                 settings.eject_after, settings.eject_backoff_s, settings.eject_backoff_max_s
             ),

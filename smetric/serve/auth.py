@@ -14,8 +14,9 @@ import hmac
 from collections.abc import Collection
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
-from smetric.serve.errors import Handler, Middleware, error_response
+from smetric.serve.errors import error_response
 
 
 def presented_keys(request: web.Request) -> list[str]:

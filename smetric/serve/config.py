@@ -111,6 +111,7 @@ TUNABLE = (
     "scrape_interval_s",
     "staleness_s",
     "stall_timeout_s",
+    "stall_prefill_tps",
     "stream_headers_timeout_s",
     "memo_bytes",
     "max_body_bytes",

@@ -248,11 +248,11 @@ class Engine:
     def load(self, now: float, staleness_s: float, inflight: int | None = None) -> float:
         """In-flight requests (of every worker; ``inflight`` if already read), raised to
         what the engine reports queued if that is fresh."""
-        inflight = float(self.total_inflight() if inflight is None else inflight)
+        count = float(self.total_inflight() if inflight is None else inflight)
         report = self.report
         if report is None or now - report.at > staleness_s or report.queued is None:
-            return inflight
-        return max(inflight, report.queued)
+            return count
+        return max(count, report.queued)
 
     def restarted(self, report: EngineReport) -> bool:
         """The engine process changed since the previous scrape (its start time did)."""

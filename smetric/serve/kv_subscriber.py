@@ -148,6 +148,8 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         if self.bind:
             sub.bind(self.endpoint)
+            # The address it got: ``tcp://host:*`` binds a port the OS picks.
+            self.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             sub.connect(self.endpoint)
         self._sub = sub

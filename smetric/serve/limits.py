@@ -14,7 +14,7 @@ rendered prompt is checked against the longest the engines take before it is tok
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from smetric.core.blocks import Tokenizer
 from smetric.core.conversation import RequestError
@@ -76,7 +76,7 @@ class CappedTokenizer:
         self.name = tokenizer.name
         self.max_tokens = max_tokens
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> Sequence[int]:
         limit = self.max_tokens()
         if limit and len(text) > limit * CHARS_PER_TOKEN:
             raise RequestError(f"the prompt is longer than the engines' context of {limit} tokens")

@@ -6,6 +6,10 @@ the banner said "serving on ...". Several router workers each get their own sock
 same port with ``SO_REUSEPORT``, so the kernel spreads connections over them; a probe
 without it first makes sure no other process holds the port, since a second router with
 ``SO_REUSEPORT`` would otherwise quietly share it.
+
+Port 0 asks the OS for a free port at bind time (nothing can take it between choosing and
+binding); the first socket's port is the one every other worker binds, and the caller
+reads it back from the sockets to say where it serves.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import socket
 
 
 def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
-    """``count`` listening sockets on ``host:port``; ValueError, said plainly, if it is taken."""
+    """``count`` listening sockets on ``host:port`` (0: one the OS picks, shared by all);
+    ValueError, said plainly, if it is taken."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -23,11 +28,11 @@ def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
     family, _, _, _, address = infos[0]
     sockets: list[socket.socket] = []
     try:
-        _bind(family, address, reuse_port=False).close()  # nobody else holds it
-        if count == 1:
-            sockets.append(_bind(family, address, reuse_port=False))
-        else:
-            sockets.extend(_bind(family, address, reuse_port=True) for _ in range(count))
+        if port != 0:
+            _bind(family, address, reuse_port=False).close()  # nobody else holds it
+        sockets.append(_bind(family, address, reuse_port=count > 1))
+        address = (address[0], bound_port(sockets[0]), *address[2:])
+        sockets.extend(_bind(family, address, reuse_port=True) for _ in range(count - 1))
     except OSError as exc:
         for sock in sockets:
             sock.close()
@@ -50,3 +55,8 @@ def _bind(family: int, address: tuple, reuse_port: bool) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
+
+
+def bound_port(sock: socket.socket) -> int:
+    """The port ``sock`` listens on: the one the OS picked for port 0."""
+    return int(sock.getsockname()[1])

@@ -9,7 +9,10 @@ each says about itself.
 - **Stalls.** An engine with requests in flight whose responses bring no byte and whose
   progress counters do not move for ``stall_timeout_s`` is ejected as stalled, and its
   attempts are cut short (``Attempt.cut``), so those that sent nothing to their clients
-  are retried elsewhere. A non-streaming request cannot be told from a long generation by
+  are retried elsewhere. A prefill is silent by nature: it sends no byte until its first
+  token, and vLLM counts a prompt's tokens only then (``IterationStats``), so the engine
+  is allowed one more second of silence per ``stall_prefill_tps`` prompt tokens routed
+  there and not yet prefilled. A non-streaming request cannot be told from a long generation by
   its own bytes, but by the engine's progress it can: while requests are in flight the
   pool scrapes busy engines often enough to see the counters move. An engine whose
   ``/metrics`` answers without progress counters is never judged stalled by bytes alone.
@@ -51,6 +54,7 @@ class EnginePool:
         scrape_interval_s: float = 0.0,
         staleness_s: float = 5.0,
         stall_timeout_s: float = 20.0,
+        stall_prefill_tps: float = 1000.0,
         outliers: OutlierDetector | None = None,
         subscribers: dict[str, KVEventSubscriber] | None = None,
     ) -> None:
@@ -61,6 +65,9 @@ class EnginePool:
         self.scrape_interval_s = scrape_interval_s
         self.staleness_s = staleness_s
         self.stall_timeout_s = stall_timeout_s
+        if stall_prefill_tps <= 0:
+            raise ValueError(f"stall_prefill_tps must be positive, got {stall_prefill_tps}")
+        self.stall_prefill_tps = stall_prefill_tps
         self.outliers = outliers or OutlierDetector()
         # KV-event subscribers of the engines that have an events view, by engine URL.
         self.subscribers: dict[str, KVEventSubscriber] = dict(subscribers or {})
@@ -191,8 +198,11 @@ class EnginePool:
 
     def stalled(self, engine: Engine, now: float) -> bool:
         """Requests in flight, no byte from any of them and no counter moved for
-        ``stall_timeout_s``; never for an engine whose scrapes answer without counters."""
+        ``stall_timeout_s`` plus the time its unprefilled tokens may take; never for an
+        engine whose scrapes answer without counters."""
         if not engine.attempts or now - engine.progressed_at < self.stall_timeout_s:
+            return False
+        if now - engine.progressed_at < self.silence_allowed(engine):
             return False
         report = engine.report
         answered_without_counters = (
@@ -201,6 +211,11 @@ class EnginePool:
             and now - report.at <= self.stall_timeout_s
         )
         return not answered_without_counters
+
+    def silence_allowed(self, engine: Engine) -> float:
+        """Seconds ``engine`` may show no progress: the stall timeout, and its prefills'
+        time at ``stall_prefill_tps`` (every worker's, which all delay the first tokens)."""
+        return self.stall_timeout_s + engine.total_unprefilled() / self.stall_prefill_tps
 
     async def _watch_progress_forever(self) -> None:
         """Scrape busy engines often enough to see their counters move; eject the stalled."""

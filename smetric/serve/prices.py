@@ -18,7 +18,7 @@ from collections.abc import Callable
 from prometheus_client import Gauge
 
 from smetric.core.policies import RoutingPolicy, spec_params
-from smetric.core.prices import Completion, PriceLearner, price_learner
+from smetric.core.prices import Completion, PriceLearner, Retunable, price_learner
 from smetric.serve import forwarding
 from smetric.serve.engines import Engine
 
@@ -46,7 +46,8 @@ class PriceFeed:
         values = self.learner.observe(done)
         if values is None:
             return
-        self.policy.retune(**self.learner.learned())  # type: ignore[attr-defined]
+        assert isinstance(self.policy, Retunable)  # it has a learner
+        self.policy.retune(**self.learner.learned())
         self._export(values)
         log.info(
             json.dumps(

@@ -18,7 +18,7 @@ import polars as pl
 
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.policies import ClusterView, Policy, RoutingRequest
-from smetric.core.prices import Completion, PriceLearner
+from smetric.core.prices import Completion, PriceLearner, Retunable
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.model.perf import (
     Corrections,
@@ -216,7 +216,8 @@ class Simulation:
         assert self.learner is not None
         values = self.learner.observe(done)
         if values is not None:
-            self.policy.retune(**values)  # type: ignore[attr-defined]
+            assert isinstance(self.policy, Retunable)  # it has a learner
+            self.policy.retune(**values)
             self.learned.append((self.learner.observed, self.learner.learned()))
 
     def push(self, time: float, kind: int, payload: int, version: int = 0) -> None:

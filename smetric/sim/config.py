@@ -15,22 +15,27 @@ from typing import Any
 import msgspec
 import yaml
 
-from smetric.core.policies import POLICY_NAMES
-from smetric.core.policies.decode import make_decode_policy
+from smetric.core.policies import POLICY_NAMES, make_policy
+from smetric.core.policies.decode import DECODE_POLICY_NAMES, make_decode_policy
 from smetric.core.settings import setting, settings_of
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S
+from smetric.model.perf import HARDWARE_NAMES, MEDIUM_NAMES, MODEL_NAMES, load_medium
+
+KV_LOAD_MODES = ("sync", "async")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     instances: int = setting(32, "Instances in the cluster.", ge=1)
-    model: str = setting("Qwen3-Coder-30B-A3B", "Model preset.")
-    hardware: str = setting("H20", "GPU preset.")
+    model: str = setting("Qwen3-Coder-30B-A3B", f"Model preset: {', '.join(MODEL_NAMES)}.")
+    hardware: str = setting("H20", f"GPU preset: {', '.join(HARDWARE_NAMES)}.")
     gpus_per_instance: int = setting(1, "GPUs per instance (tensor parallel).", ge=1)
     # None: the model preset's own (fp8 for Qwen3-235B-A22B-FP8, else bf16).
-    weight_dtype: str | None = setting(None, "Weight dtype; none: the model preset's own.")
-    kv_dtype: str = setting("bf16", "KV-cache dtype.")
+    weight_dtype: str | None = setting(
+        None, "Weight dtype (bf16, fp8, fp32); none: the model preset's own."
+    )
+    kv_dtype: str = setting("bf16", "KV-cache dtype (bf16, fp8, fp32).")
     gpu_memory_utilization: float = setting(
         0.9, "Share of GPU memory the engine may use.", gt=0, le=1.0
     )
@@ -48,7 +53,7 @@ class ClusterConfig:
     )
     # "none", "full" (never evicts) or a multiple of the cluster's total local capacity.
     global_capacity: str = setting(
-        "full", "Global KV tier: none, full, or a multiple of local capacity."
+        "full", "Global KV tier: none, full, or a multiple of local capacity (1.6x)."
     )
     # Links to the global tier (kv.Route). The paper's testbed: servers of 8 H20 GPUs with
     # 200 Gbps RDMA NICs (about 21.7 GB/s effective each, as measured for such NICs); the
@@ -59,28 +64,42 @@ class ClusterConfig:
     nics_per_server: int = setting(
         4, "RDMA NICs per server, shared by its GPUs' global-tier traffic.", ge=1
     )
-    nic_gb_s: float = setting(21.7, "Effective bandwidth of one RDMA NIC, GB/s.", gt=0)
+    nic_gb_s: float = setting(
+        21.7, "Effective bandwidth of one RDMA NIC, GB/s (21.7: one 200 Gbps NIC).", gt=0
+    )
     pcie_gb_s: float = setting(50.0, "Bandwidth of a GPU's PCIe lane to host memory, GB/s.", gt=0)
     # What the connector reaches end to end on top of those links (presets/tiers.toml):
     # "line-rate" (the paper's testbed), "lmcache-cpu", "mooncake-rdma", "mooncake-tcp".
     global_medium: str = setting(
-        "line-rate", "How the global tier moves KV end to end (presets/tiers.toml)."
+        "line-rate",
+        f"How the global tier moves KV end to end: {', '.join(MEDIUM_NAMES)} (line-rate: "
+        "the paper's testbed; presets/tiers.toml); `smetric model` shows each one's cost.",
     )
     # How an admitted request reads the global tier: "sync" loads before the forward pass
     # and stretches that step (LMCache's default), "async" holds the request, not the batch.
-    kv_load: str = setting("sync", "Global-tier loads: sync (before the forward pass) or async.")
+    kv_load: str = setting(
+        "sync",
+        "Global-tier loads: sync (before the forward pass, stretching the step) or async "
+        "(the request waits, the batch runs on).",
+        choices=KV_LOAD_MODES,
+    )
     # PD disaggregation (the paper's Figure 4c, sim/pd.py): prefill_instances > 0 replaces
     # ``instances`` by that many prefill-only instances (they alone read the global tier)
     # and decode_instances that decode with the KV pulled from them over the links. No
     # decode instances is the paper's prefill-only evaluation: decode is not modelled and a
     # session's next turn comes assumed_tpot_s per output token after its prefill.
     prefill_instances: int = setting(
-        0, "PD disaggregation: prefill-only instances; replaces instances.", ge=0
+        0,
+        "PD disaggregation: prefill-only instances, routed by the policy on unprefilled "
+        "tokens; replaces instances.",
+        ge=0,
     )
     decode_instances: int = setting(
         0, "PD disaggregation: decode instances; 0: prefill-only evaluation.", ge=0
     )
-    decode_policy: str = setting("least_kv", "How the decode instance is chosen.")
+    decode_policy: str = setting(
+        "least_kv", f"How the decode instance is chosen: {', '.join(DECODE_POLICY_NAMES)}."
+    )
     assumed_tpot_s: float = setting(
         0.03, "Prefill-only evaluation: seconds per output token before the next turn.", ge=0
     )
@@ -212,6 +231,25 @@ def check_config(config: SimConfig, where: str = "") -> SimConfig:
 SECTIONS = ("cluster", "workload", "slo")
 
 
+def check_runnable(config: SimConfig) -> SimConfig:
+    """``config`` if a run of it can start, else a ValueError saying what stops it: a
+    setting out of bounds, a warm-up as long as the arrivals, an unknown policy, tier
+    capacity, load mode, medium or decode rule. Checked before a trace is loaded, so a
+    typo fails at once and names the valid values."""
+    check_config(config)
+    if config.warmup_s >= config.workload.duration_s:
+        raise ValueError(
+            f"warmup_s {config.warmup_s:g} must be shorter than workload.duration_s "
+            f"{config.workload.duration_s:g}"
+        )
+    for spec in config.policies:
+        make_policy(spec)
+    parse_global_capacity(config.cluster.global_capacity)
+    load_medium(config.cluster.global_medium)
+    check_disaggregation(config.cluster)
+    return config
+
+
 def load_yaml(path: Path) -> SimConfig:
     try:
         with path.open(encoding="utf-8") as stream:  # so a syntax error names the file
@@ -225,9 +263,6 @@ def load_yaml(path: Path) -> SimConfig:
 
 def dump_yaml(config: SimConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-
-
-KV_LOAD_MODES = ("sync", "async")
 
 
 def check_disaggregation(cluster: ClusterConfig) -> None:
@@ -261,3 +296,11 @@ def parse_global_capacity(text: str) -> float | None:
     if ratio < 0:
         raise ValueError(f"global capacity {text!r} must not be negative")
     return ratio
+
+
+def global_levels(text: str) -> list[str]:
+    """'none,1x,full' -> the checked global-tier capacities."""
+    levels = [g.strip() for g in text.split(",") if g.strip()]
+    for level in levels:
+        parse_global_capacity(level)
+    return levels

@@ -11,6 +11,7 @@ the search itself is a pure function of the values it has seen.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -98,6 +99,25 @@ def best_baseline(values: Mapping[str, float]) -> str | None:
     of ``linear:lam=0.3`` and ``linear:lam=0.9`` the better one counts."""
     rivals = [p for p in values if not is_ours(p)]
     return max(rivals, key=lambda p: values[p]) if rivals else None
+
+
+def knee_summary(
+    cells: Sequence[tuple[str, str]], policies: tuple[str, ...], knees: Mapping[tuple, Knee]
+) -> dict:
+    """Per (global tier, load mode) cell, every policy's knee and the best baseline."""
+    out = []
+    for glob, load in cells:
+        per_policy = {p: knees[(glob, load, p)] for p in policies}
+        rival = best_baseline({p: k.mean for p, k in per_policy.items()})
+        out.append(
+            {
+                "global": glob,
+                "kv_load": load,
+                "knees": {p: dataclasses.asdict(k) for p, k in per_policy.items()},
+                "best_baseline": rival,
+            }
+        )
+    return {"policies": list(policies), "cells": out}
 
 
 def with_load(config: SimConfig, load: float) -> SimConfig:

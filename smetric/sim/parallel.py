@@ -108,6 +108,13 @@ class RunStore:
             return None
         return json.loads(path.read_text())
 
+    def stored(self, job: Job, *, with_requests: bool = False) -> dict:
+        """The summary of a run that must be stored already (one a knee search probed)."""
+        summary = self.get(job, with_requests=with_requests)
+        if summary is None:
+            raise ValueError(f"{self.folder}: run {job.run_id} is missing")
+        return summary
+
     def requests(self, job: Job) -> pl.DataFrame:
         """The per-request table of a run stored with one."""
         return pl.read_parquet(self.folder / job.run_id / self.REQUESTS)

@@ -172,9 +172,11 @@ class DisaggSimulation(Simulation):
             if decode
             else []
         )
+        self.prefills: list[PrefillInstance] = []
         for instance in self.instances:
             assert isinstance(instance, PrefillInstance)
             instance.hold_for_pull = bool(self.decoders)
+            self.prefills.append(instance)
         self.instances += self.decoders
         self.plan_version += [0] * decode
         self.handoffs: dict[int, Handoff] = {}
@@ -228,7 +230,7 @@ class DisaggSimulation(Simulation):
 
     def _pulled(self, rid: int, at: float) -> None:
         source = self.inflight[rid].instance
-        self.instances[source].pulled(rid, at)  # type: ignore[attr-defined]
+        self.prefills[source].pulled(rid, at)
         self.push(at, WAKE, source)  # so an idle prefill instance frees the blocks
 
     def nic_links(self) -> tuple[list[Link], list[Link]]:

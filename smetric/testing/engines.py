@@ -13,13 +13,16 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from smetric.testing.ports import ADDRESS_IN_USE, port_for_external
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "real_engines"
 MODEL_NAME = "smollm2"
@@ -77,13 +80,6 @@ def run_setup(script: str) -> None:
         raise RuntimeError(f"{SCRIPTS / script} failed:\n{done.stderr[-3000:]}")
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on now (bound, then released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     """(status, body); status 0 when nothing answered."""
     try:
@@ -115,11 +111,16 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 @dataclass
 class EngineProcess:
-    """An engine server started as its own process group, logging to ``scratch``."""
+    """An engine server started as its own process group, logging to ``scratch``.
 
-    port: int
+    ``port`` is 0 until ``start_engines`` picks the ports (``choose_ports``) and starts it.
+    """
+
     scratch: Path
+    port: int = 0
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False, kw_only=True)
+    _log: Path | None = field(default=None, init=False, repr=False)
+    _log_start: int = field(default=0, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -127,7 +128,15 @@ class EngineProcess:
 
     @property
     def log_path(self) -> Path:
-        return self.scratch / f"{type(self).__name__}-{self.port}.log"
+        """One file for every start of this process, named once."""
+        if self._log is None:
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            handle, name = tempfile.mkstemp(
+                prefix=f"{type(self).__name__}-", suffix=".log", dir=self.scratch
+            )
+            os.close(handle)
+            self._log = Path(name)
+        return self._log
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -135,8 +144,14 @@ class EngineProcess:
     def environment(self) -> dict[str, str]:
         return dict(os.environ)
 
+    def choose_ports(self) -> None:
+        """Pick the ports the program binds."""
+        self.port = port_for_external()
+
     def start(self) -> None:
+        """Start on the ports chosen (a restart: the same ones, where clients look)."""
         self.scratch.mkdir(parents=True, exist_ok=True)
+        self._log_start = self.log_path.stat().st_size
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 self.command(),
@@ -172,6 +187,12 @@ class EngineProcess:
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(10.0)
 
+    def log_since_start(self) -> str:
+        """What the process wrote since its latest start."""
+        with self.log_path.open("rb") as log:
+            log.seek(self._log_start)
+            return log.read().decode(errors="replace")
+
     def log_tail(self, chars: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
@@ -185,19 +206,44 @@ class EngineProcess:
         return text
 
 
-@dataclass
+def start_engines(
+    engines: Sequence[EngineProcess], timeout_s: float = 420.0, tries: int = 3
+) -> None:
+    """Start ``engines`` on freshly chosen ports, all at once (they load their models side
+    by side), and wait for each; one that fails because another process took a port
+    between choosing and binding starts again on new ones."""
+    for engine in engines:
+        engine.choose_ports()
+        engine.start()
+    for engine in engines:
+        for attempt in range(tries):
+            try:
+                engine.wait_ready(timeout_s)
+                break
+            except RuntimeError:
+                taken = ADDRESS_IN_USE.search(engine.log_since_start())
+                engine.stop()
+                if taken is None or attempt == tries - 1:
+                    raise
+                engine.choose_ports()
+                engine.start()
+
+
+@dataclass(kw_only=True)
 class VLLMServer(EngineProcess):
     """One ``vllm.entrypoints.openai.api_server``, pinned to one core, prefix caching on.
 
-    Its KV events go to ``tcp://127.0.0.1:events_port`` (vLLM connects, the router's
-    subscriber binds) under ``topic``; its replay ROUTER binds ``replay_port``.
+    It publishes its KV events under ``topic`` on ``tcp://*:events_port`` and answers
+    replays on ``replay_port``, binding both itself (routers connect): then every port it
+    uses is one it binds, and a port taken before it started is seen, and chosen again,
+    before any router is configured with it.
     """
 
     install: VLLMInstall
-    events_port: int
-    replay_port: int
     topic: str
     core: int
+    events_port: int = 0
+    replay_port: int = 0
     # vLLM's ``--kv-transfer-config``, for one side of a disaggregated pair.
     kv_transfer: dict[str, object] | None = None
 
@@ -206,14 +252,20 @@ class VLLMServer(EngineProcess):
         return (
             f"  - url: {self.url}\n"
             f"    kv_events: {{endpoint: 'tcp://127.0.0.1:{self.events_port}', "
-            f"topic: {self.topic}, replay_endpoint: 'tcp://127.0.0.1:{self.replay_port}'}}\n"
+            f"topic: {self.topic}, replay_endpoint: 'tcp://127.0.0.1:{self.replay_port}', "
+            "bind: false}\n"
         )
+
+    def choose_ports(self) -> None:
+        # vLLM binds ``--port`` 0 but logs 0, and its publisher binds no wildcard port but
+        # ``tcp://*:0`` on the node's IP, which it logs nowhere: all three are picked here.
+        self.port, self.events_port, self.replay_port = (port_for_external() for _ in range(3))
 
     def command(self) -> list[str]:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{self.events_port}",
+            "endpoint": f"tcp://*:{self.events_port}",
             "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
             "topic": self.topic,
         }
@@ -282,10 +334,15 @@ def vllm_pd_pair(install: VLLMInstall, scratch: Path) -> list[VLLMServer]:
     return pair
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LlamaCppServer(EngineProcess):
     """One ``llama-server`` on one core, with ``slots`` parallel sequences whose KV it keeps
-    between requests (its prefix cache) and its Prometheus ``/metrics``."""
+    between requests (its prefix cache) and its Prometheus ``/metrics``.
+
+    Its port is picked for it (``choose_ports``), and picked again if taken: only some
+    releases of llama-server bind port 0 and print the port they got, and the build here
+    is whichever one llama-cpp-python vendors.
+    """
 
     install: LlamaCppInstall
     core: int
@@ -316,20 +373,11 @@ class LlamaCppServer(EngineProcess):
 
 
 def vllm_instances(install: VLLMInstall, scratch: Path, count: int = 2) -> list[VLLMServer]:
-    """``count`` vLLM instances on free loopback ports, each on a core of its own while
-    there are cores, each publishing KV events under its own topic."""
+    """``count`` vLLM instances (ports chosen when ``start_engines`` starts them), each on a
+    core of its own while there are cores, each publishing KV events under its own topic."""
     cores = os.cpu_count() or 1
     return [
-        VLLMServer(
-            free_port(),
-            scratch,
-            install=install,
-            events_port=free_port(),
-            replay_port=free_port(),
-            topic=f"kv-{i}",
-            core=i % cores,
-        )
-        for i in range(count)
+        VLLMServer(scratch, install=install, topic=f"kv-{i}", core=i % cores) for i in range(count)
     ]
 
 
@@ -337,6 +385,4 @@ def llama_cpp_instances(
     install: LlamaCppInstall, scratch: Path, count: int = 2
 ) -> list[LlamaCppServer]:
     cores = os.cpu_count() or 1
-    return [
-        LlamaCppServer(free_port(), scratch, install=install, core=i % cores) for i in range(count)
-    ]
+    return [LlamaCppServer(scratch, install=install, core=i % cores) for i in range(count)]

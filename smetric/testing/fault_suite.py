@@ -32,8 +32,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from smetric.testing.engines import EngineProcess, free_port, metric
+from smetric.testing.engines import EngineProcess, metric
 from smetric.testing.faulty import Fault, FaultyEngine
+from smetric.testing.ports import startup_port
 
 OUTCOMES = ("completed", "clean_error", "aborted", "unclean", "hung")
 JSON = {"Content-Type": "application/json"}
@@ -80,12 +81,34 @@ class Row:
 
 @dataclass
 class SmetricProcess(EngineProcess):
-    """``python -m smetric ARGS --port PORT`` in its own process group."""
+    """``python -m smetric ARGS --port PORT`` (``serve`` or ``engine``) in its own process
+    group. The first start binds port 0, a port the OS picks, and reads it from the
+    startup line; a restart binds that port again, where its clients look."""
 
     args: tuple[str, ...] = ()
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "smetric", *self.args, "--port", str(self.port)]
+
+    def choose_ports(self) -> None:
+        """None to choose: the process binds port 0."""
+
+    def wait_listening(self, timeout_s: float = 120.0) -> None:
+        """Until the startup line says the port (``url`` holds from then on)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            port = startup_port(self.log_since_start())
+            if port is not None:
+                self.port = port
+                return
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"smetric {' '.join(self.args)} exited:\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"smetric {' '.join(self.args)} said no port:\n{self.log_tail()}")
+
+    def wait_ready(self, timeout_s: float = 420.0) -> None:
+        self.wait_listening(timeout_s)
+        super().wait_ready(timeout_s)
 
     def rss_mb(self, peak: bool = False) -> float:
         """Resident memory now, or its high-water mark since the process started."""
@@ -199,7 +222,7 @@ class Suite:
 
     async def start_mocks(self, count: int) -> None:
         for _ in range(count):
-            mock = SmetricProcess(free_port(), self.scratch, args=("engine", "--speed", "1"))
+            mock = SmetricProcess(self.scratch, args=("engine", "--speed", "1"))
             mock.start()
             self.mocks.append(mock)
         for mock in self.mocks:
@@ -224,10 +247,11 @@ class Suite:
         for url in engines:
             args += ["-e", url]
         if config is not None:
-            path = self.scratch / f"router-{free_port()}.yaml"
-            path.write_text(config)
-            args += ["--config", str(path)]
-        router = SmetricProcess(free_port(), self.scratch, args=tuple(args))
+            handle, path = tempfile.mkstemp(prefix="router-", suffix=".yaml", dir=self.scratch)
+            with os.fdopen(handle, "w") as file:
+                file.write(config)
+            args += ["--config", path]
+        router = SmetricProcess(self.scratch, args=tuple(args))
         router.start()
         try:
             await asyncio.to_thread(router.wait_ready, 120.0)
@@ -392,12 +416,14 @@ async def clients_hang_up(
 
 
 class _Publisher:
-    """KV-event batches for the router's subscriber, as vLLM's publisher frames them."""
+    """KV-event batches for the router's subscriber, as vLLM's publisher frames them, on
+    ``endpoint``, a loopback port the OS picked."""
 
-    def __init__(self, endpoint: str, topic: bytes) -> None:
+    def __init__(self, topic: bytes) -> None:
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.PUB)
-        self.socket.connect(endpoint)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
         self.topic = topic
         self.seq = 0
         self.block = 0
@@ -422,53 +448,56 @@ async def kv_event_fault(suite: Suite, fault: str) -> None:
     then the fault, then valid batches again, while requests flow through the router."""
     scale = suite.scale
     urls = [m.url for m in suite.mocks]
-    port = free_port()
+    # The publisher binds (a port the OS picks) and the router connects to it: the router's
+    # own bound port would be known only to the router.
+    publisher = _Publisher(b"kv")
     config = (
         "engines:\n"
         f"  - url: {urls[0]}\n"
-        f"    kv_events: {{endpoint: 'tcp://127.0.0.1:{port}', topic: kv}}\n"
+        f"    kv_events: {{endpoint: '{publisher.endpoint}', topic: kv, bind: false}}\n"
     )
-    async with suite.router(urls[1:], config=config) as router:
-        publisher = _Publisher(f"tcp://127.0.0.1:{port}", b"kv")
-        notes: list[str] = []
+    try:
+        async with suite.router(urls[1:], config=config) as router:
+            notes: list[str] = []
 
-        async def batches_heard(client: aiohttp.ClientSession, url: str) -> float:
-            async with client.get(url + "/metrics") as response:
-                text = await response.text()
-            return metric(text, "smetric_kv_events_total", engine=urls[0], kind="batches")
+            async def batches_heard(client: aiohttp.ClientSession, url: str) -> float:
+                async with client.get(url + "/metrics") as response:
+                    text = await response.text()
+                return metric(text, "smetric_kv_events_total", engine=urls[0], kind="batches")
 
-        async def load(client: aiohttp.ClientSession, url: str) -> list[str]:
-            for _ in range(40):  # the slow joiner: publish until the router hears
-                await publisher.send(publisher.stored())
-                await asyncio.sleep(0.05)
-                if await batches_heard(client, url) > 0:
-                    break
-            first = asyncio.gather(
-                *(send(client, url, scale.deadline_s, json_body=chat(i)) for i in range(10))
-            )
-            if fault == "gap":
-                await publisher.send(publisher.stored(), seq=publisher.seq + 5)
-            elif fault == "garbage":
-                await publisher.send(b"\xc1 not msgpack")
-                await publisher.send(publisher.stored(token=1 << 40))
-            else:  # the engine restarts: a new process, its batches numbered from 0 again
-                await suite.restart(suite.mocks[0])
-                await publisher.send(publisher.stored(), seq=0)
-            await asyncio.sleep(0.3)  # the fault's own batches are in before counting
-            before = await batches_heard(client, url)
-            for _ in range(5):
-                await publisher.send(publisher.stored())
-            await asyncio.sleep(0.5)
-            applied = await batches_heard(client, url) - before
-            rest = asyncio.gather(
-                *(send(client, url, scale.deadline_s, json_body=chat(i)) for i in range(10, 20))
-            )
-            async with client.get(url + "/metrics") as response:
-                exact = metric(await response.text(), "smetric_engine_kv_view_exact")
-            notes.append(f"batches applied after the fault: {applied:.0f} of 5; exact {exact:.0f}")
-            return [*await first, *await rest]
+            async def load(client: aiohttp.ClientSession, url: str) -> list[str]:
+                for _ in range(40):  # the slow joiner: publish until the router hears
+                    await publisher.send(publisher.stored())
+                    await asyncio.sleep(0.05)
+                    if await batches_heard(client, url) > 0:
+                        break
+                first = asyncio.gather(
+                    *(send(client, url, scale.deadline_s, json_body=chat(i)) for i in range(10))
+                )
+                if fault == "gap":
+                    await publisher.send(publisher.stored(), seq=publisher.seq + 5)
+                elif fault == "garbage":
+                    await publisher.send(b"\xc1 not msgpack")
+                    await publisher.send(publisher.stored(token=1 << 40))
+                else:  # the engine restarts: a new process, its batches numbered from 0 again
+                    await suite.restart(suite.mocks[0])
+                    await publisher.send(publisher.stored(), seq=0)
+                await asyncio.sleep(0.3)  # the fault's own batches are in before counting
+                before = await batches_heard(client, url)
+                for _ in range(5):
+                    await publisher.send(publisher.stored())
+                await asyncio.sleep(0.5)
+                applied = await batches_heard(client, url) - before
+                rest = asyncio.gather(
+                    *(send(client, url, scale.deadline_s, json_body=chat(i)) for i in range(10, 20))
+                )
+                async with client.get(url + "/metrics") as response:
+                    exact = metric(await response.text(), "smetric_engine_kv_view_exact")
+                notes.append(
+                    f"batches applied after the fault: {applied:.0f} of 5; exact {exact:.0f}"
+                )
+                return [*await first, *await rest]
 
-        try:
             titles = {
                 "gap": "KV events: a gap",
                 "garbage": "KV events: garbage",
@@ -476,8 +505,8 @@ async def kv_event_fault(suite: Suite, fault: str) -> None:
             }
             row = await suite.scenario(titles[fault], router, load, urls)
             row.note = "; ".join(notes)
-        finally:
-            publisher.close()
+    finally:
+        publisher.close()
 
 
 def malformed_bodies() -> list[tuple[bytes, dict[str, str]]]:

@@ -48,7 +48,7 @@ def model_engines(
             + (cached - local) / truth["fetch_tps"]
             + 1.5 * per_token * queued
         )
-        output = int(rng.integers(2 * truth["output_tokens"] - 650, 650))
+        output = int(rng.integers(int(2 * truth["output_tokens"]) - 650, 650))
         tokens = float(rng.integers(10_000, 600_000))
         beside = float(rng.integers(0, 100_000))
         decode = (output - 1) * (0.005 + tokens * truth["kv_read_s"]) + beside * per_token / 2

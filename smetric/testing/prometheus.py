@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from smetric.testing.engines import free_port
+from smetric.testing.ports import port_for_external
 
 
 def prometheus_binary() -> str | None:
@@ -55,8 +55,11 @@ def run_prometheus(targets: dict[str, list[str]], scratch: Path) -> Iterator[Pro
         ],
     }
     (scratch / "prometheus.yml").write_text(yaml.safe_dump(config))
+    # Picked here, not port 0: the port Prometheus got could only be read from its log,
+    # whose wording differs between releases; a taken port makes it exit, and the loop
+    # picks another.
     for _ in range(5):
-        port = free_port()
+        port = port_for_external()
         log = (scratch / "prometheus.log").open("wb")
         process = subprocess.Popen(
             [

@@ -93,7 +93,11 @@ def _parse(path: Path, raw: pl.DataFrame) -> pl.DataFrame:
         pl.col("input").is_null() | (pl.col("input") < 0),
         pl.col("output").is_null() | (pl.col("output") < 0),
     )
-    first_bad = {name: bad[name].arg_max() for name in problems if bad[name].any()}
+    first_bad = {
+        name: row
+        for name in problems
+        if bad[name].any() and (row := bad[name].arg_max()) is not None
+    }
     if first_bad:
         name, row = min(first_bad.items(), key=lambda item: item[1])
         column, problem = problems[name]

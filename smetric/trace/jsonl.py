@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from collections.abc import Collection, Sequence
 from itertools import chain
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -53,7 +54,7 @@ def read_jsonl(path: Path, kind: type[T]) -> tuple[list[T], list[int]]:
     return records, lines
 
 
-def block_columns(blocks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def block_columns(blocks: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Flat ids and per-request offsets, the form loops over block ids work on."""
     offsets = np.zeros(len(blocks) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in blocks], out=offsets[1:])

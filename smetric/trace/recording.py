@@ -23,8 +23,14 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from smetric.record.recorder import FORMAT, MANIFEST, METADATA_KEY, SEGMENT_GLOB, SEGMENT_SCHEMA
 from smetric.trace.jsonl import block_columns, list_column
+from smetric.trace.recording_format import (
+    FORMAT,
+    MANIFEST,
+    METADATA_KEY,
+    SEGMENT_GLOB,
+    SEGMENT_SCHEMA,
+)
 from smetric.trace.schema import (
     Trace,
     TraceError,
@@ -223,7 +229,7 @@ def _notes(rows: pl.DataFrame, info: dict, dropped: int) -> list[str]:
         "and compactions inferred from block prefixes."
     ]
     if reported.height:
-        share = reported["cached_tokens"].sum() / max(reported["prompt_tokens"].sum(), 1)
+        share = int(reported["cached_tokens"].sum()) / max(int(reported["prompt_tokens"].sum()), 1)
         notes.append(
             f"Engines reported {share:.1%} of prompt tokens cached "
             f"({reported.height:,} requests reporting)."

@@ -333,4 +333,4 @@ def _issue_order(rows: _Rows) -> np.ndarray:
     """Sessions in file order; within one, by time, the parent before its children."""
     session_rank = {s: i for i, s in enumerate(dict.fromkeys(rows.session_id))}
     keys = [session_rank[s] for s in rows.session_id]
-    return np.lexsort((np.arange(len(keys)), rows.session_time_s, keys))
+    return np.lexsort((np.arange(len(keys)), np.asarray(rows.session_time_s), np.asarray(keys)))

@@ -24,6 +24,7 @@ from smetric.core.policies.registry import (
     policy_params,
     resolve_policy,
     spec_params,
+    split_policies,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "policy_params",
     "resolve_policy",
     "spec_params",
+    "split_policies",
 ]

@@ -130,6 +130,17 @@ def spec_params(spec: str) -> tuple[str, dict[str, float]]:
     return name, params
 
 
+def split_policies(text: str) -> tuple[str, ...]:
+    """'smetric,linear:lam=0.95' -> two specs; a ',' inside name:k=v,k=v stays with it."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if "=" in part and ":" not in part and out:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return tuple(out)
+
+
 def make_policy(
     spec: str, derived: Mapping[str, float] | None = None, load: str = "inflight_requests"
 ) -> RoutingPolicy:
