@@ -57,7 +57,7 @@ WORDS = [
     "dict",
     "str",
 ]
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {

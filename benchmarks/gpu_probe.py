@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -170,10 +171,8 @@ def measure(device: str, shapes: Shapes, repeats: int) -> list[Measurement]:
         kd = rand(batch, KV_HEADS, shapes.decode_context, HEAD_DIM)
         vd = rand(batch, KV_HEADS, shapes.decode_context, HEAD_DIM)
         nbytes = 2 * batch * KV_HEADS * shapes.decode_context * HEAD_DIM * kd.element_size()
-        seconds = timed(
-            lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
-            repeats,
-        )
+        attention = functools.partial(F.scaled_dot_product_attention, qd, kd, vd, enable_gqa=True)
+        seconds = timed(attention, repeats)
         out.append(Measurement(f"decode_attention_b{batch}", seconds, nbytes=nbytes))
 
     # Weight streaming: one read of a tensor far larger than the caches.

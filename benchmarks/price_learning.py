@@ -47,8 +47,9 @@ def convergence(requests: int, seeds: int) -> None:
             per_seed.append(requests_to_converge(refits, H20_PRICES))
         cells = []
         for name in LEARNABLE:
-            counts = [s[name] for s in per_seed]
-            cells.append("never" if None in counts else f"{min(counts)}-{max(counts)}")
+            counts = [c for s in per_seed if (c := s[name]) is not None]
+            converged = len(counts) == len(per_seed)
+            cells.append(f"{min(counts)}-{max(counts)}" if converged else "never")
         print(f"| {factor:g}x | " + " | ".join(cells) + " |")
 
 

@@ -130,11 +130,11 @@ async def run(
             "agent": lambda r, tag: agent_bodies(r, tag, sessions),
             "tiny": lambda r, tag: tiny_bodies(r, tag, requests),
         }
-        shapes = {name: makers[name] for name in shapes.split(",")}
+        chosen = {name: makers[name] for name in shapes.split(",")}
         for url, tag in ((plain, "warm-plain"), (recording, "warm-rec")):
             await drive(url, agent_bodies(99, tag, 2), concurrency, "warm")
         for r in range(rounds):
-            for shape, make in shapes.items():
+            for shape, make in chosen.items():
                 for name, url in (("plain", plain), ("recording", recording)):
                     bodies = make(r, f"{name}-{shape}")
                     before = cpu_s(pids[url])
@@ -144,7 +144,7 @@ async def run(
                     used = (cpu_s(pids[url]) - before) / max(result.requests, 1)
                     results.setdefault((shape, name), []).append(Phase(result, used))
         procs.stop()  # SIGTERM: the recording router writes what it still holds
-        for shape in shapes:
+        for shape in chosen:
             count = results[(shape, "plain")][0].result.requests
             print(f"\n{shape} bodies, {count} requests a round, concurrency {concurrency}:")
             print(f"{'':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'CPU ms/req':>12}")

@@ -36,7 +36,7 @@ from agentic_bodies import agent_messages, chat_body, prose, session_turns
 
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer, Tokenizer
-from smetric.core.conversation import ChatTemplate, analyze_request
+from smetric.core.conversation import ChatTemplate, RequestFacts, analyze_request
 from smetric.core.parsing import decode_body
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
@@ -53,7 +53,7 @@ CLOCK: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.p
 
 def decide(
     router: Router, raw: bytes, memo: BlockMemo | None, clock: Callable[[], float]
-) -> tuple[float, object]:
+) -> tuple[float, RequestFacts]:
     """Seconds to decide one request (from its raw body), and its facts."""
     started = clock()
     body = decode_body(raw)

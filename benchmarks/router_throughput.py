@@ -123,10 +123,18 @@ def wrk(target: Target, script: Path, connections: int, seconds: int) -> Cell:
     cpu = cpu_seconds(target.pid) - cpu
     if "Non-2xx" in out or "Socket errors" in out:
         raise RuntimeError(f"{target.url}: errors under load:\n{out}")
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    requests = int(re.search(r"(\d+) requests in", out).group(1))
-    value, unit = re.search(r"Latency\s+([\d.]+)(us|ms|s)", out).groups()
-    return Cell(rps, float(value) * UNITS[unit], cpu / max(requests, 1) * 1e6)
+    (rps,) = _report(r"Requests/sec:\s+([\d.]+)", out)
+    (requests,) = _report(r"(\d+) requests in", out)
+    value, unit = _report(r"Latency\s+([\d.]+)(us|ms|s)", out)
+    return Cell(float(rps), float(value) * UNITS[unit], cpu / max(int(requests), 1) * 1e6)
+
+
+def _report(pattern: str, out: str) -> tuple[str, ...]:
+    """The groups of ``pattern`` in wrk's report, which must hold it."""
+    found = re.search(pattern, out)
+    if found is None:
+        raise RuntimeError(f"wrk's report has no {pattern!r}:\n{out}")
+    return found.groups()
 
 
 async def targets(procs: Processes) -> dict[str, Target]:
@@ -219,8 +227,8 @@ def main() -> None:
     )
     for body in bodies:
         for workers in (1, 2):
-            ours, theirs = runs[body, 32, f"smetric x{workers}"], runs[body, 32, "sglang"]
-            rps = [a.rps / b.rps for a, b in zip(ours, theirs, strict=True)]
+            mine, sglang = runs[body, 32, f"smetric x{workers}"], runs[body, 32, "sglang"]
+            rps = [a.rps / b.rps for a, b in zip(mine, sglang, strict=True)]
             direct = [c.latency_ms for c in runs[body, 1, "direct"]]
             added_ours = added(runs[body, 1, f"smetric x{workers}"], direct)
             added_theirs = added(runs[body, 1, "sglang"], direct)

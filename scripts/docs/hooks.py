@@ -21,7 +21,6 @@ import dataclasses
 import inspect
 import sys
 import textwrap
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -139,7 +138,7 @@ def _field_notes(cls: type) -> dict[str, str]:
         ):
             notes[name] = inspect.cleandoc(after.value.value)
             continue
-        comments = []
+        comments: list[str] = []
         row = node.lineno - 2
         while row >= 0 and lines[row].strip().startswith("#"):
             comments.insert(0, lines[row].strip().lstrip("#").strip())
@@ -187,11 +186,14 @@ def flag_help(command: str) -> dict[str, str]:
     """Per setting: the help of the ``smetric COMMAND`` flag that sets it, where one does:
     the flag of its own name, or of its name less ``_s`` (seconds) or ``s`` (a list)."""
     import typer.main
+    from typer.core import TyperGroup
 
     from smetric.cli import app
 
-    params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
-    out = {}
+    root = typer.main.get_command(app)
+    assert isinstance(root, TyperGroup)  # the app has subcommands
+    params = root.commands[command].params
+    out: dict[str, str] = {}
     for param in params:
         text = plain(getattr(param, "help", None))
         for name in (param.name, f"{param.name}_s", f"{param.name}s"):
@@ -277,13 +279,15 @@ def _families() -> Iterator[tuple[str, str, str, list[str]]]:
     """(name, type, help, labels) of every metric a router's registry exports."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from smetric.serve.kv_subscriber import SubscriberCounters
+    from smetric.core.kv_events import EventIndex
+    from smetric.serve.kv_subscriber import KVEventSubscriber
     from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 
     engine = "http://engine:8000"
     metrics = RouterMetrics("smetric", [engine])
-    stand_in = types.SimpleNamespace(exact=True, counters=SubscriberCounters())
-    metrics.registry.register(SubscriberCollector({engine: stand_in}))  # type: ignore[dict-item]
+    # Never started: a subscriber opens its sockets only then, and exports its state now.
+    subscriber = KVEventSubscriber(EventIndex(16), "tcp://127.0.0.1:5557", "")
+    metrics.registry.register(SubscriberCollector({engine: subscriber}))
     wrappers = {
         m._name: list(m._labelnames)
         for m in vars(metrics).values()
