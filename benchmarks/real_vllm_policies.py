@@ -1,7 +1,7 @@
 """SMetric against least-load and cache-aware routing, in front of two real vLLM engines.
 
     python benchmarks/real_vllm_policies.py [--duration 120] [--rate 0.1] [--token-scale 30]
-        [--policies smetric_cost,smetric,least_load,cache_aware]
+        [--policies smetric_cost,smetric,least_load,cache_aware] [--json OUT.json]
 
 Needs vLLM's CPU build and its model (``scripts/real_engines/setup_vllm.sh``); without them
 this prints why and exits 0. For each policy, two fresh vLLM instances (one core each, so no
@@ -14,12 +14,15 @@ requests/s, p50/p90 end-to-end latency, prefix-cache hit ratio and imbalance (ma
 requests per engine); from the replayer: TTFT p50/p90, and how often the router's predicted
 hit (``x-smetric-predicted-hit-tokens``) equalled the cached tokens vLLM reported; for a
 policy that learns its prices (``smetric_cost``), what its router learned of the engines.
+``--json`` writes those figures per policy, the input of ``benchmarks/real_vllm_twin.py``
+(the simulator run as this setup, beside them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -99,6 +102,7 @@ def main() -> None:
     parser.add_argument("--token-scale", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default=POLICIES, help="comma-separated policy specs")
+    parser.add_argument("--json", type=Path, help="also write the figures per policy here")
     args = parser.parse_args()
     install = find_vllm()
     if install is None:
@@ -116,6 +120,7 @@ def main() -> None:
         f"{args.rate}/s for {args.duration:.0f} s, tokens / {args.token_scale:g}, seed {args.seed}",
     )
     print(f"{'policy':<20}{'TTFT p50 s':>11}{'TTFT p90 s':>11}{'predicted == cached':>21}")
+    figures = {}
     for outcome, replayer in runs:
         done = [r for r in replayer.records.values() if r.finished_s is not None]
         ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
@@ -124,6 +129,21 @@ def main() -> None:
             f"{outcome.router:<20}{percentile(ttft, 0.5):>11.2f}{percentile(ttft, 0.9):>11.2f}"
             f"{sum(exact):>14} of {len(exact):<5}"
         )
+        figures[outcome.router] = {
+            "completed": len(outcome.latencies),
+            "failed": outcome.failed,
+            "rps": outcome.rps,
+            "latency_p50_s": percentile(outcome.latencies, 0.5),
+            "latency_p90_s": percentile(outcome.latencies, 0.9),
+            "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p90_s": percentile(ttft, 0.9),
+            "hit_ratio": outcome.hit_ratio,
+            "imbalance": outcome.imbalance,
+            # Per finished request: session, turn, prompt tokens, cached tokens.
+            "requests": [[r.session_id, r.turn, r.prompt_tokens, r.cached_tokens] for r in done],
+        }
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
     for policy, values in LEARNED.items():
         if values:
             learned = ", ".join(f"{k}={v:.3g}" for k, v in sorted(values.items()))

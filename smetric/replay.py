@@ -18,13 +18,17 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
+import numpy as np
 import polars as pl
 
+from smetric.core.block_memo import BlockMemo
+from smetric.core.blocks import Tokenizer
+from smetric.core.conversation import ChatTemplate, analyze_request
 from smetric.core.headers import (
     DECODE_HEADER,
     ENGINE_HEADER,
@@ -39,7 +43,7 @@ from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S, summarize, with_latencies
 from smetric.trace.compose import ClosedLoopIssuer, compose_sessions, replay_arrivals
 from smetric.trace.sample import sample_sessions
-from smetric.trace.schema import Trace
+from smetric.trace.schema import Trace, common_prefix_len, finalize
 
 _WORDS = ("read", "file", "grep", "test", "patch", "build", "diff", "log", "run", "fix")
 
@@ -74,6 +78,83 @@ def next_conversation(
         return [system, task]
     grown = max(scaled - sum(len(m["content"]) for m in history), MIN_CHUNK)
     return [*history, {"role": "user", "content": filler(f"{session}/{turn}", grown)}]
+
+
+def scaled_output(trace_tokens: int, token_scale: float) -> int:
+    """The ``max_tokens`` a replay asks for a trace output of ``trace_tokens``."""
+    return max(round(trace_tokens / token_scale), 1)
+
+
+def replayed_trace(
+    trace: Trace,
+    token_scale: float,
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None,
+    block_size: int,
+    max_model_len: int,
+) -> Trace:
+    """``trace`` as ``Replayer`` sends it at ``token_scale`` to engines that tokenise with
+    ``tokenizer`` and ``template``: so that the simulator can run what a replay measured.
+
+    A row's prompt is the conversation a replayed session sends for it (``next_conversation``
+    over its parent's messages and answer), rendered and cut into ``block_size`` blocks as
+    the router cuts it, so its length is the engine's prompt tokens and its block ids share
+    exactly what the replayed prompts share: a session's history, and the leading blocks of
+    the common system prompt across sessions (its ``shared_prefix_blocks``, which every
+    session copy keeps). An answer is stood in for by filler text of the scaled output's
+    length in tokens (the engine's real answer differs in text, not in length). Outputs are
+    scaled as ``max_tokens`` is. A request the engines refuse (prompt and output over
+    ``max_model_len``) stays, and its descendants go: a replayed session stops there.
+    """
+    rows = trace.requests.select(
+        "session_id", "parent_id", "input_tokens", "output_tokens", "turn"
+    ).rows()
+    probe = filler("probe", 4000)
+    chars_per_token = len(probe) / max(len(tokenizer.encode(probe)), 1)
+    # Two copies of every session: what their renderings share, every copy shares.
+    sent: tuple[dict[int, list[dict[str, str]]], ...] = ({}, {})
+    outputs: list[int] = []
+    prompts: list[int] = []
+    blocks: list[list[int]] = []
+    shared: list[int] = []
+    keep: list[bool] = []
+    dense: dict[int, int] = {}
+    # Each follow-up resends its history: the memo encodes a segment once, as a router does.
+    memo = BlockMemo(tokenizer, block_size)
+    for rid, (session, parent, tokens, output, turn) in enumerate(rows):
+        outputs.append(scaled_output(output, token_scale))
+        keep.append(
+            parent is None or (keep[parent] and prompts[parent] + outputs[parent] <= max_model_len)
+        )
+        facts = []
+        for copy, messages in enumerate(sent):
+            name = f"{session}#{copy}"
+            history = None
+            if parent is not None:
+                answer = filler(f"{name}/{parent}/answer", round(outputs[parent] * chars_per_token))
+                history = [*messages[parent], {"role": "assistant", "content": answer}]
+            messages[rid] = next_conversation(name, turn, tokens, history, token_scale)
+            body = {"messages": messages[rid]}
+            facts.append(analyze_request(body, "chat", tokenizer, block_size, template, memo))
+        prompts.append(facts[0].prompt_tokens)
+        blocks.append([dense.setdefault(int(h), len(dense)) for h in facts[0].blocks])
+        shared.append(common_prefix_len(facts[0].blocks, facts[1].blocks))
+    kept = np.flatnonzero(keep)
+    renumbered = np.full(len(rows), -1, dtype=np.int64)
+    renumbered[kept] = np.arange(len(kept))
+    parents = trace.requests["parent_id"].fill_null(-1).to_numpy()[kept]
+    frame = trace.requests[kept].with_columns(
+        request_id=pl.Series(np.arange(len(kept))),
+        parent_id=pl.Series(np.where(parents >= 0, renumbered[parents], -1)),
+        input_tokens=pl.Series(np.array(prompts)[kept]),
+        output_tokens=pl.Series(np.array(outputs)[kept]),
+        block_size=pl.lit(block_size),
+        block_ids=pl.Series([blocks[i] for i in kept], dtype=pl.List(pl.Int64())),
+        shared_prefix_blocks=pl.Series(np.array(shared)[kept]),
+    )
+    note = f"prompts as replayed with tokens / {token_scale:g}, {tokenizer.name} tokens"
+    frame = frame.with_columns(parent_id=pl.when(pl.col("parent_id") >= 0).then("parent_id"))
+    return replace(trace, requests=finalize(frame), notes=(*trace.notes, note))
 
 
 # The simulator's per-request columns (``request_table``), with their types.

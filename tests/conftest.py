@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import textwrap
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -73,6 +74,24 @@ def events_engine(port: int, events_port: int, replay_port: int, topic: str, **e
         f"    kv_events: {{endpoint: 'tcp://127.0.0.1:{events_port}', topic: {topic}, "
         f"replay_endpoint: 'tcp://127.0.0.1:{replay_port}'{keys}}}\n"
     )
+
+
+# Bound, never listening, held until the run ends: connections to these ports are
+# refused (a dead engine), and no server started meanwhile can be given one of them.
+_REFUSING: list[socket.socket] = []
+
+
+def closed_port() -> int:
+    """A loopback port that refuses connections for the rest of the run."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _REFUSING.append(sock)
+    return int(sock.getsockname()[1])
+
+
+def zmq_port(endpoint: str) -> int:
+    """The port of a bound ZMQ endpoint as the socket reports it (``tcp://HOST:PORT``)."""
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 def block_stored(

@@ -17,7 +17,16 @@ from aiohttp.test_utils import TestServer
 from test_router_view import HeldEngine, with_held_engines
 from test_router_view import chat as held_chat
 from test_router_view import conversation as held_conversation
-from test_serve import chat, closed_port, conversation, eventually, run, with_cluster, with_router
+from test_serve import (
+    ANY_PORT,
+    chat,
+    conversation,
+    events_engine_of,
+    eventually,
+    run,
+    with_cluster,
+    with_router,
+)
 
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.policies import ClusterView, RoutingRequest, make_policy
@@ -29,7 +38,7 @@ from smetric.serve.engines import Engine
 from smetric.serve.global_tier import ServedPrompts, global_tier_from
 from smetric.serve.workers import PeerViews
 
-from conftest import events_engine, until_heard
+from conftest import until_heard
 
 BS = 16
 
@@ -51,23 +60,24 @@ def test_the_global_hit_comes_from_blocks_engines_report_on_a_cpu_medium(
     """An engine that offloads (``--cpu-offload-blocks``) announces its CPU blocks; once its
     GPU evicted a session, the router sees the session's prefix in the global tier only,
     and the engine indeed serves exactly that much from its CPU store."""
-    events_port, replay_port = closed_port(), closed_port()
+    # The engine binds both sockets on ports the OS picks; the router connects to them.
     config = EngineConfig(
         speed=0.0001,
         kv_blocks=120,  # a few sessions' prompts: later sessions evict earlier ones
         cpu_offload_blocks=1000,
-        kv_events_endpoint=f"tcp://127.0.0.1:{events_port}",
-        kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        kv_events_endpoint=ANY_PORT,
+        kv_events_bind=True,
+        kv_events_replay_endpoint=ANY_PORT,
     )
     caplog.set_level(logging.INFO, logger="smetric.serve")
 
     async def scenario() -> None:
         engine_server = TestServer(create_app(config), host="127.0.0.1")
         await engine_server.start_server()
+        publisher = engine_server.app[KV_EVENTS]
         yaml_file = tmp_path / "engines.yaml"
         yaml_file.write_text(
-            "router:\n  global_tier: events\nengines:\n"
-            + events_engine(engine_server.port, events_port, replay_port, "kv")
+            "router:\n  global_tier: events\nengines:\n" + events_engine_of(engine_server, "kv")
         )
         loaded = load_config(ServeConfig, yaml_file)
         engines, subscribers = engines_from(loaded.engines, 1000, BS)
@@ -75,7 +85,6 @@ def test_the_global_hit_comes_from_blocks_engines_report_on_a_cpu_medium(
         settings.health_interval_s = 60
         router = Router(engines, settings, subscribers=subscribers)
         subscriber = subscribers[engines[0].url]
-        publisher = engine_server.app[KV_EVENTS]
 
         async def settled() -> None:
             await eventually(lambda: subscriber.tracker.last == publisher.seq - 1)

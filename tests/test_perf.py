@@ -48,6 +48,7 @@ def test_presets_cover_the_paper_setups() -> None:
     [
         ("Qwen3-30B-A3B", 30.5e9, 3.0e9, 98_304, "bf16"),
         ("Qwen3-Coder-30B-A3B", 30.5e9, 3.0e9, 98_304, "bf16"),
+        ("Qwen3-Coder-30B-A3B-FP8", 30.5e9, 3.0e9, 98_304, "fp8"),
         ("Qwen3-235B-A22B-FP8", 235e9, 21.6e9, 192_512, "fp8"),
     ],
 )
@@ -290,6 +291,17 @@ def test_long_context_is_fitted_and_checked() -> None:
     rows = fidelity.anchors()
     assert any(a.fit and a.within and prompt[a.id] >= 64_000 for a in rows)
     assert any(not a.fit and a.within and prompt[a.id] >= 60_000 for a in rows)
+
+
+def test_long_context_rows_are_counted_per_gpu_and_shown() -> None:
+    counts = fidelity.long_context_rows()
+    assert set(counts) == set(HARDWARE_NAMES)
+    assert counts["H20"] >= 2 and counts["H200"] >= 1
+    long = [a for a in fidelity.anchors() if a.params.get("prompt", 0) >= 64_000]
+    assert sum(counts.values()) == len(long)
+    page = fidelity.markdown()
+    for gpu, n in counts.items():
+        assert (f"{gpu} {n} row" in page) if n else (f"{gpu} none" in page)
 
 
 def test_explained_rows_state_a_reason_the_step_model_cannot_see() -> None:

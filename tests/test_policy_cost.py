@@ -6,8 +6,9 @@ With ``prefill_tps=1000, attn_tokens=1000`` prefilling tokens ``0..n`` takes
 compute there and 1.705 s on an instance holding nothing (a recompute), or 0.205 s plus
 the fetch of 1,000 tokens (0.1 s at ``fetch_tps=10000``) where the global tier backs it.
 With ``queue_depth=0`` each queued token waits 1 ms, ``output_tokens=0`` leaves the
-decode term out unless a case sets it, and ``work_weight=1`` counts the work once unless
-a case sets it.
+decode term out unless a case sets it, ``work_weight=1`` counts the work once and
+``decode_weight=0`` leaves out the work's charge per request in flight unless a case sets
+them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from smetric.core.policies.smetric_cost import SMetricCost
 
 HAND = (
     "smetric_cost:prefill_tps=1000,attn_tokens=1000,fetch_tps=10000,"
-    "queue_depth=0,output_tokens=0,work_weight=1"
+    "queue_depth=0,output_tokens=0,work_weight=1,decode_weight=0"
 )
 FOLLOW_UP = RoutingRequest(turn=1, prompt_tokens=1100, est_hit_tokens=1000)
 FIRST = RoutingRequest(turn=0, prompt_tokens=1100, est_hit_tokens=0)
@@ -85,10 +86,14 @@ CASES = [
     # Work also counted 0.5 times per request in flight where it runs (``decode_weight``):
     # with one request on each, a recompute costs 1.5 x 1.705 s and staying 1.501 s plus
     # 1.5 x 0.205 s, so the queue that moved the follow-up above no longer does.
-    (HAND + ",decode_weight=0.5", view([1501, 0, 0], 0), (0, "sticky")),
+    (HAND.replace("decode_weight=0", "decode_weight=0.5"), view([1501, 0, 0], 0), (0, "sticky")),
     # Among the instances it could move to, the one with fewer decodes to slow wins: 1.705 s
     # on the idle instance 2 against 3 x 1.705 s on instance 1, and 3 s + 1.5 x 0.205 s home.
-    (HAND + ",decode_weight=0.5", view([3000, 0, 0], 0, loads=[1, 4, 0]), (2, "move_recompute")),
+    (
+        HAND.replace("decode_weight=0", "decode_weight=0.5"),
+        view([3000, 0, 0], 0, loads=[1, 4, 0]),
+        (2, "move_recompute"),
+    ),
     # History gone from every tier: the least queued instance, as a fresh prompt.
     (HAND, view([300, 200, 100], 0, hits=[0, 0, 0]), (2, "evicted")),
     # A first turn is balanced on in-flight tokens, even against a cache hit and a queue.

@@ -102,7 +102,7 @@ def test_retuned_prices_change_the_decision() -> None:
     the 1.501 s wait; with attention ten times dearer (``attn_tokens=100``) the
     recompute costs 7.15 s against 1.15 s plus the wait, and the session stays."""
     spec = "smetric_cost:prefill_tps=1000,attn_tokens=1000,queue_depth=0,output_tokens=0"
-    policy = make_policy(spec + ",work_weight=1")
+    policy = make_policy(spec + ",work_weight=1,decode_weight=0")
     view = ClusterView(
         hit_tokens=[1000, 0],
         inflight_requests=[1.0, 1.0],

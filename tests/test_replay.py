@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.trace.load import load_trace
+
+from conftest import closed_port
 
 
 async def replay_through_router(
@@ -125,10 +126,7 @@ def test_recorded_arrivals_need_a_clock(tmp_path: Path) -> None:
 
 
 def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{closed_port()}"
     result = CliRunner().invoke(app, ["replay", url, "--duration", "1", "-o", str(tmp_path)])
     assert result.exit_code == 2
     assert f"cannot reach {url}" in result.output

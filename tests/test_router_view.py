@@ -4,7 +4,6 @@ session hashing over every configured engine, and one cap on a predicted hit."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,15 +23,9 @@ from smetric.sim.config import ClusterConfig, WorkloadConfig
 from smetric.sim.instance import SimRequest
 from smetric.sim.workload import build_workload
 
-from conftest import make_trace
+from conftest import closed_port, make_trace
 
 BS = 16
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,15 +15,20 @@ from aiohttp.test_utils import TestServer
 from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
+from smetric.testing.fault_suite import SmetricProcess
 
-from conftest import events_engine, until_heard
+from conftest import closed_port, events_engine, until_heard, zmq_port
+
+# A ZMQ socket bound here takes a loopback port the OS picks, read back once bound.
+ANY_PORT = "tcp://127.0.0.1:*"
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def events_engine_of(server: TestServer, topic: str) -> str:
+    """``events_engine`` for a running mock engine that binds both its sockets."""
+    publisher = server.app[KV_EVENTS]
+    assert server.port is not None and publisher.replay_endpoint is not None
+    ports = zmq_port(publisher.endpoint), zmq_port(publisher.replay_endpoint)
+    return events_engine(server.port, *ports, topic, bind="false")
 
 
 def run(coro: Callable[[], Awaitable[Any]]) -> Any:
@@ -234,22 +236,16 @@ def test_engine_down_is_ejected_then_readmitted_with_a_fresh_view() -> None:
     run(lambda: with_cluster(2, body))
 
 
-def test_engine_killed_mid_stream_ends_the_stream_cleanly() -> None:
+def test_engine_killed_mid_stream_ends_the_stream_cleanly(tmp_path) -> None:
     """A real engine process, SIGKILLed while it streams: the client gets an error event
     and the end of the stream, never a hang, and the router's load count comes back."""
-    port = closed_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "smetric", "engine", "--port", str(port), "--speed", "1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = SmetricProcess(tmp_path, args=("engine", "--speed", "1"))
     try:
+        process.start()
+        process.wait_ready(60.0)
 
         async def scenario() -> None:
-            await wait_healthy(f"http://127.0.0.1:{port}")
-            router = Router(
-                [Engine(f"http://127.0.0.1:{port}", 4096)], RouterSettings(health_interval_s=60)
-            )
+            router = Router([Engine(process.url, 4096)], RouterSettings(health_interval_s=60))
 
             async def body(client: aiohttp.ClientSession, url: str) -> None:
                 payload = {"messages": conversation(0, 0), "max_tokens": 5000, "stream": True}
@@ -271,8 +267,7 @@ def test_engine_killed_mid_stream_ends_the_stream_cleanly() -> None:
 
         run(scenario)
     finally:
-        process.kill()
-        process.wait()
+        process.stop()
 
 
 async def wait_healthy(url: str, timeout: float = 30.0) -> None:
@@ -510,21 +505,20 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
     it cached, and reports the view as exact."""
     from smetric.serve.config import ServeConfig, engines_from, load_config
 
-    events_port, replay_port = closed_port(), closed_port()
+    # The engine binds both sockets on ports the OS picks; the router connects to them.
     config = EngineConfig(
         speed=0.0001,
-        kv_events_endpoint=f"tcp://127.0.0.1:{events_port}",
+        kv_events_endpoint=ANY_PORT,
+        kv_events_bind=True,
         kv_events_topic="kv-a",
-        kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        kv_events_replay_endpoint=ANY_PORT,
     )
 
     async def scenario() -> None:
         engine_server = TestServer(create_app(config), host="127.0.0.1")
         await engine_server.start_server()
         yaml_file = tmp_path / "engines.yaml"
-        yaml_file.write_text(
-            "engines:\n" + events_engine(engine_server.port, events_port, replay_port, "kv-a")
-        )
+        yaml_file.write_text("engines:\n" + events_engine_of(engine_server, "kv-a"))
         listed = load_config(ServeConfig, yaml_file).engines
         engines, subscribers = engines_from(listed, 1000, 16)
         router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
@@ -583,16 +577,15 @@ def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
     alternate between them still sticks to one engine (the paper: no session table)."""
     from smetric.serve.config import ServeConfig, engines_from, load_config
 
-    ports = [(closed_port(), closed_port()) for _ in range(2)]
     configs = [
         EngineConfig(
             speed=0.0001,
-            kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
+            kv_events_endpoint=ANY_PORT,
             kv_events_bind=True,
             kv_events_topic=f"kv-{i}",
-            kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
+            kv_events_replay_endpoint=ANY_PORT,
         )
-        for i, (pub, replay) in enumerate(ports)
+        for i in range(2)
     ]
 
     async def scenario() -> None:
@@ -602,10 +595,7 @@ def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
         yaml_file = tmp_path / "engines.yaml"
         yaml_file.write_text(
             "engines:\n"
-            + "".join(
-                events_engine(server.port, pub, replay, f"kv-{i}", bind="false")
-                for i, (server, (pub, replay)) in enumerate(zip(servers, ports, strict=True))
-            )
+            + "".join(events_engine_of(server, f"kv-{i}") for i, server in enumerate(servers))
         )
         replicas, listening = [], []
         for _ in range(2):

@@ -4,8 +4,6 @@ prefill leg, the decode leg pulling the prompt's KV, and each failure the router
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -14,7 +12,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_serve import closed_port, conversation, wait_healthy
+from test_serve import conversation, wait_healthy
 
 from smetric.core.headers import DECODE_HEADER, PREFILL_HEADER
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, TRANSFERS
@@ -23,9 +21,10 @@ from smetric.engine.server import create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
+from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import Fault, FaultyEngine
 
-from conftest import router_client
+from conftest import closed_port, router_client
 
 FAST = {"speed": 0.001, "kv_blocks": 2048}
 
@@ -247,28 +246,28 @@ def test_processes_engine_roles_and_serve_from_yaml(tmp_path) -> None:
     """``smetric engine --role`` and ``smetric serve`` with prefill_engines/decode_engines in
     YAML, as separate processes; the decode engine is killed and the next request still
     finds the other."""
-    ports = [closed_port() for _ in range(4)]
     roles = ["prefill", "decode", "decode"]
-    command = [sys.executable, "-m", "smetric"]
-    processes = [
-        subprocess.Popen(
-            [*command, "engine", "--port", str(port), "--role", role, "--speed", "0.001"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for port, role in zip(ports, roles, strict=False)
+    engines = [
+        SmetricProcess(tmp_path, args=("engine", "--role", role, "--speed", "0.001"))
+        for role in roles
     ]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
     config = tmp_path / "pd.yaml"
-    config.write_text(f"prefill_engines: [{urls[0]}]\ndecode_engines: [{urls[1]}, {urls[2]}]\n")
-    router = subprocess.Popen(
-        [*command, "serve", "-c", str(config), "--port", str(ports[3]),
-         "--decode-policy", "round_robin", "--health-interval", "0.2"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    router = SmetricProcess(
+        tmp_path,
+        args=("serve", "-c", str(config), "--decode-policy", "round_robin",
+              "--health-interval", "0.2"),
     )  # fmt: skip
-    processes.append(router)
+    processes = [*engines, router]
     try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_listening()
+        urls = [e.url for e in engines]
+        config.write_text(f"prefill_engines: [{urls[0]}]\ndecode_engines: [{urls[1]}, {urls[2]}]\n")
+        router.start()
+        router.wait_listening()
+        urls.append(router.url)
 
         async def scenario() -> None:
             for url in urls:
@@ -288,8 +287,7 @@ def test_processes_engine_roles_and_serve_from_yaml(tmp_path) -> None:
                     seen.add(response.headers[DECODE_HEADER])
                     assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
                 assert seen == set(urls[1:3])  # round-robin over both decode engines
-                processes[1].kill()
-                processes[1].wait()
+                engines[1].kill()
                 for session in range(2, 4):
                     response, _ = await ask(client, urls[3], conversation(session, 0))
                     assert response.headers[DECODE_HEADER] == urls[2]
@@ -297,8 +295,7 @@ def test_processes_engine_roles_and_serve_from_yaml(tmp_path) -> None:
         asyncio.run(scenario())
     finally:
         for process in processes:
-            process.kill()
-            process.wait()
+            process.stop()
 
 
 def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> None:

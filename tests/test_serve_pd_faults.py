@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
 
 import aiohttp
 import pytest
 from aiohttp import web
-from test_serve import closed_port, conversation, eventually, wait_healthy
+from test_serve import conversation, eventually
 from test_serve_faults import reset
 from test_serve_pd import DECODE_HEADER, PREFILL_HEADER, Cluster, fake_engine, with_pd
 
 from smetric.serve.app import Router
 from smetric.testing.engines import metric
+from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import Fault
 
 # Patient enough for a mock engine on a busy machine, quick to give up on a silent one.
@@ -255,15 +253,11 @@ def test_clients_resetting_mid_stream_never_eject_the_decode_engine() -> None:
     )
 
 
-def test_a_decode_engine_killed_mid_stream_ends_it_with_an_error_and_is_ejected() -> None:
-    port = closed_port()
-    killed = subprocess.Popen(
-        [sys.executable, "-m", "smetric", "engine", "--port", str(port), "--role", "decode",
-         "--speed", "1.0"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    victim = f"http://127.0.0.1:{port}"
+def test_a_decode_engine_killed_mid_stream_ends_it_with_an_error_and_is_ejected(
+    tmp_path,
+) -> None:
+    killed = SmetricProcess(tmp_path, args=("engine", "--role", "decode", "--speed", "1.0"))
+    victim = ""
 
     async def body(client, url, router, cluster: Cluster) -> None:
         engine = next(e for e in router.engines if e.url == victim)
@@ -271,7 +265,7 @@ def test_a_decode_engine_killed_mid_stream_ends_it_with_an_error_and_is_ejected(
         async with client.post(url + "/v1/chat/completions", json=long) as response:
             assert response.status == 200 and response.headers[DECODE_HEADER] == victim
             await response.content.readline()
-            killed.send_signal(signal.SIGKILL)
+            killed.kill()
             events, text = await stream_events(response)
         assert json.loads(events[-1])["error"]["type"] == "server_error"
         assert "[DONE]" not in text
@@ -282,11 +276,12 @@ def test_a_decode_engine_killed_mid_stream_ends_it_with_an_error_and_is_ejected(
             assert response.headers[DECODE_HEADER] != victim
 
     try:
-        asyncio.run(wait_healthy(victim))
+        killed.start()
+        killed.wait_ready(60.0)
+        victim = killed.url
         # Round robin: the first decode goes to the engine listed first, the victim.
         asyncio.run(
             with_pd(body, prefill=1, decode=1, decode_urls=(victim,), decode_policy="round_robin")
         )
     finally:
-        killed.kill()
-        killed.wait()
+        killed.stop()

@@ -11,12 +11,12 @@ from typing import Annotated, Any
 import typer
 
 from smetric.cli.app import app, console, user_errors
+from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
+from smetric.cli.sim_options import NAMES
 from smetric.model import fidelity
 from smetric.model.fidelity import decode_step, prefill_seconds
 from smetric.model.perf import (
-    HARDWARE_NAMES,
     MEDIUM_NAMES,
-    MODEL_NAMES,
     Hardware,
     ModelSpec,
     StepTimeModel,
@@ -183,15 +183,27 @@ def answers_table(result: dict[str, Any]) -> Table:
     return Table("answers", title, columns, tuple(rows), values)
 
 
+# The cluster settings that shape one instance: the simulator's own flags and defaults.
+INSTANCE = (
+    "model",
+    "hardware",
+    "gpus_per_instance",
+    "weight_dtype",
+    "kv_dtype",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+)
+INSTANCE_FLAGS = tuple(
+    flag
+    for flag in setting_flags(ClusterConfig, "cluster", panel=PRESETS, names=NAMES)
+    if flag.field in INSTANCE
+)
+
+
 @app.command(name="model")
+@with_setting_flags(INSTANCE_FLAGS)
 def model_command(
-    hardware: Annotated[
-        str, _opt(f"GPU preset: {', '.join(HARDWARE_NAMES)}.", PRESETS, "--hardware")
-    ] = "H20",
-    model: Annotated[
-        str, _opt(f"Model preset: {', '.join(MODEL_NAMES)}.", PRESETS, "--model")
-    ] = "Qwen3-Coder-30B-A3B",
-    gpus: Annotated[int, _opt("GPUs per instance (tensor parallel).", PRESETS, min=1)] = 1,
+    given: Given,
     preset_file: Annotated[
         Path | None,
         _opt(
@@ -201,21 +213,6 @@ def model_command(
             "--preset-file",
         ),
     ] = None,
-    weight_dtype: Annotated[
-        str | None, _opt("Weights: bf16 or fp8 [default: the model's own].", PRESETS)
-    ] = None,
-    kv_dtype: Annotated[str, _opt("KV cache dtype: bf16 or fp8.", PRESETS)] = "bf16",
-    mem_util: Annotated[
-        float, _opt("vLLM's gpu_memory_utilization.", PRESETS, min=0.05, max=1.0)
-    ] = 0.9,
-    max_batched_tokens: Annotated[
-        int,
-        _opt(
-            "vLLM's max_num_batched_tokens: the prefill chunk, and the pass it profiles.",
-            PRESETS,
-            min=1,
-        ),
-    ] = 8192,
     new: Annotated[int, _opt("Prefill: new tokens to compute.", QUESTIONS, min=1)] = 8192,
     cached: Annotated[
         int, _opt("Prefill: tokens already cached before them.", QUESTIONS, min=0)
@@ -249,16 +246,21 @@ def model_command(
 
     `smetric fidelity` shows how close the model comes to public measurements.
     """
+    cluster = dataclasses.replace(ClusterConfig(), **given.section("cluster"))
     with user_errors():
-        hw, spec = with_overrides(load_hardware(hardware, gpus), load_model(model), preset_file)
+        hw, spec = with_overrides(
+            load_hardware(cluster.hardware, cluster.gpus_per_instance),
+            load_model(cluster.model),
+            preset_file,
+        )
         media = (load_medium(medium).name,) if medium else MEDIUM_NAMES
         result = answers(
             hw,
             spec,
-            weight_dtype=weight_dtype or spec.weight_dtype,
-            kv_dtype=kv_dtype,
-            mem_util=mem_util,
-            batched_tokens=max_batched_tokens,
+            weight_dtype=cluster.weight_dtype or spec.weight_dtype,
+            kv_dtype=cluster.kv_dtype,
+            mem_util=cluster.gpu_memory_utilization,
+            batched_tokens=cluster.max_num_batched_tokens,
             new=new,
             cached=cached,
             batch=batch,

@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Any
 
 from smetric.model.perf import (
+    HARDWARE_NAMES,
     StepTimeModel,
     kv_capacity_tokens,
     load_hardware,
@@ -31,6 +32,8 @@ TOLERANCE = 0.15
 DEFAULT_CHUNK = 8192
 # Line rate of the links under a medium's connector: one PCIe Gen5 x16 lane (~50 GB/s).
 LANE_GB_S = 50.0
+# A prompt this long is long context: where the quadratic attention term dominates a step.
+LONG_PROMPT = 64_000
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ def anchors() -> tuple[Anchor, ...]:
 def step_model(params: dict[str, Any]) -> StepTimeModel:
     spec = load_model(params["model"])
     hardware = load_hardware(params["hardware"], params.get("gpus", 1))
-    return StepTimeModel(spec, hardware, weight_dtype=spec.weight_dtype)
+    kv_dtype = params.get("kv_dtype", "bf16")
+    return StepTimeModel(spec, hardware, weight_dtype=spec.weight_dtype, kv_dtype=kv_dtype)
 
 
 def prefill_seconds(
@@ -239,6 +243,16 @@ def summary(rows: tuple[Anchor, ...] | None = None) -> Summary:
     )
 
 
+def long_context_rows(rows: tuple[Anchor, ...] | None = None) -> dict[str, int]:
+    """Anchors with a prompt of ``LONG_PROMPT`` tokens or more, per GPU preset (0: none)."""
+    rows = anchors() if rows is None else rows
+    counts = dict.fromkeys(HARDWARE_NAMES, 0)
+    for a in rows:
+        if a.params.get("prompt", 0) >= LONG_PROMPT and a.params.get("hardware") in counts:
+            counts[a.params["hardware"]] += 1
+    return counts
+
+
 def _figure(value: float) -> str:
     if value >= 1000:
         return f"{value:,.0f}"
@@ -276,6 +290,15 @@ def markdown() -> str:
         f"{s.held_out_rows} (mean error {s.held_out_mean_abs_error:.1%}); "
         f"{s.explained_outside} outside, each with its reason. Mean errors leave out the "
         "explained rows.",
+        "",
+        f"Prompts of {LONG_PROMPT // 1000} k tokens or more: "
+        + ", ".join(
+            f"{gpu} {n} row{'s' if n > 1 else ''}"
+            if n
+            else f"{gpu} none (no public measurement found)"
+            for gpu, n in long_context_rows().items()
+        )
+        + ".",
         "",
         "| id | setup | unit | measured | model | model/measured | role | within | source |",
         "|---|---|---|---|---|---|---|---|---|",

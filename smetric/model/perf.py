@@ -21,8 +21,9 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1}
-# What an FP8 checkpoint keeps in BF16 (embedding, lm_head, routers) is stored at this width.
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+# What an FP8 checkpoint keeps in BF16 (embedding, lm_head, routers) is stored at this width;
+# a checkpoint served at a wider dtype (float32 on a CPU) keeps them at its own.
 _UNQUANTIZED_BYTES = 2
 # Activations cross the tensor-parallel all-reduces in BF16.
 _ACTIVATION_BYTES = 2
@@ -48,6 +49,10 @@ def _dtype_bytes(dtype: str) -> int:
         raise ValueError(
             f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
         ) from None
+
+
+def _unquantized_bytes(weight_bytes: int) -> int:
+    return max(weight_bytes, _UNQUANTIZED_BYTES)
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,8 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str) -> int:
 
 def weight_bytes(model: ModelSpec, weight_dtype: str) -> float:
     quantized = model.total_params - model.unquantized_params
-    return quantized * _dtype_bytes(weight_dtype) + model.unquantized_params * _UNQUANTIZED_BYTES
+    w = _dtype_bytes(weight_dtype)
+    return quantized * w + model.unquantized_params * _unquantized_bytes(w)
 
 
 def kv_capacity_tokens(
@@ -357,11 +363,11 @@ class StepTimeModel:
 
         self._dense_s_per_token = 2 * model.dense_params / dense_rate * compute
         dense_bytes = layers * (
-            model.attention_params * w + model.router_params * _UNQUANTIZED_BYTES
+            model.attention_params * w + model.router_params * _unquantized_bytes(w)
         )
         self._dense_read_s = dense_bytes / weight_bw * c.memory
         self._lm_s_per_token = 2 * model.lm_head_params / lm_rate * compute
-        self._lm_read_s = model.lm_head_params * _UNQUANTIZED_BYTES / weight_bw * c.memory
+        self._lm_read_s = model.lm_head_params * _unquantized_bytes(w) / weight_bw * c.memory
         active_expert_params = layers * model.top_k * model.expert_params
         self._moe_s_per_token = 2 * active_expert_params / moe_rate * compute
         all_expert_bytes = layers * model.experts * model.expert_params * w

@@ -20,7 +20,7 @@ from smetric.core.policies.decode import DECODE_POLICY_NAMES, make_decode_policy
 from smetric.core.settings import setting, settings_of
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S
-from smetric.model.perf import load_medium
+from smetric.model.perf import HARDWARE_NAMES, MEDIUM_NAMES, MODEL_NAMES, load_medium
 
 KV_LOAD_MODES = ("sync", "async")
 
@@ -28,14 +28,14 @@ KV_LOAD_MODES = ("sync", "async")
 @dataclass(frozen=True)
 class ClusterConfig:
     instances: int = setting(32, "Instances in the cluster.", ge=1)
-    model: str = setting("Qwen3-Coder-30B-A3B", "Model preset.")
-    hardware: str = setting("H20", "GPU preset (H20, H100, H200).")
+    model: str = setting("Qwen3-Coder-30B-A3B", f"Model preset: {', '.join(MODEL_NAMES)}.")
+    hardware: str = setting("H20", f"GPU preset: {', '.join(HARDWARE_NAMES)}.")
     gpus_per_instance: int = setting(1, "GPUs per instance (tensor parallel).", ge=1)
     # None: the model preset's own (fp8 for Qwen3-235B-A22B-FP8, else bf16).
     weight_dtype: str | None = setting(
-        None, "Weight dtype (bf16, fp8); none: the model preset's own."
+        None, "Weight dtype (bf16, fp8, fp32); none: the model preset's own."
     )
-    kv_dtype: str = setting("bf16", "KV-cache dtype (bf16, fp8).")
+    kv_dtype: str = setting("bf16", "KV-cache dtype (bf16, fp8, fp32).")
     gpu_memory_utilization: float = setting(
         0.9, "Share of GPU memory the engine may use.", gt=0, le=1.0
     )
@@ -72,9 +72,8 @@ class ClusterConfig:
     # "line-rate" (the paper's testbed), "lmcache-cpu", "mooncake-rdma", "mooncake-tcp".
     global_medium: str = setting(
         "line-rate",
-        "How the global tier moves KV end to end: line-rate (the paper's testbed), "
-        "lmcache-cpu, mooncake-rdma or mooncake-tcp (presets/tiers.toml); `smetric model` "
-        "shows each one's cost.",
+        f"How the global tier moves KV end to end: {', '.join(MEDIUM_NAMES)} (line-rate: "
+        "the paper's testbed; presets/tiers.toml); `smetric model` shows each one's cost.",
     )
     # How an admitted request reads the global tier: "sync" loads before the forward pass
     # and stretches that step (LMCache's default), "async" holds the request, not the batch.
