@@ -50,7 +50,7 @@ def router_flags(top: type, router: type) -> tuple[SettingFlag, ...]:
     (``--engine``), a setting of seconds drops its ``_s`` (``--health-interval``), and
     the router's and the recording's settings have their own headings in ``--help``."""
     seconds = {f.name: (f"--{f.name[:-2].replace('_', '-')}",) for f in dataclasses.fields(router)}
-    names = {name: decls for name, decls in seconds.items() if name.endswith("_s")}
+    names: dict[str, tuple[str, ...]] = {n: d for n, d in seconds.items() if n.endswith("_s")}
     names |= {
         "engines": ("--engine", "-e"),
         "prefill_engines": ("--prefill-engine",),
