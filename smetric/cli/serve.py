@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -41,7 +41,10 @@ ConfigOpt = Annotated[
     ),
 ]
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def router_flags(top: type, router: type) -> tuple[SettingFlag, ...]:

@@ -88,7 +88,7 @@ def flag_type(hint: Any) -> Any:
     item; a setting that is a string or a mapping (``str | Engine``) takes the string."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in _LISTS:
-        return list[flag_type(args[0])]  # type: ignore[misc]
+        return types.GenericAlias(list, (flag_type(args[0]),))
     if origin in (typing.Union, types.UnionType):
         kept = [a for a in args if not dataclasses.is_dataclass(a)]
         if len(kept) < len(args):
@@ -194,6 +194,7 @@ def with_setting_flags(flags: Sequence[SettingFlag]) -> Callable[[Command], Comm
                 del kwargs[flag.param]
             return command(**kwargs, given=given)
 
+        # typeshed types functions without the __signature__ that inspect and typer read.
         wrapper.__signature__ = own.replace(  # type: ignore[attr-defined]
             parameters=[*params, context, *generated], return_annotation=own.return_annotation
         )

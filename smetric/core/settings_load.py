@@ -14,11 +14,14 @@ import dataclasses
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from smetric.core.settings import Meta
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 _LISTS = (tuple, list, frozenset)
 
@@ -43,7 +46,7 @@ def load(cls: type[T], data: Any, where: str, key: str = "") -> T:
         place = key or "the top level"
         raise ValueError(f"{where}: {place} must map keys to values, got {_shown(data)}")
     hints = hints_of(cls)
-    known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    known = [f.name for f in dataclasses.fields(cls)]
     for name in data:
         if name not in known:
             owner = key or "the top level"
@@ -52,10 +55,10 @@ def load(cls: type[T], data: Any, where: str, key: str = "") -> T:
             )
     values = {
         f.name: _convert(hints[f.name], data[f.name], where, _join(key, f.name), _meta(f))
-        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls)
         if f.name in data
     }
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         if f.name not in values and _required(f):
             raise ValueError(f"{where}: {_join(key, f.name)} is required")
     return _build(cls, values, where, key)
@@ -66,7 +69,7 @@ def with_values(obj: T, values: Mapping[str, Any], where: str) -> T:
     sections) replaced, each checked as ``load`` checks it."""
     hints = hints_of(type(obj))
     changes: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+    for f in dataclasses.fields(obj):
         if is_section(hints[f.name], f):
             changes[f.name] = with_values(getattr(obj, f.name), values, where)
         elif f.name in values:

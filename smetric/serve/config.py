@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -29,7 +29,10 @@ from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
