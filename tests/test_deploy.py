@@ -15,7 +15,8 @@ import typer
 import yaml
 
 from smetric.cli import app
-from smetric.cli.serve import router_options
+from smetric.gateway.options import PickConfig
+from smetric.serve.config import ServeConfig, load_config
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 CRDS = Path(__file__).resolve().parent / "data" / "crds"
@@ -115,7 +116,10 @@ def test_containers_run_real_commands_with_separate_readiness_and_liveness(
     text = maps[volume]["data"][Path(config).name]
     path = tmp_path / Path(config).name
     path.write_text(text)
-    assert router_options(path)
+    cls = {"serve": ServeConfig, "pick": PickConfig}[command]
+    loaded = load_config(cls, path).router
+    for key, value in yaml.safe_load(text)["router"].items():
+        assert getattr(loaded, key) == value
     # Enough time for the pause before SIGTERM and the drain after it.
     drain = float(next(a.split("=", 1)[1] for a in args if a.startswith("--drain-timeout=")))
     pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]

@@ -28,12 +28,12 @@ from test_serve import (
     with_router,
 )
 
-from smetric.cli.serve import engines_from, router_options
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.policies import ClusterView, RoutingRequest, make_policy
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.server import KV_EVENTS
-from smetric.serve.app import Router, RouterSettings
+from smetric.serve.app import Router
+from smetric.serve.config import ServeConfig, engines_from, load_config, router_settings
 from smetric.serve.engines import Engine
 from smetric.serve.global_tier import ServedPrompts, global_tier_from
 from smetric.serve.workers import PeerViews
@@ -79,8 +79,10 @@ def test_the_global_hit_comes_from_blocks_engines_report_on_a_cpu_medium(
         yaml_file.write_text(
             "router:\n  global_tier: events\nengines:\n" + events_engine_of(engine_server, "kv")
         )
-        engines, subscribers = engines_from([], yaml_file, 1000, BS)
-        settings = RouterSettings(health_interval_s=60, **router_options(yaml_file))
+        loaded = load_config(ServeConfig, yaml_file)
+        engines, subscribers = engines_from(loaded.engines, 1000, BS)
+        settings = router_settings(loaded.router)
+        settings.health_interval_s = 60
         router = Router(engines, settings, subscribers=subscribers)
         subscriber = subscribers[engines[0].url]
 
@@ -273,7 +275,10 @@ def test_global_tier_settings_are_checked() -> None:
 def test_the_yaml_router_section_sets_the_global_tier(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("router: {global_tier: full, global_tier_tokens: 4096}\n")
-    assert router_options(config) == {"global_tier": "full", "global_tier_tokens": 4096}
+    router = load_config(ServeConfig, config).router
+    assert (router.global_tier, router.global_tier_tokens) == ("full", 4096)
     config.write_text("router: {global_tier: cpu}\n")
-    with pytest.raises(ValueError, match=r"router\.global_tier must be one of"):
-        router_options(config)
+    with pytest.raises(
+        ValueError, match=r"c\.yaml: router\.global_tier 'cpu': use one of none, events"
+    ):
+        load_config(ServeConfig, config)

@@ -17,13 +17,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 
-from smetric.cli.serve import engines_from
 from smetric.core.blocks import ByteTokenizer, chain_hashes
 from smetric.core.conversation import Api, analyze_request
 from smetric.core.kv_events import EventIndex
 from smetric.engine import EngineConfig, KVEventPublisher, create_app
 from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router, RouterSettings
+from smetric.serve.config import ServeConfig, engines_from, load_config
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import SubscriberCollector
@@ -452,7 +452,8 @@ def test_two_routers_on_one_engine_process_that_binds_its_publisher(tmp_path) ->
         async with aiohttp.ClientSession() as direct:
             routers = []
             for _ in range(2):
-                engines, subscribers = engines_from([], config, 1000, BS)
+                listed = load_config(ServeConfig, config).engines
+                engines, subscribers = engines_from(listed, 1000, BS)
                 settings = RouterSettings(health_interval_s=60)
                 routers.append(Router(engines, settings, subscribers=subscribers))
             clients = [TestClient(TestServer(r.app())) for r in routers]

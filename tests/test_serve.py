@@ -503,7 +503,7 @@ def test_large_prompts_are_routed_the_same_way() -> None:
 def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
     """`smetric serve --config` with kv_events: the router routes on what the engine says
     it cached, and reports the view as exact."""
-    from smetric.cli.serve import engines_from
+    from smetric.serve.config import ServeConfig, engines_from, load_config
 
     # The engine binds both sockets on ports the OS picks; the router connects to them.
     config = EngineConfig(
@@ -519,7 +519,8 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
         await engine_server.start_server()
         yaml_file = tmp_path / "engines.yaml"
         yaml_file.write_text("engines:\n" + events_engine_of(engine_server, "kv-a"))
-        engines, subscribers = engines_from([], yaml_file, 1000, 16)
+        listed = load_config(ServeConfig, yaml_file).engines
+        engines, subscribers = engines_from(listed, 1000, 16)
         router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
 
         async def body(client: aiohttp.ClientSession, url: str) -> None:
@@ -574,7 +575,7 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
 def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
     """Two routers sharing nothing, both on the engines' KV events: a session whose turns
     alternate between them still sticks to one engine (the paper: no session table)."""
-    from smetric.cli.serve import engines_from
+    from smetric.serve.config import ServeConfig, engines_from, load_config
 
     configs = [
         EngineConfig(
@@ -598,7 +599,8 @@ def test_stateless_replicas_keep_a_session_on_one_engine(tmp_path) -> None:
         )
         replicas, listening = [], []
         for _ in range(2):
-            engines, subscribers = engines_from([], yaml_file, 1000, 16)
+            listed = load_config(ServeConfig, yaml_file).engines
+            engines, subscribers = engines_from(listed, 1000, 16)
             router = Router(engines, RouterSettings(health_interval_s=60), subscribers=subscribers)
             replica = TestServer(router.app(), host="127.0.0.1")
             await replica.start_server()

@@ -58,7 +58,7 @@ def test_engine_urls_are_checked_before_anything_starts(url: str) -> None:
     with pytest.raises(ValueError, match="engine"):
         engine_url(url)
     with pytest.raises(ValueError):
-        engines_from([url], None, 1000, 16)
+        engines_from((url,), 1000, 16)
     result = CliRunner().invoke(app, ["serve", "-e", url])
     assert result.exit_code != 0
     assert "engine" in result.output and "Traceback" not in result.output
@@ -124,26 +124,25 @@ def test_metrics_sum_over_workers_and_never_go_back(tmp_path) -> None:
 
 
 def test_the_config_refuses_unknown_keys_and_sets_what_flags_set(tmp_path) -> None:
-    from smetric.serve.config import router_options
+    from smetric.serve.config import ServeConfig, load_config, router_settings
 
     typo = tmp_path / "typo.yaml"
     typo.write_text("engine: [http://127.0.0.1:8100]\n")
-    with pytest.raises(ValueError, match="unknown key"):
-        engines_from([], typo, 1000, 16)
+    with pytest.raises(ValueError, match="unknown key 'engine'"):
+        load_config(ServeConfig, typo)
     config = tmp_path / "router.yaml"
     config.write_text(
         "engines: [http://127.0.0.1:8100]\n"
         "router: {api_keys: [k1], stall_timeout_s: 3, stream_headers_timeout_s: 2.5, "
         "stall_prefill_tps: 400, policy: least_load, block_size: 32}\n"
     )
-    options = router_options(config)
-    settings = RouterSettings(**options)
+    settings = router_settings(load_config(ServeConfig, config).router)
     assert settings.api_keys == frozenset({"k1"}) and settings.block_size == 32
     assert (settings.stall_timeout_s, settings.stream_headers_timeout_s) == (3, 2.5)
     assert settings.stall_prefill_tps == 400
     config.write_text("router: {api_keys: k1}\n")
     with pytest.raises(ValueError, match="api_keys"):
-        router_options(config)
+        load_config(ServeConfig, config)
     config.write_text("router: {stall_timeout_s: soon}\n")
     with pytest.raises(ValueError, match="stall_timeout_s"):
-        router_options(config)
+        load_config(ServeConfig, config)

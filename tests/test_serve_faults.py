@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import socket
 import struct
 import threading
@@ -420,17 +421,22 @@ def test_a_configured_prompt_cap_wins() -> None:
 
 
 def test_the_config_s_router_section_is_checked(tmp_path) -> None:
-    from smetric.cli.serve import router_options
+    from smetric.serve.config import ServeConfig, load_config, router_settings
 
     config = tmp_path / "router.yaml"
     config.write_text("engines: [http://127.0.0.1:1]\nrouter: {idle_timeout_s: 5, retries: 0}\n")
-    assert router_options(config) == {"idle_timeout_s": 5, "retries": 0}
-    settings = RouterSettings(**router_options(config))
+    settings = router_settings(load_config(ServeConfig, config).router)
     assert (settings.idle_timeout_s, settings.retries) == (5, 0)
-    for bad in ("{idle_timeout: 5}", "{retries: -1}", "{retries: 1.5}", "{open_metrics: 1}"):
+    assert settings.eject_after == RouterSettings().eject_after
+    for bad, key in [
+        ("{idle_timeout: 5}", "router.idle_timeout'"),
+        ("{retries: -1}", "router.retries must lie in [0, inf]"),
+        ("{retries: 1.5}", "router.retries must be an integer"),
+        ("{open_metrics: 1}", "router.open_metrics must be true or false"),
+    ]:
         config.write_text(f"router: {bad}\n")
-        with pytest.raises(ValueError, match="router"):
-            router_options(config)
+        with pytest.raises(ValueError, match=re.escape(f"{config}: ") + ".*" + re.escape(key)):
+            load_config(ServeConfig, config)
 
 
 def test_backoff_doubles_per_ejection_not_per_failed_request() -> None:

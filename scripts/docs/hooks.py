@@ -21,7 +21,7 @@ import dataclasses
 import inspect
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from rich.text import Text
@@ -221,9 +221,87 @@ def dataclass_table(
     return rows
 
 
+def settings_table(cls: type, flags: Sequence[Any] = (), only: Iterable[str] = ()) -> list[str]:
+    """One row per setting of ``cls`` (only the fields ``only`` names, if any): key, the
+    flag of ``flags`` (``cli.settings_options.SettingFlag``) that sets it, type, default
+    and help, from the one declaration both the key and the flag are generated from."""
+    from smetric.core.settings import settings_of
+
+    decls = {flag.field: flag.decls for flag in flags}
+    kept = set(only)
+    columns = ["key", *(["flag"] if flags else []), "type", "default", "meaning"]
+    rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for f, _ in settings_of(cls):
+        if kept and f.name not in kept:
+            continue
+        default = '`""`' if f.default == "" else _field_default(f)
+        cells = [f"`{f.name}`", f"`{cell(_type_name(f.type))}`", default]
+        if flags:
+            cells.insert(1, cell(" ".join(f"`{d}`" for d in decls.get(f.name, ()))))
+        rows.append("| " + " | ".join([*cells, cell(_declared_help(f))]) + " |")
+    return rows
+
+
+def router_config() -> list[str]:
+    from smetric.cli.pick import PICK_FLAGS
+    from smetric.cli.serve import SERVE_FLAGS
+    from smetric.gateway.options import PickOptions
+    from smetric.serve.config import (
+        ColocatedEngine,
+        EngineEntry,
+        KVEvents,
+        ServeConfig,
+        ServeOptions,
+    )
+
+    return [
+        "## Router: `smetric serve --config`, `smetric pick --config`",
+        "",
+        "Every key is also a flag of the same meaning (the table names it), and every flag",
+        "a key; a flag wins over the file, except that engines of `--engine`,",
+        "`--prefill-engine` and `--decode-engine` join those of the file. A key the",
+        "command does not take, or a value of the wrong type or range, is an error naming",
+        "the file and the key.",
+        "",
+        "```yaml",
+        "engines:",
+        "- http://10.0.0.1:8000",
+        "- {url: http://10.0.0.2:8000, kv_blocks: 8192,",
+        "   kv_events: {endpoint: 'tcp://10.0.0.2:5557', bind: false}}",
+        "router: {policy: smetric_cost, retries: 2, scrape_interval_s: 1.0}",
+        "```",
+        "",
+        "### Top level",
+        "",
+        *settings_table(ServeConfig, SERVE_FLAGS),
+        "",
+        f"### An engine of `engines:` ({ColocatedEngine.__name__})",
+        "",
+        "A URL, or a mapping of these keys; one of `prefill_engines:` or `decode_engines:`",
+        f"takes only {', '.join(f'`{f.name}`' for f in dataclasses.fields(EngineEntry))}.",
+        "",
+        *settings_table(ColocatedEngine),
+        "",
+        f"### `kv_events:` ({KVEvents.__name__})",
+        "",
+        plain(inspect.getdoc(KVEvents)),
+        "",
+        *settings_table(KVEvents),
+        "",
+        f"### `router:` of `smetric serve` ({ServeOptions.__name__})",
+        "",
+        *settings_table(ServeOptions, SERVE_FLAGS),
+        "",
+        f"### `router:` of `smetric pick` ({PickOptions.__name__})",
+        "",
+        "The keys of `smetric serve` but `workers` and `decode_policy` (the picker does not",
+        "serve disaggregated clusters), with the picker's own ports and shedding:",
+        "",
+        *settings_table(PickOptions, PICK_FLAGS, PickOptions.__annotations__),
+    ]
+
+
 def config_page() -> str:
-    from smetric.serve.app import RouterSettings
-    from smetric.serve.config import TUNABLE
     from smetric.sim.config import ClusterConfig, SimConfig, SLOConfig, WorkloadConfig
 
     simulate = flag_help("simulate")
@@ -260,15 +338,7 @@ def config_page() -> str:
         out += ["", f"### `{section}:` ({cls.__name__})", "", doc(cls), "", *table]
     out += ["", f"### `slo:` ({SLOConfig.__name__})", "", doc(SLOConfig), ""]
     out += dataclass_table(SLOConfig, flags=simulate)
-    out += [
-        "",
-        "## Router: `smetric serve --config`",
-        "",
-        "Besides `engines:` (or `prefill_engines:` and `decode_engines:`), a list of URLs or",
-        "`{url, kv_blocks, kv_events}` mappings, the file's `router:` section may set:",
-        "",
-        *dataclass_table(RouterSettings, TUNABLE, flag_help("serve")),
-    ]
+    out += ["", *router_config()]
     return "\n".join(out) + "\n"
 
 

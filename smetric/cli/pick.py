@@ -5,93 +5,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import typer
 
 from smetric.cli.app import app, console, err_console, user_errors
 from smetric.cli.serve import (
-    DiscoverIntervalOpt,
-    DiscoverOpt,
-    DnsServerOpt,
-    DrainTimeoutOpt,
-    RecordMaxMbOpt,
-    RecordOpt,
-    RecordRotateOpt,
-    RecordSaltFileOpt,
+    ConfigOpt,
     discovered,
+    log_level,
     recorder_from,
+    resolved,
+    router_flags,
 )
-from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
-from smetric.serve.app import Router, RouterSettings
-from smetric.serve.config import engines_from, router_options
+from smetric.cli.settings_options import Given, with_setting_flags
+from smetric.gateway.options import PickConfig, PickOptions
+from smetric.serve.app import Router
+from smetric.serve.config import engines_from, router_settings
 from smetric.serve.tokenizers import make_tokenizer
+
+PICK_FLAGS = router_flags(PickConfig, PickOptions)
 
 if TYPE_CHECKING:
     from smetric.gateway.server import PickerServer
 
 
 @app.command()
-def pick(
-    engine: Annotated[
-        list[str] | None,
-        typer.Option("--engine", "-e", help="Engine base URL, by IP (repeat for each engine)."),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config", "-c", help="YAML with 'engines: [...]' and 'router:', as serve's."
-        ),
-    ] = None,
-    policy: Annotated[
-        str, typer.Option("--policy", "-p", help=f"One of {', '.join(POLICY_NAMES)}.")
-    ] = DEFAULT_POLICY,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[
-        int,
-        typer.Option(help="gRPC port: ext_proc and health (0: any free port).", min=0, max=65535),
-    ] = 9002,
-    metrics_port: Annotated[
-        int,
-        typer.Option(help="HTTP port of /metrics, /health and /live (0: any).", min=0, max=65535),
-    ] = 9090,
-    block_size: Annotated[
-        int, typer.Option(help="Tokens per KV block (the engines' block size).", min=1)
-    ] = 16,
-    kv_blocks: Annotated[
-        int, typer.Option(help="KV blocks per engine for the prefix index.", min=1)
-    ] = 16384,
-    tokenizer: Annotated[
-        str,
-        typer.Option(help="How prompts are tokenised: 'bytes', 'hf:/local/model/dir' or 'engine'."),
-    ] = "bytes",
-    max_inflight: Annotated[
-        int,
-        typer.Option(
-            help="Answer 429 when every engine a request may go to has this many requests "
-            "in flight (0: never shed).",
-            min=0,
-        ),
-    ] = 0,
-    health_interval: Annotated[
-        float, typer.Option(help="Seconds between engine health checks.", min=0.05)
-    ] = 2.0,
-    scrape_interval: Annotated[
-        float, typer.Option(help="Seconds between scrapes of engines' /metrics (0: off).", min=0.0)
-    ] = 0.0,
-    discover: DiscoverOpt = None,
-    discover_interval: DiscoverIntervalOpt = 5.0,
-    dns_server: DnsServerOpt = None,
-    drain_timeout: DrainTimeoutOpt = None,
-    record: RecordOpt = None,
-    record_max_mb: RecordMaxMbOpt = 1024,
-    record_rotate: RecordRotateOpt = 300.0,
-    record_salt_file: RecordSaltFileOpt = None,
-    log_level: Annotated[
-        str, typer.Option(help="debug, info (a JSON line per decision), warning or error.")
-    ] = "info",
-) -> None:
+@with_setting_flags(PICK_FLAGS)
+def pick(given: Given, config: ConfigOpt = None) -> None:
     """Pick engines for an Envoy gateway (Gateway API Inference Extension protocol).
 
     Envoy's ext_proc filter streams each request here; the picker routes it with the same
@@ -109,40 +50,29 @@ def pick(
         )
         raise typer.Exit(2) from exc
     with user_errors():
-        urls, discovery = discovered(
-            engine or [], discover, discover_interval, dns_server, kv_blocks
+        file = resolved(PickConfig, config, given)
+        options = file.router
+        found, discovery = discovered(options)
+        engines, subscribers = engines_from(
+            (*file.engines, *found), options.kv_blocks, options.block_size
         )
-        engines, subscribers = engines_from(urls, config, kv_blocks, block_size)
+        tokenizer = options.tokenizer
         encoder, template = make_tokenizer("bytes" if tokenizer == "engine" else tokenizer)
         router = Router(
             engines,
-            RouterSettings(
-                **{
-                    **router_options(config),
-                    "policy": policy,
-                    "block_size": block_size,
-                    "health_interval_s": health_interval,
-                    "scrape_interval_s": scrape_interval,
-                }
-            ),
+            router_settings(options),
             tokenizer=encoder,
             template=template,
             engine_tokenizer=tokenizer == "engine",
             subscribers=subscribers,
             discovery=discovery,
-            recorder=recorder_from(
-                record, record_max_mb, record_rotate, record_salt_file, block_size, tokenizer
-            ),
+            recorder=recorder_from(options),
         )
-        picker = Picker(router, max_inflight=max_inflight)
-        level = logging.getLevelName(log_level.upper())
-        if not isinstance(level, int):
-            raise ValueError(f"unknown log level {log_level!r}")
-    logging.basicConfig(level=level, format="%(message)s")
-    server = PickerServer(picker, host, port, metrics_port)
+        picker = Picker(router, max_inflight=options.max_inflight)
+    logging.basicConfig(level=log_level(options), format="%(message)s")
+    server = PickerServer(picker, options.host, options.port, options.metrics_port)
     with user_errors():
-        drain_s = router.settings.drain_timeout_s if drain_timeout is None else drain_timeout
-        asyncio.run(_serve(server, drain_s, policy, len(engines)))
+        asyncio.run(_serve(server, options.drain_timeout_s, options.policy, len(engines)))
 
 
 async def _serve(server: PickerServer, drain_s: float, policy: str, engines: int) -> None:

@@ -14,8 +14,10 @@ Usage: ``flags = setting_flags(ClusterConfig, "cluster", panel="Cluster")``, the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -78,6 +80,29 @@ def _dashed(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_LISTS = (tuple, list, frozenset)
+
+
+def flag_type(hint: Any) -> Any:
+    """The type typer parses a setting's flag as: a list setting takes the flag once per
+    item; a setting that is a string or a mapping (``str | Engine``) takes the string."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in _LISTS:
+        return list[flag_type(args[0])]  # type: ignore[misc]
+    if origin in (typing.Union, types.UnionType):
+        kept = [a for a in args if not dataclasses.is_dataclass(a)]
+        if len(kept) < len(args):
+            return functools.reduce(lambda a, b: a | b, kept)
+    return hint
+
+
+def flag_default(hint: Any, default: Any) -> Any:
+    """The flag's default: the setting's, a list one's as a list (none when empty)."""
+    if typing.get_origin(hint) in _LISTS:
+        return list(default) or None
+    return default
+
+
 def setting_flags(
     cls: type,
     section: str = "",
@@ -95,8 +120,8 @@ def setting_flags(
             section=section,
             field=f.name,
             decls=tuple(names.get(f.name, (_dashed(f.name),))),
-            annotation=hints[f.name],
-            default=default_of(f),
+            annotation=flag_type(hints[f.name]),
+            default=flag_default(hints[f.name], default_of(f)),
             meta=meta,
             panel=panel,
         )

@@ -39,6 +39,7 @@ import numpy as np
 
 from smetric.core.blocks import reusable_hit_blocks
 from smetric.core.prefix_cache import Handle, PrefixCache
+from smetric.core.settings import check_settings, setting
 from smetric.engine.kv_report import CacheReport
 from smetric.model.kv import LocalPool
 from smetric.model.perf import StepTimeModel, load_hardware, load_model
@@ -70,6 +71,10 @@ def filler_token(index: int) -> str:
     return _FILLER[index % len(_FILLER)] + " "
 
 
+# What an engine may do in a disaggregated cluster.
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What ``smetric engine`` is started with; the defaults mimic one H20 serving Qwen3-30B.
@@ -78,57 +83,67 @@ class EngineConfig:
     test's steps microseconds long without changing what any step contains.
     """
 
-    served_model_name: str = "Qwen/Qwen3-30B-A3B"
-    model: str = "Qwen3-30B-A3B"
-    hardware: str = "H20"
-    gpus: int = 1
-    block_size: int = 16
-    kv_blocks: int = 4096
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    default_max_tokens: int = 16
-    speed: float = 1.0
+    served_model_name: str = setting("Qwen/Qwen3-30B-A3B", "Model id it reports in /v1/models.")
+    model: str = setting("Qwen3-30B-A3B", "Step-time model preset (smetric model lists them).")
+    hardware: str = setting("H20", "GPU preset.")
+    gpus: int = setting(1, "GPUs (tensor parallel).", ge=1)
+    block_size: int = setting(16, "Tokens per KV block.", ge=1)
+    kv_blocks: int = setting(4096, "KV blocks in the pool.", ge=1)
+    max_num_batched_tokens: int = setting(
+        2048, "Token budget per engine step (chunked prefill).", ge=1
+    )
+    max_num_seqs: int = setting(256, "Running sequences cap.", ge=1)
+    default_max_tokens: int = setting(
+        16, "Tokens generated for a request that does not set max_tokens.", ge=1
+    )
+    speed: float = setting(1.0, "Multiplier on every step's modelled duration (1: real).", ge=0)
     # Disaggregated serving (engine/disagg.py): what the engine may do for a proxy, the link
     # a decode engine pulls prompt blocks over (one 200 Gbps RDMA NIC by default), and how
     # long a prefill engine keeps finished prompts' blocks for a decode to pull.
-    role: str = "both"
-    kv_link_gb_s: float = 21.7
-    kv_lease_s: float = 30.0
+    role: str = setting(
+        "both",
+        "Disaggregated serving: prefill (holds a finished prompt's KV for a decode engine, "
+        "answers kv_transfer_params), decode (pulls it over the link model first), or both.",
+        choices=ROLES,
+    )
+    kv_link_gb_s: float = setting(21.7, "Bandwidth a decode engine pulls KV at, GB/s.", gt=0)
+    kv_lease_s: float = setting(
+        30.0, "Seconds a prefill engine keeps a finished prompt's KV for a decode to pull.", gt=0
+    )
     # KV events as vLLM's ``--kv-events-config`` publishes them: the engine connects its PUB
     # socket to a ``tcp://host:port`` endpoint and binds a ROUTER on the replay endpoint,
     # which resends any of the last ``kv_events_buffer_steps`` batches.
-    kv_events_endpoint: str | None = None
-    kv_events_topic: str = "kv"
-    kv_events_replay_endpoint: str | None = None
-    # Bind the PUB socket instead, so that several subscribers, e.g. router replicas,
-    # connect to one engine; None decides from the endpoint as vLLM does
-    # (``publisher_binds``).
-    kv_events_bind: bool | None = None
-    kv_events_buffer_steps: int = 10_000
-    # Blocks of CPU memory prompt blocks are offloaded to (0: no offloading), as vLLM's
-    # OffloadingConnector with its CPU backend.
-    cpu_offload_blocks: int = 0
+    kv_events_endpoint: str | None = setting(
+        None,
+        "Publish vLLM KV events on this ZMQ endpoint, as vLLM does: tcp://*:PORT binds "
+        "(routers connect, several per engine; PORT * : any free port, the startup line "
+        "names it), tcp://HOST:PORT connects (to a router that binds). None: no events.",
+    )
+    kv_events_topic: str = setting("kv", "Topic of the KV events.")
+    kv_events_replay_endpoint: str | None = setting(
+        None,
+        "ZMQ endpoint to bind the replay socket on (tcp://HOST:* : any free port, the "
+        "startup line names it). None: no replay.",
+    )
+    # None decides from the endpoint as vLLM does (``publisher_binds``).
+    kv_events_bind: bool | None = setting(
+        None,
+        "Bind the events socket (several subscribers, e.g. router replicas, connect to "
+        "one engine) or connect it. None: as vLLM decides from the endpoint.",
+    )
+    kv_events_buffer_steps: int = setting(
+        10_000, "Steps of KV events the replay socket can resend.", ge=1
+    )
+    cpu_offload_blocks: int = setting(
+        0,
+        "Offload prompt blocks to an LRU CPU store of this many blocks and load them back "
+        "on a hit, as vLLM's OffloadingConnector with its CPU backend does; its KV events "
+        "report them with medium CPU (0: no offloading).",
+        ge=0,
+    )
 
     def __post_init__(self) -> None:
-        for name in (
-            "block_size",
-            "kv_blocks",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "kv_events_buffer_steps",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.default_max_tokens < 1:
-            raise ValueError(
-                f"default_max_tokens must be at least 1, got {self.default_max_tokens}"
-            )
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
-        if self.speed < 0:
-            raise ValueError(f"speed must be >= 0, got {self.speed}")
-        if self.cpu_offload_blocks < 0:
-            raise ValueError(f"cpu_offload_blocks must be >= 0, got {self.cpu_offload_blocks}")
+        check_settings(self)
 
     @property
     def max_model_len(self) -> int:

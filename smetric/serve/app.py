@@ -33,7 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestError
 from smetric.core.parsing import decode_body
-from smetric.core.policies import DEFAULT_POLICY
+from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
+from smetric.core.settings import setting
 from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
@@ -44,7 +45,7 @@ from smetric.serve.dispatch import Call, Colocated, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import error_response, errors_as_json
 from smetric.serve.forwarding import Completion, CompletionObserver, Forwarder, is_stream
-from smetric.serve.global_tier import global_tier_from
+from smetric.serve.global_tier import GLOBAL_TIERS, global_tier_from
 from smetric.serve.identity import identity_of
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.limits import BodyError, decoded_body
@@ -66,50 +67,119 @@ ROUTES: dict[str, Api] = {
 
 @dataclass
 class RouterSettings:
-    policy: str = DEFAULT_POLICY
-    block_size: int = 16
-    api_keys: frozenset[str] = frozenset()
-    # Let scrapers read /metrics without a key (every other route but /health needs one).
-    open_metrics: bool = False
-    health_interval_s: float = 2.0
-    max_body_bytes: int = 32 << 20
-    # Longest prompt, in tokens, the router analyses; 0: the largest max_model_len the
-    # engines' /v1/models report, once one does.
-    max_prompt_tokens: int = 0
-    # Large prompts analysed at once in worker threads (each holds its tokens meanwhile).
-    analysis_threads: int = 2
-    connect_timeout_s: float = 5.0
-    first_byte_timeout_s: float = Timeouts.first_byte_s
-    idle_timeout_s: float = Timeouts.idle_s
-    # Until a streaming reply's headers arrive (engines send them before the prefill).
-    stream_headers_timeout_s: float = Timeouts.stream_headers_s
-    # An engine with requests in flight that shows no progress (no byte, no counter
-    # moved) this long is ejected as stalled, and its requests retried (0: never).
-    stall_timeout_s: float = 20.0
-    # ...plus a second per this many prompt tokens routed there and not yet prefilled: a
-    # prefill sends nothing and moves no counter until its first token. The default is
-    # below the slowest long prefills the performance model puts on its presets: a fresh
-    # 129 k-token prompt of Qwen3-30B-A3B on one H20 at about 2,200 tokens/s (58 s), of
-    # Qwen3-235B-A22B-FP8 on four at about 1,700 (76 s).
-    stall_prefill_tps: float = 1000.0
-    # Tries on other engines for a request that failed before the client got any byte.
-    retries: int = 2
-    # Passive health: this many failed requests in a row eject an engine, for a backoff
-    # that doubles with each ejection until a request succeeds there again.
-    eject_after: int = 3
-    eject_backoff_s: float = 5.0
-    eject_backoff_max_s: float = 300.0
-    # Scrape engines' /metrics this often (0: never) and trust a scrape this long.
-    scrape_interval_s: float = 0.0
-    staleness_s: float = 5.0
-    # Bound of the memo of rendered, tokenised and hashed message prefixes.
-    memo_bytes: int = 256 << 20
-    # Where global_hit_tokens comes from: none (unknown), events (engines' offload media)
-    # or full (every prompt served, within global_tier_tokens if set); serve.global_tier.
-    global_tier: str = "none"
-    global_tier_tokens: int = 0
-    # On SIGTERM: no new connections, and this long for the requests in flight to finish.
-    drain_timeout_s: float = 30.0
+    """How the router routes, checks engines and guards itself: what the ``router:``
+    section of ``smetric serve --config`` and the flags of the same names set."""
+
+    policy: str = setting(
+        DEFAULT_POLICY,
+        f"Routing policy: {', '.join(POLICY_NAMES)}, or NAME:key=value,... with its parameters.",
+    )
+    block_size: int = setting(16, "Tokens per KV block (the engines' block size).", ge=1)
+    api_keys: frozenset[str] = setting(
+        frozenset(),
+        "Accepted client keys (a flag per key); with any, every route but /health needs one, "
+        "as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+    )
+    open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
+    health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
+    max_body_bytes: int = setting(32 << 20, "Largest request body, in bytes.", ge=1)
+    max_prompt_tokens: int = setting(
+        0,
+        "Longest prompt analysed, in tokens; longer ones get a 400 before they are "
+        "tokenised (0: the largest max_model_len the engines' /v1/models report).",
+        ge=0,
+    )
+    analysis_threads: int = setting(
+        2,
+        "Large prompts analysed at once in worker threads, each holding its tokens "
+        "meanwhile (0: on the event loop).",
+        ge=0,
+    )
+    connect_timeout_s: float = setting(
+        Timeouts.connect_s, "Seconds to wait for a connection to an engine.", gt=0
+    )
+    first_byte_timeout_s: float = setting(
+        Timeouts.first_byte_s,
+        "Seconds to wait for an engine's response headers (a non-streaming reply's come at "
+        "its end, a disaggregated prefill's too) or a stream's first chunk; then the "
+        "request is retried elsewhere.",
+        gt=0,
+    )
+    idle_timeout_s: float = setting(
+        Timeouts.idle_s, "Seconds an engine may go silent mid-response before it is cut off.", gt=0
+    )
+    stream_headers_timeout_s: float = setting(
+        Timeouts.stream_headers_s,
+        "Seconds to wait for a streaming reply's headers, which engines send as soon as "
+        "they take the request; then it is retried elsewhere.",
+        gt=0,
+    )
+    stall_timeout_s: float = setting(
+        20.0,
+        "Seconds an engine with requests in flight may show no progress (no byte of any "
+        "response, no prompt or generation counter moved in its /metrics) before it is "
+        "ejected as stalled and its requests that sent the client nothing are retried "
+        "elsewhere (0: never); prompts still to prefill add a second per stall_prefill_tps "
+        "tokens.",
+        ge=0,
+    )
+    # The default is below the slowest long prefills the performance model puts on its
+    # presets: a fresh 129 k-token prompt of Qwen3-30B-A3B on one H20 at about 2,200
+    # tokens/s (58 s), of Qwen3-235B-A22B-FP8 on four at about 1,700 (76 s).
+    stall_prefill_tps: float = setting(
+        1000.0,
+        "Prompt tokens routed to an engine and not yet prefilled that earn it one more "
+        "second before a stall: a prefill sends nothing and moves no counter until its "
+        "first token.",
+        gt=0,
+    )
+    retries: int = setting(
+        2,
+        "Other engines to try for a request (disaggregated: for each leg) that failed "
+        "before the client got any byte (refused connections do not count).",
+        ge=0,
+    )
+    eject_after: int = setting(
+        3,
+        "Failed requests (5xx, garbage, timeouts) in a row that eject an engine, for a "
+        "backoff that doubles with each ejection until a request succeeds there again.",
+        ge=1,
+    )
+    eject_backoff_s: float = setting(5.0, "Seconds of an engine's first ejection.", ge=0)
+    eject_backoff_max_s: float = setting(
+        300.0, "Longest ejection, in seconds, however often an engine fails.", ge=0
+    )
+    scrape_interval_s: float = setting(
+        0.0,
+        "Seconds between scrapes of engines' /metrics (0: off); running + waiting then "
+        "raise the load, and cache_config_info sizes the prefix index. Busy engines are "
+        "scraped for their progress anyway (see stall_timeout_s).",
+        ge=0,
+    )
+    staleness_s: float = setting(5.0, "Ignore a scrape older than this many seconds.", ge=0)
+    memo_bytes: int = setting(
+        256 << 20, "Bytes the memo of rendered, tokenised and hashed message prefixes holds.", ge=0
+    )
+    global_tier: str = setting(
+        "none",
+        "What the router knows of the cluster's global KV tier (what a session moved to "
+        "another engine loads instead of recomputing): none (unknown), events (the blocks "
+        "engines with kv_events report on a CPU or storage medium, as vLLM's CPU offloading "
+        "and LMCache do, taken as one shared store) or full (a store without events that "
+        "keeps every prompt the engines prefilled).",
+        choices=GLOBAL_TIERS,
+    )
+    global_tier_tokens: int = setting(
+        0,
+        "Capacity of the full global tier in tokens, least recently used out first (0: unbounded).",
+        ge=0,
+    )
+    drain_timeout_s: float = setting(
+        30.0,
+        "On SIGTERM, stop accepting at once and give the requests in flight this many "
+        "seconds to finish before they are cut.",
+        ge=0,
+    )
 
 
 @dataclass

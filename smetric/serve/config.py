@@ -1,41 +1,213 @@
-"""Reading ``smetric serve``'s YAML config and checking what it names."""
+"""What ``smetric serve`` runs with, declared once: the flags and the YAML config's keys.
+
+``ServeConfig`` is the config file: its engine lists and its ``router:`` section
+(``ServeOptions``: the router's ``RouterSettings`` and the serving process's own). Every
+field declares its default, help and bounds (``core.settings.setting``); the flags of
+``smetric serve`` and ``smetric pick`` are generated from the same fields
+(``cli.settings_options``), and both are read by ``core.settings_load``, so a file and a
+flag are held to the same checks.
+"""
 
 from __future__ import annotations
 
-from dataclasses import fields
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
 from smetric.core.kv_events import EventIndex
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
+from smetric.core.settings import setting
+from smetric.core.settings_load import load, with_values
 from smetric.serve.app import RouterSettings
-from smetric.serve.backends import backend_named
+from smetric.serve.backends import BACKENDS, backend_named
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
-from smetric.serve.global_tier import GLOBAL_TIERS
 from smetric.serve.kv_subscriber import KVEventSubscriber
 
-# What a config may hold at its top level.
-SECTIONS = ("engines", "prefill_engines", "decode_engines", "router")
+C = TypeVar("C")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """The config's top-level mapping (empty for an empty file); a key it does not know
-    (a typo such as ``engine:``) is an error, not silently nothing."""
+@dataclass(frozen=True)
+class KVEvents:
+    """Where an engine publishes its KV events (vLLM's ``--kv-events-config``)."""
+
+    endpoint: str = setting(
+        dataclasses.MISSING, "ZMQ endpoint of the engine's publisher: tcp://HOST:PORT."
+    )
+    topic: str = setting("", "Topic the engine publishes on ('': every topic).")
+    replay_endpoint: str | None = setting(
+        None, "ZMQ endpoint of the engine's replay socket, to resend missed batches; none: none."
+    )
+    bind: bool | None = setting(
+        None,
+        "true: the router binds the endpoint and the engine connects; false: the engine "
+        "binds it and routers connect (several may share one engine); none: tcp:// binds, "
+        "anything else connects.",
+    )
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One engine of a disaggregated cluster's ``prefill_engines:`` or ``decode_engines:``."""
+
+    url: str = setting(dataclasses.MISSING, "Engine base URL, http(s)://HOST:PORT.")
+    kv_blocks: int | None = setting(
+        None, "KV blocks of this engine for the prefix index; none: the router's kv_blocks.", ge=1
+    )
+
+
+@dataclass(frozen=True)
+class ColocatedEngine(EngineEntry):
+    """One engine of ``engines:``, routed on its exact KV-event view when it has
+    ``kv_events``."""
+
+    backend: str = setting("vllm", "How the engine speaks.", choices=tuple(BACKENDS))
+    kv_events: KVEvents | None = setting(
+        None, "The engine's KV events; none: the router's own view of what it cached."
+    )
+
+
+@dataclass
+class Recording:
+    """The recording of the requests served (``smetric.record``)."""
+
+    record: Path | None = setting(
+        None,
+        "Write a trace of the requests served into this folder: per request its salted "
+        "block ids, arrival and completion times, token counts, turn, session, agent, "
+        "trigger, engine and branch, nothing else (no text, no header values). Read it "
+        "with analyze, simulate, replay and plan. None: no recording.",
+    )
+    record_max_mb: int = setting(
+        1024, "Megabytes the recording may hold; the oldest segments go first.", ge=1
+    )
+    record_rotate_s: float = setting(
+        300.0, "Seconds between recording segments (each one zstd-compressed Parquet).", ge=0.1
+    )
+    record_salt_file: Path | None = setting(
+        None,
+        "The deployment's salt (16 bytes or more, e.g. head -c 32 /dev/urandom): "
+        "recordings with the same salt compare across restarts and replicas. None: a "
+        "fresh salt lives in memory only and the recording stands alone.",
+    )
+
+
+@dataclass
+class FrontDoor(Recording, RouterSettings):
+    """What ``smetric serve`` and ``smetric pick`` share beyond the router's settings."""
+
+    host: str = setting("127.0.0.1", "Address to listen on.")
+    kv_blocks: int = setting(
+        16384, "KV blocks per engine for the prefix index, where its entry sets none.", ge=1
+    )
+    tokenizer: str = setting(
+        "bytes",
+        "How prompts are tokenised for the prefix index: 'bytes' (fallback), "
+        "'hf:/local/model/dir' (tokenizer.json and its chat template), or 'engine' (the "
+        "engines' /tokenize).",
+    )
+    discover: str | None = setting(
+        None,
+        "Find engines in DNS, as a Kubernetes headless Service lists its ready pods: "
+        "dns://NAME:PORT (A/AAAA records, engines on PORT) or dns+srv://NAME (SRV records); "
+        "re-resolved every discover_interval_s, so engines join and leave without a "
+        "restart. Beside or instead of the engines listed. None: no discovery.",
+    )
+    discover_interval_s: float = setting(5.0, "Seconds between DNS lookups of discover.", ge=0.05)
+    dns_server: str | None = setting(
+        None, "Ask this DNS server (IP or IP:PORT) for discover; none: the system's."
+    )
+    log_level: str = setting(
+        "info",
+        "What is logged: debug, info (a JSON line per decision), warning or error.",
+        choices=LOG_LEVELS,
+    )
+
+
+@dataclass
+class ServeOptions(FrontDoor):
+    """The ``router:`` section of ``smetric serve --config``."""
+
+    port: int = setting(
+        8000, "Port to listen on (0: any free port; the startup line names it).", ge=0, le=65535
+    )
+    workers: int = setting(
+        1,
+        "Router processes sharing the port (SO_REUSEPORT), in-flight load and routed "
+        "prefixes; one per core the router may use.",
+        ge=1,
+    )
+    decode_policy: str = setting(
+        "least_kv",
+        "Disaggregated serving: how the decode engine is chosen.",
+        choices=DECODE_POLICY_NAMES,
+    )
+
+
+@dataclass(frozen=True)
+class Colocated:
+    """A config's ``engines:``: engines that prefill and decode alike."""
+
+    engines: tuple[str | ColocatedEngine, ...] = setting(
+        (),
+        "Engines: base URLs, or {url, kv_blocks, backend, kv_events} (a flag per engine; "
+        "those of the flags join those of the file).",
+    )
+
+
+@dataclass(frozen=True)
+class ServeConfig(Colocated):
+    """A ``smetric serve --config`` file."""
+
+    prefill_engines: tuple[str | EngineEntry, ...] = setting(
+        (),
+        "Disaggregated serving: prefill engines, URLs or {url, kv_blocks} (a flag per "
+        "engine). The policy picks one per request on unprefilled tokens.",
+    )
+    decode_engines: tuple[str | EngineEntry, ...] = setting(
+        (),
+        "Disaggregated serving: decode engines, URLs or {url, kv_blocks} (a flag per "
+        "engine); they get the request with the prefill's kv_transfer_params.",
+    )
+    router: ServeOptions = field(default_factory=ServeOptions)
+
+
+# The engine lists, whose flags add engines to the file's rather than replace them.
+ENGINE_LISTS = ("engines", "prefill_engines", "decode_engines")
+
+
+def load_config(cls: type[C], path: Path | None) -> C:
+    """The config file at ``path`` (None: every default) read as ``cls``; a key ``cls``
+    does not know, a value of the wrong type or range, or a YAML syntax error is a
+    ValueError naming the file."""
+    if path is None:
+        return cls()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the config must be a mapping (engines:, router:, ...)")
-    unknown = [str(key) for key in data if key not in SECTIONS]
-    if unknown:
-        raise ValueError(
-            f"{path}: unknown key(s) {', '.join(unknown)}; a config has {', '.join(SECTIONS)}"
-        )
-    return data
+        with path.open(encoding="utf-8") as stream:  # so a syntax error names the file
+            data = yaml.safe_load(stream)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the config: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    return load(cls, data, str(path))
+
+
+def with_flags(config: C, given: Mapping[str, Any]) -> C:
+    """``config`` with the settings of the flags ``given`` (by setting name): a flag's
+    value replaces the file's, but the engines of flags join the file's."""
+    joined = {
+        name: (*getattr(config, name), *given[name])
+        for name in ENGINE_LISTS
+        if name in given and hasattr(config, name)
+    }
+    return with_values(config, {**given, **joined}, "flags")
 
 
 def engine_url(url: str) -> str:
@@ -58,148 +230,51 @@ def engine_url(url: str) -> str:
 
 
 def engines_from(
-    urls: list[str], config: Path | None, kv_blocks: int, block_size: int
+    entries: tuple[str | ColocatedEngine, ...], kv_blocks: int, block_size: int
 ) -> tuple[list[Engine], dict[str, KVEventSubscriber]]:
-    """Engines from --engine flags and/or a YAML list of URLs or ``{url, kv_blocks,
-    backend, kv_events: {endpoint, topic, replay_endpoint, bind}}``; an engine with
-    ``kv_events`` is routed on its exact KV-event view (vLLM's ``--kv-events-config``).
-    ``bind: false`` connects to an engine that binds its publisher (several routers share
-    one engine). ``backend`` names how the engine speaks (``vllm``, the default)."""
-    engines = [Engine(engine_url(url), kv_blocks) for url in urls]
+    """The engines of ``engines:`` and ``--engine``; one with ``kv_events`` is routed on
+    its exact KV-event view, and gets a subscriber keeping that view current."""
+    engines: list[Engine] = []
     subscribers: dict[str, KVEventSubscriber] = {}
-    if config is not None:
-        entries = read_config(config).get("engines", [])
-        if not isinstance(entries, list):
-            raise ValueError(f"{config}: expected 'engines:' with a list of engines")
-        for entry in entries:
-            if isinstance(entry, str):
-                engines.append(Engine(engine_url(entry), kv_blocks))
-            elif isinstance(entry, dict) and isinstance(entry.get("url"), str):
-                unknown = set(entry) - {"url", "kv_blocks", "kv_events", "backend"}
-                if unknown:
-                    raise ValueError(
-                        f"{config}: unknown engine key(s) {', '.join(sorted(unknown))}; "
-                        "an engine has url, kv_blocks, backend and kv_events"
-                    )
-                backend = backend_named(str(entry.get("backend", "vllm")))
-                url = engine_url(entry["url"])
-                events = entry.get("kv_events")
-                index = None
-                if events is not None:
-                    if not isinstance(events, dict) or not isinstance(events.get("endpoint"), str):
-                        raise ValueError(f"{config}: kv_events needs an endpoint (tcp://...)")
-                    index = EventIndex(block_size)
-                    subscribers[url] = backend.kv_event_subscriber(index, events, url)
-                blocks = entry.get("kv_blocks", kv_blocks)
-                if type(blocks) is not int or blocks < 1:
-                    raise ValueError(f"{config}: kv_blocks of {url} must be a positive integer")
-                engines.append(Engine(url, blocks, events=index, backend=backend))
-            else:
-                raise ValueError(f"{config}: each engine is a URL or {{url, kv_blocks}}")
+    for listed in entries:
+        entry = ColocatedEngine(listed) if isinstance(listed, str) else listed
+        backend = backend_named(entry.backend)
+        url = engine_url(entry.url)
+        index = None
+        if entry.kv_events is not None:
+            index = EventIndex(block_size)
+            spec = dataclasses.asdict(entry.kv_events)
+            subscribers[url] = backend.kv_event_subscriber(index, spec, url)
+        blocks = kv_blocks if entry.kv_blocks is None else entry.kv_blocks
+        engines.append(Engine(url, blocks, events=index, backend=backend))
     if not engines:
         raise ValueError("give at least one --engine URL (or engines: in --config)")
     return engines, subscribers
 
 
-# What a config's ``router:`` section may set: every setting a flag sets, by the
-# setting's name. The flags win over it.
-TUNABLE = (
-    "policy",
-    "api_keys",
-    "block_size",
-    "health_interval_s",
-    "scrape_interval_s",
-    "staleness_s",
-    "stall_timeout_s",
-    "stall_prefill_tps",
-    "stream_headers_timeout_s",
-    "memo_bytes",
-    "max_body_bytes",
-    "max_prompt_tokens",
-    "analysis_threads",
-    "connect_timeout_s",
-    "first_byte_timeout_s",
-    "idle_timeout_s",
-    "retries",
-    "eject_after",
-    "eject_backoff_s",
-    "eject_backoff_max_s",
-    "open_metrics",
-    "global_tier",
-    "global_tier_tokens",
-    "drain_timeout_s",
-)
-
-
-def router_options(config: Path | None) -> dict[str, Any]:
-    """The ``router:`` section of the YAML config, checked against ``RouterSettings``."""
-    if config is None:
-        return {}
-    section = read_config(config).get("router", {})
-    if not isinstance(section, dict):
-        raise ValueError(f"{config}: 'router:' must map settings to values")
-    types = {f.name: type(getattr(RouterSettings(), f.name)) for f in fields(RouterSettings)}
-    for key, value in section.items():
-        if key not in TUNABLE:
-            raise ValueError(f"{config}: unknown router setting {key!r}; one of {TUNABLE}")
-        wanted = types[key]
-        if key == "api_keys":
-            if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
-                raise ValueError(f"{config}: router.api_keys must be a list of keys")
-            continue
-        if key == "policy":
-            if not isinstance(value, str):
-                raise ValueError(f"{config}: router.policy must be a policy name")
-            continue
-        if wanted is str:
-            if value not in GLOBAL_TIERS:
-                raise ValueError(f"{config}: router.{key} must be one of {GLOBAL_TIERS}")
-            continue
-        fits = isinstance(value, wanted) or (wanted is float and type(value) is int)
-        if not fits or isinstance(value, bool) != (wanted is bool) or value < 0:
-            raise ValueError(f"{config}: router.{key} must be a non-negative {wanted.__name__}")
-    options = dict(section)
-    if "api_keys" in options:
-        options["api_keys"] = frozenset(options["api_keys"])
-    return options
-
-
-def disaggregation_from(
-    prefill: list[str],
-    decode: list[str],
-    config: Path | None,
-    kv_blocks: int,
-    decode_policy: str,
-) -> tuple[list[Engine], Disaggregation] | None:
-    """Engines and roles from ``--prefill-engine``/``--decode-engine`` flags and/or the YAML
-    keys ``prefill_engines:`` and ``decode_engines:`` (URLs or ``{url, kv_blocks}``);
+def disaggregation_from(config: ServeConfig) -> tuple[list[Engine], Disaggregation] | None:
+    """Engines and roles of ``prefill_engines:`` and ``decode_engines:`` (and their flags);
     None when neither names any, i.e. the cluster is colocated."""
-    roles = {"prefill_engines": list(prefill), "decode_engines": list(decode)}
-    sized: dict[str, int] = {}
-    if config is not None:
-        data = read_config(config)
-        for key, urls in roles.items():
-            entries = data.get(key, [])
-            if not isinstance(entries, list):
-                raise ValueError(f"{config}: {key} must be a list of URLs or {{url, kv_blocks}}")
-            for entry in entries:
-                if isinstance(entry, dict) and isinstance(entry.get("url"), str):
-                    blocks = entry.get("kv_blocks", kv_blocks)
-                    if type(blocks) is not int or blocks < 1:
-                        raise ValueError(f"{config}: kv_blocks must be a positive integer")
-                    sized[engine_url(entry["url"])] = blocks
-                    entry = entry["url"]
-                if not isinstance(entry, str):
-                    raise ValueError(f"{config}: each of {key} is a URL or {{url, kv_blocks}}")
-                urls.append(entry)
-    if not any(roles.values()):
+    if not (config.prefill_engines or config.decode_engines):
         return None
-    prefills, decodes = (
-        [Engine(url, sized.get(url, kv_blocks)) for url in map(engine_url, roles[k])]
-        for k in ("prefill_engines", "decode_engines")
-    )
-    engines = prefills + decodes
+    kv_blocks = config.router.kv_blocks
+
+    def engines(entries: tuple[str | EngineEntry, ...]) -> list[Engine]:
+        return [
+            Engine(engine_url(e.url), kv_blocks if e.kv_blocks is None else e.kv_blocks)
+            for e in (EngineEntry(x) if isinstance(x, str) else x for x in entries)
+        ]
+
+    prefills, decodes = engines(config.prefill_engines), engines(config.decode_engines)
     disagg = Disaggregation(
-        frozenset(e.url for e in prefills), frozenset(e.url for e in decodes), decode_policy
+        frozenset(e.url for e in prefills),
+        frozenset(e.url for e in decodes),
+        config.router.decode_policy,
     )
-    return engines, disagg
+    return prefills + decodes, disagg
+
+
+def router_settings(options: RouterSettings) -> RouterSettings:
+    """The router's own settings out of a command's options."""
+    names = [f.name for f in dataclasses.fields(RouterSettings)]
+    return RouterSettings(**{name: getattr(options, name) for name in names})
