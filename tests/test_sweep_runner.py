@@ -155,3 +155,49 @@ def test_a_run_stored_without_its_requests_counts_as_missing_where_they_are_want
     assert store.get(job, with_requests=True) == {"tps_within_slo": 2.5}
     assert store.requests(job).equals(table)
     assert store.written == 2
+
+
+def _children(pid: int) -> set[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return {int(child) for child in path.read_text().split()} if path.exists() else set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads Linux's /proc")
+def test_workers_of_a_sweep_stopped_by_sigterm_exit_with_it(tmp_path: Path) -> None:
+    """SIGTERM kills a sweep without running its pool's shutdown; its workers must not
+    run on through the simulations still queued."""
+    import signal
+    import subprocess
+    import time
+
+    command = [sys.executable, "-m", "smetric", *SWEEP, "--duration", "3600", "-j", "2"]
+    sweep = subprocess.Popen(
+        [*command, "-o", str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        workers: set[int] = set()
+        while len(workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            # The two workers, and the resource tracker that the spawn context adds.
+            workers = {c for c in _children(sweep.pid) if _alive(c)}
+        assert len(workers) >= 2, "the sweep never started its workers"
+        sweep.send_signal(signal.SIGTERM)
+        sweep.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        sweep.kill()
+        sweep.wait()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -35,8 +37,18 @@ from smetric.trace.schema import Trace
 _worker_trace: Trace | None = None
 
 
-def _init(source: str, fmt: str | None) -> None:
+def _exit_with(parent: int) -> None:
+    # A sweep stopped by SIGTERM (a job scheduler, `kill`) dies without shutting its pool
+    # down, and its workers would run on for the rest of their queued simulations.
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _init(source: str, fmt: str | None, parent: int) -> None:
     global _worker_trace
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     _worker_trace = load_trace(source, fmt)
 
 
@@ -78,7 +90,7 @@ def map_jobs(
     # Forking a process that has run polars' thread pool can deadlock the child: spawn.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
-        processes, mp_context=context, initializer=_init, initargs=(source, fmt)
+        processes, mp_context=context, initializer=_init, initargs=(source, fmt, os.getpid())
     ) as pool:
         futures = [pool.submit(_run, job, task) for job in jobs]
         for future in as_completed(futures):
