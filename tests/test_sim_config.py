@@ -21,7 +21,7 @@ from smetric.sim.config import ClusterConfig, SimConfig, check_config, load_yaml
         ("workload:\n  session_rate: -2\n", "workload.session_rate must lie in (0, inf]"),
         ("workload:\n  sample: 1.5\n", "workload.sample must lie in (0, 1.0], got 1.5"),
         ("warmup_s: -1\n", "warmup_s must lie in [0, inf], got -1.0"),
-        ("cluster:\n  kv_blcks: 3\n", "unknown keys ['kv_blcks']"),
+        ("cluster:\n  kv_blcks: 3\n", "unknown key 'cluster.kv_blcks'"),
         ("cluster: [\n  instances: 0\n", "line 1, column 10"),
     ],
 )

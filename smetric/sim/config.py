@@ -8,16 +8,16 @@ with ``smetric simulate --config RESULT/config.yaml``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import yaml
 
 from smetric.core.policies import POLICY_NAMES, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES, make_decode_policy
 from smetric.core.settings import setting, settings_of
+from smetric.core.settings_load import load
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S
 from smetric.model.perf import HARDWARE_NAMES, MEDIUM_NAMES, MODEL_NAMES, load_medium
@@ -178,40 +178,15 @@ class SimConfig:
         return data
 
 
-def _section(cls: type, data: Any, where: str) -> Any:
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
-    try:
-        return msgspec.convert(data, cls, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"{where}: {exc}") from exc
-
-
 def from_dict(data: dict[str, Any], where: str = "config") -> SimConfig:
-    known = {f.name for f in fields(SimConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown sections {unknown}; known: {sorted(known)}")
-    policies = data.get("policies", SimConfig().policies)
+    """The run a YAML file's mapping describes, read as every settings file is read
+    (``core.settings_load``): an unknown key, a wrong type or a value out of bounds is a
+    ValueError naming ``where``, the key and what it takes. ``policies`` may also be one
+    comma-separated string, as on the command line."""
+    policies = data.get("policies")
     if isinstance(policies, str):
-        policies = [p.strip() for p in policies.split(",") if p.strip()]
-    return check_config(
-        SimConfig(
-            cluster=_section(ClusterConfig, data.get("cluster"), f"{where}: cluster"),
-            workload=_section(WorkloadConfig, data.get("workload"), f"{where}: workload"),
-            slo=_section(SLOConfig, data.get("slo"), f"{where}: slo"),
-            policies=tuple(policies),
-            window_s=float(data.get("window_s", SimConfig().window_s)),
-            warmup_s=float(data.get("warmup_s", SimConfig().warmup_s)),
-        ),
-        where,
-    )
+        data = {**data, "policies": [p.strip() for p in policies.split(",") if p.strip()]}
+    return load(SimConfig, data, where)
 
 
 def check_config(config: SimConfig, where: str = "") -> SimConfig:
