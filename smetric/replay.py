@@ -354,7 +354,7 @@ class Replayer:
         return next_conversation(session, turn, tokens, history, self.options.token_scale)
 
     def _output(self, rid: int) -> int:
-        return max(round(self.rows[rid][3] / self.options.token_scale), 1)
+        return scaled_output(self.rows[rid][3], self.options.token_scale)
 
     async def _send(self, client: aiohttp.ClientSession, rid: int, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -295,9 +295,13 @@ def test_long_context_is_fitted_and_checked() -> None:
 
 def test_long_context_rows_are_counted_per_gpu_and_shown() -> None:
     counts = fidelity.long_context_rows()
-    assert set(counts) == set(HARDWARE_NAMES)
+    assert set(counts) == {n for n in HARDWARE_NAMES if n != "CPU-core"}
     assert counts["H20"] >= 2 and counts["H200"] >= 1
-    long = [a for a in fidelity.anchors() if a.params.get("prompt", 0) >= 64_000]
+    long = [
+        a
+        for a in fidelity.anchors()
+        if a.params.get("prompt", 0) >= 64_000 and a.params.get("hardware") != "CPU-core"
+    ]
     assert sum(counts.values()) == len(long)
     page = fidelity.markdown()
     for gpu, n in counts.items():

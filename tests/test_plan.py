@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from smetric.cli import app
@@ -84,3 +85,23 @@ def test_the_instance_search_doubles_then_bisects() -> None:
     assert capped.serves is None and capped.fails == 5
     with pytest.raises(ValueError, match="min-instances"):
         PlanSettings(min_instances=4, max_instances=2)
+
+
+def test_a_config_file_that_says_closed_loop_is_planned_closed_loop(tmp_path: Path) -> None:
+    # The Mooncake sample has a clock, so without a word from the user it is replayed at
+    # its recorded arrivals; a file saying open_loop: false keeps it closed loop.
+    config = tmp_path / "closed.yaml"
+    config.write_text(
+        "cluster: {hardware: H200}\n"
+        "workload: {trace: sample:mooncake, open_loop: false, session_rate: 0.5, "
+        "duration_s: 20}\n"
+        "policies: [least_load]\n"
+    )
+    out = tmp_path / "plan"
+    _invoke(
+        "plan", "-c", str(config), "--globals", "none", "--max-instances", "2",
+        "--probes", "2", "-o", str(out), "-j", "1",
+    )  # fmt: skip
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["workload"]["open_loop"] is False
+    assert written["workload"]["duration_s"] == 20

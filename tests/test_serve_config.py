@@ -151,6 +151,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ("router: {port: 70000}", "router.port must lie in [0, 65535]"),
         ("router: {workers: many}", "router.workers must be an integer, got 'many'"),
         ("router: {api_keys: [k1, 2]}", "router.api_keys[1] must be a string, got 2"),
+        ("router: {api_keys: [k1, '']}", "api_keys: a key must not be empty"),
         ("prefill_engines: [{url: 'http://h:1', backend: vllm}]", "prefill_engines[0].backend"),
         ("router: [1, 2", "not valid YAML"),
         ("- http://127.0.0.1:1", "the top level must map keys to values"),
@@ -179,6 +180,7 @@ def test_a_yaml_syntax_error_names_the_file_and_the_line(tmp_path: Path) -> None
         (["--first-byte-timeout", "0"], "(0, inf]"),
         (["--global-tier", "cpu"], "--global-tier"),
         (["--log-level", "loud"], "--log-level"),
+        (["--api-key", ""], "a key must not be empty"),
     ],
 )
 def test_a_bad_flag_is_refused_before_anything_starts(args: list[str], said: str) -> None:

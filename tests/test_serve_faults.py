@@ -366,6 +366,8 @@ def test_every_route_but_health_needs_the_key() -> None:
             {"Authorization": "Basic s3cret"},
             {"Authorization": "Bearer s3cre"},
             {"x-api-key": "S3CRET"},  # keys are case-sensitive
+            {"x-api-key": ""},
+            {"Authorization": "Bearer "},
         ]
         for headers in refused:
             async with client.get(url + "/v1/models", headers=headers) as response:

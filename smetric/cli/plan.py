@@ -30,12 +30,12 @@ from smetric.sim.config import global_levels
 from smetric.sim.parallel import RunStore, default_jobs
 
 
-def _sets_duration(config: Path | None) -> bool:
-    """Whether a config file gives the workload's duration (read already, so valid)."""
+def _sets(config: Path | None, key: str) -> bool:
+    """Whether a config file gives the workload's ``key`` (read already, so valid)."""
     if config is None:
         return False
     data = yaml.safe_load(config.read_text()) or {}
-    return "duration_s" in (data.get("workload") or {})
+    return key in (data.get("workload") or {})
 
 
 @app.command()
@@ -90,9 +90,9 @@ def plan(
     with user_errors():
         base = command_config(given, config_path, source, policies)
         trace = load_with_progress(base.workload.trace, base.workload.format)
-        if "workload.open_loop" not in given:
+        if "workload.open_loop" not in given and not _sets(config_path, "open_loop"):
             base = base.override("workload", open_loop=trace.has_clock)
-        given_duration = "workload.duration_s" in given or _sets_duration(config_path)
+        given_duration = "workload.duration_s" in given or _sets(config_path, "duration_s")
         if base.workload.open_loop and not given_duration:
             last = typing.cast(float | None, trace.requests["arrival_s"].max())
             span = float(last or 0.0) / base.workload.speed

@@ -51,7 +51,7 @@ PoliciesOpt = Annotated[
     ),
 ]
 
-# Flag names other than the key's own: the short names the commands have always taken,
+# Flag names other than the key's own: short names kept beside the keys,
 # a --on/--off pair, and --trace-format, since --format prints the tables.
 NAMES = {
     "gpus_per_instance": ("--gpus-per-instance", "--gpus"),

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
+import yaml
+
 from smetric.core.settings import Meta
 
 if TYPE_CHECKING:
@@ -34,6 +36,18 @@ def hints_of(cls: type) -> dict[str, Any]:
 def is_section(hint: Any, f: dataclasses.Field[Any]) -> bool:
     """A field holding a nested settings dataclass rather than one setting."""
     return isinstance(hint, type) and dataclasses.is_dataclass(hint) and "setting" not in f.metadata
+
+
+def read_yaml(path: Path) -> Any:
+    """The data of the YAML file at ``path``; a file that cannot be read or parsed is a
+    ValueError naming it (and, for a syntax error, the line)."""
+    try:
+        with path.open(encoding="utf-8") as stream:  # so a syntax error names the file
+            return yaml.safe_load(stream)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
 
 
 def load(cls: type[T], data: Any, where: str, key: str = "") -> T:

@@ -37,11 +37,10 @@ from aiohttp import web
 
 from smetric.core.conversation import RequestError, RequestFacts
 from smetric.core.prefix_cache import Handle
-from smetric.engine.scheduler import EngineRequest, MockEngine
+from smetric.engine.scheduler import ROLES, EngineRequest, MockEngine
 from smetric.model.kv import Link
 from smetric.model.perf import kv_bytes_per_token, load_model
 
-ROLES = ("both", "prefill", "decode")
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 PULL_PATH = "/smetric/kv/pull"
 

@@ -246,7 +246,7 @@ def summary(rows: tuple[Anchor, ...] | None = None) -> Summary:
 def long_context_rows(rows: tuple[Anchor, ...] | None = None) -> dict[str, int]:
     """Anchors with a prompt of ``LONG_PROMPT`` tokens or more, per GPU preset (0: none)."""
     rows = anchors() if rows is None else rows
-    counts = dict.fromkeys(HARDWARE_NAMES, 0)
+    counts = dict.fromkeys((n for n in HARDWARE_NAMES if load_hardware(n).gpu), 0)
     for a in rows:
         if a.params.get("prompt", 0) >= LONG_PROMPT and a.params.get("hardware") in counts:
             counts[a.params["hardware"]] += 1

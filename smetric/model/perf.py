@@ -87,6 +87,8 @@ class Hardware:
     step_overhead_s: float
     layer_overhead_s: float
     activation_bytes_per_token: float
+    # False for a CPU stand-in (the real-engine twin's core), which no GPU figure checks.
+    gpu: bool = True
 
     @property
     def scale(self) -> float:

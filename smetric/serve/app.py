@@ -181,6 +181,11 @@ class RouterSettings:
         ge=0,
     )
 
+    def __post_init__(self) -> None:
+        # An empty key (``--api-key "$KEY"`` with KEY unset) would admit an empty header.
+        if "" in {key.strip() for key in self.api_keys}:
+            raise ValueError("api_keys: a key must not be empty")
+
 
 @dataclass
 class Router:

@@ -25,7 +25,7 @@ def presented_keys(request: web.Request) -> list[str]:
     scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         keys.append(token.strip())
-    if "x-api-key" in request.headers:
+    if request.headers.get("x-api-key", "").strip():
         keys.append(request.headers["x-api-key"])
     return keys
 

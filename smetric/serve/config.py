@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-import yaml
-
 from smetric.core.kv_events import EventIndex
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.core.settings import setting
-from smetric.core.settings_load import load, with_values
+from smetric.core.settings_load import load, read_yaml, with_values
 from smetric.serve.app import RouterSettings
 from smetric.serve.backends import BACKENDS, backend_named
 from smetric.serve.disagg import Disaggregation
@@ -89,7 +87,7 @@ class Recording:
         "with analyze, simulate, replay and plan. None: no recording.",
     )
     record_max_mb: int = setting(
-        1024, "Megabytes the recording may hold; the oldest segments go first.", ge=1
+        1024, "MiB the recording may hold; the oldest segments go first.", ge=1
     )
     record_rotate_s: float = setting(
         300.0, "Seconds between recording segments (each one zstd-compressed Parquet).", ge=0.1
@@ -192,13 +190,7 @@ def load_config(cls: type[C], path: Path | None) -> C:
     ValueError naming the file."""
     if path is None:
         return cls()
-    try:
-        with path.open(encoding="utf-8") as stream:  # so a syntax error names the file
-            data = yaml.safe_load(stream)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the config: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path)
     return load(cls, data, str(path))
 
 

@@ -235,9 +235,10 @@ class EnginePool:
 
     def stall(self, engine: Engine) -> None:
         """Eject ``engine`` as stalled for a passive-ejection backoff, and cut its attempts."""
-        backoff = self.outliers.eject(engine.url, time.monotonic())
+        now = time.monotonic()
+        backoff = self.outliers.eject(engine.url, now)
         self.metrics.stalls.labels(engine.url).inc()
-        silent = f"no progress for {self.stall_timeout_s:g} s"
+        silent = f"no progress for {now - engine.progressed_at:.1f} s"
         self.eject(engine, f"stalled: {silent}; out {backoff:g} s")
         for attempt in list(engine.attempts):
             attempt.cut(f"the engine stalled: {silent}")

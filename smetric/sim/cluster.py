@@ -19,6 +19,7 @@ import polars as pl
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.policies import ClusterView, Policy, RoutingRequest
 from smetric.core.prices import Completion, PriceLearner, Retunable
+from smetric.core.settings import check_settings
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.model.perf import (
     Corrections,
@@ -32,7 +33,6 @@ from smetric.model.perf import (
 from smetric.sim.config import (
     ClusterConfig,
     check_kv_load,
-    check_perturbations,
     parse_global_capacity,
 )
 from smetric.sim.holders import HolderIndex
@@ -55,7 +55,7 @@ class ClusterShape:
 
 
 def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
-    check_perturbations(config)
+    check_settings(config)  # a configuration built in code, never read from a file
     model = load_model(config.model)
     hardware = load_hardware(config.hardware, gpus=config.gpus_per_instance)
     capacity = config.kv_capacity_tokens or kv_capacity_tokens(

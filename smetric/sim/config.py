@@ -17,7 +17,7 @@ import yaml
 from smetric.core.policies import POLICY_NAMES, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES, make_decode_policy
 from smetric.core.settings import setting, settings_of
-from smetric.core.settings_load import load
+from smetric.core.settings_load import load, read_yaml
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S
 from smetric.model.perf import HARDWARE_NAMES, MEDIUM_NAMES, MODEL_NAMES, load_medium
@@ -127,12 +127,6 @@ def nominal(cluster: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(cluster, **unperturbed)
 
 
-def check_perturbations(cluster: ClusterConfig) -> None:
-    for name in PERTURBATIONS:
-        if not getattr(cluster, name) > 0:
-            raise ValueError(f"{name} must be positive, got {getattr(cluster, name)}")
-
-
 @dataclass(frozen=True)
 class WorkloadConfig:
     trace: str = setting("sample:weka", "Trace: a path, or sample:NAME.")
@@ -189,17 +183,14 @@ def from_dict(data: dict[str, Any], where: str = "config") -> SimConfig:
     return load(SimConfig, data, where)
 
 
-def check_config(config: SimConfig, where: str = "") -> SimConfig:
+def check_config(config: SimConfig) -> SimConfig:
     """``config`` if every setting lies within its declared bounds, else a ValueError
-    naming ``where`` (a file), the key and the bounds: the same check for a YAML file and
-    for command-line flags."""
+    naming the key and the bounds: for configurations assembled in code (presets, sweeps'
+    overrides), which no file or flag reader has checked."""
     sections = {"": config, **{f"{name}.": getattr(config, name) for name in SECTIONS}}
     for prefix, values in sections.items():
         for f, meta in settings_of(values):
-            try:
-                meta.check(prefix + f.name, getattr(values, f.name))
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc}" if where else str(exc)) from None
+            meta.check(prefix + f.name, getattr(values, f.name))
     return config
 
 
@@ -226,13 +217,9 @@ def check_runnable(config: SimConfig) -> SimConfig:
 
 
 def load_yaml(path: Path) -> SimConfig:
-    try:
-        with path.open(encoding="utf-8") as stream:  # so a syntax error names the file
-            data = yaml.safe_load(stream) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read YAML: {exc}") from exc
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
+        raise ValueError(f"{path}: the top level must map keys to values")
     return from_dict(data, str(path))
 
 

@@ -3,7 +3,8 @@
 A port chosen before the server binds it (bind port 0, read the number, close, pass it on)
 can be taken by another process in between, which under parallel runs it is. So whatever
 can bind port 0 does, and says which port it got: ``smetric serve``, ``engine`` and
-``pick`` print it in their startup line, read here; in-process servers and ZMQ sockets
+``pick`` print it in their startup line (``serve``'s and ``engine``'s read here,
+``pick``'s by ``testing.gateway``); in-process servers and ZMQ sockets
 report their bound address. Only programs that can neither (vLLM, llama.cpp's server,
 sglang-router) get a port picked for them, and their starters pick again and restart
 when the bind fails.
@@ -11,9 +12,11 @@ when the bind fails.
 
 from __future__ import annotations
 
+import queue
 import re
 import socket
 import subprocess
+import threading
 import time
 from typing import IO
 
@@ -52,16 +55,38 @@ def read_startup_port(
 ) -> int:
     """The port from the startup line a server subprocess (``smetric serve`` or
     ``engine``) writes to ``stdout``, a pipe, once it listens; RuntimeError if it exits
-    first."""
+    first or says nothing of the kind within ``timeout_s``.
+
+    A thread reads the pipe, so a child that stays silent cannot block the caller past
+    the deadline, and it goes on draining the pipe for the child's whole life: a pipe
+    nobody reads fills and then blocks the child's next write."""
+    lines: queue.Queue[bytes] = queue.Queue()
+    found = threading.Event()
+    threading.Thread(target=_drain, args=(stdout, lines, found), daemon=True).start()
     deadline = time.monotonic() + timeout_s
     seen = b""
-    while time.monotonic() < deadline:
-        line = stdout.readline()
-        if not line:
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if not line:  # the child closed its stdout
             break
         seen += line
         port = startup_port(line.decode(errors="replace"))
         if port is not None:
+            found.set()
             return port
+    found.set()
     process.poll()
-    raise RuntimeError(f"no startup line (exit {process.returncode}): {seen[-2000:]!r}")
+    raise RuntimeError(
+        f"no startup line within {timeout_s:g} s (exit {process.returncode}): {seen[-2000:]!r}"
+    )
+
+
+def _drain(stdout: IO[bytes], lines: queue.Queue[bytes], found: threading.Event) -> None:
+    """Every line of ``stdout`` to ``lines`` until ``found``, then to nowhere; b"" at the end."""
+    for line in iter(stdout.readline, b""):
+        if not found.is_set():
+            lines.put(line)
+    lines.put(b"")
