@@ -243,7 +243,10 @@ def to_toml(preset: Mapping[str, Any], links: Mapping[str, float], notes: list[s
     ]
     lines.append("[hardware]")
     for key, value in preset.items():
-        rendered = f"{value:.4g}" if isinstance(value, float) else repr(value)
+        if isinstance(value, bool):
+            rendered = "true" if value else "false"
+        else:
+            rendered = f"{value:.4g}" if isinstance(value, float) else repr(value)
         lines.append(f"{key} = {rendered}")
     return "\n".join(lines) + "\n"
 

@@ -158,17 +158,18 @@ def nominal_fp32_tflops() -> float:
     return 32 * max(mhz) * 1e6 / 1e12
 
 
-def fit(points: list[Point]) -> dict[str, float]:
+def fit(points: list[Point], peak_tflops: float | None = None) -> dict[str, float]:
     """Preset values from the measured points (see the module docstring): the gemm and
-    attention efficiencies from the fresh prefills' linear and quadratic terms, the step
-    overhead as what one sequence's decode step takes beyond the preset's model of it
+    attention efficiencies from the fresh prefills' linear and quadratic terms against
+    ``peak_tflops`` (None: this machine's core, whose clock differs between machines), the
+    step overhead as what one sequence's decode step takes beyond the preset's model of it
     without overhead (its weight and KV reads)."""
     model = load_model("SmolLM2-135M-Instruct")
     fresh = [p for p in points if p.kind == "prefill" and p.cached_tokens == 0]
     n = np.array([p.prefill_tokens for p in fresh], dtype=float)
     t = np.array([p.seconds for p in fresh])
     (a, b, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n, n * n / 2], 1), t, rcond=None)
-    peak = nominal_fp32_tflops() * 1e12
+    peak = (peak_tflops or nominal_fp32_tflops()) * 1e12
     flops_per_token = 2 * (model.dense_params + model.layers * model.top_k * model.expert_params)
     attn_flops = 4 * model.q_heads * model.head_dim * model.layers
     one = next(p for p in points if p.kind == "decode" and p.batch == 1 and p.cached_tokens == 64)
