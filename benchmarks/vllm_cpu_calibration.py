@@ -1,6 +1,6 @@
 """How fast one vLLM CPU instance of the real-engine benchmark prefills and decodes.
 
-    python benchmarks/vllm_cpu_calibration.py [--repeats 3] [--json OUT.json]
+    python benchmarks/vllm_cpu_calibration.py [--repeats 3] [--json OUT.json] [--peak-tflops P]
 
 The simulator's ``CPU-core`` hardware preset (``smetric/model/presets/hardware.toml``) is
 fitted on what this prints, so that ``smetric simulate`` can stand in for
@@ -234,6 +234,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the measured points here")
     parser.add_argument("--points", type=Path, help="fit points written by --json, no engine")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the core's FP32 peak [default: 2 FMA units x 8 lanes at its clock, AVX2's]",
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     if args.points:
@@ -246,7 +251,7 @@ def main() -> None:
     if args.json:
         data = {"points": [p.__dict__ for p in points], "cpus": os.cpu_count()}
         args.json.write_text(json.dumps(data, indent=1) + "\n")
-    print("fitted:", json.dumps(fit(points)))
+    print("fitted:", json.dumps(fit(points, args.peak_tflops)))
     check(points)
     print(f"total time {time.perf_counter() - t0:.1f} s")
 
