@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import yaml
 
 from smetric.cli.app import (
     JobsOpt,
@@ -22,6 +21,7 @@ from smetric.cli.app import (
 )
 from smetric.cli.settings_options import Given, with_setting_flags
 from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
+from smetric.core.settings_load import read_yaml
 from smetric.eval.plan import PlanSettings, plan_summary, search_plan
 from smetric.report.results import write_plan
 from smetric.report.run_tables import plan_table
@@ -30,12 +30,10 @@ from smetric.sim.config import global_levels
 from smetric.sim.parallel import RunStore, default_jobs
 
 
-def _sets(config: Path | None, key: str) -> bool:
-    """Whether a config file gives the workload's ``key`` (read already, so valid)."""
-    if config is None:
-        return False
-    data = yaml.safe_load(config.read_text()) or {}
-    return key in (data.get("workload") or {})
+def _file_workload_keys(config: Path | None) -> set[str]:
+    """The workload keys a config file gives (read already by ``command_config``, so valid)."""
+    data = read_yaml(config) if config is not None else None
+    return set((data or {}).get("workload") or {})
 
 
 @app.command()
@@ -90,9 +88,10 @@ def plan(
     with user_errors():
         base = command_config(given, config_path, source, policies)
         trace = load_with_progress(base.workload.trace, base.workload.format)
-        if "workload.open_loop" not in given and not _sets(config_path, "open_loop"):
+        in_file = _file_workload_keys(config_path)
+        if "workload.open_loop" not in given and "open_loop" not in in_file:
             base = base.override("workload", open_loop=trace.has_clock)
-        given_duration = "workload.duration_s" in given or _sets(config_path, "duration_s")
+        given_duration = "workload.duration_s" in given or "duration_s" in in_file
         if base.workload.open_loop and not given_duration:
             last = typing.cast(float | None, trace.requests["arrival_s"].max())
             span = float(last or 0.0) / base.workload.speed
