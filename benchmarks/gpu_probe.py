@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from smetric.model.perf import load_hardware
 
 # Qwen3-30B-A3B (its Hugging Face config).
@@ -241,14 +243,9 @@ def to_toml(preset: Mapping[str, Any], links: Mapping[str, float], notes: list[s
         f"# measured {k} = {v:.4g} (a cluster setting: --config cluster.{k})"
         for k, v in links.items()
     ]
-    lines.append("[hardware]")
-    for key, value in preset.items():
-        if isinstance(value, bool):
-            rendered = "true" if value else "false"
-        else:
-            rendered = f"{value:.4g}" if isinstance(value, float) else repr(value)
-        lines.append(f"{key} = {rendered}")
-    return "\n".join(lines) + "\n"
+    # Four significant digits: what a probe's median of a few runs can tell apart.
+    table = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in preset.items()}
+    return "\n".join(lines) + "\n" + tomli_w.dumps({"hardware": table})
 
 
 def main() -> None:

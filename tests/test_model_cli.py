@@ -61,6 +61,11 @@ def test_a_users_preset_file_overrides_the_named_preset(tmp_path: Path) -> None:
     assert bad.exit_code == 2
     assert "warp_speed" in bad.output
     assert "Traceback" not in bad.output
+    # A value of the wrong type is named, not taken (it would fail deep in a formula).
+    path.write_text('[hardware]\nbf16_tflops = "fast"\n')
+    bad = runner.invoke(app, ["model", "--preset-file", str(path)], env={"COLUMNS": "200"})
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert "hardware.bf16_tflops must be a number, got 'fast'" in bad.output
 
 
 def test_unknown_names_fail_with_the_choices() -> None:

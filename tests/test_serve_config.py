@@ -19,6 +19,7 @@ from smetric.cli.pick import PICK_FLAGS
 from smetric.cli.serve import SERVE_FLAGS, resolved
 from smetric.cli.settings_options import SettingFlag, given_settings
 from smetric.gateway.options import PickConfig
+from smetric.serve.app import RouterSettings
 from smetric.serve.config import (
     ColocatedEngine,
     ServeConfig,
@@ -151,7 +152,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ("router: {port: 70000}", "router.port must lie in [0, 65535]"),
         ("router: {workers: many}", "router.workers must be an integer, got 'many'"),
         ("router: {api_keys: [k1, 2]}", "router.api_keys[1] must be a string, got 2"),
-        ("router: {api_keys: [k1, '']}", "api_keys: a key must not be empty"),
+        ("router: {api_keys: [k1, '']}", "api_keys: an item must not be empty"),
         ("prefill_engines: [{url: 'http://h:1', backend: vllm}]", "prefill_engines[0].backend"),
         ("router: [1, 2", "not valid YAML"),
         ("- http://127.0.0.1:1", "the top level must map keys to values"),
@@ -180,7 +181,7 @@ def test_a_yaml_syntax_error_names_the_file_and_the_line(tmp_path: Path) -> None
         (["--first-byte-timeout", "0"], "(0, inf]"),
         (["--global-tier", "cpu"], "--global-tier"),
         (["--log-level", "loud"], "--log-level"),
-        (["--api-key", ""], "a key must not be empty"),
+        (["--api-key", ""], "an item must not be empty"),
     ],
 )
 def test_a_bad_flag_is_refused_before_anything_starts(args: list[str], said: str) -> None:
@@ -206,3 +207,18 @@ def test_flags_win_over_the_file_and_engines_of_both_are_served(tmp_path: Path) 
     assert (settings.retries, settings.policy) == (4, "least_load")
     engines, _ = engines_from(config.engines, config.router.kv_blocks, settings.block_size)
     assert [e.kv_blocks for e in engines] == [128, 64, 128]
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"api_keys": frozenset({"k1", " "})}, "api_keys: an item must not be empty"),
+        ({"health_interval_s": 0.001}, "health_interval_s must lie in [0.05, inf]"),
+        ({"global_tier": "cpu"}, "global_tier 'cpu': use one of"),
+    ],
+)
+def test_router_settings_built_in_code_are_checked_as_a_file_is(
+    values: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(said)):
+        RouterSettings(**values)

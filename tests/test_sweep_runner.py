@@ -18,6 +18,7 @@ from smetric.cli import app
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.parallel import RunStore
+from smetric.sim.seeds import mean_summary
 
 runner = CliRunner()
 
@@ -201,3 +202,13 @@ def test_workers_of_a_sweep_stopped_by_sigterm_exit_with_it(tmp_path: Path) -> N
     finally:
         sweep.kill()
         sweep.wait()
+
+
+def test_seeds_that_took_different_branches_merge_with_the_missing_counts_as_zero() -> None:
+    one = {"tps": 10.0, "branches": {"sticky": 4, "evicted": 2}, "learned": {"rate": 1.0}}
+    two = {"tps": 20.0, "branches": {"sticky": 6}}
+    merged = mean_summary([one, two])
+    assert merged["tps"] == 15.0
+    assert merged["branches"] == {"sticky": 5.0, "evicted": 1.0}
+    # A section only one seed has is that seed's, not halved.
+    assert merged["learned"] == {"rate": 1.0}

@@ -13,6 +13,7 @@ import typer
 from smetric.cli.app import app, console, user_errors
 from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
 from smetric.cli.sim_options import NAMES
+from smetric.core.settings_load import load
 from smetric.model import fidelity
 from smetric.model.fidelity import decode_step, prefill_seconds
 from smetric.model.perf import (
@@ -55,14 +56,10 @@ def with_overrides(
         raise ValueError(f"{path}: unknown tables {unknown_tables}; use [hardware] and [model]")
     out: list[Any] = []
     for table, preset in (("hardware", hardware), ("model", model)):
-        values = data.get(table, {})
-        known = {f.name for f in dataclasses.fields(preset)} - {"name", "gpus"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"{path}: [{table}] has unknown keys {unknown}; known: {sorted(known)}"
-            )
-        out.append(dataclasses.replace(preset, **values))
+        given = data.get(table, {})
+        if not isinstance(given, dict):
+            raise ValueError(f"{path}: [{table}] must be a table of fields")
+        out.append(load(type(preset), {**dataclasses.asdict(preset), **given}, str(path), table))
     return out[0], out[1]
 
 
@@ -170,12 +167,12 @@ def answers_table(result: dict[str, Any]) -> Table:
             "",
         ),
     ]
-    for name, load in g["media"].items():
+    for name, transfer in g["media"].items():
         rows.append(
             (
                 f"load {g['tokens']:,} tokens ({g['bytes'] / 1e9:.2f} GB) over {name}",
-                f"{load['seconds']:.3f} s",
-                f"{load['effective_gb_s']:.1f} GB/s",
+                f"{transfer['seconds']:.3f} s",
+                f"{transfer['effective_gb_s']:.1f} GB/s",
             )
         )
     columns = (Column("question", "left", wrap=True), Column("answer"), Column("rate"))

@@ -29,6 +29,8 @@ class Meta:
     lt: float | None = None
     choices: tuple[str, ...] | None = None
     source: Source = "tuned"
+    # For a collection of strings: every item must hold more than whitespace.
+    nonempty_items: bool = False
 
     def check(self, name: str, value: Any) -> Any:
         """``value`` if it lies within the bounds and choices, else a ValueError naming
@@ -37,6 +39,8 @@ class Meta:
             return value
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{name} {value!r}: use one of {', '.join(self.choices)}")
+        if self.nonempty_items and any(not str(item).strip() for item in value):
+            raise ValueError(f"{name}: an item must not be empty")
         if isinstance(value, bool) or not isinstance(value, int | float):
             return value
         # Written so that NaN fails every bound.
@@ -85,9 +89,19 @@ def setting(
     lt: float | None = None,
     choices: tuple[str, ...] | None = None,
     source: Source = "tuned",
+    nonempty_items: bool = False,
 ) -> Any:
     """A dataclass field declaring one setting: its default, help text and bounds."""
-    meta = Meta(help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, source=source)
+    meta = Meta(
+        help,
+        ge=ge,
+        gt=gt,
+        le=le,
+        lt=lt,
+        choices=choices,
+        source=source,
+        nonempty_items=nonempty_items,
+    )
     return field(default=default, metadata={"setting": meta})
 
 
@@ -106,7 +120,14 @@ def default_of(f: dataclasses.Field[Any]) -> Any:
     return f.default
 
 
-def check_settings(obj: Any) -> None:
-    """Raise a ValueError for the first setting of ``obj`` outside its bounds or choices."""
-    for f, meta in settings_of(obj):
-        meta.check(f.name, getattr(obj, f.name))
+def check_settings(obj: Any, prefix: str = "") -> None:
+    """Raise a ValueError for the first setting of ``obj`` outside its bounds or choices,
+    looking into its sections (fields holding settings dataclasses) too, so a value is
+    named by its whole key (``cluster.instances``)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        meta = f.metadata.get("setting")
+        if meta is not None:
+            meta.check(prefix + f.name, value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_settings(value, f"{prefix}{f.name}.")

@@ -34,7 +34,7 @@ from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestError
 from smetric.core.parsing import decode_body
 from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
-from smetric.core.settings import setting
+from smetric.core.settings import check_settings, setting
 from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
@@ -79,6 +79,8 @@ class RouterSettings:
         frozenset(),
         "Accepted client keys (a flag per key); with any, every route but /health needs one, "
         "as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+        # An empty key (``--api-key "$KEY"`` with KEY unset) would admit an empty header.
+        nonempty_items=True,
     )
     open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
@@ -182,9 +184,7 @@ class RouterSettings:
     )
 
     def __post_init__(self) -> None:
-        # An empty key (``--api-key "$KEY"`` with KEY unset) would admit an empty header.
-        if "" in {key.strip() for key in self.api_keys}:
-            raise ValueError("api_keys: a key must not be empty")
+        check_settings(self)
 
 
 @dataclass

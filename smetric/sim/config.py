@@ -16,7 +16,7 @@ import yaml
 
 from smetric.core.policies import POLICY_NAMES, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES, make_decode_policy
-from smetric.core.settings import setting, settings_of
+from smetric.core.settings import check_settings, setting
 from smetric.core.settings_load import load, read_yaml
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S
@@ -187,10 +187,7 @@ def check_config(config: SimConfig) -> SimConfig:
     """``config`` if every setting lies within its declared bounds, else a ValueError
     naming the key and the bounds: for configurations assembled in code (presets, sweeps'
     overrides), which no file or flag reader has checked."""
-    sections = {"": config, **{f"{name}.": getattr(config, name) for name in SECTIONS}}
-    for prefix, values in sections.items():
-        for f, meta in settings_of(values):
-            meta.check(prefix + f.name, getattr(values, f.name))
+    check_settings(config)
     return config
 
 

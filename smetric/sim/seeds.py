@@ -10,13 +10,27 @@ from typing import Any
 
 def mean_summary(summaries: Sequence[Any]) -> Any:
     """The seeds' summaries merged: numbers averaged, sections merged key by key, anything
-    else (a label, a list) taken from the first seed, where all seeds agree on it."""
+    else (a label, a list) taken from the first seed, where all seeds agree on it.
+
+    A number some seeds lack is a count they never made (a routing branch one seed never
+    took), so it counts as zero there; a section some lack is merged over those that have
+    it."""
     first = summaries[0]
     if isinstance(first, dict):
-        return {key: mean_summary([s[key] for s in summaries]) for key in first}
-    if isinstance(first, int | float) and not isinstance(first, bool):
+        keys = dict.fromkeys(key for s in summaries for key in s)
+        return {key: mean_summary(_present(summaries, key)) for key in keys}
+    if _is_number(first):
         return statistics.fmean(summaries)
     return first
+
+
+def _present(summaries: Sequence[dict[str, Any]], key: str) -> list[Any]:
+    values = [s[key] for s in summaries if key in s]
+    return [s.get(key, 0) for s in summaries] if _is_number(values[0]) else values
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def spread(values: Sequence[float]) -> float:
