@@ -66,6 +66,9 @@ def test_a_users_preset_file_overrides_the_named_preset(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["model", "--preset-file", str(path)], env={"COLUMNS": "200"})
     assert bad.exit_code == 2 and "Traceback" not in bad.output
     assert "hardware.bf16_tflops must be a number, got 'fast'" in bad.output
+    path.write_text("[hardware]\ngpus = 0\n")
+    bad = runner.invoke(app, ["model", "--preset-file", str(path)])
+    assert bad.exit_code == 2 and "cannot set gpus" in bad.output
 
 
 def test_unknown_names_fail_with_the_choices() -> None:

@@ -59,6 +59,9 @@ def with_overrides(
         given = data.get(table, {})
         if not isinstance(given, dict):
             raise ValueError(f"{path}: [{table}] must be a table of fields")
+        named = sorted(set(given) & {"name", "gpus"})
+        if named:  # the preset's name and --gpus say these
+            raise ValueError(f"{path}: [{table}] cannot set {', '.join(named)}")
         out.append(load(type(preset), {**dataclasses.asdict(preset), **given}, str(path), table))
     return out[0], out[1]
 
