@@ -118,6 +118,18 @@ def test_cells_cover_the_product_and_scale_first_loads_by_hardware(tmp_path: Pat
     assert load_grid_preset("grid-quick").name == "grid-quick"
 
 
+def test_grid_16_is_grid_quick_on_twice_the_instances_at_twice_the_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SMETRIC_TRACES", "/traces")
+    quick, sixteen = load_grid_preset("grid-quick"), load_grid_preset("grid-16")
+    assert sixteen.traces.keys() == quick.traces.keys()
+    for name, trace in sixteen.traces.items():
+        assert trace.config.cluster.instances == 2 * quick.traces[name].config.cluster.instances
+        assert trace.tiers == {t: 2 * v for t, v in quick.traces[name].tiers.items()}
+        assert trace.config.workload == quick.traces[name].config.workload
+
+
 def grid(preset: Path, out: Path, policies: str, *extra: str) -> str:
     args = ["grid", "--preset", str(preset), "-p", policies, "-j", "1", "-o", str(out)]
     result = runner.invoke(app, [*args, *extra])
@@ -177,12 +189,12 @@ def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) 
         (("seeds: 1", "seeds: 0"), "seeds: expected a positive number"),
         (("kv_loads: [sync]", "kv_loads: [lazy]"), "kv_load 'lazy'"),
         (("tiers: {none: 0.02, full: 0.04}", "tiers: {2y: 0.02}"), "2y"),
-        (("precision: 2.0\n", ""), "missing keys ['precision']"),
+        (("precision: 2.0\n", ""), "precision is required"),
         (("kv_dtype: bf16}", "kv_dtype: bf16, scale: 1}"), "hardware.H20-bf16"),
         (("    tiers:", "    scale: {H100: 2}\n    tiers:"), "['H100'] not among hardware"),
         (("    tiers:", "    scale: {H20-bf16: 0}\n    tiers:"), "scale.H20-bf16"),
         (("loose_slo: {", "loose_slo: {ttft: 1, "), "loose_slo"),
-        (("traces:", "trace:"), "unknown keys ['trace']"),
+        (("traces:", "trace:"), "unknown key 'trace'; the top level takes traces"),
         (("seeds: 1", "worlds: {slow: {prefill: 2}}\nseeds: 1"), "worlds.slow: unknown pert"),
         (("seeds: 1", "worlds: {slow: {kv_room_scale: -1}}\nseeds: 1"), "kv_room_scale: expec"),
         (("seeds: 1", "ceiling: 1\nseeds: 1"), "ceiling: expected true or false"),

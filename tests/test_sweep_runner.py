@@ -212,3 +212,12 @@ def test_seeds_that_took_different_branches_merge_with_the_missing_counts_as_zer
     assert merged["branches"] == {"sticky": 5.0, "evicted": 1.0}
     # A section only one seed has is that seed's, not halved.
     assert merged["learned"] == {"rate": 1.0}
+
+
+def test_a_figure_one_seed_could_not_measure_is_averaged_over_the_seeds_that_did() -> None:
+    # A percentile over no requests is None in that seed's summary, first or later.
+    later = mean_summary([{"ttft_p90": 2.0}, {"ttft_p90": None}, {"ttft_p90": 4.0}])
+    first = mean_summary([{"ttft_p90": None}, {"ttft_p90": 3.0}])
+    assert later == {"ttft_p90": 3.0}
+    assert first == {"ttft_p90": 3.0}
+    assert mean_summary([{"ttft_p90": None}, {"ttft_p90": None}]) == {"ttft_p90": None}

@@ -28,7 +28,7 @@ def preset_option(names: Sequence[str], note: str = "") -> Any:
     """``--preset``: one of the packaged ``names``, or a YAML file shaped like the first."""
     return typer.Option(
         "--preset",
-        help=f"{' or '.join(names)}{note}, or a YAML file of the same shape "
+        help=f"{', '.join(names)}{note}, or a YAML file of the same shape "
         f"(smetric/eval/presets/{names[0]}.yaml) to shrink or grow it.",
     )
 

@@ -1,4 +1,5 @@
-"""What ``smetric grid`` runs: the ``grid-quick`` preset or a YAML file of its shape.
+"""What ``smetric grid`` runs: a shipped preset (grid-quick, grid-16, robustness) or a YAML
+file of their shape.
 
 A grid preset is data: per trace a base simulation configuration (as ``smetric simulate
 -c`` reads it) and, per global tier, the first load its knee searches probe, and per KV
@@ -22,7 +23,7 @@ from smetric.sim.config import (
     parse_global_capacity,
 )
 
-GRID_PRESETS = ("grid-quick", "robustness")
+GRID_PRESETS = ("grid-quick", "grid-16", "robustness")
 KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")
 # ``worlds``: name -> perturbations of the simulated engines that the policies are not
 # told about (``ClusterConfig``'s ``PERTURBATIONS``), every cell run in each; without it,
@@ -64,7 +65,7 @@ class GridPreset:
 
 
 def load_grid_preset(spec: str) -> GridPreset:
-    """``grid-quick``, or the path of a YAML file shaped like it."""
+    """A shipped preset (``GRID_PRESETS``), or the path of a YAML file shaped like one."""
     raw, where, name = read_preset(spec, GRID_PRESETS)
     data = check_keys(raw, where, KEYS, OPTIONAL_KEYS)
     kv_loads = data["kv_loads"]

@@ -83,12 +83,16 @@ def check_keys(data: Any, where: str, keys: Sequence[str], optional: Sequence[st
     """``data`` as a mapping with exactly ``keys``, and maybe some of ``optional``: a
     preset file is checked whole before any of it is read, so a misspelt key is named
     rather than silently defaulted."""
+    known = [*keys, *optional]
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping with keys {', '.join(keys)}")
-    unknown = sorted(set(data) - set(keys) - set(optional))
-    missing = [k for k in keys if k not in data]
-    if unknown or missing:
-        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+        raise ValueError(f"{where}: the top level must map keys to values ({', '.join(known)})")
+    for key in data:
+        if key not in known:
+            takes = ", ".join(known)
+            raise ValueError(f"{where}: unknown key {key!r}; the top level takes {takes}")
+    for key in keys:
+        if key not in data:
+            raise ValueError(f"{where}: {key} is required")
     return data
 
 

@@ -14,19 +14,22 @@ def mean_summary(summaries: Sequence[Any]) -> Any:
 
     A number some seeds lack is a count they never made (a routing branch one seed never
     took), so it counts as zero there; a section some lack is merged over those that have
-    it."""
+    it. A None is a figure a seed could not measure (a percentile over no requests), so the
+    mean is over the seeds that measured it."""
     first = summaries[0]
     if isinstance(first, dict):
         keys = dict.fromkeys(key for s in summaries for key in s)
         return {key: mean_summary(_present(summaries, key)) for key in keys}
-    if _is_number(first):
-        return statistics.fmean(summaries)
+    measured = [value for value in summaries if value is not None]
+    if measured and all(_is_number(value) for value in measured):
+        return statistics.fmean(measured)
     return first
 
 
 def _present(summaries: Sequence[dict[str, Any]], key: str) -> list[Any]:
     values = [s[key] for s in summaries if key in s]
-    return [s.get(key, 0) for s in summaries] if _is_number(values[0]) else values
+    numeric = any(_is_number(value) for value in values)
+    return [s.get(key, 0) for s in summaries] if numeric else values
 
 
 def _is_number(value: Any) -> bool:
