@@ -71,6 +71,7 @@ def test_reuse_intervals_without_clock_stay_within_sessions(three_sessions):
     pairs = sorted(zip(reuse.interval_s.tolist(), reuse.interval_blocks.tolist(), strict=True))
     assert pairs == [(1.0, 3), (2.0, 3), (4.0, 5)]
     summary = interval_summary(reuse, "session")
+    assert summary is not None
     assert summary["count"] == 11
     assert summary["percentiles"]["p50"] == 2.0
     assert summary["percentiles"]["p90"] == 4.0

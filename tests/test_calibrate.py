@@ -75,7 +75,8 @@ def test_the_spec_wins_and_only_hardware_parameters_are_derived() -> None:
     assert resolve_policy("smetric_cost", derived)[1]["prefill_tps"] == 90_000.0
     # A policy without hardware constants ignores them.
     assert resolve_policy("smetric", derived)[1] == policy_params("smetric")
-    assert make_policy("smetric_cost", derived).prefill_tps == 90_000.0
+    cost = make_policy("smetric_cost", derived)
+    assert isinstance(cost, SMetricCost) and cost.prefill_tps == 90_000.0
 
 
 @pytest.mark.parametrize("pd", [False, True], ids=["colocated", "disaggregated"])

@@ -370,7 +370,7 @@ def mostly(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 
 short_text = st.text(max_size=10)
-parts = st.fixed_dictionaries(
+parts: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {"type": mostly(st.sampled_from(["text", "image_url", "tool_use", "tool_result", "thinking"]))},
     optional={
         "text": mostly(short_text),

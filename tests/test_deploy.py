@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-import kubernetes_validate
+import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev dependencies
+import kubernetes_validate  # type: ignore[import-untyped]  # ships no types, has no stubs
 import pytest
 import typer
 import yaml
+from typer.core import TyperGroup
 
 from smetric.cli import app
 from smetric.gateway.options import PickConfig
@@ -107,6 +108,7 @@ def test_containers_run_real_commands_with_separate_readiness_and_liveness(
     assert ready != live
     command, *args = container["args"]
     group = typer.main.get_command(app)
+    assert isinstance(group, TyperGroup)  # the CLI has subcommands
     # The arguments parse as the real CLI parses them (unknown flags and bad values fail).
     group.commands[command].make_context(command, list(args))
     # The config the container mounts loads as the command loads it.
@@ -116,8 +118,11 @@ def test_containers_run_real_commands_with_separate_readiness_and_liveness(
     text = maps[volume]["data"][Path(config).name]
     path = tmp_path / Path(config).name
     path.write_text(text)
-    cls = {"serve": ServeConfig, "pick": PickConfig}[command]
-    loaded = load_config(cls, path).router
+    configs: dict[str, type[ServeConfig] | type[PickConfig]] = {
+        "serve": ServeConfig,
+        "pick": PickConfig,
+    }
+    loaded = load_config(configs[command], path).router
     for key, value in yaml.safe_load(text)["router"].items():
         assert getattr(loaded, key) == value
     # Enough time for the pause before SIGTERM and the drain after it.

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from smetric.gateway.picker import endpoint_of
 from smetric.testing.engines import http_get, metric
@@ -62,8 +62,14 @@ def wait_until(condition, timeout_s: float = 20.0) -> None:
 
 def readiness(port: int, service: str = "readiness") -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        # The call ``HealthStub`` makes; its stubs (types-grpcio-health-checking) declare
+        # none of the stub's methods.
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        return check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 def conversation(session: int, turns: int, filler: int = 30) -> list[dict]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from envoy.config.core.v3 import base_pb2
@@ -23,8 +23,8 @@ T = TypeVar("T")
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://[::1]:8003"]
 
 
-def run(coro: Awaitable[T]) -> T:
-    return asyncio.run(coro)  # type: ignore[arg-type]
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
 
 
 def picker(policy: str = "smetric", max_inflight: int = 0) -> Picker:
@@ -123,8 +123,10 @@ def test_the_pick_is_named_in_header_and_metadata_and_the_body_comes_back_whole(
             for r in replies[1:]
         ]
         assert ends == [False, False, True]
-        engine = exchange.pick.engine
-        assert (engine.inflight, engine.inflight_tokens) == (1, exchange.pick.facts.prompt_tokens)
+        pick = exchange.pick
+        assert pick is not None and pick.facts is not None
+        engine = pick.engine
+        assert (engine.inflight, engine.inflight_tokens) == (1, pick.facts.prompt_tokens)
         # The response streams through piece by piece, its usage read on the way.
         await exchange.on(response_headers(200))
         usage = {"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 32}}}
@@ -146,11 +148,13 @@ def test_follow_ups_stick_and_the_served_engine_is_charged() -> None:
         chooser = picker()
         first = Exchange(chooser)
         await send_request(first, chat_body(0))
+        assert first.pick is not None
         home = first.pick.engine
         await first.on(response_headers(200))
         await first.on(body(b"{}", True, phase="response"))
         follow = Exchange(chooser)
         await send_request(follow, chat_body(1))
+        assert follow.pick is not None
         assert follow.pick.engine is home  # sticky: the prefix is cached there
         assert follow.pick.predicted > 0
         # Envoy sent it elsewhere (a retry, a fallback): the load moves with it.

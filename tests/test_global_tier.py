@@ -30,6 +30,7 @@ from test_serve import (
 
 from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.policies import ClusterView, RoutingRequest, make_policy
+from smetric.core.policies.smetric_cost import SMetricCost
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.server import KV_EVENTS
 from smetric.serve.app import Router
@@ -98,8 +99,10 @@ def test_the_global_hit_comes_from_blocks_engines_report_on_a_cpu_medium(
                 await chat(client, url, conversation(session, 0))
                 await settled()
             first = await blocks_of(router, 0, 0)
-            assert engines[0].events.match(first) < len(first)
-            assert engines[0].events.match_offloaded(first) == len(first)
+            view = engines[0].events
+            assert view is not None  # the engine publishes KV events
+            assert view.match(first) < len(first)
+            assert view.match_offloaded(first) == len(first)
             caplog.clear()
             payload = {"model": "m", "messages": conversation(0, 1), "max_tokens": 4}
             async with client.post(url + "/v1/chat/completions", json=payload) as response:
@@ -174,6 +177,7 @@ def test_smetric_cost_moves_a_session_off_a_busy_engine_only_where_a_fetch_backs
         held = lines[1]["prompt_tokens"]
         assert sorted(lines[2]["inflight_prompt_tokens"]) == [0.0, 0.0, held]
         policy = make_policy(COST_SPEC)
+        assert isinstance(policy, SMetricCost)
         for line in lines:
             view = ClusterView(
                 hit_tokens=line["hit_tokens"],

@@ -25,7 +25,7 @@ def peaked(at: float):
 def test_search_brackets_the_knee_within_its_precision(start: float) -> None:
     settings = KneeSettings(start=start, precision=1.2)
     probes = search(peaked(0.37), settings)
-    best = max(probes, key=probes.get)
+    best = max(probes, key=lambda rate: probes[rate])
     assert 0.37 / 1.2 <= best <= 0.37 * 1.2
     assert len(probes) <= settings.max_probes
 

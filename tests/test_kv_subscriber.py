@@ -46,6 +46,17 @@ def blocks(body: dict[str, Any], api: Api) -> np.ndarray:
     return analyze_request(body, api, _TOKENIZER, BS).blocks
 
 
+def view_of(engine: Engine) -> EventIndex:
+    """The engine's view of its cache, from the KV events it publishes."""
+    assert engine.events is not None, f"{engine.url} publishes no KV events"
+    return engine.events
+
+
+def past(count: Callable[[], int], since: int) -> Callable[[], bool]:
+    """Whether ``count()`` has gone past ``since``."""
+    return lambda: count() > since
+
+
 async def settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
@@ -402,7 +413,7 @@ def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
             url = str(engine_client.make_url("")).rstrip("/")
             engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
             sub = KVEventSubscriber(
-                engine.events,
+                view_of(engine),
                 publisher.endpoint,
                 "kv",
                 publisher.replay_endpoint,
@@ -421,12 +432,12 @@ def test_an_engine_ejected_and_readmitted_keeps_its_events_view() -> None:
                 first = [SYSTEM, {"role": "user", "content": "List the files in src/."}]
                 one = await post(client, "/v1/chat/completions", {"messages": first})
                 await settle(lambda: sub.tracker.last == publisher.seq - 1)
-                held = engine.events.size()
+                held = view_of(engine).size()
                 assert held > 0
 
                 router.pool.eject(engine, "a transient error")
                 await settle(lambda: engine.healthy)  # the next health check re-admits it
-                assert engine.events.size() == held and sub.exact
+                assert view_of(engine).size() == held and sub.exact
 
                 answer = {"role": "assistant", "content": one["choices"][0]["message"]["content"]}
                 body = {"messages": [*first, answer, {"role": "user", "content": "Go on."}]}
@@ -558,7 +569,7 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
         url = f"http://127.0.0.1:{port}"
         engine = Engine(url, config.kv_blocks, events=EventIndex(BS))
         endpoint = publisher.endpoint
-        sub = KVEventSubscriber(engine.events, endpoint, "kv", replay, bind=True, name=url)
+        sub = KVEventSubscriber(view_of(engine), endpoint, "kv", replay, bind=True, name=url)
         router = Router([engine], RouterSettings(health_interval_s=60), subscribers={url: sub})
         async with TestClient(TestServer(router.app())) as client:
             for restart_in_stream_first in (False, True):
@@ -566,24 +577,24 @@ def test_a_scraped_restart_clears_the_events_view_only_if_the_stream_did_not_sho
                 first = None
                 await router.pool.check(engine)  # up after the router's first health check
                 heard = sub.counters.batches
-                await until_heard(warm_up(process), lambda h=heard: sub.counters.batches > h)
+                await until_heard(warm_up(process), past(lambda: sub.counters.batches, heard))
                 await router.pool.scrape(engine)
                 await post(client, "/v1/completions", {"prompt": "p" * 200, "max_tokens": 1})
-                await settle(lambda: engine.events.size() >= 200 // BS)
+                await settle(lambda: view_of(engine).size() >= 200 // BS)
                 await process.close()
                 process = await engine_process(same, port)  # a new process, same addresses
                 restarts = sub.counters.restarts
                 if restart_in_stream_first:
                     await until_heard(
-                        warm_up(process), lambda r=restarts: sub.counters.restarts > r
+                        warm_up(process), past(lambda: sub.counters.restarts, restarts)
                     )
-                held = engine.events.size()
+                held = view_of(engine).size()
                 await router.pool.scrape(engine)
                 assert sub.counters.restarts == restarts + 1  # counted once either way
                 if restart_in_stream_first:
-                    assert engine.events.size() == held > 0  # the new process's blocks stay
+                    assert view_of(engine).size() == held > 0  # the new process's blocks stay
                 else:
-                    assert engine.events.size() == 0  # the old process's blocks go
+                    assert view_of(engine).size() == 0  # the old process's blocks go
                 await process.close()
 
     asyncio.run(main())

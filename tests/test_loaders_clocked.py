@@ -394,7 +394,8 @@ def check_invariants(trace: Trace) -> None:
     assert frame["request_id"].to_list() == list(range(frame.height))
     assert frame["arrival_s"].is_sorted()
     assert frame["arrival_s"][0] >= 0
-    assert frame["session_time_s"].min() >= 0
+    earliest = frame["session_time_s"].min()
+    assert isinstance(earliest, float) and earliest >= 0
     assert (frame["input_tokens"] >= 0).all() and (frame["output_tokens"] >= 0).all()
     children = frame.filter(pl.col("parent_id").is_not_null())
     assert (children["parent_id"] < children["request_id"]).all()

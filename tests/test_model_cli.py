@@ -66,9 +66,16 @@ def test_a_users_preset_file_overrides_the_named_preset(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["model", "--preset-file", str(path)], env={"COLUMNS": "200"})
     assert bad.exit_code == 2 and "Traceback" not in bad.output
     assert "hardware.bf16_tflops must be a number, got 'fast'" in bad.output
-    path.write_text("[hardware]\ngpus = 0\n")
-    bad = runner.invoke(app, ["model", "--preset-file", str(path)])
-    assert bad.exit_code == 2 and "cannot set gpus" in bad.output
+    # What a preset is called and how many GPUs it has are chosen on the command line.
+    for table, key, chooser in (
+        ("hardware", "gpus = 0", "--gpus sets it"),
+        ("hardware", 'name = "B200"', "the preset's name sets it"),
+        ("model", 'name = "mine"', "the preset's name sets it"),
+    ):
+        path.write_text(f"[{table}]\n{key}\n")
+        bad = runner.invoke(app, ["model", "--preset-file", str(path)], env={"COLUMNS": "200"})
+        assert bad.exit_code == 2 and "Traceback" not in bad.output
+        assert f"[{table}] cannot set {key.split()[0]}; {chooser}" in bad.output
 
 
 def test_unknown_names_fail_with_the_choices() -> None:

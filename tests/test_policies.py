@@ -17,7 +17,9 @@ from smetric.core import (
     make_policy,
     policy_params,
 )
+from smetric.core.policies.linear import Linear
 from smetric.core.policies.session_hash import rendezvous
+from smetric.core.policies.smetric import SMetric
 from smetric.core.policies.ties import TieBreaker
 
 
@@ -187,9 +189,12 @@ def test_session_hash_is_the_same_in_every_process() -> None:
 
 def test_make_policy_parses_parameters() -> None:
     policy = make_policy(" smetric : overload = 1.5 , hit_ratio=0.3 ")
+    assert isinstance(policy, SMetric)
     assert (policy.name, policy.overload, policy.hit_ratio) == ("smetric", 1.5, 0.3)
-    assert make_policy("linear:lam=0.95").lam == 0.95
-    assert make_policy("smetric:").overload == 2.0
+    linear = make_policy("linear:lam=0.95")
+    assert isinstance(linear, Linear) and linear.lam == 0.95
+    default = make_policy("smetric:")
+    assert isinstance(default, SMetric) and default.overload == 2.0
 
 
 def test_make_policy_returns_fresh_objects() -> None:

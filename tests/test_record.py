@@ -25,21 +25,32 @@ def blocks(*pieces: list[int]) -> np.ndarray:
     return chain_hashes(np.concatenate([np.asarray(p) for p in pieces]), BS)
 
 
-def observation(at: float, ids: np.ndarray, turn: int, conversation: str, **extra) -> Observation:
-    values = {
-        "arrival_s": at,
-        "completion_s": at + 0.5,
-        "blocks": ids,
-        "prompt_tokens": len(ids) * BS + 2,
-        "output_tokens": 7,
-        "cached_tokens": None,
-        "turn": turn,
-        "conversation": conversation,
-        "engine": "http://127.0.0.1:9001",
-        "branch": "sticky" if turn else "first_turn_balance",
-        "trigger": Trigger.USER,
-    }
-    return Observation(**(values | extra))
+def observation(
+    at: float,
+    ids: np.ndarray,
+    turn: int,
+    conversation: str,
+    *,
+    session: str | None = None,
+    agent: str | None = None,
+    parent_agent: str | None = None,
+) -> Observation:
+    return Observation(
+        arrival_s=at,
+        completion_s=at + 0.5,
+        blocks=ids,
+        prompt_tokens=len(ids) * BS + 2,
+        output_tokens=7,
+        cached_tokens=None,
+        turn=turn,
+        conversation=conversation,
+        engine="http://127.0.0.1:9001",
+        branch="sticky" if turn else "first_turn_balance",
+        trigger=Trigger.USER,
+        session=session,
+        agent=agent,
+        parent_agent=parent_agent,
+    )
 
 
 def recorder(folder: Path, salt: bytes = SALT, **settings) -> Recorder:

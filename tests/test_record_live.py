@@ -40,7 +40,8 @@ from smetric.trace.schema import SCHEMA, Trace, finalize
 REUSE_TOLERANCE = 0.03
 
 
-async def _ready(url: str, router: subprocess.Popen) -> None:
+async def _ready(url: str, router: subprocess.Popen[bytes]) -> None:
+    assert router.stderr is not None
     deadline = time.monotonic() + 60
     async with aiohttp.ClientSession() as client:
         while True:
@@ -48,7 +49,7 @@ async def _ready(url: str, router: subprocess.Popen) -> None:
                 async with client.get(url + "/health") as reply:
                     if reply.status == 200:
                         return
-            assert router.poll() is None, router.stderr.read().decode()  # type: ignore[union-attr]
+            assert router.poll() is None, router.stderr.read().decode()
             assert time.monotonic() < deadline, "router did not start"
             await asyncio.sleep(0.1)
 
@@ -65,7 +66,7 @@ async def record_a_replay(folder: Path) -> Replayer:
         args += ["-e", f"http://127.0.0.1:{server.port}"]
     router = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert router.stdout is not None
+        assert router.stdout is not None and router.stderr is not None
         port = await asyncio.to_thread(read_startup_port, router.stdout, router)
         url = f"http://127.0.0.1:{port}"
         await _ready(url, router)
@@ -77,7 +78,7 @@ async def record_a_replay(folder: Path) -> Replayer:
         router.wait(20)
         for server in engines:
             await server.close()
-    assert router.returncode == 0, router.stderr.read().decode()  # type: ignore[union-attr]
+    assert router.returncode == 0, router.stderr.read().decode()
     return replayer
 
 
@@ -108,7 +109,8 @@ def test_the_recording_holds_every_request_served(recording: tuple[Path, Replaye
     assert not missing
     assert rows["engine" if "engine" in rows.columns else "session_id"].n_unique() > 1
     follow = rows.filter(pl.col("turn") > 0)
-    assert follow.height > 0 and follow["parent_id"].is_not_null().mean() > 0.9
+    linked = follow["parent_id"].is_not_null().mean()  # the share of follow-ups with a parent
+    assert follow.height > 0 and isinstance(linked, float) and linked > 0.9
     # Turns as replayed, arrival order, and times from a clock shared by all sessions.
     assert sorted(rows["turn"].value_counts()["turn"].to_list())[0] == 0
     assert (rows["duration_s"] > 0).all() and trace.has_clock
@@ -256,5 +258,6 @@ def test_a_disaggregated_request_is_recorded_under_its_prefill_engine(tmp_path: 
     urls = asyncio.run(scenario())
     rows = read_segments(tmp_path)[0]
     assert rows.height == 3 and set(rows["engine"]) <= set(urls[:2])
-    assert rows["branch"].str.len_chars().min() > 0
+    shortest = rows["branch"].str.len_chars().min()
+    assert isinstance(shortest, int) and shortest > 0
     assert load_trace(tmp_path).requests["parent_id"].to_list() == [None, 0, 1]

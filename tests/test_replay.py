@@ -46,11 +46,14 @@ async def replay_through_router(
     front = TestServer(router.app(), host="127.0.0.1")
     await front.start_server()
     try:
-        settings = {"rate": 4.0, "duration_s": 3.0, "time_scale": 20.0, "token_scale": 100.0}
-        settings |= options
-        replayer = Replayer(
-            load_trace(trace), ReplayOptions(url=f"http://127.0.0.1:{front.port}", **settings)
+        defaults = ReplayOptions(
+            url=f"http://127.0.0.1:{front.port}",
+            rate=4.0,
+            duration_s=3.0,
+            time_scale=20.0,
+            token_scale=100.0,
         )
+        replayer = Replayer(load_trace(trace), replace(defaults, **options))
         await replayer.run()
         replayer.write(out)
         return replayer
@@ -71,7 +74,7 @@ def test_replay_through_the_router_measures_hits_and_engines(tmp_path: Path) -> 
     assert follow.height > 0
     # The router's own prediction comes back with every response.
     assert all(r.predicted_hit_tokens is not None for r in replayer.records.values() if r.engine)
-    assert follow["local_hit_tokens"].sum() / follow["prompt_tokens"].sum() > 0.5
+    assert int(follow["local_hit_tokens"].sum()) / int(follow["prompt_tokens"].sum()) > 0.5
     assert table.filter(pl.col("instance") >= 0)["instance"].n_unique() == 2
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["policies"]["replay"]["tps_within_slo"] > 0
@@ -172,4 +175,4 @@ def test_replay_against_a_disaggregated_router_measures_prefill_tps_and_ttft(
     assert summary["pd"]["mode"] == "full"
     assert summary["pd"]["prefill_tps_within_slo"] > 0
     met = done.filter(pl.col("met_slo"))
-    assert summary["tps_within_slo"] == pytest.approx(met["prompt_tokens"].sum() / 3.0)
+    assert summary["tps_within_slo"] == pytest.approx(int(met["prompt_tokens"].sum()) / 3.0)

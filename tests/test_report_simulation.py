@@ -11,6 +11,7 @@ import numpy as np
 import polars as pl
 import pytest
 from matplotlib.colors import to_rgba
+from matplotlib.patches import Rectangle
 
 from smetric.report.palette import HUES, policy_color, policy_colors
 from smetric.report.simulation import (
@@ -132,7 +133,7 @@ def make_sweep() -> dict[str, Any]:
     """Three policies x two provisionings x three rates, saturating at the middle rate."""
     rng = np.random.default_rng(11)
     table = make_table(rng, 20)
-    runs = []
+    runs: list[dict[str, Any]] = []
     for g, level in enumerate(PROVISIONINGS):
         for i, policy in enumerate(POLICIES):
             for rate in RATES:
@@ -246,14 +247,18 @@ def test_run_and_sweep_draw_a_policy_in_the_same_colour(policy: str) -> None:
 def test_the_stickiness_figure_plots_what_its_title_and_the_tables_say() -> None:
     from smetric.report.simulation import _stickiness_figure
 
-    summaries = {
+    summaries: dict[str, dict[str, Any]] = {
         "smetric": {"stickiness": {"session": 0.68, "agent": 0.76, "turn": 0.9}},
         "least_load": {"stickiness": {"session": 0.1, "agent": None, "turn": 0.2}},
     }
     fig = _stickiness_figure(summaries, {"smetric": "C0", "least_load": "C1"})
     ax = fig.axes[0]
     assert "session's first instance" in ax.get_title() and "agent's" in ax.get_title()
-    widths = sorted(round(bar.get_width(), 2) for bar in ax.patches)
+    widths = []
+    for bar in ax.patches:
+        assert isinstance(bar, Rectangle)  # the bars of a bar chart
+        widths.append(round(bar.get_width(), 2))
+    widths.sort()
     assert widths == [0.0, 0.1, 0.68, 0.76]
     labels = [text.get_text() for text in ax.texts]
     assert "session: 68.0%" in labels or any("session: 68" in t for t in labels)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -31,7 +31,7 @@ def events_engine_of(server: TestServer, topic: str) -> str:
     return events_engine(server.port, *ports, topic, bind="false")
 
 
-def run(coro: Callable[[], Awaitable[Any]]) -> Any:
+def run(coro: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     return asyncio.run(coro())
 
 
@@ -413,7 +413,7 @@ def test_a_restart_seen_in_the_scrape_drops_the_engine_s_view(caplog) -> None:
 
 def test_anthropic_messages_pass_through_and_follow_ups_hit() -> None:
     def turn(n: int) -> dict:
-        messages = [{"role": "user", "content": "refactor the parser " * 20}]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "refactor the parser " * 20}]
         for i in range(n):
             messages += [
                 {"role": "assistant", "content": [{"type": "text", "text": f"step {i} " * 8}]},
@@ -555,9 +555,10 @@ def test_router_on_the_events_view_from_a_yaml_config(tmp_path) -> None:
             cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
             predicted = _metric(text, "smetric_predicted_hit_tokens_total", engines[0].url)
             assert predicted == header == cached > 0
-            url0 = engines[0].url
+            url0, view = engines[0].url, engines[0].events
+            assert view is not None  # the engine publishes KV events
             assert _metric(text, "smetric_engine_kv_view_exact", url0) == 1.0
-            assert _metric(text, "smetric_engine_kv_view_blocks", url0) == engines[0].events.size()
+            assert _metric(text, "smetric_engine_kv_view_blocks", url0) == view.size()
             batches = f'smetric_kv_events_total{{engine="{url0}",kind="batches"}}'
             assert any(
                 line.startswith(batches) and float(line.split()[-1]) >= 2

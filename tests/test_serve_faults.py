@@ -5,6 +5,7 @@ clients that time out, reset or send what no SDK would."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import json
 import re
@@ -14,7 +15,7 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import pytest
@@ -30,10 +31,20 @@ from smetric.testing.faulty import Fault, FaultyEngine
 
 from conftest import router_client
 
+
+class Timeouts(TypedDict, total=False):
+    """Router settings in seconds, as tests pass them on to ``RouterSettings``."""
+
+    connect_timeout_s: float
+    first_byte_timeout_s: float
+    idle_timeout_s: float
+    health_interval_s: float
+
+
 # Timeouts a busy machine never reaches with a mock engine, and quick health checks...
-QUICK = {"first_byte_timeout_s": 10, "idle_timeout_s": 10, "health_interval_s": 0.05}
+QUICK: Timeouts = {"first_byte_timeout_s": 10, "idle_timeout_s": 10, "health_interval_s": 0.05}
 # ...and a router that gives up on a silent engine quickly, so those tests stay short.
-IMPATIENT = {"first_byte_timeout_s": 0.5, "idle_timeout_s": 0.5}
+IMPATIENT: Timeouts = {"first_byte_timeout_s": 0.5, "idle_timeout_s": 0.5}
 
 
 async def with_mixed(
@@ -191,7 +202,7 @@ def test_more_concurrent_streams_than_a_connection_pool_holds_all_start() -> Non
                 response.close()
         await eventually(no_load_left(router))
 
-    timeouts = {"first_byte_timeout_s": 5, "idle_timeout_s": 30}
+    timeouts: Timeouts = {"first_byte_timeout_s": 5, "idle_timeout_s": 30}
     run(lambda: with_mixed([], 1, body, engine_config=slow, **timeouts))
 
 
@@ -250,8 +261,9 @@ def test_an_engine_failing_every_request_is_ejected_and_its_requests_retried() -
         assert f"smetric_engine_failures_total{{{labels}}} 3.0" in text
         assert "smetric_retries_total 3.0" in text
 
-    for fault in ("http_500", "garbage"):
-        run(lambda fault=fault: with_mixed([fault], 2, body, policy="least_load"))
+    faults: tuple[Fault, ...] = ("http_500", "garbage")
+    for fault in faults:
+        run(functools.partial(with_mixed, [fault], 2, body, policy="least_load"))
 
 
 def test_an_ejected_engine_is_readmitted_after_its_backoff() -> None:
@@ -468,7 +480,7 @@ def test_large_prompts_are_analysed_a_few_at_a_time() -> None:
             self.inside = self.most = 0
             self.lock = threading.Lock()
 
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str) -> bytes:
             with self.lock:
                 self.inside += 1
                 self.most = max(self.most, self.inside)

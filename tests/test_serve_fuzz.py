@@ -16,8 +16,9 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
@@ -31,6 +32,7 @@ from smetric.testing.faulty import FaultyEngine
 
 EXAMPLES = int(os.environ.get("SMETRIC_FUZZ_EXAMPLES", "300"))
 KEY = "fuzz-key"
+T = TypeVar("T")
 
 
 @dataclass
@@ -69,7 +71,7 @@ def cluster() -> Iterator[Cluster]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
-    def call(coro):  # type: ignore[no-untyped-def]
+    def call(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
 
     config = EngineConfig(speed=0.0001, kv_blocks=4096, default_max_tokens=4)

@@ -310,9 +310,11 @@ def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> Non
         engines,
         disagg=Disaggregation(frozenset({"http://x:1"}), frozenset(e.url for e in engines)),
     )
+    roles = router.disagg
+    assert roles is not None
 
     def pick(rule: str) -> Engine:
-        disagg = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls, rule)
+        disagg = Disaggregation(roles.prefill_urls, roles.decode_urls, rule)
         return disagg.attach(router.dispatcher.wiring).choose_decode(engines)
 
     assert pick("least_kv") is busy_requests  # 10 % of its KV in use against 90 %
@@ -320,5 +322,5 @@ def test_decode_rules_read_kv_use_where_scraped_else_requests_in_flight() -> Non
     busy_kv.report = EngineReport(at=time.monotonic() - 60, kv_usage=0.9)  # stale
     busy_requests.report = None
     assert pick("least_kv") is busy_kv  # no fresh scrape: requests in flight decide
-    turns = Disaggregation(router.disagg.prefill_urls, router.disagg.decode_urls, "round_robin")
+    turns = Disaggregation(roles.prefill_urls, roles.decode_urls, "round_robin")
     assert [turns.choose_decode(engines) for _ in range(4)] == engines * 2

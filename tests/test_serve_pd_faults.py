@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Literal, TypedDict
 
 import aiohttp
 import pytest
 from aiohttp import web
 from test_serve import conversation, eventually
-from test_serve_faults import reset
+from test_serve_faults import Timeouts, reset
 from test_serve_pd import DECODE_HEADER, PREFILL_HEADER, Cluster, fake_engine, with_pd
 
 from smetric.serve.app import Router
@@ -21,9 +22,37 @@ from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import Fault
 
 # Patient enough for a mock engine on a busy machine, quick to give up on a silent one.
-QUICK = {"first_byte_timeout_s": 1.0, "idle_timeout_s": 1.0, "connect_timeout_s": 1.0}
+QUICK: Timeouts = {"first_byte_timeout_s": 1.0, "idle_timeout_s": 1.0, "connect_timeout_s": 1.0}
 # A decode engine that generates in real time: a long answer takes seconds.
 SLOW_DECODE = {"speed": 1.0}
+
+
+Leg = Literal["prefill", "decode"]
+
+
+class Legs(TypedDict, total=False):
+    """``with_pd``'s engines on each leg: misbehaving ones, then healthy mock ones."""
+
+    prefill_faults: tuple[Fault, ...]
+    decode_faults: tuple[Fault, ...]
+    prefill: int
+    decode: int
+
+
+def faulty_leg(leg: Leg, fault: Fault, healthy: int) -> Legs:
+    """One engine with ``fault`` on ``leg``, before ``healthy`` mock ones."""
+    if leg == "prefill":
+        return {"prefill_faults": (fault,), "prefill": healthy}
+    return {"decode_faults": (fault,), "decode": healthy}
+
+
+class Turns(TypedDict):
+    """Round robin on both legs, over one healthy engine on each."""
+
+    policy: str
+    decode_policy: str
+    prefill: int
+    decode: int
 
 
 def payload(session: int, **extra) -> dict:
@@ -54,7 +83,7 @@ async def stream_events(response: aiohttp.ClientResponse) -> tuple[list[str], st
 
 # What a lone misbehaving engine on one leg gets the client: (status, error type). A
 # stream that had started ends with an error event instead (status 200).
-LONE_FAULTS: list[tuple[str, Fault, int]] = [
+LONE_FAULTS: list[tuple[Leg, Fault, int]] = [
     ("prefill", "stall", 504),  # nothing before the first-byte timeout
     ("prefill", "stall_mid_stream", 504),  # its body stops: the idle timeout
     ("prefill", "http_500", 500),  # the engine's own JSON error, passed on
@@ -73,7 +102,7 @@ LONE_FAULTS: list[tuple[str, Fault, int]] = [
 
 @pytest.mark.parametrize(("leg", "fault", "status"), LONE_FAULTS)
 def test_a_lone_misbehaving_engine_on_either_leg_answers_like_a_colocated_one(
-    leg: str, fault: Fault, status: int
+    leg: Leg, fault: Fault, status: int
 ) -> None:
     async def body(client, url, router, cluster: Cluster) -> None:
         async with client.post(url + "/v1/chat/completions", json=payload(0)) as response:
@@ -97,14 +126,13 @@ def test_a_lone_misbehaving_engine_on_either_leg_answers_like_a_colocated_one(
         # A lost connection ejects at once, a 4xx is no fault, anything else counts one.
         assert bad.healthy == (fault not in ("truncated_json", "broken_stream"))
 
-    faults = {f"{leg}_faults": (fault,), leg: 0}
-    asyncio.run(with_pd(body, **faults, **QUICK))
+    asyncio.run(with_pd(body, **faulty_leg(leg, fault, 0), **QUICK))
 
 
 @pytest.mark.parametrize("leg", ["prefill", "decode"])
 @pytest.mark.parametrize("fault", ["http_500", "garbage", "stall"])
 def test_a_failing_engine_on_either_leg_is_ejected_and_its_requests_retried(
-    leg: str, fault: Fault
+    leg: Leg, fault: Fault
 ) -> None:
     async def body(client, url, router, cluster: Cluster) -> None:
         (fake,) = cluster.fakes.values()
@@ -129,11 +157,10 @@ def test_a_failing_engine_on_either_leg_is_ejected_and_its_requests_retried(
         await no_load_left(client, url, router)
 
     # Round robin on the faulty engine's leg, so it keeps getting its turn until ejected.
-    faults = {f"{leg}_faults": (fault,), leg: 1}
     asyncio.run(
         with_pd(
             body,
-            **faults,
+            **faulty_leg(leg, fault, 1),
             policy="round_robin",
             decode_policy="round_robin",
             health_interval_s=0.05,  # checks pass, yet the backoff keeps it out
@@ -179,9 +206,16 @@ def test_retries_are_spent_per_leg_and_refused_connections_spend_none() -> None:
         assert [f.generations for f in cluster.fakes.values()] == [1]
         await no_load_left(client, url, router)
 
-    turns = {"policy": "round_robin", "decode_policy": "round_robin", "prefill": 1, "decode": 1}
-    faulty = {"prefill_faults": ("http_500",), "decode_faults": ("http_500",)}
-    asyncio.run(with_pd(one_retry_each, **faulty, **turns, retries=1))
+    turns: Turns = {
+        "policy": "round_robin",
+        "decode_policy": "round_robin",
+        "prefill": 1,
+        "decode": 1,
+    }
+    faulty: tuple[Fault, ...] = ("http_500",)
+    asyncio.run(
+        with_pd(one_retry_each, prefill_faults=faulty, decode_faults=faulty, **turns, retries=1)
+    )
     asyncio.run(with_pd(none_left, prefill_faults=("http_500",), **turns, retries=0))
 
     async def refused(client, url, router, cluster: Cluster) -> None:
@@ -214,8 +248,9 @@ def test_a_client_giving_up_during_either_leg_leaves_no_load_and_blames_no_engin
         async with client.get(url + "/metrics") as response:
             assert "smetric_engine_failures_total{" not in await response.text()
 
-    patient = {"first_byte_timeout_s": 30, "idle_timeout_s": 30}
-    for faults in [("stall",), ()]:
+    patient: Timeouts = {"first_byte_timeout_s": 30, "idle_timeout_s": 30}
+    prefill_faults: list[tuple[Fault, ...]] = [("stall",), ()]
+    for faults in prefill_faults:
         asyncio.run(
             with_pd(
                 body,

@@ -4,12 +4,17 @@ Prometheus gauge; a spec's values and ``learn=0`` are left alone."""
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from smetric.core.policies import make_policy
+from smetric.core.policies.smetric_cost import SMetricCost
 from smetric.serve.prices import PriceFeed
 from smetric.testing.prices import H20_PRICES, model_engines
+
+if TYPE_CHECKING:
+    from smetric.serve.app import Router
 
 
 def gauge() -> tuple[Gauge, CollectorRegistry]:
@@ -20,30 +25,33 @@ def gauge() -> tuple[Gauge, CollectorRegistry]:
 def test_the_feed_retunes_the_policy_and_exports_what_it_learned() -> None:
     spec = "smetric_cost:prefill_tps=28400,attn_tokens=22000,fetch_tps=50000"
     policy = make_policy(spec.replace("fetch_tps=50000", "fetch_tps=50000,learn=1"))
+    assert isinstance(policy, SMetricCost)
     prices, registry = gauge()
     feed = PriceFeed(policy, spec, prices)
     assert registry.get_sample_value("smetric_learned_price", {"constant": "prefill_tps"}) == 28400
     for done in itertools.islice(model_engines(H20_PRICES, 0), 1_500):
         feed.observe(done)
     learned = registry.get_sample_value("smetric_learned_price", {"constant": "kv_read_s"})
+    assert learned is not None
     assert abs(learned / H20_PRICES["kv_read_s"] - 1) < 0.1
-    assert policy.kv_read_s == learned  # type: ignore[attr-defined]
+    assert policy.kv_read_s == learned
     # Given in the spec: never learned, whatever the replies say.
-    assert policy.prefill_tps == 28400  # type: ignore[attr-defined]
-    assert policy.fetch_tps == 50000  # type: ignore[attr-defined]
+    assert policy.prefill_tps == 28400
+    assert policy.fetch_tps == 50000
 
 
 def test_learn_0_feeds_nothing() -> None:
     policy = make_policy("smetric_cost:learn=0")
+    assert isinstance(policy, SMetricCost)
     feed = PriceFeed(policy, "smetric_cost:learn=0", gauge()[0])
     assert not feed.learning
-    before = policy.prefill_tps  # type: ignore[attr-defined]
+    before = policy.prefill_tps
     for done in itertools.islice(model_engines(H20_PRICES, 0), 100):
         feed.observe(done)
-    assert policy.prefill_tps == before  # type: ignore[attr-defined]
+    assert policy.prefill_tps == before
 
 
-async def learn_behind_router(speed: float, requests: int) -> tuple[object, str]:
+async def learn_behind_router(speed: float, requests: int) -> tuple[Router, str]:
     """A router with the default policy in front of two mock engines that run their model
     ``speed`` times slower than real time, after one session of ``requests`` streamed
     turns: the router and its /metrics text."""
@@ -99,14 +107,17 @@ def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
     requests = 20
     fast, metrics = asyncio.run(learn_behind_router(0.2, requests))
     slow, _ = asyncio.run(learn_behind_router(2.0, requests))
+    policies = []
     for router in (fast, slow):
-        learner = router.prices.learner  # type: ignore[attr-defined]
+        learner = router.prices.learner
         assert learner is not None and learner.observed == requests
-        policy = router.core.policy  # type: ignore[attr-defined]
+        policy = router.core.policy
+        assert isinstance(policy, SMetricCost)  # the default policy
         assert policy.prefill_tps == learner.estimates["prefill_tps"]
         assert policy.kv_read_s == learner.estimates["kv_read_s"]
+        policies.append(policy)
     assert 'smetric_learned_price{constant="kv_read_s"}' in metrics
-    kv_read = [r.core.policy.kv_read_s for r in (fast, slow)]  # type: ignore[attr-defined]
+    kv_read = [policy.kv_read_s for policy in policies]
     assert kv_read[1] > 3 * kv_read[0]
-    prefill_tps = [r.core.policy.prefill_tps for r in (fast, slow)]  # type: ignore[attr-defined]
+    prefill_tps = [policy.prefill_tps for policy in policies]
     assert prefill_tps[0] > 3 * prefill_tps[1]

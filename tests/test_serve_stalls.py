@@ -9,7 +9,7 @@ import time
 
 from aiohttp.test_utils import TestServer
 from test_serve import CHAT, FAST, conversation, eventually, run
-from test_serve_faults import no_load_left, with_mixed
+from test_serve_faults import Timeouts, no_load_left, with_mixed
 
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
@@ -19,7 +19,7 @@ from smetric.testing.engines import metric
 from conftest import router_client
 
 # As a user who sets no timeouts gets them: a first byte may take 300 s.
-PATIENT = {"first_byte_timeout_s": 300, "idle_timeout_s": 60}
+PATIENT: Timeouts = {"first_byte_timeout_s": 300, "idle_timeout_s": 60}
 
 
 async def ask(client, url: str, i: int, stream: bool) -> tuple[int, str, bytes]:

@@ -34,7 +34,12 @@ def test_hits_per_instance_and_the_depth_where_each_leaves() -> None:
     assert index.matches(ids()) == [0, 0, 0]
     # A value is asked once per distinct hit.
     asked: list[int] = []
-    assert index.per_instance(ids(1, 2, 3, 4), lambda m: asked.append(m) or 10 * m) == [40, 30, 0]
+
+    def value(m: int) -> int:
+        asked.append(m)
+        return 10 * m
+
+    assert index.per_instance(ids(1, 2, 3, 4), value) == [40, 30, 0]
     assert sorted(asked) == [0, 3, 4]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import polars as pl
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from test_sim import small_traces
 
 from smetric.core.policies import POLICY_NAMES, ClusterView, Decision, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
+from smetric.core.policies.least_load import LeastLoad
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
 from smetric.sim.pd import DisaggSimulation
 from smetric.sim.policy import cluster_policy
@@ -34,12 +36,14 @@ def pd_config(prefill: int, decode: int, **cluster) -> SimConfig:
     )
 
 
-def run_to_completion(trace, config: SimConfig, policy: str) -> DisaggSimulation:
+def run_to_completion(
+    trace, config: SimConfig, policy: str
+) -> tuple[DisaggSimulation, pl.DataFrame]:
+    """The simulation, run past its last request, and its per-request table."""
     workload = build_workload(trace, config.workload)
     workload.horizon_s = 1e9
     sim = DisaggSimulation(config.cluster, make_policy(policy), workload)
-    sim.table = sim.run()  # type: ignore[attr-defined]
-    return sim
+    return sim, sim.run()
 
 
 @settings(max_examples=30, deadline=None)
@@ -58,8 +62,8 @@ def test_disaggregated_runs_free_every_block_and_are_deterministic(
     config = pd_config(
         prefill, decode, kv_capacity_tokens=kv_tokens, global_capacity=glob, decode_policy=rule
     )
-    sim = run_to_completion(trace, config, policy)
-    for req in sim.table.iter_rows(named=True):
+    sim, table = run_to_completion(trace, config, policy)
+    for req in table.iter_rows(named=True):
         if req["rejected"]:
             continue
         handoff = sim.handoffs[req["request_id"]]
@@ -104,8 +108,8 @@ def test_the_decode_pulls_the_prompt_over_both_servers_nics_before_its_first_tok
         1, 1, nics_per_server=1, nic_gb_s=0.001, kv_capacity_tokens=4096, global_capacity="none"
     )
     config = config.override("workload", session_rate=0.001, arrival="uniform")
-    sim = run_to_completion(one_request_trace(8, 5), config, "smetric")
-    (req,) = sim.table.iter_rows(named=True)
+    sim, table = run_to_completion(one_request_trace(8, 5), config, "smetric")
+    (req,) = table.iter_rows(named=True)
     handoff = sim.handoffs[req["request_id"]]
     pull_s = 112 * sim.shape.kv_bytes_per_token / 1e6
     assert handoff.transfer_tokens == 112
@@ -180,9 +184,13 @@ def test_the_policys_load_is_unprefilled_prompt_tokens_on_prefill_instances_only
     assert all(len(v.unprefilled_tokens) == 2 for v in recorder.views)
     assert all(len(v.inflight_requests) == 2 for v in recorder.views)
     assert any(max(v.unprefilled_tokens) >= 320 for v in recorder.views)  # counted whole
-    assert cluster_policy("least_load", config.cluster)[0].load == "unprefilled_tokens"
+    disaggregated = cluster_policy("least_load", config.cluster)[0]
+    assert isinstance(disaggregated, LeastLoad)
+    assert disaggregated.load == "unprefilled_tokens"
     colocated = dataclasses.replace(config.cluster, prefill_instances=0, decode_instances=0)
-    assert cluster_policy("least_load", colocated)[0].load == "inflight_requests"
+    colocated_policy = cluster_policy("least_load", colocated)[0]
+    assert isinstance(colocated_policy, LeastLoad)
+    assert colocated_policy.load == "inflight_requests"
 
 
 def test_decode_rules_spread_a_burst_over_the_decode_instances() -> None:
@@ -190,7 +198,7 @@ def test_decode_rules_spread_a_burst_over_the_decode_instances() -> None:
     for rule in DECODE_POLICY_NAMES:
         config = pd_config(1, 3, decode_policy=rule, kv_capacity_tokens=4096)
         config = config.override("workload", session_rate=100.0, duration_s=0.06)
-        sim = run_to_completion(trace, config, "least_load")
+        sim, _ = run_to_completion(trace, config, "least_load")
         used = sorted(h.decode_instance for h in sim.handoffs.values())
         assert used == [0, 0, 1, 1, 2, 2], rule
     with pytest.raises(ValueError, match="decode policy"):

@@ -9,13 +9,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from smetric.cli.help import ProseGroup
 from smetric.metrics.runs import safe_name
 from smetric.report.tables import FORMATS as TABLE_FORMATS
 from smetric.trace.load import FORMATS, count_units, load_trace
-from smetric.trace.schema import Trace, TraceError
+from smetric.trace.schema import Trace
 
 app = typer.Typer(
     help=(
@@ -76,11 +77,10 @@ def user_errors() -> Iterator[None]:
     """Bad input ends with one located line and exit code 2, never a traceback."""
     try:
         yield
-    except TraceError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from exc
-    except ValueError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
+    except ValueError as exc:  # a TraceError is one
+        # Escaped: a message that names a TOML table or a list ("[hardware]", "['x']")
+        # would otherwise be read as markup and lose it.
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from exc
 
 

@@ -59,9 +59,11 @@ def with_overrides(
         given = data.get(table, {})
         if not isinstance(given, dict):
             raise ValueError(f"{path}: [{table}] must be a table of fields")
-        named = sorted(set(given) & {"name", "gpus"})
-        if named:  # the preset's name and --gpus say these
-            raise ValueError(f"{path}: [{table}] cannot set {', '.join(named)}")
+        for f in dataclasses.fields(preset):
+            if f.name in given and "chosen_by" in f.metadata:
+                raise ValueError(
+                    f"{path}: [{table}] cannot set {f.name}; {f.metadata['chosen_by']} sets it"
+                )
         out.append(load(type(preset), {**dataclasses.asdict(preset), **given}, str(path), table))
     return out[0], out[1]
 

@@ -38,6 +38,7 @@ Invariants the code keeps:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -146,12 +147,12 @@ class PrefixCache:
         """Tree nodes besides the root: how fragmented the cached prefixes are."""
         return self._nodes
 
-    def match(self, blocks: np.ndarray) -> int:
+    def match(self, blocks: np.ndarray | Sequence[int]) -> int:
         """How many leading blocks are present. Pure: routing may probe every instance."""
         blocks = _as_blocks(blocks)
         return self._descend(blocks, len(blocks))[1]
 
-    def insert(self, blocks: np.ndarray, now: float) -> int:
+    def insert(self, blocks: np.ndarray | Sequence[int], now: float) -> int:
         """Make ``blocks`` present, evicting LRU tails to fit; returns how many were added.
 
         The already present prefix is pinned while evicting, so an insert never evicts its
@@ -170,7 +171,7 @@ class PrefixCache:
         self._compact_path(node)
         return fit
 
-    def lock(self, blocks: np.ndarray, n: int) -> Handle:
+    def lock(self, blocks: np.ndarray | Sequence[int], n: int) -> Handle:
         """Pin the first ``n`` blocks of ``blocks`` (all present) against eviction.
 
         Locks nest: a block stays pinned until every lock covering it is released.
@@ -383,7 +384,7 @@ def _evictable(entry: tuple[float, int, _Node]) -> bool:
     return node.entry == entry[1] and not node.children and node.lock_count == 0
 
 
-def _as_blocks(blocks: np.ndarray) -> np.ndarray:
+def _as_blocks(blocks: np.ndarray | Sequence[int]) -> np.ndarray:
     blocks = np.asarray(blocks, dtype=np.int64)
     if blocks.ndim != 1:
         raise ValueError(f"blocks must be one-dimensional, not of shape {blocks.shape}")

@@ -16,7 +16,7 @@ Checked against public measurements, fitted rows apart from held-out ones, by
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -29,6 +29,12 @@ _UNQUANTIZED_BYTES = 2
 _ACTIVATION_BYTES = 2
 # load_model() rejects a preset whose published parameter counts its shape misses by more.
 _PARAM_TOLERANCE = 0.02
+
+# A preset field that the named thing sets, never a preset file's table (read by
+# ``smetric model --preset-file``): a file that renamed a preset or changed its GPU count
+# would describe some other machine under its name.
+NAMED_BY_PRESET = {"chosen_by": "the preset's name"}
+COUNTED_BY_FLAG = {"chosen_by": "--gpus"}
 
 
 @cache
@@ -67,8 +73,8 @@ class Hardware:
     are fitted per GPU on measured engines (the presets say which).
     """
 
-    name: str
-    gpus: int
+    name: str = field(metadata=NAMED_BY_PRESET)
+    gpus: int = field(metadata=COUNTED_BY_FLAG)
     bf16_tflops: float
     fp8_tflops: float
     hbm_tb_s: float
@@ -100,7 +106,7 @@ class Hardware:
 class ModelSpec:
     """A Qwen3-MoE-shaped model: GQA attention, top-k routed experts, untied lm_head."""
 
-    name: str
+    name: str = field(metadata=NAMED_BY_PRESET)
     hf_repo: str
     layers: int
     hidden: int
