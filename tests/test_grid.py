@@ -118,16 +118,76 @@ def test_cells_cover_the_product_and_scale_first_loads_by_hardware(tmp_path: Pat
     assert load_grid_preset("grid-quick").name == "grid-quick"
 
 
-def test_grid_16_is_grid_quick_on_twice_the_instances_at_twice_the_loads(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("small", "large"), [("grid-quick", "grid-16"), ("robustness", "robustness-32")]
+)
+def test_the_larger_preset_is_the_smaller_on_twice_the_instances_at_twice_the_loads(
+    monkeypatch: pytest.MonkeyPatch, small: str, large: str
 ) -> None:
     monkeypatch.setenv("SMETRIC_TRACES", "/traces")
-    quick, sixteen = load_grid_preset("grid-quick"), load_grid_preset("grid-16")
-    assert sixteen.traces.keys() == quick.traces.keys()
-    for name, trace in sixteen.traces.items():
-        assert trace.config.cluster.instances == 2 * quick.traces[name].config.cluster.instances
-        assert trace.tiers == {t: 2 * v for t, v in quick.traces[name].tiers.items()}
-        assert trace.config.workload == quick.traces[name].config.workload
+    base, grown = load_grid_preset(small), load_grid_preset(large)
+    assert grown.traces.keys() == base.traces.keys()
+    for name, trace in grown.traces.items():
+        assert trace.config.cluster.instances == 2 * base.traces[name].config.cluster.instances
+        assert trace.tiers == pytest.approx({t: 2 * v for t, v in base.traces[name].tiers.items()})
+        assert trace.config.workload == base.traces[name].config.workload
+        assert trace.scale == base.traces[name].scale
+    same = ("kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo", "worlds", "ceiling")
+    assert all(getattr(grown, f) == getattr(base, f) for f in same)
+
+
+def test_a_variant_extends_a_shipped_preset_stating_only_what_it_changes(
+    tmp_path: Path,
+) -> None:
+    variant = tmp_path / "held-out.yaml"
+    variant.write_text(
+        "extends: robustness\n"
+        "traces: {weka: {config: {workload: {trace: /data/weka}}, tiers: {1x: null}}}\n"
+        "seeds: 1\n"
+    )
+    base, held_out = load_grid_preset("robustness"), load_grid_preset(str(variant))
+    assert held_out.name == "held-out"
+    assert held_out.seeds == 1
+    assert held_out.worlds == base.worlds
+    weka, base_weka = held_out.traces["weka"], base.traces["weka"]
+    assert weka.config.workload.trace == "/data/weka"
+    assert weka.config.workload.duration_s == base_weka.config.workload.duration_s
+    assert weka.config.cluster == base_weka.config.cluster
+    assert weka.tiers == {t: v for t, v in base_weka.tiers.items() if t != "1x"}
+
+
+def test_a_variant_extends_a_file_beside_it(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text(TINY)
+    (tmp_path / "sub").mkdir()
+    variant = tmp_path / "sub" / "v.yaml"
+    variant.write_text("extends: ../base.yaml\nseeds: 2\n")
+    assert load_grid_preset(str(variant)).seeds == 2
+    assert (
+        load_grid_preset(str(variant)).traces
+        == load_grid_preset(str(tmp_path / "base.yaml")).traces
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"a.yaml": "extends: a.yaml\n"}, "loops back"),
+        ({"a.yaml": "extends: b.yaml\n", "b.yaml": "extends: a.yaml\n"}, "loops back"),
+        ({"a.yaml": "extends: 3\n"}, "extends must name a preset"),
+        ({"a.yaml": "extends: missing.yaml\n"}, "no such preset"),
+        ({"a.yaml": "extends: b.yaml\n", "b.yaml": "[1, 2]\n"}, "top level is not a mapping"),
+    ],
+)
+def test_a_bad_extends_is_a_clear_error(
+    tmp_path: Path, files: dict[str, str], message: str
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    path = tmp_path / "a.yaml"
+    result = runner.invoke(app, ["grid", "--preset", str(path), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output
 
 
 def grid(preset: Path, out: Path, policies: str, *extra: str) -> str:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from smetric.cli import app
 from smetric.eval.paper import comparisons
+from smetric.eval.preset import load_preset
 
 from conftest import tiny_sim_yaml
 
@@ -216,3 +217,13 @@ def test_a_bad_preset_file_names_the_key(tmp_path: Path) -> None:
     result = runner.invoke(app, ["reproduce", "--preset", str(preset), "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "include 'full'" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_reproduce_variant_extends_a_shipped_preset(tmp_path: Path) -> None:
+    preset = tmp_path / "quick-3.yaml"
+    preset.write_text("extends: quick\nseeds: 3\nconfig: {cluster: {instances: 8}}\n")
+    quick, variant = load_preset("quick"), load_preset(str(preset))
+    assert (variant.name, variant.seeds, variant.config.cluster.instances) == ("quick-3", 3, 8)
+    assert variant.config.workload == quick.config.workload
+    assert variant.config.cluster.hardware == quick.config.cluster.hardware
+    assert (variant.tiers, variant.load_multiples) == (quick.tiers, quick.load_multiples)

@@ -1,5 +1,5 @@
-"""What ``smetric grid`` runs: a shipped preset (grid-quick, grid-16, robustness) or a YAML
-file of their shape.
+"""What ``smetric grid`` runs: a shipped preset (grid-quick, grid-16, robustness,
+robustness-32) or a YAML file of their shape.
 
 A grid preset is data: per trace a base simulation configuration (as ``smetric simulate
 -c`` reads it) and, per global tier, the first load its knee searches probe, and per KV
@@ -23,7 +23,7 @@ from smetric.sim.config import (
     parse_global_capacity,
 )
 
-GRID_PRESETS = ("grid-quick", "grid-16", "robustness")
+GRID_PRESETS = ("grid-quick", "grid-16", "robustness", "robustness-32")
 KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_slo")
 # ``worlds``: name -> perturbations of the simulated engines that the policies are not
 # told about (``ClusterConfig``'s ``PERTURBATIONS``), every cell run in each; without it,

@@ -60,7 +60,13 @@ def load_preset(spec: str) -> Preset:
 
 def read_preset(spec: str, names: Sequence[str]) -> tuple[Any, str, str]:
     """A preset's YAML data, where it came from (for error messages) and its name: one of
-    the packaged ``names``, or the path of a YAML file."""
+    the packaged ``names``, or the path of a YAML file. A file whose top level has
+    ``extends: BASE`` (a packaged name, or a path relative to the file) is that base with
+    the file's values laid over it, so a variant states only what it changes."""
+    return _read(spec, names, ())
+
+
+def _read(spec: str, names: Sequence[str], seen: tuple[str, ...]) -> tuple[Any, str, str]:
     if spec in names:
         text = resources.files("smetric.eval").joinpath(f"presets/{spec}.yaml").read_text()
         where = f"preset {spec}"
@@ -74,9 +80,46 @@ def read_preset(spec: str, names: Sequence[str]) -> tuple[Any, str, str]:
             raise ValueError(f"{path}: cannot read: {exc}") from exc
         where = str(path)
     try:
-        return yaml.safe_load(text), where, Path(spec).stem
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"{where}: not YAML: {exc}") from exc
+    name = Path(spec).stem
+    if not isinstance(data, dict) or "extends" not in data:
+        return data, where, name
+    base_spec = data.pop("extends")
+    if not isinstance(base_spec, str) or not base_spec:
+        raise ValueError(f"{where}: extends must name a preset ({', '.join(names)}) or a file")
+    if base_spec not in names and spec not in names:
+        base_spec = str(Path(spec).parent / base_spec)
+    if base_spec not in names and not Path(base_spec).is_file():
+        raise ValueError(
+            f"{where}: extends {base_spec}: no such preset ({', '.join(names)}) or file"
+        )
+    chain = (*seen, _identity(spec, names))
+    if _identity(base_spec, names) in chain:
+        raise ValueError(f"{where}: extends loops back to {base_spec}")
+    base, base_where, _ = _read(base_spec, names, chain)
+    if not isinstance(base, dict):
+        raise ValueError(f"{where}: extends {base_where}, whose top level is not a mapping")
+    return _overlay(base, data), where, name
+
+
+def _identity(spec: str, names: Sequence[str]) -> str:
+    return spec if spec in names else str(Path(spec).resolve())
+
+
+def _overlay(base: dict, override: dict) -> dict:
+    """``base`` with ``override`` laid over it: mappings merge key by key, any other value
+    replaces the base's, and a null removes the key (a trace or tier the variant drops)."""
+    merged = dict(base)
+    for key, value in override.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _overlay(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def check_keys(data: Any, where: str, keys: Sequence[str], optional: Sequence[str] = ()) -> dict:
