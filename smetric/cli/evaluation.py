@@ -29,7 +29,8 @@ def preset_option(names: Sequence[str], note: str = "") -> Any:
     return typer.Option(
         "--preset",
         help=f"{', '.join(names)}{note}, or a YAML file of the same shape "
-        f"(smetric/eval/presets/{names[0]}.yaml) to shrink or grow it.",
+        f"(smetric/eval/presets/{names[0]}.yaml) to shrink or grow it; a file that starts "
+        "with 'extends: NAME' gives only what it changes.",
     )
 
 
