@@ -42,7 +42,7 @@ fidelity: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check smetric tests benchmarks scripts
-	$(BIN)/ruff format --check smetric tests benchmarks scripts
+	$(BIN)/ruff format --check smetric tests benchmarks scripts docs
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 

@@ -16,7 +16,13 @@ from smetric.eval.grid import cell_verdict, grid_cells, means_of, verdict_summar
 from smetric.eval.grid_preset import load_grid_preset
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import tps_under_slo
-from smetric.report.grid import grid_markdown, grid_table, robustness_table, verdict_line
+from smetric.report.grid import (
+    grid_markdown,
+    grid_table,
+    headroom_line,
+    robustness_table,
+    verdict_line,
+)
 from smetric.sim.knee import probe_job
 from smetric.sim.parallel import RunStore
 
@@ -95,6 +101,28 @@ def test_grid_table_has_a_row_per_cell_with_the_best_baseline_and_our_lead() -> 
         "| weka · 1x · async · H200-fp8 | least_load 100.0k ± 2.0k (@0.3) "
         "| 110.0k ± 2.0k (@0.3), +10.0 % |"
     )
+
+
+def test_headroom_counts_wins_only_where_the_ceiling_leaves_room_for_one() -> None:
+    def cell(tier: str, hardware: str, **means: float) -> dict:
+        knees = {p: {"mean": m} for p, m in means.items()}
+        return {"trace": "t", "tier": tier, "kv_load": "sync", "hardware": hardware,
+                "knees": knees}  # fmt: skip
+
+    cells = [
+        cell("free", "A", smetric_cost=120.0, least_load=118.0),  # ceiling 120
+        cell("1x", "A", smetric_cost=110.0, least_load=100.0),  # room; a win
+        cell("full", "A", smetric_cost=112.0, least_load=110.0),  # room; no win
+        cell("free", "B", smetric_cost=103.0, least_load=104.0),  # ceiling 104
+        cell("1x", "B", smetric_cost=101.0, least_load=100.0),  # 4 % above: no room
+    ]
+    result = {"policies": ["smetric_cost", "least_load"], "cells": cells}
+    line = headroom_line(result)
+    assert line is not None
+    assert line.startswith("Headroom: in 2 of 3 cells the free-tier ceiling is at least 5 %")
+    assert "at least 5 % ahead in those: `smetric_cost` in 1." in line
+    no_ceiling = {**result, "cells": [c for c in cells if c["tier"] != "free"]}
+    assert headroom_line(no_ceiling) is None
 
 
 def test_cells_cover_the_product_and_scale_first_loads_by_hardware(tmp_path: Path) -> None:
@@ -258,6 +286,7 @@ def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) 
         (("seeds: 1", "worlds: {slow: {prefill: 2}}\nseeds: 1"), "worlds.slow: unknown pert"),
         (("seeds: 1", "worlds: {slow: {kv_room_scale: -1}}\nseeds: 1"), "kv_room_scale: expec"),
         (("seeds: 1", "ceiling: 1\nseeds: 1"), "ceiling: expected true or false"),
+        (("seeds: 1", "title: ''\nseeds: 1"), "title: expected a non-empty heading"),
     ],
 )
 def test_bad_preset_is_a_clear_error(tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -267,6 +296,25 @@ def test_bad_preset_is_a_clear_error(tmp_path: Path, change: tuple[str, str], me
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_results_page_is_headed_by_the_preset_title_else_by_what_it_measures(
+    tmp_path: Path,
+) -> None:
+    variant = tmp_path / "held-out-32.yaml"
+    variant.write_text("extends: robustness-32\nseeds: 1\n")
+    titles = {
+        spec: load_grid_preset(spec).page_title
+        for spec in ("grid-quick", "grid-16", "robustness", "robustness-32", str(variant))
+    }
+    assert titles["grid-quick"] == "The policy grid"
+    assert titles["robustness"].startswith("Robustness: ")
+    assert titles["grid-16"] == "The policy grid on 16 instances"
+    assert titles[str(variant)] == titles["robustness-32"] == "Robustness on 32 instances"
+    preset, out, page = tmp_path / "tiny.yaml", tmp_path / "out", tmp_path / "page.md"
+    preset.write_text("title: A tiny grid\n" + TINY)
+    grid(preset, out, "least_load", "--page", str(page))
+    assert page.read_text().startswith("# A tiny grid\n")
 
 
 def test_unknown_preset_name_is_a_clear_error() -> None:
@@ -350,5 +398,6 @@ def test_a_tiny_robustness_grid_end_to_end(tmp_path: Path) -> None:
     assert "`smetric_cost`'s lead in every world" in text
     assert "| configured |" in text and "| slow |" in text
     assert "ceiling (best of all)" in text
+    assert "Headroom: in " in text
     best = {c["world"]: max(means_of(c).values()) for c in result["cells"] if c["tier"] == "full"}
     assert best["slow"] <= best["configured"]

@@ -102,11 +102,8 @@ def grid_command(
     markdown.write_text(grid_markdown(result, command))
     if page is not None:
         with user_errors():
-            worlds = len(chosen.worlds) > 1
-            title = "Robustness: the lead in worlds the policies are not told about"
-            intro = ROBUSTNESS_INTRO if worlds else GRID_INTRO
-            title = title if worlds else "The policy grid"
-            write_results_page(page, title, markdown.read_text(), command, intro)
+            intro = ROBUSTNESS_INTRO if len(chosen.worlds) > 1 else GRID_INTRO
+            write_results_page(page, chosen.page_title, markdown.read_text(), command, intro)
     console.print(markdown.read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"simulated {store.written} runs in {time.monotonic() - started:,.0f} s wall, "

@@ -29,7 +29,8 @@ KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_s
 # told about (``ClusterConfig``'s ``PERTURBATIONS``), every cell run in each; without it,
 # the configured world alone.
 # ``ceiling``: true adds a free-tier cell per group, the knee tables' ceiling.
-OPTIONAL_KEYS = ("worlds", "ceiling")
+# ``title``: the heading of the results page ``--page`` writes.
+OPTIONAL_KEYS = ("worlds", "ceiling", "title")
 CONFIGURED = "configured"
 
 
@@ -62,6 +63,15 @@ class GridPreset:
     loose_slo: SLOConfig
     worlds: dict[str, dict[str, float]] = field(default_factory=lambda: {CONFIGURED: {}})
     ceiling: bool = False
+    title: str | None = None
+
+    @property
+    def page_title(self) -> str:
+        if self.title:
+            return self.title
+        if len(self.worlds) > 1:
+            return "Robustness: the lead in worlds the policies are not told about"
+        return "The policy grid"
 
 
 def load_grid_preset(spec: str) -> GridPreset:
@@ -96,7 +106,16 @@ def load_grid_preset(spec: str) -> GridPreset:
         loose_slo=loose_slo,
         worlds=_worlds(data.get("worlds"), f"{where}: worlds"),
         ceiling=flag(data.get("ceiling", False), f"{where}: ceiling"),
+        title=_title(data.get("title"), f"{where}: title"),
     )
+
+
+def _title(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: expected a non-empty heading")
+    return value.strip()
 
 
 def _worlds(value: Any, where: str) -> dict[str, dict[str, float]]:

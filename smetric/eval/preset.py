@@ -89,7 +89,10 @@ def _read(spec: str, names: Sequence[str], seen: tuple[str, ...]) -> tuple[Any, 
     base_spec = data.pop("extends")
     if not isinstance(base_spec, str) or not base_spec:
         raise ValueError(f"{where}: extends must name a preset ({', '.join(names)}) or a file")
-    if base_spec not in names and spec not in names:
+    if base_spec not in names:
+        if spec in names:
+            # A packaged preset has no folder of its own to resolve a path against.
+            raise ValueError(f"{where}: extends {base_spec}: not a preset ({', '.join(names)})")
         base_spec = str(Path(spec).parent / base_spec)
     if base_spec not in names and not Path(base_spec).is_file():
         raise ValueError(

@@ -74,6 +74,34 @@ def verdict_line(cells: Sequence[Mapping[str, float]]) -> str:
     return "Verdict: " + "; ".join(parts) + "."
 
 
+def headroom_line(result: Mapping[str, Any], which: str = "knees") -> str | None:
+    """Where the ceiling leaves room for a lead of ``AHEAD`` % over the best baseline, and
+    how many of those cells each of our policies wins by that much. In a cell where even
+    a free global tier under the best policy is less than that above the best baseline,
+    no routing rule can win by it; counting wins only where one could separates a rule
+    that falls short from a cell with nothing left to win (None without ceilings)."""
+    ceilings = ceiling_of(result, which)
+    if not ceilings:
+        return None
+    room, wins = 0, dict.fromkeys([p for p in result["policies"] if is_ours(p)], 0)
+    cells = measured_cells(result)
+    for cell in cells:
+        verdict = cell_verdict(means_of(cell, which))
+        top = ceilings.get(group_of(cell))
+        if not top or not verdict["value"] or top < verdict["value"] * (1 + AHEAD / 100):
+            continue
+        room += 1
+        for p, lead in verdict["lead"].items():
+            wins[p] += int(lead is not None and lead >= AHEAD - 1e-9)
+    parts = [f"`{p}` in {n}" for p, n in wins.items()]
+    return (
+        f"Headroom: in {room} of {len(cells)} cells the free-tier ceiling is at least "
+        f"{AHEAD:g} % above the best baseline, so a lead of {AHEAD:g} % is possible there; "
+        f"at least {AHEAD:g} % ahead in those: {', '.join(parts)}. In the other cells even "
+        "a free global tier under the best policy gains less than that."
+    )
+
+
 def measured_cells(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """The cells the verdict counts: all but the free-tier ceilings."""
     return [c for c in result["cells"] if c["tier"] != FREE_TIER]
@@ -152,6 +180,7 @@ def grid_markdown(result: Mapping[str, Any], command: str) -> str:
         "",
         verdict_line([means_of(c) for c in measured_cells(result)]),
         "",
+        *_headroom_part(result),
         *_robustness_part(result),
         f"#### Looser SLO ({_slo(loose)})",
         "",
@@ -161,8 +190,14 @@ def grid_markdown(result: Mapping[str, Any], command: str) -> str:
         grid_table(result, "loose"),
         "",
         verdict_line([means_of(c, "loose") for c in measured_cells(result)]),
+        *_headroom_part(result, "loose"),
     ]
-    return "\n".join(out) + "\n"
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _headroom_part(result: Mapping[str, Any], which: str = "knees") -> list[str]:
+    line = headroom_line(result, which)
+    return [] if line is None else [line, ""]
 
 
 def _robustness_part(result: Mapping[str, Any]) -> list[str]:
