@@ -78,8 +78,9 @@ def headroom_line(result: Mapping[str, Any], which: str = "knees") -> str | None
     """Where the ceiling leaves room for a lead of ``AHEAD`` % over the best baseline, and
     how many of those cells each of our policies wins by that much. In a cell where even
     a free global tier under the best policy is less than that above the best baseline,
-    no routing rule can win by it; counting wins only where one could separates a rule
-    that falls short from a cell with nothing left to win (None without ceilings)."""
+    a routing rule can hardly win by it (up to the knee search's precision); counting
+    wins only where one could separates a rule that falls short from a cell with little
+    left to win (None without ceilings)."""
     ceilings = ceiling_of(result, which)
     if not ceilings:
         return None
