@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from smetric.cli import app
-from smetric.eval.grid import cell_verdict, grid_cells, means_of, verdict_summary
+from smetric.eval.grid import cell_verdict, grid_cells, means_of, twin_of, verdict_summary
 from smetric.eval.grid_preset import load_grid_preset
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import tps_under_slo
@@ -286,6 +286,7 @@ def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) 
         (("seeds: 1", "worlds: {slow: {prefill: 2}}\nseeds: 1"), "worlds.slow: unknown pert"),
         (("seeds: 1", "worlds: {slow: {kv_room_scale: -1}}\nseeds: 1"), "kv_room_scale: expec"),
         (("seeds: 1", "ceiling: 1\nseeds: 1"), "ceiling: expected true or false"),
+        (("seeds: 1", "tier_ceilings: both\nseeds: 1"), "tier_ceilings: expected true or false"),
         (("seeds: 1", "title: ''\nseeds: 1"), "title: expected a non-empty heading"),
     ],
 )
@@ -342,6 +343,59 @@ def test_worlds_and_ceiling_cells_perturb_only_the_engines(tmp_path: Path) -> No
     assert free.cluster.global_capacity == "full"
     assert free.cluster.tier_bandwidth_scale == math.inf
     assert start == 0.04  # the highest tier's first load
+
+
+def test_tier_ceilings_add_each_bounded_tiers_free_twin(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        TINY.replace("{none: 0.02, full: 0.04}", "{none: 0.02, 1x: 0.03, full: 0.04}").replace(
+            "seeds: 1", "worlds: {configured: {}, slow: {tier_bandwidth_scale: 0.5}}\nseeds: 1"
+        )
+        + "ceiling: true\ntier_ceilings: true\n"
+    )
+    cells = grid_cells(load_grid_preset(str(path)))
+    # (none, 1x, full, free, free-1x) x two worlds: no twin for none (nothing moves) or
+    # full (its twin is the free tier)
+    assert {key[1] for key in cells} == {"none", "1x", "full", "free", "free-1x"}
+    assert len(cells) == 5 * 2
+    twin, start = cells["weka", "free-1x", "sync", "H20-bf16", "slow"]
+    assert twin.cluster.global_capacity == "1x"  # the tier's own capacity
+    assert twin.cluster.tier_bandwidth_scale == math.inf  # the world's wire made free
+    assert twin.cluster.global_medium == "line-rate"
+    assert start == 0.03  # the tier's own first load
+    measured, _ = cells["weka", "1x", "sync", "H20-bf16", "slow"]
+    assert measured.cluster.tier_bandwidth_scale == 0.5
+    assert [twin_of(t) for t in ("none", "1x", "full")] == [None, "free-1x", "free"]
+
+
+def test_own_tier_ceiling_is_counted_per_tier_and_full_takes_the_free_tier() -> None:
+    def cell(tier: str, **means: float) -> dict:
+        knees = {p: {"mean": m, "stdev": 0.0, "load": 0.1, "seeds": [m]} for p, m in means.items()}
+        return {"trace": "t", "tier": tier, "kv_load": "sync", "hardware": "A", "knees": knees}
+
+    cells = [
+        cell("free", smetric_cost=200e3, least_load=190e3),  # the unbounded ceiling
+        cell("free-1x", smetric_cost=104e3, least_load=103e3),  # 1x's own: 4 % of room
+        cell("none", smetric_cost=80e3, least_load=82e3),  # no tier: no own ceiling
+        cell("1x", smetric_cost=101e3, least_load=100e3),
+        cell("full", smetric_cost=170e3, least_load=150e3),  # room under free; a win
+    ]
+    result = {"policies": ["smetric_cost", "least_load"], "cells": cells}
+    line = headroom_line(result)
+    assert line is not None
+    # The unbounded ceiling leaves room everywhere; the own-tier one only above full.
+    assert line.startswith("Headroom: in 3 of 3 cells the free-tier ceiling")
+    assert "with a global tier leave room" in line
+    assert "), 1 of the 2 cells with a global tier leave room for a lead of 5 %" in line
+    assert line.endswith("at least 5 % ahead in those: `smetric_cost` in 1.")
+    rows = grid_table(result).splitlines()
+    assert rows[0].endswith("| ceiling: own tier, free | ceiling (best of all) |")
+    assert rows[2].endswith("| - | 200.0k, best 41% |")  # none: no own ceiling
+    assert rows[3].endswith("| 104.0k, best 97% | 200.0k, best 50% |")  # 1x: 101 of 104
+    assert rows[4].endswith("| 200.0k, best 85% | 200.0k, best 85% |")  # full: the free tier
+    unbounded_only = {**result, "cells": [c for c in cells if c["tier"] != "free-1x"]}
+    assert "own tier" not in grid_table(unbounded_only)
+    assert "own tier" not in (headroom_line(unbounded_only) or "")
 
 
 def test_robustness_table_gives_the_default_policy_lead_per_world_over_seeds() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import numpy as np
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from smetric.core.policies import POLICY_NAMES, make_policy
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.model.perf import StepTimeModel
-from smetric.sim.cluster import Simulation
+from smetric.sim.cluster import WAKE, Simulation
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
 from smetric.sim.instance import EngineLimits, Instance, SimRequest
 from smetric.sim.run import simulate
@@ -60,6 +61,12 @@ def drive(inst: Instance, start: float = 0.0) -> list[tuple[int, float]]:
         now = end
         done += [(r.rid, now) for r in inst.finish_step(now)]
     return done
+
+
+def drive_from(inst: Instance, now: float) -> list[tuple[int, float]]:
+    """Finish the step that ends at ``now``, then run the instance until idle."""
+    done = [(r.rid, now) for r in inst.finish_step(now)]
+    return done + drive(inst, now)
 
 
 def test_chunked_prefill_then_decode_timeline() -> None:
@@ -123,6 +130,44 @@ def test_asynchronous_load_holds_the_request_not_the_batch() -> None:
     assert drive(inst) == [(1, 5.0), (0, 10.0)]
     assert (a.first_token_at, b.first_token_at) == (1.0, 5.0)
     assert b.global_hit == 64
+
+
+def test_an_asynchronous_load_that_lands_at_once_joins_the_next_step() -> None:
+    # Regression: a load taking no time (a free tier) landed at the very moment it
+    # started, which the instance did not count as a landing, so the request waited for
+    # the whole decode run planned beside it (here until A's decode needs a new block,
+    # eight tokens on).
+    inst = instance(global_blocks=None, bytes_per_s=math.inf, async_load=True)
+    inst.global_tier.write(np.array([5, 6, 7, 8], dtype=np.int64), 0.0)
+    a = request(0, [1, 2], prompt=40, output=50)
+    inst.enqueue(a, 0.0)
+    assert inst.plan_step(0.0) == 1.0
+    inst.finish_step(1.0)  # A's first token; A decodes on
+    b = request(1, [5, 6, 7, 8], prompt=80, output=1)
+    inst.enqueue(b, 1.0)
+    # B's load lands as it starts; as in vLLM, the step it lands in reports it and the
+    # next admits B: a one-step decode run, then B's last 16 tokens, first token at 3.
+    assert inst.plan_step(1.0) == 2.0
+    finished = drive_from(inst, 2.0)
+    assert b.first_token_at == 3.0
+    assert finished[0] == (1, 3.0)
+    assert b.global_hit == 64
+
+
+def test_an_idle_instance_wakes_for_an_asynchronous_load_that_lands_at_once() -> None:
+    # The same load on an idle instance: nothing is planned, and the load has landed, so
+    # the instance must be woken now rather than at the next arrival.
+    inst = instance(global_blocks=None, bytes_per_s=math.inf, async_load=True)
+    inst.global_tier.write(np.array([5, 6, 7, 8], dtype=np.int64), 0.0)
+    inst.enqueue(request(0, [5, 6, 7, 8], prompt=80, output=1), 3.0)
+    sim = Simulation.__new__(Simulation)  # kick reads and writes nothing else of it
+    woken: list[tuple[float, int, int]] = []
+    sim.push = lambda t, kind, index, *rest: woken.append((t, kind, index))  # type: ignore[method-assign]
+    sim.kick(inst, 3.0)  # plans nothing: the load has started, the request is held
+    assert not inst.busy
+    assert woken == [(3.0, WAKE, 0)]
+    # Woken, it admits the request at once.
+    assert inst.plan_step(3.0) == 4.0
 
 
 def test_a_request_whose_local_prefix_is_evicted_while_queued_loads_it_globally() -> None:

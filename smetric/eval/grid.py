@@ -34,6 +34,16 @@ FREE_GLOBAL_TIER = {
     "global_medium": "line-rate",
     "tier_bandwidth_scale": math.inf,
 }
+# Each bounded tier's own ceiling: the same capacity, its transfers costing nothing. A
+# router cannot make the wire free, and with a free wire a request keeps the reuse the
+# tier holds wherever it goes, so the best knee there estimates what any router could
+# reach with that tier (to the knee search's precision); what ``FREE_TIER`` adds above
+# it is capacity, which no routing recovers.
+FREE_TWIN = "free-"
+FREE_TRANSFERS = {"global_medium": "line-rate", "tier_bandwidth_scale": math.inf}
+# Tiers with no twin: without a tier nothing moves; ``full`` never evicts, so its twin is
+# ``FREE_TIER`` itself.
+NO_TWIN = ("none", "full")
 # The verdict's thresholds: within 1 % of the best baseline (a tie), at least 5 % ahead (a win).
 WITHIN, AHEAD = -1.0, 5.0
 
@@ -41,29 +51,51 @@ WITHIN, AHEAD = -1.0, 5.0
 TraceLoader = Callable[[SimConfig], Trace]
 
 
+def is_ceiling(tier: str) -> bool:
+    """Whether a cell's tier is a ceiling (``FREE_TIER`` or a tier's free twin)."""
+    return tier == FREE_TIER or tier.startswith(FREE_TWIN)
+
+
+def twin_of(tier: str) -> str | None:
+    """The ceiling cell that bounds a tier's cell with that tier's own capacity."""
+    if tier == "none":
+        return None
+    return FREE_TIER if tier == "full" else FREE_TWIN + tier
+
+
+def _tier_settings(tier: str) -> dict:
+    """The cluster settings of a cell's tier, ceilings included."""
+    if tier == FREE_TIER:
+        return FREE_GLOBAL_TIER
+    if tier.startswith(FREE_TWIN):
+        return {"global_capacity": tier.removeprefix(FREE_TWIN), **FREE_TRANSFERS}
+    return {"global_capacity": tier}
+
+
 def grid_cells(preset: GridPreset) -> dict[tuple, tuple[SimConfig, float]]:
     """Per cell ``(trace, tier, kv_load, hardware, world)``: its configuration and first
     load. With ``preset.ceiling``, each (trace, kv_load, hardware, world) has one more
-    cell, tier ``free``, started at the highest tier's first load."""
+    cell, tier ``free``, started at the highest tier's first load; with
+    ``preset.tier_ceilings``, each tier but ``none`` and ``full`` has its free twin,
+    started at that tier's first load."""
     cells = {}
     for name, trace in preset.traces.items():
         tiers = dict(trace.tiers)
         if preset.ceiling:
             tiers[FREE_TIER] = max(trace.tiers.values())
+        if preset.tier_ceilings:
+            tiers |= {FREE_TWIN + t: v for t, v in trace.tiers.items() if t not in NO_TWIN}
         for tier, start in tiers.items():
             for mode in preset.kv_loads:
                 for label, room in preset.hardware.items():
                     for world_name, world in preset.worlds.items():
                         config = trace.config.override(
                             "cluster",
-                            global_capacity=tier,
                             kv_load=mode,
                             hardware=room.hardware,
                             kv_dtype=room.kv_dtype,
                             **world,
-                        )
-                        if tier == FREE_TIER:
-                            config = config.override("cluster", **FREE_GLOBAL_TIER)
+                        ).override("cluster", **_tier_settings(tier))
                         key = (name, tier, mode, label, world_name)
                         cells[key] = (config, start * trace.scale[label])
     return cells

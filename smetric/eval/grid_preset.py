@@ -29,8 +29,10 @@ KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_s
 # told about (``ClusterConfig``'s ``PERTURBATIONS``), every cell run in each; without it,
 # the configured world alone.
 # ``ceiling``: true adds a free-tier cell per group, the knee tables' ceiling.
+# ``tier_ceilings``: true adds each bounded tier's free twin (its own capacity, transfers
+# costing nothing), the ceiling no router can pass with that tier.
 # ``title``: the heading of the results page ``--page`` writes.
-OPTIONAL_KEYS = ("worlds", "ceiling", "title")
+OPTIONAL_KEYS = ("worlds", "ceiling", "tier_ceilings", "title")
 CONFIGURED = "configured"
 
 
@@ -63,6 +65,7 @@ class GridPreset:
     loose_slo: SLOConfig
     worlds: dict[str, dict[str, float]] = field(default_factory=lambda: {CONFIGURED: {}})
     ceiling: bool = False
+    tier_ceilings: bool = False
     title: str | None = None
 
     @property
@@ -106,6 +109,7 @@ def load_grid_preset(spec: str) -> GridPreset:
         loose_slo=loose_slo,
         worlds=_worlds(data.get("worlds"), f"{where}: worlds"),
         ceiling=flag(data.get("ceiling", False), f"{where}: ceiling"),
+        tier_ceilings=flag(data.get("tier_ceilings", False), f"{where}: tier_ceilings"),
         title=_title(data.get("title"), f"{where}: title"),
     )
 

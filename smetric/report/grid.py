@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from smetric.core.policies import DEFAULT_POLICY, is_ours
 from smetric.eval.grid import (
     AHEAD,
     FREE_TIER,
+    FREE_TWIN,
     WITHIN,
     cell_verdict,
+    is_ceiling,
     means_of,
+    twin_of,
     verdict_summary,
 )
 from smetric.eval.grid_preset import CONFIGURED
@@ -37,11 +40,18 @@ def cell_name(cell: Mapping[str, Any], worlds: bool = False) -> str:
 def grid_table(result: Mapping[str, Any], which: str = "knees") -> str:
     """Cells as rows (trace · tier · fetch · hardware · world): the best baseline (name,
     knee), then each of our policies' knee and its lead over that baseline; with
-    ceiling cells, the ceiling and the best policy's share of it."""
+    ceiling cells, each ceiling and the best policy's share of it."""
     ours = [p for p in result["policies"] if is_ours(p)]
     ceilings = ceiling_of(result, which)
+    own = own_ceiling_of(result, which)
     worlds = len(result.get("worlds", {})) > 1
-    head = ["cell", "best baseline", *ours, *(["ceiling (best of all)"] if ceilings else [])]
+    head = [
+        "cell",
+        "best baseline",
+        *ours,
+        *(["ceiling: own tier, free"] if own else []),
+        *(["ceiling (best of all)"] if ceilings else []),
+    ]
     rows = []
     for cell in measured_cells(result):
         means = means_of(cell, which)
@@ -55,10 +65,10 @@ def grid_table(result: Mapping[str, Any], which: str = "knees") -> str:
             lead = verdict["lead"][p]
             text = _knee(cell[which][p])
             row.append(f"{text}, {lead:+.1f} %" if lead is not None else text)
-        if ceilings:
-            top = ceilings.get(group_of(cell))
-            best = max(means.values())
-            row.append(f"{_k(top)}, best {best / top:.0%}" if top else "-")
+        best = max(means.values())
+        tops = [own.get(own_key(cell))] if own else []
+        tops += [ceilings.get(group_of(cell))] if ceilings else []
+        row += [f"{_k(top)}, best {best / top:.0%}" if top else "-" for top in tops]
         rows.append(row)
     return markdown_table(head, rows).rstrip("\n")
 
@@ -80,37 +90,71 @@ def headroom_line(result: Mapping[str, Any], which: str = "knees") -> str | None
     a free global tier under the best policy is less than that above the best baseline,
     a routing rule can hardly win by it (up to the knee search's precision); counting
     wins only where one could separates a rule that falls short from a cell with little
-    left to win (None without ceilings)."""
+    left to win. With the tiers' free twins, the same count against each cell's own tier
+    made free, the tighter ceiling: the room the free-tier ceiling shows beyond it is
+    capacity, which no router recovers (None without ceilings)."""
     ceilings = ceiling_of(result, which)
-    if not ceilings:
+    own = own_ceiling_of(result, which)
+    if not ceilings and not own:
         return None
-    room, wins = 0, dict.fromkeys([p for p in result["policies"] if is_ours(p)], 0)
     cells = measured_cells(result)
+    parts = []
+    if ceilings:
+        room, wins = _room(result, cells, group_of, ceilings, which)
+        parts.append(
+            f"Headroom: in {room} of {len(cells)} cells the free-tier ceiling is at least "
+            f"{AHEAD:g} % above the best baseline, so a lead of {AHEAD:g} % is possible "
+            f"there; at least {AHEAD:g} % ahead in those: {wins}. In the other cells even "
+            "a free global tier under the best policy gains less than that."
+        )
+    if own:
+        tiered = [c for c in cells if own_key(c) in own]
+        room, wins = _room(result, tiered, own_key, own, which)
+        parts.append(
+            f"With each cell's own tier made free (the same capacity, its transfers costing "
+            f"nothing: about what any router could reach with it), {room} of the "
+            f"{len(tiered)} cells with a "
+            f"global tier leave room for a lead of {AHEAD:g} %; at least {AHEAD:g} % ahead "
+            f"in those: {wins}."
+        )
+    return " ".join(parts)
+
+
+def _room(
+    result: Mapping[str, Any],
+    cells: Sequence[Mapping[str, Any]],
+    key: Callable[[Mapping[str, Any]], tuple],
+    ceilings: Mapping[tuple, float],
+    which: str,
+) -> tuple[int, str]:
+    """How many ``cells`` have a ceiling (``ceilings[key(cell)]``) at least ``AHEAD`` %
+    above their best baseline, and, as text, how many of those each of our policies wins
+    by that much."""
+    room, wins = 0, dict.fromkeys([p for p in result["policies"] if is_ours(p)], 0)
     for cell in cells:
         verdict = cell_verdict(means_of(cell, which))
-        top = ceilings.get(group_of(cell))
+        top = ceilings.get(key(cell))
         if not top or not verdict["value"] or top < verdict["value"] * (1 + AHEAD / 100):
             continue
         room += 1
         for p, lead in verdict["lead"].items():
             wins[p] += int(lead is not None and lead >= AHEAD - 1e-9)
-    parts = [f"`{p}` in {n}" for p, n in wins.items()]
-    return (
-        f"Headroom: in {room} of {len(cells)} cells the free-tier ceiling is at least "
-        f"{AHEAD:g} % above the best baseline, so a lead of {AHEAD:g} % is possible there; "
-        f"at least {AHEAD:g} % ahead in those: {', '.join(parts)}. In the other cells even "
-        "a free global tier under the best policy gains less than that."
-    )
+    return room, ", ".join(f"`{p}` in {n}" for p, n in wins.items())
 
 
 def measured_cells(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The cells the verdict counts: all but the free-tier ceilings."""
-    return [c for c in result["cells"] if c["tier"] != FREE_TIER]
+    """The cells the verdict counts: all but the ceilings."""
+    return [c for c in result["cells"] if not is_ceiling(c["tier"])]
 
 
 def group_of(cell: Mapping[str, Any]) -> tuple:
     """The cells one ceiling bounds: all tiers of a trace, fetch mode, KV room, world."""
     return (cell["trace"], cell["kv_load"], cell["hardware"], cell.get("world", CONFIGURED))
+
+
+def own_key(cell: Mapping[str, Any]) -> tuple:
+    """A cell's group and its tier's free twin: where its own-tier ceiling is found."""
+    return (*group_of(cell), twin_of(cell["tier"]))
 
 
 def ceiling_of(result: Mapping[str, Any], which: str = "knees") -> dict[tuple, float]:
@@ -119,6 +163,19 @@ def ceiling_of(result: Mapping[str, Any], which: str = "knees") -> dict[tuple, f
         group_of(c): max(means_of(c, which).values())
         for c in result["cells"]
         if c["tier"] == FREE_TIER
+    }
+
+
+def own_ceiling_of(result: Mapping[str, Any], which: str = "knees") -> dict[tuple, float]:
+    """Per group and twin tier, the best knee any policy reached with that tier free: the
+    own-tier ceiling of the cells of that tier (``full``'s twin is the free tier itself).
+    Empty unless the grid ran the tiers' twins."""
+    if not any(c["tier"].startswith(FREE_TWIN) for c in result["cells"]):
+        return {}
+    return {
+        (*group_of(c), c["tier"]): max(means_of(c, which).values())
+        for c in result["cells"]
+        if is_ceiling(c["tier"])
     }
 
 

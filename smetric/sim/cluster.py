@@ -302,7 +302,8 @@ class Simulation:
         if end is None:
             instance.busy = False
             wake = instance.next_ready()
-            if wake is not None and wake > now:
+            # ``wake == now``: a load that took no time landed as it started.
+            if wake is not None and wake >= now:
                 self.push(wake, WAKE, instance.index)
             return
         instance.busy = True

@@ -195,8 +195,10 @@ class Instance:
         upcoming = [heap[0][0] for heap in (self.finish_heap, self.block_heap) if heap]
         steps = min(upcoming, default=self.step_index + MAX_RUN_STEPS) - self.step_index
         steps = max(1, min(steps, MAX_RUN_STEPS))
+        # A load landing now counts too: one that took no time (a free tier) lands as it
+        # starts, and vLLM admits it at the next step, when that step reports it landed.
         landing = min(
-            (r.ready_at for r in self.waiting if r.loading and r.ready_at > now), default=None
+            (r.ready_at for r in self.waiting if r.loading and r.ready_at >= now), default=None
         )
         if landing is not None:
             step = self.perf.step_time(0, 0.0, self.decode_seqs, self.decode_context)
