@@ -36,7 +36,7 @@ FREE_GLOBAL_TIER = {
 }
 # Each bounded tier's own ceiling: the same capacity, its transfers costing nothing. A
 # router cannot make the wire free, and with a free wire a request keeps the reuse the
-# tier holds wherever it goes, so the best knee there estimates what any router could
+# tier holds wherever it goes, so the best knee there estimates the most any router could
 # reach with that tier (to the knee search's precision); what ``FREE_TIER`` adds above
 # it is capacity, which no routing recovers.
 FREE_TWIN = "free-"

@@ -111,11 +111,10 @@ def headroom_line(result: Mapping[str, Any], which: str = "knees") -> str | None
         tiered = [c for c in cells if own_key(c) in own]
         room, wins = _room(result, tiered, own_key, own, which)
         parts.append(
-            f"With each cell's own tier made free (the same capacity, its transfers costing "
-            f"nothing: about what any router could reach with it), {room} of the "
-            f"{len(tiered)} cells with a "
-            f"global tier leave room for a lead of {AHEAD:g} %; at least {AHEAD:g} % ahead "
-            f"in those: {wins}."
+            "With each cell's own tier made free (the same capacity, its transfers costing "
+            f"nothing: an estimate of the most any router could reach with it), {room} of the "
+            f"{len(tiered)} cells with a global tier leave room for a lead of {AHEAD:g} %; "
+            f"at least {AHEAD:g} % ahead in those: {wins}."
         )
     return " ".join(parts)
 
