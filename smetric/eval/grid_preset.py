@@ -30,7 +30,7 @@ KEYS = ("traces", "kv_loads", "hardware", "seeds", "grow", "precision", "loose_s
 # the configured world alone.
 # ``ceiling``: true adds a free-tier cell per group, the knee tables' ceiling.
 # ``tier_ceilings``: true adds each bounded tier's free twin (its own capacity, transfers
-# costing nothing), the ceiling no router can pass with that tier.
+# costing nothing), an estimate of the most any router could reach with that tier.
 # ``title``: the heading of the results page ``--page`` writes.
 OPTIONAL_KEYS = ("worlds", "ceiling", "tier_ceilings", "title")
 CONFIGURED = "configured"
