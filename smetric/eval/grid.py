@@ -41,9 +41,6 @@ FREE_GLOBAL_TIER = {
 # it is capacity, which no routing recovers.
 FREE_TWIN = "free-"
 FREE_TRANSFERS = {"global_medium": "line-rate", "tier_bandwidth_scale": math.inf}
-# Tiers with no twin: without a tier nothing moves; ``full`` never evicts, so its twin is
-# ``FREE_TIER`` itself.
-NO_TWIN = ("none", "full")
 # The verdict's thresholds: within 1 % of the best baseline (a tie), at least 5 % ahead (a win).
 WITHIN, AHEAD = -1.0, 5.0
 
@@ -57,7 +54,8 @@ def is_ceiling(tier: str) -> bool:
 
 
 def twin_of(tier: str) -> str | None:
-    """The ceiling cell that bounds a tier's cell with that tier's own capacity."""
+    """The ceiling cell that bounds a tier's cell with that tier's own capacity: none
+    without a tier (nothing moves), ``FREE_TIER`` for ``full`` (it never evicts)."""
     if tier == "none":
         return None
     return FREE_TIER if tier == "full" else FREE_TWIN + tier
@@ -84,7 +82,8 @@ def grid_cells(preset: GridPreset) -> dict[tuple, tuple[SimConfig, float]]:
         if preset.ceiling:
             tiers[FREE_TIER] = max(trace.tiers.values())
         if preset.tier_ceilings:
-            tiers |= {FREE_TWIN + t: v for t, v in trace.tiers.items() if t not in NO_TWIN}
+            twins = {twin_of(t): v for t, v in trace.tiers.items()}
+            tiers |= {t: v for t, v in twins.items() if t and t.startswith(FREE_TWIN)}
         for tier, start in tiers.items():
             for mode in preset.kv_loads:
                 for label, room in preset.hardware.items():
