@@ -21,8 +21,8 @@ needs must come from the body of each request:
 
 Three request shapes are understood, each parsed in its own module: OpenAI chat
 (``core/openai_api``: ``messages`` with roles, string or part-list content, ``tool_calls``,
-``role: tool``), Anthropic Messages (``core/anthropic_api``: ``system`` plus user/assistant
-``messages`` whose content may hold ``text``, ``tool_use``, ``tool_result`` and other
+``role: tool``), Anthropic Messages (``core/anthropic_api``: ``system`` plus ``messages`` of
+any role whose content may hold ``text``, ``tool_use``, ``tool_result`` and other
 blocks) and OpenAI completions (``prompt`` as text or token ids; no structure, so turn 0
 and no expected hit). Any malformed body raises ``RequestError`` (``core/parsing``) and
 nothing else, so the router can answer 400 without guarding against surprises.
