@@ -37,11 +37,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import Api, RequestError, analyze_request
 from smetric.core.kv_events import REPLAY_END
+from smetric.engine.agent import ReplyPlan, plan_reply
 from smetric.engine.anthropic import MessagesReply, messages_usage
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, PULL_PATH, TRANSFERS, KVTransfers, handle_pull
 from smetric.engine.scheduler import END, EngineConfig, EngineRequest, MockEngine, filler_token
 
 ENGINE = web.AppKey("engine", MockEngine)
+# vLLM reads any body; an agent's request carries its whole conversation, images included.
+MAX_BODY_BYTES = 1 << 30
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 _TOKENIZER = ByteTokenizer()
 
@@ -56,7 +59,7 @@ def create_app(config: EngineConfig) -> web.Application:
     engine = MockEngine(config, None if publisher is None else publisher.publish)
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[REGISTRY] = registry
     if publisher is not None:
@@ -208,9 +211,9 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         transfers.check(params)
         if facts.prompt_tokens == 0:
             raise RequestError("the prompt must not be empty")
-        if facts.prompt_tokens + max_tokens > config.max_model_len:
+        if facts.prompt_tokens + max_tokens > config.context_len:
             raise RequestError(
-                f"This model's maximum context length is {config.max_model_len} tokens; the "
+                f"This model's maximum context length is {config.context_len} tokens; the "
                 f"request has {facts.prompt_tokens} prompt tokens and max_tokens {max_tokens}"
             )
     except RequestError as error:
@@ -220,18 +223,30 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     pulled = (
         await transfers.pull(facts, params) if params and params.get("do_remote_prefill") else None
     )
-    job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
+    plan = (
+        plan_reply(
+            body,
+            facts.token_ids.tobytes(),
+            max_tokens,
+            config.agent_seed,
+            may_call=api != "completions",
+        )
+        if config.agent
+        else ReplyPlan.filler(max_tokens)
+    )
+    job = EngineRequest(facts.token_ids, facts.blocks, plan.tokens)
     engine.submit(job)
-    reply = _Reply(api, config.served_model_name)
     try:
         if api == "messages":
-            return await _anthropic(request, job, config.served_model_name, stream)
+            return await _anthropic(
+                request, job, MessagesReply(config.served_model_name, plan), stream
+            )
+        reply = _Reply(api, config.served_model_name, plan)
         if stream:
             return await _stream(request, job, reply, include_usage)
-        count = 0
         while await job.tokens.get() is not END:
-            count += 1
-        answer = reply.full(count, _usage(job))
+            pass
+        answer = reply.full(_usage(job))
         if params and params.get("do_remote_decode"):
             host, port = request.url.host, request.url.port
             # A served request's URL is absolute: a host, and a port given or the scheme's.
@@ -275,7 +290,7 @@ async def _stream(
 
 
 async def _anthropic(
-    request: web.Request, job: EngineRequest, model: str, stream: bool
+    request: web.Request, job: EngineRequest, reply: MessagesReply, stream: bool
 ) -> web.StreamResponse:
     """The Messages API's shapes: one JSON message, or its named server-sent events.
 
@@ -283,13 +298,10 @@ async def _anthropic(
     ``AnthropicServingMessages.message_stream_converter`` opens the message on the chat
     stream's first chunk.
     """
-    reply = MessagesReply(model)
     if not stream:
-        count = 0
         while await job.tokens.get() is not END:
-            count += 1
-        text = "".join(filler_token(i) for i in range(count))
-        return web.json_response(reply.full(text, _anthropic_usage(job)))
+            pass
+        return web.json_response(reply.full(_anthropic_usage(job)))
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -299,7 +311,7 @@ async def _anthropic(
         for data in reply.opening(_anthropic_usage(job)):
             await response.write(data)
         while index is not END:
-            await response.write(reply.token(filler_token(index)))
+            await response.write(reply.token(index))
             index = await job.tokens.get()
         for data in reply.closing(_anthropic_usage(job)):
             await response.write(data)
@@ -318,14 +330,15 @@ async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
 
 
 class _Reply:
-    """The OpenAI response and chunk shapes of one request, for either endpoint."""
+    """The OpenAI response and chunk shapes of one request's plan, for either endpoint."""
 
-    def __init__(self, api: Api, model: str) -> None:
+    def __init__(self, api: Api, model: str, plan: ReplyPlan) -> None:
         self.chat = api == "chat"
         prefix = "chatcmpl" if self.chat else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.plan = plan
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -336,13 +349,19 @@ class _Reply:
             "choices": choices,
         }
 
-    def full(self, count: int, usage: dict[str, Any]) -> dict[str, Any]:
-        text = "".join(filler_token(i) for i in range(count))
+    def full(self, usage: dict[str, Any]) -> dict[str, Any]:
+        plan = self.plan
+        text = "".join(filler_token(i) for i in range(plan.text_tokens))
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            body = self._envelope("chat.completion", [{**choice, "finish_reason": "length"}])
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if plan.call is not None:
+                function = {"name": plan.call.name, "arguments": plan.call.arguments_json}
+                call = {"id": f"call_{plan.call.id}", "type": "function", "function": function}
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            choice = {"index": 0, "message": message, "finish_reason": plan.finish}
+            body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": plan.finish}
             body = self._envelope("text_completion", [choice])
         return {**body, "usage": usage}
 
@@ -354,7 +373,20 @@ class _Reply:
             yield self._chunk({"index": 0, "delta": delta, "finish_reason": None})
 
     def token(self, index: int, *, last: bool) -> dict[str, Any]:
-        reason = "length" if last else None
+        """Token ``index``'s chunk: a word of text, or a piece of the call's arguments (the
+        first piece with the call's id and name)."""
+        reason = self.plan.finish if last else None
+        call = self.plan.call
+        if call is not None:
+            function: dict[str, Any] = {"arguments": call.pieces[index]}
+            opening: dict[str, Any] = {}
+            if index == 0:
+                function = {"name": call.name, **function}
+                opening = {"id": f"call_{call.id}", "type": "function"}
+            calls = [{"index": 0, **opening, "function": function}]
+            return self._chunk(
+                {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": reason}
+            )
         if self.chat:
             delta = {"content": filler_token(index)}
             return self._chunk({"index": 0, "delta": delta, "finish_reason": reason})
@@ -381,8 +413,8 @@ def _usage(job: EngineRequest) -> dict[str, Any]:
 def _sampling(body: dict[str, Any], api: Api, default_max_tokens: int) -> tuple[int, bool, bool]:
     """``max_tokens``, ``stream`` and ``stream_options.include_usage``, type-checked.
 
-    Output always stops at ``max_tokens``: filler text has no end-of-sequence token, so
-    ``ignore_eos`` changes nothing and is not read.
+    Outside agent mode output always stops at ``max_tokens``: filler text has no
+    end-of-sequence token, so ``ignore_eos`` changes nothing there (agent mode reads it).
     """
     keys = ("max_completion_tokens", "max_tokens") if api == "chat" else ("max_tokens",)
     max_tokens = next((body[k] for k in keys if body.get(k) is not None), default_max_tokens)
@@ -417,7 +449,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "count": facts.prompt_tokens,
-            "max_model_len": config.max_model_len,
+            "max_model_len": config.context_len,
             "tokens": facts.token_ids.tolist(),
             "token_strs": None,
         }
@@ -432,7 +464,7 @@ async def _models(request: web.Request) -> web.Response:
         "created": 0,
         "owned_by": "smetric",
         "root": config.served_model_name,
-        "max_model_len": config.max_model_len,
+        "max_model_len": config.context_len,
     }
     return web.json_response({"object": "list", "data": [model]})
 
@@ -450,7 +482,7 @@ async def _model_info(request: web.Request) -> web.Response:
 async def _server_info(request: web.Request) -> web.Response:
     """SGLang's ``/server_info``: the engine's configuration, which routers read at startup."""
     config = request.app[ENGINE].config
-    return web.json_response({**asdict(config), "max_model_len": config.max_model_len})
+    return web.json_response({**asdict(config), "max_model_len": config.context_len})
 
 
 async def _metrics(request: web.Request) -> web.Response:
