@@ -7,6 +7,9 @@ reports it with ``--enable-prompt-tokens-details``), ``/tokenize``, ``/v1/models
 ``core.conversation.analyze_request``, the router's own parser, so router and engine agree
 on every prompt's tokens and blocks, and its ``RequestError`` becomes a 400. Any model name
 is accepted in requests, so a router configured with another name still gets answers.
+What a reply holds is planned before it is generated: filler text up to ``max_tokens``, or
+in agent mode (``engine.agent``) a short reply or a read-only tool call, which each API
+renders in its own shapes; the plan's token count is what the scheduler generates.
 
 With ``kv_events_endpoint`` set, the engine's KV events go out over ZMQ exactly as vLLM's
 ``ZmqEventPublisher`` sends them: multipart ``[topic, seq (8-byte big-endian), payload]``
