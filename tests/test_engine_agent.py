@@ -91,7 +91,7 @@ def test_never_a_call_right_after_a_tool_result(last: dict[str, Any]) -> None:
 def test_a_short_max_tokens_cuts_the_reply_and_ignore_eos_runs_to_it() -> None:
     short = plans(PROMPTS, max_tokens=3)
     assert all(p == ReplyPlan.filler(3) and p.finish == "length" for p in short)
-    ignoring = [{**body, "ignore_eos": True, "tools": None} for body in PROMPTS]
+    ignoring = [{**body, "ignore_eos": True} for body in PROMPTS]
     assert all(p == ReplyPlan.filler(1000) for p in plans(ignoring))
 
 

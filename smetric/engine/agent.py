@@ -104,12 +104,14 @@ def plan_reply(
 ) -> ReplyPlan:
     """The agent-mode reply to a request ``body`` (chat, messages or responses shape).
 
-    ``content`` identifies the request's content (its prompt tokens, say): with ``seed`` it
-    decides every draw. ``may_call`` is false where the API has no tool calls (completions).
-    A reply that would not fit ``max_tokens`` is cut there, as a model's would be;
-    ``ignore_eos`` asks for exactly that.
+    ``content`` identifies the request's content (its prompt tokens, say): with ``seed``
+    (``[0, 2**64)``) it decides every draw. ``may_call`` is false where the API has no tool
+    calls (completions). A reply that would not fit ``max_tokens`` is cut there, as a
+    model's would be; ``ignore_eos`` asks for exactly that.
     """
-    rng = random.Random(hashlib.blake2b(content, key=seed.to_bytes(8, "big", signed=True)).digest())
+    if body.get("ignore_eos") is True:
+        return ReplyPlan.filler(max_tokens)
+    rng = random.Random(hashlib.blake2b(content, key=seed.to_bytes(8, "big")).digest())
     length = rng.randint(SHORTEST_REPLY, LONGEST_REPLY)
     tool = _read_only_tool(body.get("tools")) if may_call else None
     if tool is not None and not _after_tool_result(body) and rng.random() < CALL_SHARE:
@@ -117,7 +119,7 @@ def plan_reply(
         call = ToolCall(f"{rng.getrandbits(96):024x}", name, _arguments(schema))
         if len(call.pieces) <= max_tokens:
             return ReplyPlan(0, call)
-    if body.get("ignore_eos") is True or length >= max_tokens:
+    if length >= max_tokens:
         return ReplyPlan.filler(max_tokens)
     return ReplyPlan(length, natural_stop=True)
 

@@ -110,7 +110,7 @@ class EngineConfig:
         "read-only tool the request offers; seeded by the request's content. Off: every "
         "reply runs to max_tokens.",
     )
-    agent_seed: int = setting(0, "Seed of the agent mode's replies.")
+    agent_seed: int = setting(0, "Seed of the agent mode's replies.", ge=0, lt=2**64)
     # Disaggregated serving (engine/disagg.py): what the engine may do for a proxy, the link
     # a decode engine pulls prompt blocks over (one 200 Gbps RDMA NIC by default), and how
     # long a prefill engine keeps finished prompts' blocks for a decode to pull.
