@@ -328,6 +328,40 @@ def check_routing(record: Recording, metrics_text: str, harness: str, session_he
     # Follow-ups land where their history is, and the router knew how much of it.
     follow_ups = [e for e in routed if e.follow_up]
     assert follow_ups, "no follow-up request"
+    continued = 0
     for exchange in follow_ups:
         assert exchange.cached is not None and exchange.cached > 0, exchange.path
         assert exchange.predicted == exchange.cached
+        earlier = _continued_from(exchange, routed)
+        if earlier is not None:
+            assert exchange.engine == earlier.engine
+            continued += 1
+    assert continued, "no follow-up resent an earlier request's messages"
+
+
+def _continued_from(follow_up: Exchange, routed: list[Exchange]) -> Exchange | None:
+    """The latest earlier exchange whose messages the follow-up resends as its opening:
+    the request whose engine holds the follow-up's history."""
+    messages = _content(follow_up.body["messages"])
+    before = routed[: routed.index(follow_up)]
+    for earlier in reversed(before):
+        opening = _content(earlier.body["messages"])
+        if (
+            _content(earlier.body.get("system")) == _content(follow_up.body.get("system"))
+            and len(opening) < len(messages)
+            and messages[: len(opening)] == opening
+        ):
+            return earlier
+    return None
+
+
+def _content(value: Any) -> Any:
+    """``value`` as a prompt reads it: without ``cache_control`` marks, and content of text
+    blocks only as its text, which harnesses change from turn to turn to no effect."""
+    if isinstance(value, dict):
+        return {k: _content(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        if value and all(isinstance(v, dict) and v.get("type") == "text" for v in value):
+            return "\n".join(str(v.get("text")) for v in value)
+        return [_content(v) for v in value]
+    return value
