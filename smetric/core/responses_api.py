@@ -61,7 +61,7 @@ def responses_messages(body: dict[str, Any]) -> list[Message]:
         if not isinstance(item, dict):
             raise RequestError(f"{where} must be an object, got {kind(item)}")
         builder.add(item, where)
-    return builder.messages
+    return list(builder.messages)
 
 
 class _Turns:
