@@ -149,3 +149,10 @@ def _reasoning(item: dict[str, Any], where: str) -> str:
     if encrypted:
         texts.append(placeholder("encrypted_content", encrypted))
     return "\n".join(texts) if texts else placeholder("reasoning", item)
+
+
+def response_not_found(response_id: str, param: str | None = None) -> dict[str, Any]:
+    """The Responses API's 404 body for a stored response nobody holds under this id."""
+    message = f"Response with id '{response_id}' not found."
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return {"error": error}

@@ -66,13 +66,6 @@ def input_items(body: dict[str, Any]) -> list[Any]:
     return value
 
 
-def not_found(response_id: str, param: str | None = None) -> dict[str, Any]:
-    """The Responses API's 404 body for an id this engine does not hold."""
-    message = f"Response with id '{response_id}' not found."
-    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    return {"error": error}
-
-
 class ResponsesReply:
     """One response's ids, envelope and events.
 

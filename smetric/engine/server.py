@@ -39,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import Api, RequestError, analyze_request
 from smetric.core.kv_events import REPLAY_END
+from smetric.core.responses_api import response_not_found
 from smetric.engine.anthropic import MessagesReply, messages_usage
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, PULL_PATH, TRANSFERS, KVTransfers, handle_pull
 from smetric.engine.responses import (
@@ -46,7 +47,6 @@ from smetric.engine.responses import (
     ResponseStore,
     Stored,
     input_items,
-    not_found,
     responses_usage,
 )
 from smetric.engine.scheduler import END, EngineConfig, EngineRequest, MockEngine, filler_token
@@ -338,7 +338,7 @@ async def _responses(request: web.Request) -> web.StreamResponse:
             stored = store.get(previous) if isinstance(previous, str) else None
             if stored is None:
                 return web.json_response(
-                    not_found(str(previous), "previous_response_id"), status=404
+                    response_not_found(str(previous), "previous_response_id"), status=404
                 )
             history = stored.conversation
         conversation = [*history, *input_items(body)]
@@ -424,14 +424,14 @@ async def _get_response(request: web.Request) -> web.Response:
     response_id = request.match_info["id"]
     stored = request.app[RESPONSES].get(response_id)
     if stored is None:
-        return web.json_response(not_found(response_id), status=404)
+        return web.json_response(response_not_found(response_id), status=404)
     return web.json_response(stored.response)
 
 
 async def _delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["id"]
     if request.app[RESPONSES].pop(response_id) is None:
-        return web.json_response(not_found(response_id), status=404)
+        return web.json_response(response_not_found(response_id), status=404)
     return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
