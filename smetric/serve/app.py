@@ -373,7 +373,7 @@ class Router:
     async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
         headers = self.forwarder.upstream_headers(request)
         timeout = self.settings.stream_headers_timeout_s
-        return await holder(self.pool, response_id, headers, timeout)
+        return await holder(self.pool, self.pool.healthy(), response_id, headers, timeout)
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """``GET`` or ``DELETE /v1/responses/{id}``, on the engine that holds it."""

@@ -90,15 +90,14 @@ class Wiring:
         completion.queued_tokens = decision.view.unprefilled_tokens[chosen]
         return decision
 
-    def pin(self, call: Call, engine: Engine) -> tuple[Engine, int]:
-        """The pinned engine as the decision, counted and logged as decisions are. Nothing
-        is predicted: the router sees only the request's new input, not the stored
-        conversation before it."""
-        completion = call.completion
+    def pin(self, completion: Completion, engine: Engine) -> tuple[Engine, int]:
+        """The engine holding a request's stored response as its decision, counted and
+        logged as decisions are. Nothing is predicted: the router sees only the request's
+        new input, not the stored conversation before it."""
         completion.branch = STORED_BRANCH
         self.metrics.decisions.labels(STORED_BRANCH).inc()
         if log.isEnabledFor(logging.INFO):
-            labels = completion.identity.labels(call.facts.turn)
+            labels = completion.identity.labels(completion.facts.turn)
             record = {"event": "route", "engine": engine.url, "branch": STORED_BRANCH}
             log.info(json.dumps({**record, **labels}))
         return engine, 0
@@ -135,7 +134,7 @@ class Colocated:
 
         def choose(engines: list[Engine]) -> tuple[Engine, int]:
             if pinned is not None:
-                return wiring.pin(call, pinned)
+                return wiring.pin(call.completion, pinned)
             decision = wiring.decide_call(call, engines)
             return decision.engine, decision.predicted_hit_tokens
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import quote
 
 import aiohttp
@@ -48,10 +48,14 @@ def previous_id(body: Mapping[str, object]) -> str | None:
 
 
 async def holder(
-    pool: EnginePool, response_id: str, headers: Mapping[str, str], timeout_s: float
+    pool: EnginePool,
+    engines: Sequence[Engine],
+    response_id: str,
+    headers: Mapping[str, str],
+    timeout_s: float,
 ) -> Engine | None:
-    """The healthy engine that holds ``response_id``, asked of all at once; None if none
-    answers 200 within ``timeout_s``."""
+    """The one of ``engines`` that holds ``response_id``, asked of all at once; None if
+    none answers 200 within ``timeout_s``."""
     path = f"/v1/responses/{quote(response_id, safe='')}"
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
@@ -63,7 +67,6 @@ async def holder(
                 return response.status == 200
         return False
 
-    engines = pool.healthy()
     answers = await asyncio.gather(*(holds(engine) for engine in engines))
     return next((e for e, held in zip(engines, answers, strict=True) if held), None)
 
