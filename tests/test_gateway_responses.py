@@ -4,9 +4,11 @@ a stored response's follow-ups, ``GET`` and ``DELETE`` reach the engine that hol
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseCompletedEvent
 from test_gateway_envoy import engines, wait_until
 
 from smetric.gateway.picker import endpoint_of
@@ -20,6 +22,16 @@ pytestmark = pytest.mark.skipif(
 INSTRUCTIONS = "You are a coding agent. " * 20
 
 
+def parsed(raw: Any) -> Response:
+    """The response in a raw reply, streamed or not."""
+    reply = raw.parse()
+    if isinstance(reply, Response):
+        return reply
+    *_, last = reply
+    assert isinstance(last, ResponseCompletedEvent)
+    return last.response
+
+
 def test_stored_responses_and_history_resent_through_the_picker(tmp_path: Path) -> None:
     mocks = engines(tmp_path, 2, speed="0.0001")
     try:
@@ -30,13 +42,13 @@ def test_stored_responses_and_history_resent_through_the_picker(tmp_path: Path) 
                 client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="k", max_retries=0)
                 served = "x-gateway-destination-endpoint-served"
                 # Codex style: the history resent, not stored; predicted as cached.
-                items: list = [{"role": "user", "content": "fix the bug " * 30}]
+                items: list[Any] = [{"role": "user", "content": "fix the bug " * 30}]
                 homes = set()
                 for turn in range(3):
                     raw = client.responses.with_raw_response.create(
                         model="m", instructions=INSTRUCTIONS, input=items, store=False
                     )
-                    response = raw.parse()
+                    response = parsed(raw)
                     homes.add(raw.headers[served])
                     assert response.usage is not None
                     cached = response.usage.input_tokens_details.cached_tokens
@@ -46,21 +58,20 @@ def test_stored_responses_and_history_resent_through_the_picker(tmp_path: Path) 
                     items.append({"role": "user", "content": f"step {turn}"})
                 assert len(homes) == 1
                 # Stored: every follow-up, streamed or not, goes where the response is.
-                raw = client.responses.with_raw_response.create(
+                first = client.responses.with_raw_response.create(
                     model="m", instructions=INSTRUCTIONS, input="list the files " * 20
                 )
-                response, home = raw.parse(), raw.headers[served]
+                response, home = parsed(first), first.headers[served]
                 for stream in (False, True):
-                    raw = client.responses.with_raw_response.create(
+                    follow = client.responses.with_raw_response.create(
                         model="m",
                         instructions=INSTRUCTIONS,
                         input="go on",
                         previous_response_id=response.id,
                         stream=stream,
                     )
-                    assert raw.headers[served] == home
-                    parsed = raw.parse()
-                    response = list(parsed)[-1].response if stream else parsed
+                    assert follow.headers[served] == home
+                    response = parsed(follow)
                     assert response.usage is not None
                     assert response.usage.input_tokens_details.cached_tokens > 0
                 holder = next(m for m in mocks if endpoint_of(m.url) == home)

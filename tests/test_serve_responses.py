@@ -10,6 +10,7 @@ from typing import Any
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from openai.types.responses import Response, ResponseCompletedEvent
 
 from smetric.engine.scheduler import EngineConfig
 from smetric.engine.server import create_app
@@ -52,6 +53,19 @@ async def with_replicas(body: Callable[[Clients, list[Router]], Awaitable[Any]])
             await server.close()
 
 
+async def parsed(raw: Any) -> Response:
+    """The response in a raw reply, streamed or not; a stream's events numbered in order
+    from ``response.created`` to ``response.completed``."""
+    reply = raw.parse()
+    if isinstance(reply, Response):
+        return reply
+    events = [event async for event in reply]
+    assert events[0].type == "response.created"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert isinstance(events[-1], ResponseCompletedEvent)
+    return events[-1].response
+
+
 def user(text: str) -> dict[str, Any]:
     return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
@@ -62,19 +76,13 @@ def test_codex_style_follow_ups_resend_history_and_hit_where_predicted() -> None
     exactly what the engine reports cached."""
 
     async def body(clients: Clients, routers: list[Router]) -> None:
-        items = [user("fix the bug in parser.py " * 10)]
+        items: list[Any] = [user("fix the bug in parser.py " * 10)]
         homes = set()
         for turn in range(4):
             raw = await clients[0].responses.with_raw_response.create(
                 model="m", instructions=INSTRUCTIONS, input=items, store=False, stream=turn % 2 == 1
             )
-            if turn % 2:
-                events = [event async for event in raw.parse()]
-                assert events[0].type == "response.created"
-                assert [e.sequence_number for e in events] == list(range(len(events)))
-                response = events[-1].response
-            else:
-                response = raw.parse()
+            response = await parsed(raw)
             assert response.status == "completed" and response.output_text
             homes.add(raw.headers["x-smetric-engine"])
             predicted = int(raw.headers["x-smetric-predicted-hit-tokens"])
@@ -92,11 +100,11 @@ def test_codex_style_follow_ups_resend_history_and_hit_where_predicted() -> None
 def test_a_stored_response_is_found_from_any_replica() -> None:
     async def body(clients: Clients, routers: list[Router]) -> None:
         first, other = clients
-        raw = await first.responses.with_raw_response.create(
+        first_raw = await first.responses.with_raw_response.create(
             model="m", instructions=INSTRUCTIONS, input="list the files " * 20
         )
-        response = raw.parse()
-        home = raw.headers["x-smetric-engine"]
+        response = await parsed(first_raw)
+        home = first_raw.headers["x-smetric-engine"]
         # The second replica never saw it, and its policy would spread a first turn.
         for stream in (False, True):
             raw = await other.responses.with_raw_response.create(
@@ -107,11 +115,7 @@ def test_a_stored_response_is_found_from_any_replica() -> None:
                 stream=stream,
             )
             assert raw.headers["x-smetric-engine"] == home
-            if stream:
-                events = [event async for event in raw.parse()]
-                follow_up = events[-1].response
-            else:
-                follow_up = raw.parse()
+            follow_up = await parsed(raw)
             assert follow_up.previous_response_id == response.id
             assert follow_up.usage is not None
             # The stored conversation is the prompt's prefix, cached where it is stored.
