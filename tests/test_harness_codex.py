@@ -2,7 +2,7 @@
 mock engines publishing KV events: ``codex exec``, then ``codex exec resume --last``.
 
 Codex speaks only the Responses API. It is pointed at the router by a custom provider in
-its ``config.toml`` (the one in docs/concepts/serving-layer.md); it sends its whole
+its ``config.toml``, the one docs/concepts/serving-layer.md gives; it sends its whole
 conversation on every request (``store: false``) and names its session in ``session-id``.
 Its HTTP proxy is a loopback trap: any connection Codex tries beyond loopback lands there,
 and the test fails if one did. The binary comes from ``scripts/ci/install_harnesses.sh``
@@ -35,33 +35,15 @@ HARNESSES_DIR = Path(os.environ.get("SMETRIC_HARNESSES_DIR", "/opt/smetric-harne
 PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
 _EVENTS = re.compile(r"KV events on (tcp://\S+?), replay on (tcp://\S+)")
 
-CONFIG = """\
-model = "smetric-mock"
-model_provider = "smetric"
-approval_policy = "never"
-sandbox_mode = "read-only"
-check_for_update_on_startup = false
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "serving-layer.md"
 
-[model_providers.smetric]
-name = "SMetric"
-base_url = "{router}/v1"
-wire_api = "responses"
-env_key = "SMETRIC_API_KEY"
-request_max_retries = 0
-stream_max_retries = 0
 
-[analytics]
-enabled = false
-
-[otel]
-exporter = "none"
-
-[features]
-plugins = false
-remote_plugin = false
-plugin_sharing = false
-apps = false
-"""
+def documented_config(router: str) -> str:
+    """The ``config.toml`` the docs give for Codex, pointed at ``router``."""
+    section = DOCS.read_text().split("## The Responses API", 1)[1]
+    config = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert "http://ROUTER:8000/v1" in config
+    return config.replace("http://ROUTER:8000", router)
 
 
 def codex_binary() -> str:
@@ -182,7 +164,7 @@ def test_codex_exec_twice_through_the_router(tmp_path: Path) -> None:
         home, work = tmp_path / "codex-home", tmp_path / "work"
         home.mkdir()
         work.mkdir()
-        (home / "config.toml").write_text(CONFIG.format(router=router.url))
+        (home / "config.toml").write_text(documented_config(router.url))
         proxy = f"http://127.0.0.1:{trap.port}"
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
