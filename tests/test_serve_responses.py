@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 from openai.types.responses import Response, ResponseCompletedEvent
 
 from smetric.engine.scheduler import EngineConfig
-from smetric.engine.server import create_app
+from smetric.engine.server import RESPONSES, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
@@ -140,3 +140,36 @@ def test_a_stored_response_is_found_from_any_replica() -> None:
         assert unknown.value.body["param"] == "previous_response_id"
 
     asyncio.run(with_replicas(body))
+
+
+def test_the_engine_bounds_output_and_its_store() -> None:
+    """``max_output_tokens`` ends a response ``incomplete`` at that length; the store
+    keeps the newest responses up to its bound."""
+
+    async def body() -> None:
+        server = TestServer(create_app(FAST), host="127.0.0.1")
+        await server.start_server()
+        server.app[RESPONSES].limit = 2
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="k")
+        try:
+            bounded = await client.responses.create(model="m", input="hi", max_output_tokens=3)
+            assert bounded.status == "incomplete"
+            assert bounded.incomplete_details is not None
+            assert bounded.incomplete_details.reason == "max_output_tokens"
+            assert bounded.usage is not None and bounded.usage.output_tokens == 3
+            natural = await client.responses.create(model="m", input="hi")
+            assert natural.status == "completed"
+            assert (
+                natural.usage is not None and natural.usage.output_tokens == FAST.default_max_tokens
+            )
+            await client.responses.create(model="m", input="hi", store=False)
+            newest = await client.responses.create(model="m", input="hi")
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(bounded.id)  # the oldest, out
+            for kept in (natural, newest):
+                assert (await client.responses.retrieve(kept.id)).output_text == kept.output_text
+        finally:
+            await client.close()
+            await server.close()
+
+    asyncio.run(body())
