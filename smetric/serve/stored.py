@@ -56,13 +56,12 @@ async def holder(
 ) -> Engine | None:
     """The one of ``engines`` that holds ``response_id``, asked of all at once; None if
     none answers 200 within ``timeout_s``."""
-    path = f"/v1/responses/{quote(response_id, safe='')}"
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def holds(engine: Engine) -> bool:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with pool.client().get(
-                engine.url + path, headers=dict(headers), timeout=timeout
+                _url(engine, response_id), headers=dict(headers), timeout=timeout
             ) as response:
                 return response.status == 200
         return False
@@ -81,7 +80,9 @@ async def forward(
     """``GET`` or ``DELETE`` of a stored response on the engine that holds it, its answer
     passed on whole (an engine that fails meanwhile is a 502)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    url = engine.url + request.rel_url.path_qs
+    url = _url(engine, request.match_info["id"])
+    if request.query_string:
+        url += "?" + request.query_string
     try:
         async with pool.client().request(
             request.method, url, headers=dict(headers), timeout=timeout
@@ -93,6 +94,10 @@ async def forward(
     response.content_type = upstream.content_type or "application/json"
     response.headers[ENGINE_HEADER] = engine.url
     return response
+
+
+def _url(engine: Engine, response_id: str) -> str:
+    return f"{engine.url}/v1/responses/{quote(response_id, safe='')}"
 
 
 def not_found(response_id: str, param: str | None = None) -> web.Response:
