@@ -140,13 +140,14 @@ class ResponsesReply:
     def delta(self, text: str) -> bytes:
         return self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
 
-    def closing(self, text: str, usage: dict[str, Any]) -> Iterable[bytes]:
-        yield self.event("response.output_text.done", **self._at(), text=text, logprobs=[])
-        yield self.event("response.content_part.done", **self._at(), part=self.part(text))
-        item = self.message(text, self.final_status)
+    def closing(self, response: dict[str, Any]) -> Iterable[bytes]:
+        """The events that close ``response``, the finished response object."""
+        (item,) = response["output"]
+        (part,) = item["content"]
+        yield self.event("response.output_text.done", **self._at(), text=part["text"], logprobs=[])
+        yield self.event("response.content_part.done", **self._at(), part=part)
         yield self.event("response.output_item.done", output_index=0, item=item)
-        status = self.final_status
-        yield self.event(f"response.{status}", response=self.response(status, text, usage))
+        yield self.event(f"response.{response['status']}", response=response)
 
     def _at(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "output_index": 0, "content_index": 0}

@@ -355,29 +355,32 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
     engine.submit(job)
     reply = ResponsesReply(config.served_model_name, body, complete=complete)
+
+    def finished(text: str) -> dict[str, Any]:
+        """The whole response, stored (before the client can see its end and follow up)."""
+        answer = reply.response(reply.final_status, text, _responses_usage(job))
+        if body.get("store", True) is not False:
+            store.put(Stored(answer, [*conversation, *answer["output"]]))
+        return answer
+
     try:
         if stream:
-            response, text = await _stream_response(request, job, reply)
-        else:
-            count = 0
-            while await job.tokens.get() is not END:
-                count += 1
-            text = "".join(filler_token(i) for i in range(count))
-            answer = reply.response(reply.final_status, text, _responses_usage(job))
-            response = web.json_response(answer)
-        if text is not None and body.get("store", True) is not False:
-            answer = reply.response(reply.final_status, text, _responses_usage(job))
-            store.put(Stored(answer, [*conversation, *answer["output"]]))
-        return response
+            return await _stream_response(request, job, reply, finished)
+        count = 0
+        while await job.tokens.get() is not END:
+            count += 1
+        return web.json_response(finished("".join(filler_token(i) for i in range(count))))
     finally:
         engine.cancel(job)
 
 
 async def _stream_response(
-    request: web.Request, job: EngineRequest, reply: ResponsesReply
-) -> tuple[web.StreamResponse, str | None]:
-    """The response's events, opened with the first token as the chat stream is; the
-    text, or None if the client went away first."""
+    request: web.Request,
+    job: EngineRequest,
+    reply: ResponsesReply,
+    finished: Callable[[str], dict[str, Any]],
+) -> web.StreamResponse:
+    """The response's events, opened with the first token as the chat stream is."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -391,13 +394,12 @@ async def _stream_response(
             texts.append(filler_token(index))
             await response.write(reply.delta(texts[-1]))
             index = await job.tokens.get()
-        text = "".join(texts)
-        for data in reply.closing(text, _responses_usage(job)):
+        for data in reply.closing(finished("".join(texts))):
             await response.write(data)
         await response.write_eof()
     except ConnectionResetError:
-        return response, None  # the caller's finally cancels the request, frees its blocks
-    return response, text
+        pass  # the caller's finally cancels the request and frees its blocks
+    return response
 
 
 def _responses_usage(job: EngineRequest) -> dict[str, Any]:
