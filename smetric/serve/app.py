@@ -10,6 +10,8 @@ This module is wiring only. The parts, each behind a small interface:
 - ``serve.forwarding.Forwarder``: attempts, retries, relay, usage, and the completion
   observers (``Router.observers``);
 - ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``;
+- ``serve.stored``: the engine holding a stored Responses API response, which a
+  ``previous_response_id`` follow-up and ``GET``/``DELETE /v1/responses/{id}`` go to;
 - ``record.Recorder``, where one is given: a completion observer writing a trace of the
   requests served (``serve --record``).
 
