@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import RequestError, RequestFacts, analyze_request
@@ -129,3 +131,51 @@ def test_an_unknown_item_after_a_response_stays_in_its_turn() -> None:
 def test_bodies_no_engine_could_serve_raise_request_error(body: Any, message: str) -> None:
     with pytest.raises(RequestError, match=message):
         analyze(body)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=8,
+)
+item_types = st.sampled_from(
+    ["message", "reasoning", "function_call", "function_call_output", "web_search_call", "x"]
+)
+parts = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"])},
+    optional={"text": st.text(max_size=8) | json_values},
+)
+items = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": item_types | json_values,
+        "role": st.sampled_from(["user", "assistant", "developer", "critic"]) | json_values,
+        "content": st.text(max_size=8) | st.lists(parts | json_values, max_size=2) | json_values,
+        "output": st.text(max_size=8) | st.lists(parts, max_size=2) | json_values,
+        "summary": st.lists(parts, max_size=2) | json_values,
+        "encrypted_content": st.text(max_size=8),
+        "call_id": json_values,
+        "name": json_values,
+        "arguments": json_values,
+    },
+)
+bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": st.text(max_size=8) | st.lists(items | json_values, max_size=5) | json_values,
+        "instructions": st.text(max_size=8) | json_values,
+        "tools": st.lists(json_values, max_size=2) | json_values,
+    },
+)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies)
+def test_any_json_body_analyses_or_raises_request_error(body: Any) -> None:
+    try:
+        facts = analyze(body)
+    except RequestError:
+        return
+    assert facts.turn >= 0
+    assert 0 <= facts.est_hit_tokens <= facts.prompt_tokens == len(facts.token_ids)
+    assert len(facts.blocks) == facts.prompt_tokens // 4
