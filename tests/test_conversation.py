@@ -377,7 +377,7 @@ def test_bad_bodies_raise_request_error(body: Any, api: str, message: str) -> No
 
 def test_an_unknown_api_is_a_programming_error_not_a_bad_request() -> None:
     with pytest.raises(ValueError, match="unknown api") as caught:
-        analyze({"messages": [user("hi")]}, "responses")
+        analyze({"messages": [user("hi")]}, "embeddings")
     assert not isinstance(caught.value, RequestError)
 
 

@@ -15,5 +15,7 @@ fi
 mkdir -p "$DIR"
 npm install --prefix "$DIR" --save-exact --no-audit --no-fund @anthropic-ai/claude-code@2.1.332
 npm install --prefix "$DIR" --save-exact --no-audit --no-fund opencode-ai@1.18.33
+npm install --prefix "$DIR" --save-exact --no-audit --no-fund @openai/codex@0.171.0
 "$DIR/node_modules/.bin/claude" --version
 "$DIR/node_modules/.bin/opencode" --version
+"$DIR/node_modules/.bin/codex" --version

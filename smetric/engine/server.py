@@ -2,14 +2,16 @@
 
 Only what routers and load generators touch is modelled: the OpenAI chat and completions
 endpoints (streamed or not, with ``usage.prompt_tokens_details.cached_tokens`` as vLLM
-reports it with ``--enable-prompt-tokens-details``), ``/tokenize``, ``/v1/models``,
-``/health`` and ``/metrics`` under vLLM's metric names. Prompts are parsed by
-``core.conversation.analyze_request``, the router's own parser, so router and engine agree
-on every prompt's tokens and blocks, and its ``RequestError`` becomes a 400. Any model name
-is accepted in requests, so a router configured with another name still gets answers.
-What a reply holds is planned before it is generated: filler text up to ``max_tokens``, or
-in agent mode (``engine.agent``) a short reply or a read-only tool call, which each API
-renders in its own shapes; the plan's token count is what the scheduler generates.
+reports it with ``--enable-prompt-tokens-details``), Anthropic Messages
+(``engine/anthropic``), the OpenAI Responses API with its store (``engine/responses``),
+``/tokenize``, ``/v1/models``, ``/health`` and ``/metrics`` under vLLM's metric names.
+Prompts are parsed by ``core.conversation.analyze_request``, the router's own parser, so
+router and engine agree on every prompt's tokens and blocks, and its ``RequestError``
+becomes a 400. Any model name is accepted in requests, so a router configured with another
+name still gets answers. What a reply holds is planned before it is generated: filler text
+up to ``max_tokens``, or in agent mode (``engine.agent``) a short reply or a read-only tool
+call, which each API renders in its own shapes; the plan's token count is what the
+scheduler generates.
 
 With ``kv_events_endpoint`` set, the engine's KV events go out over ZMQ exactly as vLLM's
 ``ZmqEventPublisher`` sends them: multipart ``[topic, seq (8-byte big-endian), payload]``
@@ -40,15 +42,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import Api, RequestError, analyze_request
 from smetric.core.kv_events import REPLAY_END
+from smetric.core.responses_api import response_not_found
 from smetric.engine.agent import ReplyPlan, plan_reply
 from smetric.engine.anthropic import MessagesReply, messages_usage
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, PULL_PATH, TRANSFERS, KVTransfers, handle_pull
+from smetric.engine.responses import (
+    ResponsesReply,
+    ResponseStore,
+    Stored,
+    input_items,
+    responses_usage,
+)
 from smetric.engine.scheduler import END, EngineConfig, EngineRequest, MockEngine, filler_token
 
 ENGINE = web.AppKey("engine", MockEngine)
 # vLLM reads any body; an agent's request carries its whole conversation, images included.
 MAX_BODY_BYTES = 1 << 30
 REGISTRY = web.AppKey("registry", CollectorRegistry)
+RESPONSES = web.AppKey("responses", ResponseStore)
 _TOKENIZER = ByteTokenizer()
 
 
@@ -65,6 +76,7 @@ def create_app(config: EngineConfig) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[REGISTRY] = registry
+    app[RESPONSES] = ResponseStore()
     if publisher is not None:
         app[KV_EVENTS] = publisher
         app.cleanup_ctx.append(publisher.serve)
@@ -75,6 +87,9 @@ def create_app(config: EngineConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/messages", _messages)
+    app.router.add_post("/v1/responses", _responses)
+    app.router.add_get("/v1/responses/{id}", _get_response)
+    app.router.add_delete("/v1/responses/{id}", _delete_response)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
@@ -212,13 +227,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         params = body.get(KV_TRANSFER_PARAMS)
         transfers = request.app[TRANSFERS]
         transfers.check(params)
-        if facts.prompt_tokens == 0:
-            raise RequestError("the prompt must not be empty")
-        if facts.prompt_tokens + max_tokens > config.context_len:
-            raise RequestError(
-                f"This model's maximum context length is {config.context_len} tokens; the "
-                f"request has {facts.prompt_tokens} prompt tokens and max_tokens {max_tokens}"
-            )
+        _check_context(facts.prompt_tokens, max_tokens, config.context_len)
     except RequestError as error:
         return _error(str(error))
     # A remote prefill's blocks are read before the request is scheduled, as vLLM's
@@ -326,6 +335,121 @@ async def _anthropic(
 
 def _anthropic_usage(job: EngineRequest) -> dict[str, int]:
     return messages_usage(job.prompt_tokens, job.cached_tokens, job.generated)
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """The Responses API: the prompt is the stored conversation a ``previous_response_id``
+    names (404 if this engine holds none by that id) followed by ``input``."""
+    engine = request.app[ENGINE]
+    config = engine.config
+    store = request.app[RESPONSES]
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        previous = body.get("previous_response_id")
+        history: list[Any] = []
+        if previous is not None:
+            stored = store.get(previous) if isinstance(previous, str) else None
+            if stored is None:
+                return web.json_response(
+                    response_not_found(str(previous), "previous_response_id"), status=404
+                )
+            history = stored.conversation
+        conversation = [*history, *input_items(body)]
+        facts = analyze_request(
+            {**body, "input": conversation}, "responses", _TOKENIZER, config.block_size
+        )
+        max_tokens, complete = responses_length(body, config.default_max_tokens)
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise RequestError(f"stream must be a boolean, got {stream!r}")
+        _check_context(facts.prompt_tokens, max_tokens, config.context_len)
+    except RequestError as error:
+        return _error(str(error))
+    job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
+    engine.submit(job)
+    reply = ResponsesReply(config.served_model_name, body, complete=complete)
+
+    def finished(text: str) -> dict[str, Any]:
+        """The whole response, stored (before the client can see its end and follow up)."""
+        answer = reply.response(reply.final_status, text, _responses_usage(job))
+        if body.get("store", True) is not False:
+            store.put(Stored(answer, [*conversation, *answer["output"]]))
+        return answer
+
+    try:
+        if stream:
+            return await _stream_response(request, job, reply, finished)
+        count = 0
+        while await job.tokens.get() is not END:
+            count += 1
+        return web.json_response(finished("".join(filler_token(i) for i in range(count))))
+    finally:
+        engine.cancel(job)
+
+
+async def _stream_response(
+    request: web.Request,
+    job: EngineRequest,
+    reply: ResponsesReply,
+    finished: Callable[[str], dict[str, Any]],
+) -> web.StreamResponse:
+    """The response's events, opened with the first token as the chat stream is."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    texts = []
+    try:
+        index = await job.tokens.get()
+        for data in reply.opening():
+            await response.write(data)
+        while index is not END:
+            texts.append(filler_token(index))
+            await response.write(reply.delta(texts[-1]))
+            index = await job.tokens.get()
+        for data in reply.closing(finished("".join(texts))):
+            await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the caller's finally cancels the request and frees its blocks
+    return response
+
+
+def _responses_usage(job: EngineRequest) -> dict[str, Any]:
+    return responses_usage(job.prompt_tokens, job.cached_tokens, job.generated)
+
+
+def responses_length(body: dict[str, Any], default_max_tokens: int) -> tuple[int, bool]:
+    """How many tokens a response generates, and whether it ends by itself (status
+    ``completed``) rather than at ``max_output_tokens`` (``incomplete``).
+
+    Filler text has no end of its own, so a request that bounds its output runs to the
+    bound; one that does not (Codex sends none) gets a short reply, ``default_max_tokens``
+    long, that ends naturally, so a harness that waits for a completed response finishes.
+    """
+    bound = body.get("max_output_tokens")
+    if bound is None:
+        return default_max_tokens, True
+    if type(bound) is not int or bound < 1:
+        raise RequestError(f"max_output_tokens must be a positive integer, got {bound!r}")
+    return bound, False
+
+
+async def _get_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    stored = request.app[RESPONSES].get(response_id)
+    if stored is None:
+        return web.json_response(response_not_found(response_id), status=404)
+    return web.json_response(stored.response)
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    if request.app[RESPONSES].pop(response_id) is None:
+        return web.json_response(response_not_found(response_id), status=404)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
@@ -549,6 +673,16 @@ class _EngineCollector:
 
 
 # --- Helpers -------------------------------------------------------------------------------
+
+
+def _check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if prompt_tokens == 0:
+        raise RequestError("the prompt must not be empty")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens; the "
+            f"request has {prompt_tokens} prompt tokens and max_tokens {max_tokens}"
+        )
 
 
 async def _json_body(request: web.Request) -> object:

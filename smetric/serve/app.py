@@ -10,6 +10,8 @@ This module is wiring only. The parts, each behind a small interface:
 - ``serve.forwarding.Forwarder``: attempts, retries, relay, usage, and the completion
   observers (``Router.observers``);
 - ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``;
+- ``serve.stored``: the engine holding a stored Responses API response, which a
+  ``previous_response_id`` follow-up and ``GET``/``DELETE /v1/responses/{id}`` go to;
 - ``record.Recorder``, where one is given: a completion observer writing a trace of the
   requests served (``serve --record``).
 
@@ -54,6 +56,7 @@ from smetric.serve.outliers import OutlierDetector
 from smetric.serve.pool import EnginePool
 from smetric.serve.prices import PriceFeed
 from smetric.serve.routing import RoutingCore
+from smetric.serve.stored import STORED_PATH, forward, holder, not_found, previous_id
 from smetric.serve.upstream import Timeouts
 
 __all__ = ["ROUTES", "Router", "RouterSettings"]
@@ -62,6 +65,7 @@ ROUTES: dict[str, Api] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 
 
@@ -288,6 +292,8 @@ class Router:
         )
         for path, api in ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
+        app.router.add_get(STORED_PATH, self.stored_response)
+        app.router.add_delete(STORED_PATH, self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", alive)
@@ -345,11 +351,17 @@ class Router:
         self.metrics.agent_requests.labels(
             identity.harness or "none", identity.role, identity.call(facts.turn)
         ).inc()
+        pinned, dispatcher = None, self.dispatcher
+        if api == "responses" and (previous := previous_id(body)) is not None:
+            pinned = await self._holder(request, previous)
+            if pinned is None:
+                return not_found(previous, "previous_response_id")
+            dispatcher = Colocated(self.wiring)
         completion = Completion(api, path, is_stream(body), facts, identity)
         completion.trigger = body_trigger(body)
-        call = Call(request, path, raw, body, facts, completion)
+        call = Call(request, path, raw, body, facts, completion, pinned)
         try:
-            response = await self.dispatcher.dispatch(call)
+            response = await dispatcher.dispatch(call)
             if completion.status == 0:  # answered before any engine did (none could)
                 completion.status = response.status
             return response
@@ -359,6 +371,20 @@ class Router:
         finally:
             self.metrics.latency.labels(api).observe(time.perf_counter() - completion.started)
             self.forwarder.completed(completion)
+
+    async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
+        headers = self.forwarder.upstream_headers(request)
+        timeout = self.settings.stream_headers_timeout_s
+        return await holder(self.pool, self.pool.healthy(), response_id, headers, timeout)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET`` or ``DELETE /v1/responses/{id}``, on the engine that holds it."""
+        response_id = request.match_info["id"]
+        engine = await self._holder(request, response_id)
+        if engine is None:
+            return not_found(response_id)
+        headers = self.forwarder.upstream_headers(request)
+        return await forward(self.pool, engine, request, headers, self.settings.idle_timeout_s)
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, inflated; one over the analyzer's ``body_limit()`` is refused unread
