@@ -45,6 +45,10 @@ class Exchange:
         if kind == "request_headers":
             self.headers = protocol.header_map(message.request_headers.headers)
             self.subset = protocol.subset_hint(message.metadata_context)
+            try:  # before the body is held: a client without a key costs no buffering
+                self.picker.authorize(self.headers)
+            except Refusal as refusal:
+                return self._refuse(refusal)
             if message.request_headers.end_of_stream:
                 return await self._decide([], end_of_stream=True, with_body=False)
             return []

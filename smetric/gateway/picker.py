@@ -21,6 +21,7 @@ from smetric.core.parsing import decode_body
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES
 from smetric.serve.app import ROUTES, Router
+from smetric.serve.auth import MISSING_KEY
 from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.errors import error_body
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
@@ -144,11 +145,17 @@ class Picker:
     def body_limit(self) -> int:
         return self.router.analyzer.body_limit()
 
+    def authorize(self, headers: Mapping[str, str]) -> None:
+        """A 401 unless ``headers`` carry an accepted key (when the router has keys)."""
+        if not self.router.keys.admits(headers):
+            raise Refusal(401, MISSING_KEY)
+
     async def pick(
         self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
     ) -> Pick:
         """The engine for one request; raises ``Refusal`` for a request the engines
-        should not see (malformed, too large, nothing healthy, shed)."""
+        should not see (no key, malformed, too large, nothing healthy, shed)."""
+        self.authorize(headers)
         api = ROUTES.get(path.split("?")[0])
         engines = self.candidates(subset)
         if api is None or headers.get(":method", "POST") != "POST":

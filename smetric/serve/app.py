@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
@@ -38,7 +39,7 @@ from smetric.core.settings import check_settings, setting
 from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
-from smetric.serve.auth import require_key
+from smetric.serve.auth import KeyCheck
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
@@ -258,6 +259,7 @@ class Router:
             settings.idle_timeout_s,
             settings.stream_headers_timeout_s,
         )
+        self.keys = KeyCheck(settings.api_keys)
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
@@ -279,11 +281,16 @@ class Router:
 
     # -- application --------------------------------------------------------------------
 
-    def app(self) -> web.Application:
+    def key_check(self) -> Middleware:
+        """Any app fronting this router asks for a key on every path but its health
+        checks (and ``/metrics`` with ``open_metrics``)."""
         open_paths = {"/health", "/live"} | ({"/metrics"} if self.settings.open_metrics else set())
+        return self.keys.middleware(open_paths)
+
+    def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[errors_as_json, require_key(self.settings.api_keys, open_paths)],
+            middlewares=[errors_as_json, self.key_check()],
             handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
         for path, api in ROUTES.items():
