@@ -4,6 +4,7 @@ and back, streaming and not, on loopback: Envoy runs the configuration the docs 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import signal
 import time
@@ -15,6 +16,7 @@ import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from test_serve_hostile import Listener, steering
 
 from smetric.gateway.picker import endpoint_of
 from smetric.testing.engines import http_get, metric
@@ -342,3 +344,40 @@ async def _keyed(url: str) -> dict[str, int]:
                     assert body["error"]["type"] == "authentication_error"
                 statuses[name] = response.status
     return statuses
+
+
+def test_a_client_s_kv_transfer_params_never_reach_an_engine_through_envoy(scratch: Path) -> None:
+    """The picker drops them from the body Envoy forwards (plain or gzipped), so the
+    engine never reads KV from the address the client named."""
+    (mock,) = engines(scratch, 1, speed="0.0001")
+    try:
+        with run_picker(["-e", mock.url, "--health-interval", "0.2"]) as picker:
+            mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                pulls = asyncio.run(_steer(envoy.url))
+        assert pulls == 0
+        assert metric(mock.metrics(), "vllm:request_success_total") == 3
+    finally:
+        mock.stop()
+
+
+async def _steer(url: str) -> int:
+    listener = Listener()
+    server = await listener.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+            for stream in (False, True):
+                payload = {**steering(server.port), "stream": stream}
+                async with client.post(url + "/v1/chat/completions", json=payload) as response:
+                    assert response.status == 200, await response.text()
+                    await response.read()
+            gzipped = gzip.compress(json.dumps(steering(server.port)).encode())
+            headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+            async with client.post(
+                url + "/v1/chat/completions", data=gzipped, headers=headers
+            ) as response:
+                assert response.status == 200, await response.text()
+        return listener.pulls
+    finally:
+        await server.close()

@@ -61,6 +61,9 @@ def router_flags(top: type, router: type) -> tuple[SettingFlag, ...]:
         "policy": ("--policy", "-p"),
         "api_keys": ("--api-key",),
         "open_metrics": ("--open-metrics/--no-open-metrics",),
+        "allow_client_kv_transfer_params": (
+            "--allow-client-kv-transfer-params/--no-allow-client-kv-transfer-params",
+        ),
     }
     panels = {f.name: "Routing" for f in dataclasses.fields(RouterSettings)}
     panels |= {f.name: "Recording" for f in dataclasses.fields(Recording)}

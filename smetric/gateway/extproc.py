@@ -90,7 +90,12 @@ class Exchange:
         self.pick = pick
         self.body = []
         headers = {protocol.DESTINATION: pick.endpoint}
-        replies = [protocol.continue_headers("request", headers, destination=pick.endpoint)]
+        removed: tuple[str, ...] = ()
+        if pick.body is not None:  # rewritten: it goes as plain JSON of its new length
+            pieces = [pick.body]
+            headers["content-length"] = str(len(pick.body))
+            removed = ("content-encoding",)
+        replies = [protocol.continue_headers("request", headers, pick.endpoint, removed)]
         if with_body and (pieces or end_of_stream):
             replies += protocol.body_chunks("request", pieces, end_of_stream)
         return replies

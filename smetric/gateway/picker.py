@@ -22,6 +22,7 @@ from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES
 from smetric.serve.app import ROUTES, Router
 from smetric.serve.auth import MISSING_KEY
+from smetric.serve.backends import without_client_transfer
 from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.errors import error_body
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
@@ -107,6 +108,8 @@ class Pick:
     started: float = field(default_factory=time.perf_counter)
     usage: UsageTap = field(default_factory=UsageTap)
     ok: bool = False
+    # The body Envoy forwards instead of the client's, inflated (None: the client's own).
+    body: bytes | None = None
 
 
 class Picker:
@@ -165,6 +168,10 @@ class Picker:
                 engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
             )
         body, facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
+        replaced = None
+        if not self.router.settings.allow_client_kv_transfer_params:
+            kept, body = without_client_transfer(raw, body)
+            replaced = kept if kept is not raw else None
         engines = self.candidates(subset)  # health may have changed meanwhile
         identity = identity_of(headers, body)
         self.router.metrics.agent_requests.labels(
@@ -178,7 +185,9 @@ class Picker:
         completion.branch = decision.branch
         completion.predicted_hit_tokens = predicted
         completion.engine = engine.url
-        return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
+        pick = Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
+        pick.body = replaced
+        return pick
 
     async def _analyze(self, raw: bytes, encoding: str, api: Api) -> tuple[dict, RequestFacts]:
         try:

@@ -40,6 +40,7 @@ from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.auth import KeyCheck
+from smetric.serve.backends import without_client_transfer
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
@@ -84,6 +85,11 @@ class RouterSettings:
         nonempty_items=True,
     )
     open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
+    allow_client_kv_transfer_params: bool = setting(
+        False,
+        "Pass clients' kv_transfer_params on to engines; else they are dropped, since "
+        "they name the address an engine reads or sends KV to.",
+    )
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
     max_body_bytes: int = setting(32 << 20, "Largest request body, in bytes.", ge=1)
     max_prompt_tokens: int = setting(
@@ -342,6 +348,8 @@ class Router:
             return error_response(400, str(exc))
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
+        if not self.settings.allow_client_kv_transfer_params:
+            raw, body = without_client_transfer(raw, body)
         try:
             facts = await self.analyzer.analyze(body, api, large=len(raw) > OFF_LOOP_BYTES)
         except RequestError as exc:

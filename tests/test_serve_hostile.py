@@ -1,0 +1,83 @@
+"""What a careless or hostile client can do to the router, over real HTTP on loopback:
+steer engines to an address of its choosing, get its secrets logged, stall a stream by
+not reading it, trickle a body; and the faults a cluster throws at the service itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from test_serve import CHAT, conversation, run
+from test_serve_faults import with_mixed
+
+from smetric.engine.disagg import PULL_PATH
+
+
+class Listener:
+    """A server on loopback that counts who connects to a KV side channel: where a
+    client would like an engine to read KV from."""
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    async def start(self) -> TestServer:
+        async def pull(request: web.Request) -> web.Response:
+            self.pulls += 1
+            return web.json_response({"blocks": 0})
+
+        app = web.Application()
+        app.router.add_post(PULL_PATH, pull)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        return server
+
+
+def steering(port: int) -> dict[str, Any]:
+    """A chat request whose ``kv_transfer_params`` send the engine to 127.0.0.1:``port``."""
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "attacker",
+        "remote_block_ids": [0, 1, 2],
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "remote_request_id": "x",
+    }
+    return {
+        "model": "m",
+        "messages": conversation(1, 0),
+        "max_tokens": 4,
+        "kv_transfer_params": params,
+    }
+
+
+def steered(allow: bool) -> int:
+    """The connections the client's address got from the engine, through ``serve``."""
+
+    async def body(client: aiohttp.ClientSession, url: str, router, fakes) -> int:
+        listener = Listener()
+        server = await listener.start()
+        try:
+            for stream in (False, True):
+                payload = {**steering(server.port), "stream": stream}
+                async with client.post(url + "/v1/chat/completions", json=payload) as response:
+                    assert response.status == 200, await response.text()
+                    await response.read()
+            async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
+                assert response.status == 200
+            return listener.pulls
+        finally:
+            await server.close()
+
+    allowed = {"allow_client_kv_transfer_params": True} if allow else {}
+    return run(lambda: with_mixed([], 1, body, **allowed))
+
+
+def test_a_client_s_kv_transfer_params_never_reach_an_engine() -> None:
+    assert steered(allow=False) == 0
+
+
+def test_the_operator_can_let_clients_send_kv_transfer_params() -> None:
+    # The same requests reach the client's address when allowed: the test above can fail.
+    assert steered(allow=True) == 2
