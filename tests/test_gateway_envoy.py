@@ -364,15 +364,15 @@ def test_a_client_s_kv_transfer_params_never_reach_an_engine_through_envoy(scrat
 
 async def _steer(url: str) -> int:
     listener = Listener()
-    server = await listener.start()
+    port = await listener.start()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
             for stream in (False, True):
-                payload = {**steering(server.port), "stream": stream}
+                payload = {**steering(port), "stream": stream}
                 async with client.post(url + "/v1/chat/completions", json=payload) as response:
                     assert response.status == 200, await response.text()
                     await response.read()
-            gzipped = gzip.compress(json.dumps(steering(server.port)).encode())
+            gzipped = gzip.compress(json.dumps(steering(port)).encode())
             headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
             async with client.post(
                 url + "/v1/chat/completions", data=gzipped, headers=headers
@@ -380,4 +380,4 @@ async def _steer(url: str) -> int:
                 assert response.status == 200, await response.text()
         return listener.pulls
     finally:
-        await server.close()
+        await listener.close()

@@ -22,16 +22,22 @@ class Listener:
     def __init__(self) -> None:
         self.pulls = 0
 
-    async def start(self) -> TestServer:
+    async def start(self) -> int:
+        """Listen; the port."""
+
         async def pull(request: web.Request) -> web.Response:
             self.pulls += 1
             return web.json_response({"blocks": 0})
 
         app = web.Application()
         app.router.add_post(PULL_PATH, pull)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        return server
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        assert self.server.port is not None
+        return self.server.port
+
+    async def close(self) -> None:
+        await self.server.close()
 
 
 def steering(port: int) -> dict[str, Any]:
@@ -57,10 +63,10 @@ def steered(allow: bool) -> int:
 
     async def body(client: aiohttp.ClientSession, url: str, router, fakes) -> int:
         listener = Listener()
-        server = await listener.start()
+        port = await listener.start()
         try:
             for stream in (False, True):
-                payload = {**steering(server.port), "stream": stream}
+                payload = {**steering(port), "stream": stream}
                 async with client.post(url + "/v1/chat/completions", json=payload) as response:
                     assert response.status == 200, await response.text()
                     await response.read()
@@ -68,10 +74,11 @@ def steered(allow: bool) -> int:
                 assert response.status == 200
             return listener.pulls
         finally:
-            await server.close()
+            await listener.close()
 
-    allowed = {"allow_client_kv_transfer_params": True} if allow else {}
-    return run(lambda: with_mixed([], 1, body, **allowed))
+    if allow:
+        return run(lambda: with_mixed([], 1, body, allow_client_kv_transfer_params=True))
+    return run(lambda: with_mixed([], 1, body))
 
 
 def test_a_client_s_kv_transfer_params_never_reach_an_engine() -> None:
