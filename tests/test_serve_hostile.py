@@ -4,6 +4,10 @@ not reading it, trickle a body; and the faults a cluster throws at the service i
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -13,6 +17,9 @@ from test_serve import CHAT, conversation, run
 from test_serve_faults import with_mixed
 
 from smetric.engine.disagg import PULL_PATH
+from smetric.serve.logs import redact
+from smetric.testing.fault_suite import SmetricProcess
+from smetric.testing.faulty import FaultyEngine
 
 
 class Listener:
@@ -88,3 +95,54 @@ def test_a_client_s_kv_transfer_params_never_reach_an_engine() -> None:
 def test_the_operator_can_let_clients_send_kv_transfer_params() -> None:
     # The same requests reach the client's address when allowed: the test above can fail.
     assert steered(allow=True) == 2
+
+
+def test_secrets_never_reach_the_log_at_any_level(tmp_path: Path) -> None:
+    """``smetric serve --log-level debug`` in front of an engine answering garbage (its
+    HTTP client's errors name the request, headers and all), reached with a client's
+    keys: none of them is in the log."""
+
+    async def go() -> str:
+        fake = await FaultyEngine("garbage").start()
+        serve = SmetricProcess(
+            tmp_path, args=("serve", "-e", fake.url, "--log-level", "debug", "--retries", "0")
+        )
+        try:
+            await asyncio.to_thread(serve.start)
+            await asyncio.to_thread(serve.wait_ready, 60)
+            headers = {
+                "Authorization": "Bearer sk-SECRET-bearer",
+                "x-api-key": "sk-SECRET-xkey",
+                "api-key": "sk-SECRET-azure",
+            }
+            async with aiohttp.ClientSession() as client:
+                for stream in (False, True):
+                    payload = {**CHAT, "stream": stream}
+                    async with client.post(
+                        serve.url + "/v1/chat/completions", json=payload, headers=headers
+                    ) as response:
+                        assert response.status == 502, await response.text()
+        finally:
+            await asyncio.to_thread(serve.stop)
+            await fake.close()
+        return serve.log_since_start()
+
+    log = run(go)
+    assert '"event": "engine_failed"' in log and "ClientResponseError" in log, log
+    assert "SECRET" not in log, log
+
+
+def test_redaction_covers_headers_schemes_and_urls_in_any_quoting() -> None:
+    lines = [
+        "headers=<CIMultiDictProxy('Authorization': 'Bearer sk-S1', 'X-Api-Key': 'sk-S2')>",
+        json.dumps({"headers": {"authorization": "Basic dXNlcjpTRUNSRVQ=", "api-key": "S3"}}),
+        json.dumps({"detail": "{'x-api-key': 'sk-S4'}"}),
+        "Authorization: Bearer sk-S5\r\nx-api-key: sk-S6\r\n",
+        '{"engine": "http://user:pw-S7@10.0.0.1:8000", "url": "http://h/v1?api_key=S8&x=1"}',
+    ]
+    for line in lines:
+        out = redact(line)
+        assert "[redacted]" in out, out
+        assert not re.search(r"S[1-8]", out), out
+    kept = '{"event": "route", "prompt_tokens": 5, "engine": "http://127.0.0.1:8000"}'
+    assert redact(kept) == kept

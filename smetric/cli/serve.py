@@ -26,6 +26,7 @@ from smetric.serve.config import (
 )
 from smetric.serve.discovery import Discovery
 from smetric.serve.listen import bound_port, listen
+from smetric.serve.logs import log_to_stderr
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
@@ -166,7 +167,7 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
         # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
         host, port = options.host, options.port
         sockets = listen(host, port, workers)
-    logging.basicConfig(level=log_level(options), format="%(message)s")
+    log_to_stderr(log_level(options))
     shape = f"{len(engines)} engines"
     if disagg is not None:
         shape = f"{len(disagg.prefill_urls)} prefill + {len(disagg.decode_urls)} decode engines"

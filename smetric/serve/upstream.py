@@ -80,6 +80,12 @@ class EngineFault(Exception):
         return "protocol" if self.status is None else "status"
 
 
+def described(exc: aiohttp.ClientError) -> str:
+    """What the HTTP client said, for the log: not its ``repr``, which names the request
+    it failed with all its headers, the client's keys among them."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 class Attempt:
     """Sends one request to ``engine`` and reads its reply, counted as in flight there
     from ``async with`` to its end."""
@@ -163,9 +169,9 @@ class Attempt:
             what = "response headers of a stream" if stream else "response"
             raise EngineFault(f"no {what} within {wait:g} s", timeout=True) from None
         except aiohttp.ClientConnectionError as exc:
-            raise EngineFault("connection lost", lost=True, detail=repr(exc)) from None
+            raise EngineFault("connection lost", lost=True, detail=described(exc)) from None
         except aiohttp.ClientError as exc:  # not HTTP, or not HTTP we can parse
-            raise EngineFault("not a valid HTTP response", detail=repr(exc)) from None
+            raise EngineFault("not a valid HTTP response", detail=described(exc)) from None
         self.engine.progressed_at = time.monotonic()
         return self.response
 
@@ -180,7 +186,7 @@ class Attempt:
         except TimeoutError:
             raise self._stalled() or EngineFault(f"silent for {wait:g} s", timeout=True) from None
         except aiohttp.ClientError as exc:
-            raise EngineFault("response cut short", lost=True, detail=repr(exc)) from None
+            raise EngineFault("response cut short", lost=True, detail=described(exc)) from None
         if chunk:
             self.engine.progressed_at = time.monotonic()
             if self.prefill is not None:
