@@ -7,17 +7,21 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_serve import CHAT, conversation, run
-from test_serve_faults import with_mixed
+from test_serve import CHAT, conversation, eventually, run
+from test_serve_faults import no_load_left, with_mixed
 
+from smetric.engine import EngineConfig
 from smetric.engine.disagg import PULL_PATH
 from smetric.serve.logs import redact
+from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import FaultyEngine
 
@@ -146,3 +150,52 @@ def test_redaction_covers_headers_schemes_and_urls_in_any_quoting() -> None:
         assert not re.search(r"S[1-8]", out), out
     kept = '{"event": "route", "prompt_tokens": 5, "engine": "http://127.0.0.1:8000"}'
     assert redact(kept) == kept
+
+
+def slow_reader(port: int, payload: dict[str, Any]) -> socket.socket:
+    """A client that sends ``payload`` as a streaming chat request, reads the first piece
+    of the reply and then stops reading, with a receive window of a few kB."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps(payload).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_a_client_that_stops_reading_never_gets_a_healthy_engine_ejected() -> None:
+    """A long stream to a client that stops reading blocks the relay; the engine behind
+    it has done nothing wrong, and stays in (short stall timeouts: it would be out in
+    about a second), serving the next client."""
+
+    async def body(client: aiohttp.ClientSession, url: str, router, fakes) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        payload = {**CHAT, "stream": True, "max_tokens": 150_000}
+        sock = await asyncio.to_thread(slow_reader, port, payload)
+        try:
+            engine = router.engines[0]
+            # The relay blocks once the router's socket buffers are full: then nothing
+            # is read from the engine for several stall timeouts.
+            stall_s = router.settings.stall_timeout_s
+
+            def unread_s() -> float:
+                return time.monotonic() - engine.progressed_at
+
+            await eventually(lambda: unread_s() > 3 * stall_s or not engine.healthy, 60)
+            assert engine.healthy
+            exposition = router.metrics.exposition(router.engines).decode()
+            assert metric(exposition, "smetric_engine_stalls_total") == 0
+            async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
+                assert response.status == 200, await response.text()
+        finally:
+            sock.close()
+        await eventually(no_load_left(router), 30)
+        assert engine.healthy
+
+    engine = EngineConfig(speed=0.0001, kv_blocks=32_768, default_max_tokens=8)
+    run(lambda: with_mixed([], 1, body, engine_config=engine, stall_timeout_s=1.0))
