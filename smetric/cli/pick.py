@@ -52,7 +52,7 @@ def pick(given: Given, config: ConfigOpt = None) -> None:
     with user_errors():
         file = resolved(PickConfig, config, given)
         options = file.router
-        found, discovery = discovered(options)
+        found, discovery = discovered(options, file.engines)
         engines, subscribers = engines_from(
             (*file.engines, *found), options.kv_blocks, options.block_size
         )

@@ -14,11 +14,13 @@ from smetric.cli.settings_options import Given, SettingFlag, setting_flags, with
 from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import (
+    ColocatedEngine,
     FrontDoor,
     Recording,
     ServeConfig,
     ServeOptions,
     disaggregation_from,
+    engine_url,
     engines_from,
     load_config,
     router_settings,
@@ -97,13 +99,20 @@ def recorder_from(options: FrontDoor) -> Recorder | None:
     )
 
 
-def discovered(options: FrontDoor) -> tuple[tuple[str, ...], Discovery | None]:
-    """The engines DNS lists now (waiting up to a minute for one to appear), and the
-    discovery that keeps them current."""
+def discovered(
+    options: FrontDoor, listed: tuple[str | ColocatedEngine, ...]
+) -> tuple[tuple[str, ...], Discovery | None]:
+    """The engines DNS lists now beside those ``listed`` (with none listed, waiting up to
+    a minute for one to appear), and the discovery that keeps them current."""
     if options.discover is None:
         return (), None
+    urls = frozenset(engine_url(e if isinstance(e, str) else e.url) for e in listed)
     discovery = Discovery.parse(
-        options.discover, options.discover_interval_s, options.dns_server, options.kv_blocks
+        options.discover,
+        options.discover_interval_s,
+        options.dns_server,
+        options.kv_blocks,
+        listed=urls,
     )
     return tuple(discovery.first()), discovery
 
@@ -139,7 +148,7 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
         if options.discover is not None and (disaggregated is not None or workers > 1):
             raise ValueError("--discover serves colocated engines with one worker")
         if disaggregated is None:
-            found, discovery = discovered(options)
+            found, discovery = discovered(options, file.engines)
             engines, subscribers = engines_from(
                 (*file.engines, *found), options.kv_blocks, settings.block_size
             )

@@ -322,7 +322,8 @@ class Router:
             self.recorder.start()  # here, so that each forked worker runs its own writer
         async with contextlib.AsyncExitStack() as stack:
             if self.discovery is not None:
-                await stack.enter_async_context(self.discovery.kept(self.pool))
+                failed = self.metrics.discovery_errors.inc
+                await stack.enter_async_context(self.discovery.kept(self.pool, failed))
             yield
         await self.pool.close()
         if self.recorder is not None:

@@ -138,6 +138,12 @@ class RouterMetrics:
             ["engine"],
             registry=self.registry,
         )
+        self.discovery_errors = Counter(
+            "smetric_discovery_errors",
+            "Failed DNS lookups of --discover (no answer, an error answer, anything "
+            "unexpected): each changes no engine, and the lookups go on.",
+            registry=self.registry,
+        )
         self.ejections = Counter(
             "smetric_engine_ejections",
             "Times the engine was taken out of rotation: a failed health check, failures in "
