@@ -51,6 +51,12 @@ def share_metrics_between_processes() -> Path:
     return _shared_dir
 
 
+def forget_process(pid: int) -> None:
+    """A worker ended: its live gauges stop counting (its counters still do)."""
+    if _shared_dir is not None:
+        multiprocess.mark_process_dead(pid, str(_shared_dir))
+
+
 class RouterMetrics:
     def __init__(self, policy: str, engines: list[str]) -> None:
         self.registry = CollectorRegistry()
