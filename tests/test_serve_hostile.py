@@ -199,3 +199,41 @@ def test_a_client_that_stops_reading_never_gets_a_healthy_engine_ejected() -> No
 
     engine = EngineConfig(speed=0.0001, kv_blocks=32_768, default_max_tokens=8)
     run(lambda: with_mixed([], 1, body, engine_config=engine, stall_timeout_s=1.0))
+
+
+def trickle(port: int, every_s: float) -> tuple[bytes, float]:
+    """Headers promising a 1,000-byte body, then one byte every ``every_s``: what the
+    router answered, and after how long."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        sock.settimeout(every_s)
+        answer = b""
+        while time.monotonic() - started < 30:
+            try:
+                piece = sock.recv(65536)
+            except TimeoutError:
+                sock.sendall(b" ")
+                continue
+            if not piece:
+                break  # the router closed the connection
+            answer += piece
+    return answer, time.monotonic() - started
+
+
+def test_a_trickled_body_is_cut_with_a_408_at_the_body_deadline() -> None:
+    async def body(client: aiohttp.ClientSession, url: str, router, fakes) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        answer, took_s = await asyncio.to_thread(trickle, port, 0.3)
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer
+        error = json.loads(payload)["error"]
+        assert error["code"] == 408 and "1.5 s" in error["message"]
+        assert 1.5 <= took_s < 10  # cut at the deadline, the connection closed after it
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 200  # nothing else held up
+
+    run(lambda: with_mixed([], 1, body, body_timeout_s=1.5))

@@ -92,6 +92,12 @@ class RouterSettings:
     )
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
     max_body_bytes: int = setting(32 << 20, "Largest request body, in bytes.", ge=1)
+    body_timeout_s: float = setting(
+        60.0,
+        "Seconds a client has to send a request's whole body; then it gets a 408 and the "
+        "connection closes, so a body trickled a byte at a time holds nothing for long.",
+        gt=0,
+    )
     max_prompt_tokens: int = setting(
         0,
         "Longest prompt analysed, in tokens; longer ones get a 400 before they are "
@@ -342,7 +348,14 @@ class Router:
         try:
             raw = await self._read_body(request)
         except BodyError as exc:
-            return error_response(exc.status, str(exc))
+            refusal = error_response(exc.status, str(exc))
+            if exc.status == 408 and request.transport is not None:
+                # Nor is the rest of so slow a body waited for (aiohttp would linger,
+                # reading it, 10 s more): the answer goes, and the connection with it.
+                await refusal.prepare(request)
+                await refusal.write_eof()
+                request.transport.close()
+            return refusal
         try:
             body = decode_body(raw)
         except RequestError as exc:
@@ -378,12 +391,19 @@ class Router:
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, inflated; one over the analyzer's ``body_limit()`` is refused unread
-        when its Content-Length says so, so it costs nothing."""
+        when its Content-Length says so, so it costs nothing, and one that takes longer
+        than ``body_timeout_s`` to arrive is cut off."""
         limit = self.analyzer.body_limit()
         if (request.content_length or 0) > limit:
             raise BodyError(413, f"request body too large: over {limit} bytes")
         encoding = request.headers.get("Content-Encoding", "")
-        return decoded_body(await request.read(), encoding, limit)
+        deadline = self.settings.body_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                raw = await request.read()
+        except TimeoutError:
+            raise BodyError(408, f"request body not received within {deadline:g} s") from None
+        return decoded_body(raw, encoding, limit)
 
     def record(self, completion: Completion) -> None:
         """Queue a request an engine served (the client hanging up included) for the
