@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -15,15 +16,17 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_serve import CHAT, conversation, eventually, run
+from test_serve import CHAT, FAST, conversation, eventually, run
 from test_serve_faults import no_load_left, with_mixed
 
-from smetric.engine import EngineConfig
+from smetric.engine import EngineConfig, create_app
 from smetric.engine.disagg import PULL_PATH
 from smetric.serve.logs import redact
 from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import FaultyEngine
+from smetric.trace.recording import read_segments
+from smetric.trace.recording_format import MANIFEST, SEGMENT_GLOB
 
 
 class Listener:
@@ -237,3 +240,63 @@ def test_a_trickled_body_is_cut_with_a_408_at_the_body_deadline() -> None:
             assert response.status == 200  # nothing else held up
 
     run(lambda: with_mixed([], 1, body, body_timeout_s=1.5))
+
+
+def test_the_recorder_makes_its_folder_again_and_counts_the_rows_it_lost(
+    tmp_path: Path,
+) -> None:
+    """``serve --record DIR``: DIR deleted while serving is made again (manifest and
+    all) for the next requests; while DIR cannot be made (a file stands there), their
+    rows are lost, counted as dropped in the next segment, and leave no partial file."""
+    folder = tmp_path / "recording"
+
+    async def go() -> None:
+        engine = TestServer(create_app(FAST), host="127.0.0.1")
+        await engine.start_server()
+        serve = SmetricProcess(
+            tmp_path,
+            args=(
+                *("serve", "-e", f"http://127.0.0.1:{engine.port}"),
+                *("--record", str(folder), "--record-rotate", "0.2"),
+            ),
+        )
+        try:
+            await asyncio.to_thread(serve.start)
+            await asyncio.to_thread(serve.wait_ready, 60)
+            async with aiohttp.ClientSession() as client:
+
+                async def send(count: int) -> None:
+                    for _ in range(count):
+                        async with client.post(
+                            serve.url + "/v1/chat/completions", json=CHAT
+                        ) as response:
+                            assert response.status == 200
+
+                await send(3)
+                await eventually(lambda: recorded(folder) == (3, 0), 20)
+                shutil.rmtree(folder)
+                await send(2)
+                await eventually(lambda: recorded(folder) == (2, 0), 20)
+                assert (folder / MANIFEST).exists()
+                shutil.rmtree(folder)
+                folder.write_text("in the way")
+                await send(2)
+                await asyncio.sleep(1.0)  # a few rotations, each failing
+                folder.unlink()
+                await send(1)
+                await eventually(lambda: recorded(folder) == (1, 2), 20)
+                assert not list(folder.glob(".*.tmp"))
+        finally:
+            await asyncio.to_thread(serve.stop)
+            await engine.close()
+        assert "recording_segment_lost" in serve.log_since_start()
+
+    run(go)
+
+
+def recorded(folder: Path) -> tuple[int, int]:
+    """Rows in the recording's segments, and the rows its recorder said it dropped."""
+    if not any(folder.glob(SEGMENT_GLOB)):
+        return 0, 0
+    rows, dropped = read_segments(folder)
+    return rows.height, dropped
