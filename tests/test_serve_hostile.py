@@ -21,7 +21,10 @@ from test_serve_faults import no_load_left, with_mixed
 
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.disagg import PULL_PATH
+from smetric.serve.engines import Engine
 from smetric.serve.logs import redact
+from smetric.serve.upstream import Attempt
+from smetric.serve.upstream import Timeouts as UpstreamTimeouts
 from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import FaultyEngine
@@ -202,6 +205,28 @@ def test_a_client_that_stops_reading_never_gets_a_healthy_engine_ejected() -> No
 
     engine = EngineConfig(speed=0.0001, kv_blocks=32_768, default_max_tokens=8)
     run(lambda: with_mixed([], 1, body, engine_config=engine, stall_timeout_s=1.0))
+
+
+def test_an_engine_s_silence_starts_again_once_a_slow_client_took_its_bytes() -> None:
+    """While a relay waits on its client, the engine owes nothing; once the client took
+    the bytes, the engine's silence is measured from then, unless another request was
+    waiting on the engine meanwhile (its silence then counts as before)."""
+
+    async def go() -> None:
+        engine = Engine("http://127.0.0.1:1", 16)
+        async with (
+            aiohttp.ClientSession() as client,
+            Attempt(engine, client, UpstreamTimeouts(), 0, 0) as attempt,
+        ):
+            engine.progressed_at -= 100
+            await attempt.deliver(asyncio.sleep(0.01))
+            assert time.monotonic() - engine.progressed_at < 5
+            async with Attempt(engine, client, UpstreamTimeouts(), 0, 0):
+                engine.progressed_at -= 100
+                await attempt.deliver(asyncio.sleep(0.01))
+                assert time.monotonic() - engine.progressed_at > 99
+
+    run(go)
 
 
 def trickle(port: int, every_s: float) -> tuple[bytes, float]:

@@ -162,14 +162,15 @@ class Attempt:
         """Await ``write``, a write of the engine's bytes to the client. However long a
         client takes to read, the engine is not silent meanwhile: it waits for the
         router to read, and the pool's stall watch leaves it be (``waits_on_engine``).
-        Unless another attempt was waiting on it all along, its silence starts again
-        once the client took the bytes, as an idle engine's does at a new attempt."""
+        Unless another attempt waits on it, its silence starts again once the client
+        took the bytes, as an idle engine's does at a new attempt."""
         self.delivering = True
         try:
             await write
         finally:
             self.delivering = False
-            if not any(a.waits_on_engine for a in self.engine.attempts):
+            others = (a for a in self.engine.attempts if a is not self)
+            if not any(a.waits_on_engine for a in others):
                 self.engine.progressed_at = time.monotonic()
 
     @property
