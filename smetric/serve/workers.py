@@ -198,28 +198,28 @@ def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
         next one should it die (connections the kernel gives it meanwhile wait there)."""
         load[worker] = 0  # a dead worker's requests died with it
         pid = os.fork()
-        if pid:
-            return pid
-        code = 0  # pragma: no cover - runs in the child
-        try:
-            for signum in (signal.SIGTERM, signal.SIGINT):  # not the supervisor's
-                signal.signal(signum, signal.SIG_DFL)
-            for number, engine in enumerate(engines):
-                engine.share_load(load[:, number], worker)
-            app = router.app()
-            tier = router.core.global_tier
-            served = tier if isinstance(tier, ServedPrompts) else None
-            app.cleanup_ctx.append(peers.join(engines, worker, served))
-            for other, sock in enumerate(sockets):
-                if other != worker:
-                    sock.close()
-            _run(app, sockets[worker], router.settings.drain_timeout_s)
-        except BaseException:
-            log.exception("router worker %d failed", worker)
-            code = 1
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 0
+            try:
+                for signum in (signal.SIGTERM, signal.SIGINT):  # not the supervisor's
+                    signal.signal(signum, signal.SIG_DFL)
+                for number, engine in enumerate(engines):
+                    engine.share_load(load[:, number], worker)
+                app = router.app()
+                tier = router.core.global_tier
+                served = tier if isinstance(tier, ServedPrompts) else None
+                app.cleanup_ctx.append(peers.join(engines, worker, served))
+                for other, sock in enumerate(sockets):
+                    if other != worker:
+                        sock.close()
+                _run(app, sockets[worker], router.settings.drain_timeout_s)
+            except BaseException:
+                log.exception("router worker %d failed", worker)
+                code = 1
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        return pid
 
     def close_sockets() -> None:
         for sock in sockets:
