@@ -22,6 +22,8 @@ from smetric.core.responses_api import response_not_found
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES
 from smetric.serve.app import ROUTES, Router
+from smetric.serve.auth import MISSING_KEY
+from smetric.serve.backends import without_client_transfer
 from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.errors import error_body
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
@@ -111,6 +113,8 @@ class Pick:
     # Whether the engine caches the request's blocks once it served it: not when it
     # continues a stored response, whose blocks the picker never saw.
     remember: bool = True
+    # The body Envoy forwards instead of the client's, inflated (None: the client's own).
+    body: bytes | None = None
 
 
 class Picker:
@@ -149,11 +153,17 @@ class Picker:
     def body_limit(self) -> int:
         return self.router.analyzer.body_limit()
 
+    def authorize(self, headers: Mapping[str, str]) -> None:
+        """A 401 unless ``headers`` carry an accepted key (when the router has keys)."""
+        if not self.router.keys.admits(headers):
+            raise Refusal(401, MISSING_KEY)
+
     async def pick(
         self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
     ) -> Pick:
         """The engine for one request; raises ``Refusal`` for a request the engines
-        should not see (malformed, too large, nothing healthy, shed)."""
+        should not see (no key, malformed, too large, nothing healthy, shed)."""
+        self.authorize(headers)
         api = ROUTES.get(path.split("?")[0])
         engines = self.candidates(subset)
         method = headers.get(":method", "POST")
@@ -170,6 +180,10 @@ class Picker:
                 engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
             )
         body, facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
+        replaced = None
+        if not self.router.settings.allow_client_kv_transfer_params:
+            kept, body = without_client_transfer(raw, body)
+            replaced = kept if kept is not raw else None
         engines = self.candidates(subset)  # health may have changed meanwhile
         identity = identity_of(headers, body)
         self.router.metrics.agent_requests.labels(
@@ -190,6 +204,7 @@ class Picker:
         completion.engine = engine.url
         pick = Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
         pick.remember = previous is None
+        pick.body = replaced
         return pick
 
     async def _holder(

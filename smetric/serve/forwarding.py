@@ -244,7 +244,7 @@ class Forwarder:
             await response.prepare(request)
             while chunk:
                 usage.feed(chunk)
-                await response.write(chunk)
+                await attempt.deliver(response.write(chunk))
                 chunk = await attempt.read()
                 now = time.perf_counter()
                 gaps.append(now - last)
