@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from smetric.engine import EngineConfig, create_app
-from smetric.engine.agent import LONGEST_REPLY, READ_ONLY_TOOLS, ReplyPlan, plan_reply
+from smetric.engine.agent import LONGEST_REPLY, READ_ONLY_TOOLS, ReplyPlan, draw_reply
 
 AGENT = EngineConfig(speed=0.001, agent=True)
 
@@ -33,6 +33,13 @@ ANTHROPIC_TOOLS: Any = [
     {"name": "Glob", "input_schema": GLOB_SCHEMA},
 ]
 WRITERS = [{"name": "Write", "input_schema": {"type": "object"}}, {"name": "Bash"}]
+# As Codex declares its tools: functions at the top level, and tools of other types.
+IMAGE_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+RESPONSES_TOOLS: Any = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+    {"type": "function", "name": "view_image", "parameters": IMAGE_SCHEMA},
+    {"type": "web_search", "external_web_access": False},
+]
 
 
 def user(text: str) -> Any:
@@ -40,7 +47,7 @@ def user(text: str) -> Any:
 
 
 def plans(bodies: list[dict[str, Any]], max_tokens: int = 1000, seed: int = 0) -> list[ReplyPlan]:
-    return [plan_reply(b, json.dumps(b).encode(), max_tokens, seed) for b in bodies]
+    return [draw_reply(b, json.dumps(b).encode(), max_tokens, seed) for b in bodies]
 
 
 PROMPTS = [{"messages": [user(f"task {i}")], "tools": ANTHROPIC_TOOLS} for i in range(40)]
@@ -103,6 +110,10 @@ def test_the_allow_list_holds_only_reading_tools() -> None:
         "read",
         "view",
         "grep",
+        "list_dir",
+        "read_file",
+        "grep_files",
+        "view_image",
     }
 
 
@@ -220,6 +231,70 @@ def test_anthropic_sdk_sees_end_turn_and_tool_use() -> None:
             )
             assert after.stop_reason == "end_turn"
         assert reasons == {"end_turn", "tool_use"}
+
+    serving(scenario)
+
+
+def test_openai_sdk_sees_completed_responses_and_function_calls() -> None:
+    async def scenario(base: str) -> None:
+        client = openai_client(base)
+        statuses = set()
+        for i in range(12):
+            items: Any = [
+                {"type": "message", "role": "developer", "content": "You are a coding agent."},
+                {"type": "message", "role": "user", "content": f"list the files, take {i}"},
+            ]
+            reply = await client.responses.create(model="m", input=items, tools=RESPONSES_TOOLS)
+            assert reply.status == "completed" and reply.incomplete_details is None
+            assert reply.usage is not None and reply.usage.output_tokens <= LONGEST_REPLY
+            (item,) = reply.output
+            stored = await client.responses.retrieve(reply.id)
+            assert stored.output[0].model_dump() == item.model_dump()
+            statuses.add(item.type)
+            if item.type == "message":
+                assert reply.output_text
+                continue
+            assert item.type == "function_call" and item.status == "completed"
+            assert item.name == "view_image" and json.loads(item.arguments) == {"path": "."}
+            # The stream opens the same call, sends its arguments in pieces and closes it.
+            async with client.responses.stream(
+                model="m", input=items, tools=RESPONSES_TOOLS
+            ) as stream:
+                events = [event async for event in stream]
+                streamed = await stream.get_final_response()
+            kinds = [event.type for event in events]
+            assert kinds[:3] == [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+            ]
+            assert kinds[-3:] == [
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+            added = events[2]
+            assert added.type == "response.output_item.added"
+            assert added.item.type == "function_call" and added.item.name == "view_image"
+            pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+            assert len(pieces) > 1 and "".join(pieces) == item.arguments
+            assert "response.output_text.delta" not in kinds
+            (call,) = streamed.output
+            assert call.type == "function_call" and call.status == "completed"
+            assert (call.name, call.arguments) == (item.name, item.arguments)
+            # Handing back the call's output, after the stored response, ends the turn.
+            output: Any = [{"type": "function_call_output", "call_id": item.call_id, "output": "x"}]
+            after = await client.responses.create(
+                model="m", input=output, tools=RESPONSES_TOOLS, previous_response_id=reply.id
+            )
+            assert after.status == "completed" and after.output[0].type == "message"
+            assert after.usage is not None
+            assert after.usage.input_tokens_details.cached_tokens > 0
+        assert statuses == {"message", "function_call"}
+        # A bound the reply does not fit cuts it, as max_tokens does.
+        cut = await client.responses.create(model="m", input="hi", max_output_tokens=2)
+        assert cut.status == "incomplete" and cut.usage is not None
+        assert cut.usage.output_tokens == 2
 
     serving(scenario)
 
