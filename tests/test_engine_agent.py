@@ -13,8 +13,10 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from smetric.core.blocks import ByteTokenizer
+from smetric.core.conversation import analyze_request
 from smetric.engine import EngineConfig, create_app
-from smetric.engine.agent import LONGEST_REPLY, READ_ONLY_TOOLS, ReplyPlan, draw_reply
+from smetric.engine.agent import LONGEST_REPLY, READ_ONLY_TOOLS, ReplyPlan, draw_reply, plan_reply
 
 AGENT = EngineConfig(speed=0.001, agent=True)
 
@@ -100,6 +102,23 @@ def test_a_short_max_tokens_cuts_the_reply_and_ignore_eos_runs_to_it() -> None:
     assert all(p == ReplyPlan.filler(3) and p.finish == "length" for p in short)
     ignoring = [{**body, "ignore_eos": True} for body in PROMPTS]
     assert all(p == ReplyPlan.filler(1000) for p in plans(ignoring))
+
+
+def test_one_plan_decides_every_reply_length() -> None:
+    """Outside agent mode filler runs to the client's bound, or without one ends by itself
+    after ``default_max_tokens``; in agent mode only the context cuts an unbounded reply."""
+    off = EngineConfig(default_max_tokens=8)
+    body: Any = {"input": "hi"}
+    facts = analyze_request(body, "responses", ByteTokenizer(), off.block_size)
+    assert plan_reply(off, body, facts, None, may_call=True) == ReplyPlan(8, natural_stop=True)
+    assert plan_reply(off, body, facts, 5, may_call=True) == ReplyPlan.filler(5)
+    on = EngineConfig(default_max_tokens=8, agent=True)
+    drawn = [
+        plan_reply(on, b, analyze_request(b, "messages", ByteTokenizer(), 16), None, may_call=True)
+        for b in PROMPTS
+    ]
+    assert all(p.finish != "length" for p in drawn)
+    assert max(p.tokens for p in drawn) > on.default_max_tokens
 
 
 def test_the_allow_list_holds_only_reading_tools() -> None:
