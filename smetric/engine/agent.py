@@ -26,10 +26,11 @@ from typing import Any
 from smetric.core.conversation import RequestFacts
 from smetric.engine.scheduler import EngineConfig
 
-# Read-only tools, by name as Claude Code, OpenCode, Codex and others offer them, most
-# preferred first: listing and globbing succeed in any directory, reading needs a file to
-# exist (Codex's ``view_image`` an image: where there is none, it answers with an error,
-# which ends the turn as any result does).
+# Read-only tools, by name as Claude Code, OpenCode, Codex (``view_image``; some versions
+# ``list_dir``, ``read_file``, ``grep_files``) and others offer them, most preferred first:
+# listing and globbing succeed in any directory, reading needs a file to exist
+# (``view_image`` an image: where there is none, the harness hands back an error, which
+# ends the turn as any result does).
 READ_ONLY_TOOLS = (
     "LS",
     "list",
