@@ -73,10 +73,10 @@ def simulated(instances: int) -> None:
     )
     for name, world in WORLDS.items():
         summary = simulate(trace, base.override("cluster", **world), "smetric_cost").summary
-        got = summary["learned_params"]
+        got = summary.learned_params or {}
         priced = SMetricCost(**got)
         print(
-            f"| {name} | {summary['learned_from']} | {got['prefill_tps']:,.0f} | "
+            f"| {name} | {summary.learned_from} | {got['prefill_tps']:,.0f} | "
             f"{got['attn_tokens']:,.0f} | {got['fetch_tps']:,.0f} | {got['kv_read_s']:.2g} | "
             f"{priced.prefill_s(30_000):.2f} | {30_000 / priced.fetch_tps:.2f} |"
         )

@@ -90,7 +90,7 @@ def simulated(trace: Trace, config: SimConfig) -> dict[str, dict[str, Any]]:
     out = {}
     for policy in config.policies:
         result = simulate(trace, config, policy)
-        horizon = result.summary["horizon_s"]
+        horizon = result.summary.horizon_s
         out[policy] = figures(result.requests, horizon, config.cluster.instances)
         done = result.requests.filter(pl.col("completed"))
         columns = ("session_id", "turn", "prompt_tokens", "local_hit_tokens")

@@ -54,7 +54,7 @@ def measure(trace_source: str, instances: int, hours: float, rate_per_instance: 
     result = simulate(trace, config, "smetric")
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     peak_mb = _memory_mb("VmHWM")
-    issued = result.summary["requests"]["issued"]
+    issued = result.summary.requests.issued
     return {
         "instances": instances,
         "hours": hours,
@@ -66,7 +66,7 @@ def measure(trace_source: str, instances: int, hours: float, rate_per_instance: 
         "trace_mb": round(loaded_mb),
         "peak_mb": round(peak_mb),
         "kb_per_request": round(max(peak_mb - loaded_mb, 0.0) * 1024 / max(issued, 1), 2),
-        "tps_within_slo": round(result.summary["tps_within_slo"]),
+        "tps_within_slo": round(result.summary.tps_within_slo),
     }
 
 

@@ -35,7 +35,7 @@ def rescore(folder: Path, slo: SLOConfig) -> dict[str, tuple[float, float]]:
             summary = summarize(
                 scored, level, horizon, config.cluster.instances, config.window_s, config.warmup_s
             )
-            scores.append(summary["tps_within_slo"])
+            scores.append(summary.tps_within_slo)
         out[policy] = (scores[0], scores[1])
     return out
 

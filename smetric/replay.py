@@ -38,6 +38,7 @@ from smetric.core.headers import (
     PREFILL_SECONDS_HEADER,
 )
 from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
+from smetric.metrics.results import RunSummary, write_summaries
 from smetric.metrics.runs import run_file_name
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import WINDOW_S, summarize, with_latencies
@@ -492,7 +493,7 @@ class Replayer:
             ),
         )
 
-    def results(self, slo: SLOConfig | None = None) -> tuple[pl.DataFrame, dict]:
+    def results(self, slo: SLOConfig | None = None) -> tuple[pl.DataFrame, RunSummary]:
         """The per-request table with latencies and its summary, as a simulated run has.
 
         Imbalance windows are the simulator's, in replay seconds, so that a time-scaled
@@ -509,7 +510,7 @@ class Replayer:
         summary = summarize(table, slo, horizon, max(len(self.engines), 1), window)
         return table, summary
 
-    def write(self, out: Path) -> dict:
+    def write(self, out: Path) -> RunSummary:
         """``requests-replay.parquet`` and ``summary.json``, laid out as ``simulate`` writes."""
         table, summary = self.results()
         out.mkdir(parents=True, exist_ok=True)
@@ -520,7 +521,6 @@ class Replayer:
             "engines": list(self.engines),
             "decode_engines": list(self.decoders),
             "options": {k: v for k, v in vars(self.options).items() if k != "url"},
-            "policies": {"replay": summary},
         }
-        (out / "summary.json").write_text(json.dumps(meta, indent=1))
+        write_summaries(out / "summary.json", meta, {"replay": summary})
         return summary

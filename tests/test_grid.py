@@ -267,8 +267,8 @@ def test_rescoring_under_the_run_own_slo_gives_its_stored_value(tmp_path: Path) 
     summary = store.get(job, with_requests=True)
     assert summary is not None
     table = store.requests(job)
-    assert tps_under_slo(table, summary, SLOConfig(), 2) == summary["tps_within_slo"]
-    assert tps_under_slo(table, summary, SLOConfig(0.01, 0.0, 0.001), 2) < summary["tps_within_slo"]
+    assert tps_under_slo(table, summary, SLOConfig(), 2) == summary.tps_within_slo
+    assert tps_under_slo(table, summary, SLOConfig(0.01, 0.0, 0.001), 2) < summary.tps_within_slo
 
 
 @pytest.mark.parametrize(

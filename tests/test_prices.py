@@ -138,8 +138,10 @@ def test_the_simulator_learns_from_its_requests_deterministically() -> None:
     )
     first = simulate(trace, config, "smetric_cost")
     again = simulate(trace, config, "smetric_cost")
-    assert first.summary["learned_from"] > 100
-    assert first.summary["learned_params"] == again.summary["learned_params"]
-    assert set(first.summary["learned_params"]) == set(LEARNABLE)
+    learned = first.summary.learned_params
+    assert learned is not None and (first.summary.learned_from or 0) > 100
+    assert learned == again.summary.learned_params
+    assert set(learned) == set(LEARNABLE)
     fixed = simulate(trace, config, "smetric_cost:learn=0")
-    assert "learned_params" not in fixed.summary
+    assert fixed.summary.learned_params is None
+    assert "learned_params" not in fixed.summary.to_builtins()

@@ -7,12 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.image
+import msgspec
 import numpy as np
 import polars as pl
 import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.patches import Rectangle
 
+from smetric.metrics.results import RunSummary, Stickiness
 from smetric.report.palette import HUES, policy_color, policy_colors
 from smetric.report.simulation import (
     _max_tps_figure,
@@ -70,6 +72,8 @@ def make_summary(
     series = (heat.max(axis=0) / heat.mean(axis=0)).tolist()
     return {
         "horizon_s": 2_400.0,
+        "warmup_s": 0.0,
+        "window_s": 60.0,
         "requests": {
             "issued": table.height,
             "completed": done.height,
@@ -106,7 +110,7 @@ def make_summary(
 
 def make_run(
     seed: int = 3,
-) -> tuple[dict[str, dict[str, Any]], dict[str, pl.DataFrame]]:
+) -> tuple[dict[str, RunSummary], dict[str, pl.DataFrame]]:
     rng = np.random.default_rng(seed)
     shapes = {
         POLICIES[0]: {"tps": 9_000.0, "local": 0.64, "remote": 0.1, "skew": 2.0, "sticky": 0.93},
@@ -115,14 +119,16 @@ def make_run(
     }
     tables = {p: make_table(rng, 200) for p in POLICIES}
     summaries = {
-        p: make_summary(
-            rng,
-            tables[p],
-            tps=s["tps"],
-            local=s["local"],
-            remote=s["remote"],
-            skew=s["skew"],
-            stickiness=s["sticky"],
+        p: RunSummary.from_builtins(
+            make_summary(
+                rng,
+                tables[p],
+                tps=s["tps"],
+                local=s["local"],
+                remote=s["remote"],
+                skew=s["skew"],
+                stickiness=s["sticky"],
+            )
         )
         for p, s in shapes.items()
     }
@@ -188,7 +194,7 @@ def test_idle_policy_and_missing_latencies_render(tmp_path: Path) -> None:
     summaries, tables = make_run()
     idle = "round_robin"
     tables[idle] = make_table(np.random.default_rng(0), 0)
-    summaries[idle] = make_summary(
+    nothing = make_summary(
         np.random.default_rng(0),
         tables[idle],
         tps=0.0,
@@ -197,11 +203,12 @@ def test_idle_policy_and_missing_latencies_render(tmp_path: Path) -> None:
         skew=1.0,
         stickiness=None,
     )
-    summaries[idle]["imbalance"] = dict.fromkeys(("mean", "p50", "p90", "max"), math.nan)
-    summaries[idle]["imbalance"]["series"] = []
-    summaries[idle]["load_heatmap"] = [[0.0] * 40 for _ in range(8)]
-    summaries[idle]["reuse"] = {"prompt_tokens": 0, "local": 0.0, "global": 0.0, "miss": 0.0}
-    assert summaries[idle]["ttft_s"]["p50"] is None and summaries[idle]["tpot_s"]["p99"] is None
+    nothing["imbalance"] = dict.fromkeys(("mean", "p50", "p90", "max"), math.nan)
+    nothing["imbalance"]["series"] = []
+    nothing["load_heatmap"] = [[0.0] * 40 for _ in range(8)]
+    nothing["reuse"] = {"prompt_tokens": 0, "local": 0.0, "global": 0.0, "miss": 0.0}
+    summaries[idle] = RunSummary.from_builtins(nothing)
+    assert summaries[idle].ttft_s.p50 is None and summaries[idle].tpot_s.p99 is None
     assert_readable_pngs(write_simulation_pngs(summaries, tables, tmp_path), SIMULATION_PNGS)
 
 
@@ -247,9 +254,14 @@ def test_run_and_sweep_draw_a_policy_in_the_same_colour(policy: str) -> None:
 def test_the_stickiness_figure_plots_what_its_title_and_the_tables_say() -> None:
     from smetric.report.simulation import _stickiness_figure
 
-    summaries: dict[str, dict[str, Any]] = {
-        "smetric": {"stickiness": {"session": 0.68, "agent": 0.76, "turn": 0.9}},
-        "least_load": {"stickiness": {"session": 0.1, "agent": None, "turn": 0.2}},
+    base = make_run()[0][POLICIES[0]]
+    summaries = {
+        "smetric": msgspec.structs.replace(
+            base, stickiness=Stickiness(session=0.68, agent=0.76, turn=0.9)
+        ),
+        "least_load": msgspec.structs.replace(
+            base, stickiness=Stickiness(session=0.1, agent=None, turn=0.2)
+        ),
     }
     fig = _stickiness_figure(summaries, {"smetric": "C0", "least_load": "C1"})
     ax = fig.axes[0]

@@ -331,9 +331,9 @@ def test_sticky_policy_keeps_sessions_home_and_least_load_spreads_them() -> None
     config = small_config(3, 4096, "full", 0).override("workload", duration_s=3.0)
     sticky = simulate(trace, config, "smetric").summary
     spread = simulate(trace, config, "round_robin").summary
-    assert min(sticky["stickiness"].values()) > 0.9
-    assert sticky["reuse"]["local"] > spread["reuse"]["local"]
-    assert spread["reuse"]["global"] > sticky["reuse"]["global"]
+    assert min(sticky.stickiness.to_builtins().values()) > 0.9
+    assert sticky.reuse.local > spread.reuse.local
+    assert spread.reuse.global_ > sticky.reuse.global_
 
 
 def test_open_loop_session_sampling_keeps_whole_sessions() -> None:

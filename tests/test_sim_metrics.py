@@ -49,24 +49,24 @@ def test_slo_and_tps_within_slo() -> None:
     assert table["met_slo"].to_list() == [True, False, False, True, False]
     summary = summarize(table, SLO, horizon_s=10.0, instances=2, window_s=5.0)
     # Met: 1000 + 51 and 2000 + 1 tokens over a 10 s horizon.
-    assert summary["tps_within_slo"] == pytest.approx((1051 + 2001) / 10)
-    assert summary["tps"] == pytest.approx((1051 * 3 + 2001) / 10)
-    assert summary["requests"]["unfinished"] == 1
-    assert summary["slo_attainment"] == pytest.approx(2 / 4)
+    assert summary.tps_within_slo == pytest.approx((1051 + 2001) / 10)
+    assert summary.tps == pytest.approx((1051 * 3 + 2001) / 10)
+    assert summary.requests.unfinished == 1
+    assert summary.slo_attainment == pytest.approx(2 / 4)
 
 
 def test_reuse_split_and_stickiness() -> None:
     table = records()
     summary = summarize(table, SLO, horizon_s=10.0, instances=2, window_s=5.0)
     prompt = 7000
-    assert summary["reuse"]["local"] == pytest.approx(1900 / prompt)
-    assert summary["reuse"]["global"] == pytest.approx(1000 / prompt)
-    assert summary["reuse"]["miss"] == pytest.approx(1 - 2900 / prompt)
+    assert summary.reuse.local == pytest.approx(1900 / prompt)
+    assert summary.reuse.global_ == pytest.approx(1000 / prompt)
+    assert summary.reuse.miss == pytest.approx(1 - 2900 / prompt)
     # Session a's follow-up stays on 0; b's two follow-ups: one on 0 (away), one home on 1.
     shares = stickiness(table)
-    assert shares["session"] == shares["agent"] == pytest.approx(2 / 3)
+    assert shares.session == shares.agent == pytest.approx(2 / 3)
     # Turn to turn: a1 follows a0 on 0 (same); b1 left b0's 1 for 0, b2 left b1's 0 for 1.
-    assert shares["turn"] == pytest.approx(1 / 3)
+    assert shares.turn == pytest.approx(1 / 3)
 
 
 def test_stickiness_counts_a_sub_agent_as_its_own_conversation() -> None:
@@ -83,36 +83,36 @@ def test_stickiness_counts_a_sub_agent_as_its_own_conversation() -> None:
         }
     )
     shares = stickiness(table)
-    assert shares["session"] == pytest.approx(1 / 3)  # only main's follow-up is on 0
-    assert shares["agent"] == shares["turn"] == 1.0
+    assert shares.session == pytest.approx(1 / 3)  # only main's follow-up is on 0
+    assert shares.agent == shares.turn == 1.0
 
 
 def test_latency_percentiles_count_completed_requests() -> None:
     summary = summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0)
     # TTFTs of the four completed requests: 0.5, 2.5, 1.0, 0.2 -> median 0.75.
-    assert summary["ttft_s"]["p50"] == pytest.approx(0.75)
+    assert summary.ttft_s.p50 == pytest.approx(0.75)
     # TPOTs of the three with more than one output token: 20, 20, 60 ms.
-    assert summary["tpot_s"]["p50"] == pytest.approx(0.020)
+    assert summary.tpot_s.p50 == pytest.approx(0.020)
 
 
 def test_imbalance_windows() -> None:
     summary = summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0)
-    heat = summary["load_heatmap"]
+    heat = summary.load_heatmap
     assert len(heat) == 2 and len(heat[0]) == 2
     # Window [0, 5): instance 0 holds request 0 for 1.5 s and 1 for 3 s; instance 1 holds
     # request 2 for 4 s: (1051*1.5 + 1051*3) / 5 vs 1051*4 / 5.
     assert heat[0][0] == pytest.approx(1051 * 4.5 / 5)
     assert heat[1][0] == pytest.approx(1051 * 4 / 5)
     mean = (heat[0][0] + heat[1][0]) / 2
-    assert summary["imbalance"]["series"][0] == pytest.approx(heat[0][0] / mean)
-    assert not math.isnan(summary["imbalance"]["mean"])
+    assert summary.imbalance.series[0] == pytest.approx(heat[0][0] / mean)
+    assert not math.isnan(summary.imbalance.mean)
 
 
 def test_warm_up_leaves_early_arrivals_and_their_time_out() -> None:
     summary = summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0, warmup_s=1.0)
     # Arrivals at 0 are left out: of a1 (missed) and b1 (met), b1's 2001 tokens over 9 s.
-    assert summary["tps_within_slo"] == pytest.approx(2001 / 9)
-    assert summary["requests"]["completed"] == 2
-    assert summary["requests"]["unfinished"] == 1
+    assert summary.tps_within_slo == pytest.approx(2001 / 9)
+    assert summary.requests.completed == 2
+    assert summary.requests.unfinished == 1
     with pytest.raises(ValueError, match="warm-up"):
         summarize(records(), SLO, horizon_s=10.0, instances=2, window_s=5.0, warmup_s=10.0)

@@ -128,10 +128,11 @@ def test_prefill_only_counts_prompt_tokens_and_the_first_token_at_the_prefills_e
     assert row["first_token_s"] == row["finished_s"] == row["prefill_done_s"]
     assert row["decode_instance"] == -1
     summary = result.summary
-    assert summary["pd"]["mode"] == "prefill-only"
-    assert summary["tps_within_slo"] == pytest.approx(128 / 50.0)  # prompt tokens only
-    assert summary["tpot_s"]["p50"] is None
-    assert summary["pd"]["transfer_bytes"] == 0
+    assert summary.pd is not None
+    assert summary.pd.mode == "prefill-only"
+    assert summary.tps_within_slo == pytest.approx(128 / 50.0)  # prompt tokens only
+    assert summary.tpot_s.p50 is None
+    assert summary.pd.transfer_bytes == 0
 
 
 def test_full_pd_counts_prompt_tokens_within_both_slos_and_reports_end_to_end_tps() -> None:
@@ -139,10 +140,11 @@ def test_full_pd_counts_prompt_tokens_within_both_slos_and_reports_end_to_end_tp
         "workload", duration_s=50.0, session_rate=0.001, arrival="uniform"
     )
     summary = simulate(one_request_trace(8, 40), config, "smetric").summary
-    assert summary["tps_within_slo"] == pytest.approx(128 / 50.0)
-    assert summary["pd"]["end_to_end_tps_within_slo"] == pytest.approx((128 + 40) / 50.0)
-    assert summary["tpot_s"]["p50"] > 0
-    assert summary["pd"]["requests_per_decoder"] == [1]
+    assert summary.pd is not None
+    assert summary.tps_within_slo == pytest.approx(128 / 50.0)
+    assert summary.pd.end_to_end_tps_within_slo == pytest.approx((128 + 40) / 50.0)
+    assert (summary.tpot_s.p50 or 0) > 0
+    assert summary.pd.requests_per_decoder == [1]
 
 
 class Recorder:

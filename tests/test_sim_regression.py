@@ -42,7 +42,7 @@ def run_case(name: str) -> dict[str, str]:
     result = simulate(load_trace(trace), config, policy)
     table = result.requests.write_csv().encode()
     return {
-        "summary": json.dumps(result.summary, sort_keys=True),
+        "summary": json.dumps(result.summary.to_builtins(), sort_keys=True),
         "requests_sha256": hashlib.sha256(table).hexdigest(),
         "requests": str(result.requests.height),
     }

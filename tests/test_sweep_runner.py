@@ -10,11 +10,13 @@ import statistics
 import sys
 from pathlib import Path
 
+import msgspec
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 
 from smetric.cli import app
+from smetric.metrics.results import RunSummary
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.parallel import RunStore
@@ -113,12 +115,20 @@ def test_more_seeds_rerun_nothing_already_stored(tmp_path: Path) -> None:
     assert "8 of 8 runs reused" in output
 
 
+def golden_summary(tps: float) -> RunSummary:
+    """A real run's summary (the regression test's first), with TPS within SLO ``tps``."""
+    golden = json.loads((Path(__file__).with_name("sim_golden.json")).read_text())
+    summary = RunSummary.from_json(golden["weka-smetric-1x"]["summary"])
+    return msgspec.structs.replace(summary, tps_within_slo=tps)
+
+
 def test_store_keeps_the_runs_resolved_config(tmp_path: Path) -> None:
     store = RunStore(tmp_path)
     job = Job(("x",), SimConfig(), "smetric")
     assert store.get(job) is None
-    store.put(job, {"tps_within_slo": 1.5})
-    assert store.get(job) == {"tps_within_slo": 1.5}
+    stored = golden_summary(1.5)
+    store.put(job, stored)
+    assert store.get(job) == stored
     config = (tmp_path / job.run_id / "config.yaml").read_text()
     assert "- smetric\n" in config and "least_load" not in config
 
@@ -148,12 +158,12 @@ def test_a_run_stored_without_its_requests_counts_as_missing_where_they_are_want
 ) -> None:
     store = RunStore(tmp_path)
     job = Job(("x",), SimConfig(), "smetric")
-    store.put(job, {"tps_within_slo": 1.5})
-    assert store.get(job) == {"tps_within_slo": 1.5}
+    store.put(job, golden_summary(1.5))
+    assert store.get(job) == golden_summary(1.5)
     assert store.get(job, with_requests=True) is None
     table = pl.DataFrame({"request_id": [1, 2]})
-    store.put(job, {"tps_within_slo": 2.5}, table)
-    assert store.get(job, with_requests=True) == {"tps_within_slo": 2.5}
+    store.put(job, golden_summary(2.5), table)
+    assert store.get(job, with_requests=True) == golden_summary(2.5)
     assert store.requests(job).equals(table)
     assert store.written == 2
 

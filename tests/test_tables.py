@@ -14,22 +14,33 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from smetric.metrics.results import RunSummary
 from smetric.report.run_tables import results_table
 from smetric.report.tables import emit, print_table, to_csv, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def summary(tps: float, ttft_p99: float, sticky_session: float) -> dict:
-    return {
-        "tps_within_slo": tps,
-        "slo_attainment": 0.953,
-        "ttft_s": {"p50": 0.52, "p90": 5.0, "p99": ttft_p99},
-        "tpot_s": {"p50": 0.010, "p90": 0.016, "p99": 0.046},
-        "reuse": {"local": 0.47, "global": 0.47},
-        "imbalance": {"mean": 10.734},
-        "stickiness": {"session": sticky_session, "agent": 0.21, "turn": 0.55},
-    }
+def summary(tps: float, ttft_p99: float, sticky_session: float) -> RunSummary:
+    counts = ("issued", "completed", "met_slo", "rejected", "unfinished", "preemptions")
+    return RunSummary.from_builtins(
+        {
+            "horizon_s": 600.0,
+            "warmup_s": 0.0,
+            "window_s": 60.0,
+            "requests": dict.fromkeys(counts, 0),
+            "tps_within_slo": tps,
+            "tps": tps,
+            "slo_attainment": 0.953,
+            "ttft_s": {"p50": 0.52, "p90": 5.0, "p99": ttft_p99},
+            "tpot_s": {"p50": 0.010, "p90": 0.016, "p99": 0.046},
+            "reuse": {"prompt_tokens": 100, "local": 0.47, "global": 0.47, "miss": 0.06},
+            "imbalance": {"mean": 10.734, "p50": 10.0, "p90": 11.0, "max": 12.0, "series": []},
+            "load_heatmap": [],
+            "stickiness": {"session": sticky_session, "agent": 0.21, "turn": 0.55},
+            "branches": {},
+        }
+    )
 
 
 SUMMARIES = {

@@ -31,7 +31,8 @@ def test_the_learner_finds_a_slower_prefill_the_policy_was_not_told_of() -> None
     slow = config.override("cluster", prefill_slowdown=1.5)
 
     def prefill_s(run: SimConfig) -> float:
-        learned = simulate(trace, run, "smetric_cost").summary["learned_params"]
+        learned = simulate(trace, run, "smetric_cost").summary.learned_params
+        assert learned is not None
         return SMetricCost(**learned).prefill_s(30_000)
 
     assert prefill_s(slow) > 1.2 * prefill_s(config)

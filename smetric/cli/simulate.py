@@ -83,10 +83,10 @@ def simulate(
         tables.append(disaggregation_table(summaries))
     emit(tables, table_format, console)
     notes = out_console(table_format)
-    first = next(iter(ordered.values())).summary["requests"]
+    first = next(iter(ordered.values())).summary.requests
     notes.print(
         f"TPS@SLO: {tps_meaning(config)} · "
-        f"{first['rejected']} requests longer than max_model_len "
+        f"{first.rejected} requests longer than max_model_len "
         f"({shape.max_model_len:,}) rejected"
     )
     for line in hardware_lines(ordered):

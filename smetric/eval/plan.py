@@ -133,12 +133,12 @@ def search_plan(
             policy, glob, n = key
             runs = [summaries[(key, load, s)] for s in settings.seeds]
             knee = knees[key]
-            attainment = statistics.fmean(r["slo_attainment"] for r in runs)
+            attainment = statistics.fmean(r.slo_attainment for r in runs)
             serves = knee.load >= load and attainment >= settings.attainment
             points[(policy, glob)][n] = Point(
                 n,
                 knee,
-                statistics.fmean(r["tps_within_slo"] for r in runs),
+                statistics.fmean(r.tps_within_slo for r in runs),
                 attainment,
                 serves,
             )

@@ -28,6 +28,7 @@ import polars as pl
 from smetric.core.policies import policy_params
 from smetric.eval.grid import FREE_GLOBAL_TIER, FREE_TIER
 from smetric.eval.preset import REFERENCE_TIER, Preset
+from smetric.metrics.results import RunSummary
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.knee import (
@@ -69,7 +70,9 @@ class Runner:
     processes: int
     progress: Progress
 
-    def run(self, what: str, jobs: Sequence[Job], with_requests: bool = False) -> dict:
+    def run(
+        self, what: str, jobs: Sequence[Job], with_requests: bool = False
+    ) -> dict[tuple, RunSummary]:
         """Summaries by job key; jobs with the same run id share one run."""
         unique = list({job.run_id: job for job in jobs}.values())
 
@@ -178,7 +181,7 @@ def reproduce(
 
 def paper_load_runs(
     store: RunStore, preset: Preset, policies: Sequence[str], result: Mapping
-) -> tuple[dict[str, dict], dict[str, pl.DataFrame]]:
+) -> tuple[dict[str, RunSummary], dict[str, pl.DataFrame]]:
     """The first seed's summary and per-request table at 1.5x load, per policy: what the
     per-run figures (latency CDFs, heatmaps, stickiness) draw."""
     full = preset.config.override("cluster", global_capacity=REFERENCE_TIER)
@@ -250,7 +253,7 @@ def _with_rate_sweep(
     multiples: Sequence[float],
     rate: Callable[[float], float],
     seeds: Sequence[int],
-    summaries: Mapping[tuple, Mapping],
+    summaries: Mapping[tuple, RunSummary],
 ) -> None:
     """Fold the full tier's rate sweep into its knees: where a sweep point beats the
     search's best probe, that point is the policy's maximum TPS within SLO, so the knee
@@ -259,7 +262,7 @@ def _with_rate_sweep(
     for p, entry in tier["policies"].items():
         runs = {rate(m): [summaries["rate", p, m, s] for s in seeds] for m in multiples}
         knee = Knee(**entry["knee"])
-        best = best_of(knee, {load: [r["tps_within_slo"] for r in rs] for load, rs in runs.items()})
+        best = best_of(knee, {load: [r.tps_within_slo for r in rs] for load, rs in runs.items()})
         point = _point(runs[best.load]) if best.load != knee.load else entry
         tier["policies"][p] = {
             "knee": dataclasses.asdict(best),
@@ -275,27 +278,29 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
-def _mean_point(runs: Sequence[Mapping]) -> dict:
+def _mean_point(runs: Sequence[RunSummary]) -> dict:
     """TPS within SLO over seeds (mean and spread) and the mean hit split."""
-    tps = [r["tps_within_slo"] for r in runs]
+    tps = [r.tps_within_slo for r in runs]
+    reuse = [r.reuse.to_builtins() for r in runs]
     return {
         "tps_within_slo": statistics.fmean(tps),
         "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0,
-        "reuse": {k: statistics.fmean(r["reuse"][k] for r in runs) for k in TIERS},
+        "reuse": {k: statistics.fmean(r[k] for r in reuse) for k in TIERS},
     }
 
 
-def _point(runs: Sequence[Mapping]) -> dict:
+def _point(runs: Sequence[RunSummary]) -> dict:
     """What the figures and the paper's table read of one configuration's runs: means
     over seeds of TPS, hit split, latency percentiles, imbalance and stickiness."""
+    ttft = [r.ttft_s.to_builtins() for r in runs]
+    tpot = [r.tpot_s.to_builtins() for r in runs]
+    sticky = [r.stickiness.to_builtins() for r in runs]
     return _mean_point(runs) | {
-        "slo_attainment": statistics.fmean(r["slo_attainment"] for r in runs),
-        "ttft_s": {q: _mean([r["ttft_s"][q] for r in runs]) for q in ("p50", "p90", "p99")},
-        "tpot_s": {q: _mean([r["tpot_s"][q] for r in runs]) for q in ("p50", "p90", "p99")},
+        "slo_attainment": statistics.fmean(r.slo_attainment for r in runs),
+        "ttft_s": {q: _mean([r[q] for r in ttft]) for q in ("p50", "p90", "p99")},
+        "tpot_s": {q: _mean([r[q] for r in tpot]) for q in ("p50", "p90", "p99")},
         "imbalance": _mean([_mean(measured_imbalance(r)) for r in runs]),
-        "stickiness": {
-            k: _mean([r["stickiness"][k] for r in runs]) for k in ("session", "agent", "turn")
-        },
+        "stickiness": {k: _mean([r[k] for r in sticky]) for k in ("session", "agent", "turn")},
     }
 
 
@@ -307,31 +312,31 @@ def window_imbalance(heatmap: Sequence[Sequence[float]]) -> list[float | None]:
     return [float(t / m) if m > 0 else None for t, m in zip(top, mean, strict=True)]
 
 
-def measured_imbalance(summary: Mapping) -> list[float]:
+def measured_imbalance(summary: RunSummary) -> list[float]:
     """The busy windows' imbalance after the warm-up (the run summary counts only those:
     while sessions ramp up a few long ones dominate the load, which says nothing about a
     policy's steady state)."""
-    return list(summary["imbalance"]["series"])
+    return list(summary.imbalance.series)
 
 
-def _guard(runs: Sequence[Mapping], window_s: float) -> dict:
+def _guard(runs: Sequence[RunSummary], window_s: float) -> dict:
     """Per-window imbalance over time (first seed, warm-up included) and over all seeds'
     busy windows after the warm-up."""
     pooled = [v for r in runs for v in measured_imbalance(r)]
     return {
         "window_s": window_s,
-        "warmup_s": runs[0]["warmup_s"],
-        "over_time": window_imbalance(runs[0]["load_heatmap"]),
+        "warmup_s": runs[0].warmup_s,
+        "over_time": window_imbalance(runs[0].load_heatmap),
         "windows": pooled,
         "percentiles": {
             f"p{q}": float(np.percentile(pooled, q)) if pooled else None for q in (50, 75, 90, 99)
         },
         "mean": _mean(pooled),
-        "tps_within_slo": statistics.fmean(r["tps_within_slo"] for r in runs),
+        "tps_within_slo": statistics.fmean(r.tps_within_slo for r in runs),
     }
 
 
-def _sweep(variants: Mapping[float, str], runs: Mapping[str, list]) -> list[dict]:
+def _sweep(variants: Mapping[float, str], runs: Mapping[str, list[RunSummary]]) -> list[dict]:
     """One point per value; ``value`` is None for infinity (JSON has none), ``label`` the
     value as written ("inf")."""
     return [

@@ -6,9 +6,11 @@ disaggregated endpoint.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import polars as pl
 
+from smetric.metrics.results import PDSummary, RunSummary
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import (
     imbalance,
@@ -54,7 +56,7 @@ def disaggregated_summary(
     full: bool,
     window_s: float,
     warmup_s: float = 0.0,
-) -> dict:
+) -> RunSummary:
     """The colocated summary with disaggregation's meaning, plus a ``pd`` section, from a
     per-request table with the prefill columns (simulated or measured by ``replay``).
 
@@ -70,25 +72,28 @@ def disaggregated_summary(
     met = done.filter(pl.col("met_slo"))
     prefilled = after.filter(pl.col("prefill_met_slo"))
     loads = prefill_loads(table, prefill_instances, window_s, horizon)
-    summary["tps_within_slo"] = float(met["prompt_tokens"].sum()) / measured
-    summary["tps"] = float(done["prompt_tokens"].sum()) / measured
-    summary["load_heatmap"] = loads.tolist()
-    summary["imbalance"] = imbalance(loads, measured_windows(warmup_s, window_s))
-    if not full:
-        summary["tpot_s"] = percentiles(np.array([]))
     prefill_ttft = after.filter(pl.col("prefill_done_s") <= horizon)["prefill_ttft_s"]
     decoded = table.filter(pl.col("decode_instance") >= 0)
     per_decoder = decoded["decode_instance"].value_counts().sort("decode_instance")
-    summary["pd"] = {
-        "mode": "full" if full else "prefill-only",
-        "prefill_instances": prefill_instances,
-        "prefill_tps_within_slo": float(prefilled["prompt_tokens"].sum()) / measured,
-        "prefill_ttft_s": percentiles(prefill_ttft.to_numpy()),
-        "end_to_end_tps_within_slo": (
-            float((met["prompt_tokens"] + met["output_tokens"]).sum()) / measured if full else None
+    return msgspec.structs.replace(
+        summary,
+        tps_within_slo=float(met["prompt_tokens"].sum()) / measured,
+        tps=float(done["prompt_tokens"].sum()) / measured,
+        tpot_s=summary.tpot_s if full else percentiles(np.array([])),
+        imbalance=imbalance(loads, measured_windows(warmup_s, window_s)),
+        load_heatmap=loads.tolist(),
+        pd=PDSummary(
+            mode="full" if full else "prefill-only",
+            prefill_instances=prefill_instances,
+            prefill_tps_within_slo=float(prefilled["prompt_tokens"].sum()) / measured,
+            prefill_ttft_s=percentiles(prefill_ttft.to_numpy()),
+            end_to_end_tps_within_slo=(
+                float((met["prompt_tokens"] + met["output_tokens"]).sum()) / measured
+                if full
+                else None
+            ),
+            transfer_tokens=int(table["transfer_tokens"].fill_null(0).sum()),
+            transfers=decoded.height,
+            requests_per_decoder=per_decoder["count"].to_list() if full else [],
         ),
-        "transfer_tokens": int(table["transfer_tokens"].fill_null(0).sum()),
-        "transfers": decoded.height,
-        "requests_per_decoder": per_decoder["count"].to_list() if full else [],
-    }
-    return summary
+    )

@@ -7,10 +7,11 @@ simulated and a measured run can be compared figure for figure.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import polars as pl
+
+from smetric.metrics.results import RunSummary, read_summaries
 
 
 def safe_name(name: str, fallback: str) -> str:
@@ -23,29 +24,17 @@ def run_file_name(name: str) -> str:
     return f"requests-{safe_name(name, 'run')}.parquet"
 
 
-def load_runs(folders: list[Path]) -> tuple[dict[str, dict], dict[str, pl.DataFrame]]:
+def load_runs(folders: list[Path]) -> tuple[dict[str, RunSummary], dict[str, pl.DataFrame]]:
     """Summaries and per-request tables of every run in ``folders``, in order.
 
     Runs are named by their policy alone when one folder is given, else ``FOLDER/policy``,
     so that two folders' ``smetric`` rows stay apart. Raises ``ValueError`` naming the
     folder when something is missing or not a result.
     """
-    summaries: dict[str, dict] = {}
+    summaries: dict[str, RunSummary] = {}
     tables: dict[str, pl.DataFrame] = {}
     for folder in folders:
-        path = folder / "summary.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise ValueError(
-                f"{folder}: no summary.json (not a `smetric simulate` or `replay` result)"
-            ) from exc
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read: {exc}") from exc
-        runs = data.get("policies") if isinstance(data, dict) else None
-        if not isinstance(runs, dict) or not runs:
-            raise ValueError(f"{path}: no 'policies' with run summaries")
-        for name, summary in runs.items():
+        for name, summary in read_summaries(folder / "summary.json").items():
             label = name if len(folders) == 1 else f"{folder.name}/{name}"
             if label in summaries:
                 raise ValueError(f"two runs are both named {label!r}; rename one folder")

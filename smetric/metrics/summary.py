@@ -16,10 +16,17 @@ import math
 import numpy as np
 import polars as pl
 
+from smetric.metrics.results import (
+    Imbalance,
+    Percentiles,
+    RequestCounts,
+    Reuse,
+    RunSummary,
+    Stickiness,
+)
 from smetric.metrics.slo import SLOConfig
 from smetric.trace.analysis.balance import window_loads
 
-PERCENTILES = (50, 90, 99)
 # Width of the windows in which load imbalance is measured, unless a run says otherwise.
 WINDOW_S = 60.0
 
@@ -40,14 +47,15 @@ def with_latencies(table: pl.DataFrame, slo: SLOConfig, horizon_s: float) -> pl.
     )
 
 
-def percentiles(values: np.ndarray) -> dict[str, float | None]:
+def percentiles(values: np.ndarray) -> Percentiles:
     """The 50th, 90th and 99th percentiles of ``values``; None each when it is empty."""
     if len(values) == 0:
-        return {f"p{p}": None for p in PERCENTILES}
-    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+        return Percentiles(p50=None, p90=None, p99=None)
+    p50, p90, p99 = (float(np.percentile(values, p)) for p in (50, 90, 99))
+    return Percentiles(p50=p50, p90=p90, p99=p99)
 
 
-def stickiness(table: pl.DataFrame) -> dict[str, float | None]:
+def stickiness(table: pl.DataFrame) -> Stickiness:
     """Share of follow-ups (turn > 0) served where a reference request was, three ways.
 
     - ``session``: the instance of the session's first request. A sub-agent starts a
@@ -71,17 +79,16 @@ def stickiness(table: pl.DataFrame) -> dict[str, float | None]:
     def first_of(keys: list[str]) -> pl.DataFrame:
         return routed.group_by(keys).agg(pl.col("instance").first().alias("home"))
 
-    out: dict[str, float | None] = {
-        "session": share(["session_id"], first_of(["session_id"]), ["session_id"])
-    }
-    if "agent_id" in routed.columns and "parent_id" in routed.columns:
-        agents = ["session_id", "agent_id"]
-        out["agent"] = share(agents, first_of(agents), agents)
-        parents = routed.select(pl.col("request_id").alias("parent_id"), home="instance")
-        out["turn"] = share(["parent_id"], parents, ["parent_id"])
-    else:
-        out["agent"] = out["turn"] = None
-    return out
+    session = share(["session_id"], first_of(["session_id"]), ["session_id"])
+    if "agent_id" not in routed.columns or "parent_id" not in routed.columns:
+        return Stickiness(session=session, agent=None, turn=None)
+    agents = ["session_id", "agent_id"]
+    parents = routed.select(pl.col("request_id").alias("parent_id"), home="instance")
+    return Stickiness(
+        session=session,
+        agent=share(agents, first_of(agents), agents),
+        turn=share(["parent_id"], parents, ["parent_id"]),
+    )
 
 
 def load_over_time(
@@ -102,20 +109,20 @@ def load_over_time(
     )
 
 
-def imbalance(loads: np.ndarray, first_window: int = 0) -> dict:
+def imbalance(loads: np.ndarray, first_window: int = 0) -> Imbalance:
     """Max over mean load per window (instances x windows), over the windows with load
     from ``first_window`` on (the ones after the warm-up, which throughput counts too)."""
     loads = loads[:, first_window:]
     mean = loads.mean(axis=0)
     busy = mean > 0
     ratio = loads.max(axis=0)[busy] / mean[busy]
-    return {
-        "mean": float(ratio.mean()) if len(ratio) else math.nan,
-        "p50": float(np.percentile(ratio, 50)) if len(ratio) else math.nan,
-        "p90": float(np.percentile(ratio, 90)) if len(ratio) else math.nan,
-        "max": float(ratio.max()) if len(ratio) else math.nan,
-        "series": ratio.tolist(),
-    }
+    return Imbalance(
+        mean=float(ratio.mean()) if len(ratio) else math.nan,
+        p50=float(np.percentile(ratio, 50)) if len(ratio) else math.nan,
+        p90=float(np.percentile(ratio, 90)) if len(ratio) else math.nan,
+        max=float(ratio.max()) if len(ratio) else math.nan,
+        series=ratio.tolist(),
+    )
 
 
 def measured_windows(warmup_s: float, window_s: float) -> int:
@@ -131,15 +138,17 @@ def window_edges(window_s: float, horizon_s: float) -> np.ndarray:
     return edges if len(edges) >= 2 else np.array([0.0, horizon_s])
 
 
-def tps_under_slo(table: pl.DataFrame, summary: dict, slo: SLOConfig, instances: int) -> float:
+def tps_under_slo(
+    table: pl.DataFrame, summary: RunSummary, slo: SLOConfig, instances: int
+) -> float:
     """TPS within ``slo`` of a finished colocated run (its per-request table and summary):
     the SLO only scores requests, so a run can be scored again under another without
     running it again."""
-    horizon = summary["horizon_s"]
+    horizon = summary.horizon_s
     scored = with_latencies(table, slo, horizon)
-    return summarize(scored, slo, horizon, instances, summary["window_s"], summary["warmup_s"])[
-        "tps_within_slo"
-    ]
+    return summarize(
+        scored, slo, horizon, instances, summary.window_s, summary.warmup_s
+    ).tps_within_slo
 
 
 def summarize(
@@ -149,7 +158,7 @@ def summarize(
     instances: int,
     window_s: float,
     warmup_s: float = 0.0,
-) -> dict:
+) -> RunSummary:
     if not 0 <= warmup_s < horizon_s:
         raise ValueError(f"warm-up {warmup_s:g} s must lie in [0, horizon {horizon_s:g} s)")
     measured = horizon_s - warmup_s
@@ -162,31 +171,31 @@ def summarize(
     remote = int(admitted["global_hit_tokens"].sum())
     loads = load_over_time(table, instances, window_s, horizon_s)
     branches = admitted["branch"].value_counts().sort("branch").rows()
-    return {
-        "horizon_s": horizon_s,
-        "warmup_s": warmup_s,
-        "window_s": window_s,
-        "requests": {
-            "issued": table.height,
-            "completed": done.height,
-            "met_slo": met.height,
-            "rejected": int(table["rejected"].sum()),
-            "unfinished": int(admitted.filter(~pl.col("completed")).height),
-            "preemptions": int(table["preemptions"].sum()),
-        },
-        "tps_within_slo": float(met.select(tokens.sum()).item() or 0) / measured,
-        "tps": float(done.select(tokens.sum()).item() or 0) / measured,
-        "slo_attainment": met.height / done.height if done.height else 0.0,
-        "ttft_s": percentiles(done["ttft_s"].to_numpy()),
-        "tpot_s": percentiles(done.filter(pl.col("output_tokens") > 1)["tpot_s"].to_numpy()),
-        "reuse": {
-            "prompt_tokens": prompt,
-            "local": local / prompt if prompt else 0.0,
-            "global": remote / prompt if prompt else 0.0,
-            "miss": 1 - (local + remote) / prompt if prompt else 0.0,
-        },
-        "imbalance": imbalance(loads, measured_windows(warmup_s, window_s)),
-        "load_heatmap": loads.tolist(),
-        "stickiness": stickiness(table),
-        "branches": {name: int(count) for name, count in branches},
-    }
+    return RunSummary(
+        horizon_s=horizon_s,
+        warmup_s=warmup_s,
+        window_s=window_s,
+        requests=RequestCounts(
+            issued=table.height,
+            completed=done.height,
+            met_slo=met.height,
+            rejected=int(table["rejected"].sum()),
+            unfinished=int(admitted.filter(~pl.col("completed")).height),
+            preemptions=int(table["preemptions"].sum()),
+        ),
+        tps_within_slo=float(met.select(tokens.sum()).item() or 0) / measured,
+        tps=float(done.select(tokens.sum()).item() or 0) / measured,
+        slo_attainment=met.height / done.height if done.height else 0.0,
+        ttft_s=percentiles(done["ttft_s"].to_numpy()),
+        tpot_s=percentiles(done.filter(pl.col("output_tokens") > 1)["tpot_s"].to_numpy()),
+        reuse=Reuse(
+            prompt_tokens=prompt,
+            local=local / prompt if prompt else 0.0,
+            global_=remote / prompt if prompt else 0.0,
+            miss=1 - (local + remote) / prompt if prompt else 0.0,
+        ),
+        imbalance=imbalance(loads, measured_windows(warmup_s, window_s)),
+        load_heatmap=loads.tolist(),
+        stickiness=stickiness(table),
+        branches={name: int(count) for name, count in branches},
+    )

@@ -17,6 +17,7 @@ from markupsafe import Markup, escape
 from smetric.core.policies import is_ours
 from smetric.eval.paper import comparisons, pct, seconds, times
 from smetric.eval.reproduce import GUARD_OFF
+from smetric.metrics.results import RunSummary
 from smetric.report.knee import knee_rows
 from smetric.report.markdown import markdown_table
 from smetric.report.simulation import (
@@ -102,7 +103,10 @@ def rate_sweep(result: Result) -> dict:
 
 
 def write_figures(
-    result: Result, summaries: Mapping[str, dict], tables: Mapping[str, pl.DataFrame], out: Path
+    result: Result,
+    summaries: Mapping[str, RunSummary],
+    tables: Mapping[str, pl.DataFrame],
+    out: Path,
 ) -> dict[str, Path]:
     """Every figure of the report, by name."""
     pngs = dict(write_sweep_pngs(tier_sweep(result), out, ("max_tps", "reuse_by_provisioning")))
@@ -370,7 +374,7 @@ def write_html(result: Result, pngs: Mapping[str, Path], command: str, path: Pat
 
 def write_report(
     result: Result,
-    summaries: Mapping[str, dict],
+    summaries: Mapping[str, RunSummary],
     tables: Mapping[str, pl.DataFrame],
     command: str,
     out: Path,

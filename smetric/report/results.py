@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from smetric.core.policies import base_name, hardware_params
+from smetric.metrics.results import write_summaries
 from smetric.metrics.runs import run_file_name
 from smetric.report.knee import knee_markdown
 from smetric.sim.config import SimConfig, dump_yaml
@@ -32,12 +33,12 @@ def write_simulation(out: Path, config: SimConfig, results: Mapping[str, RunResu
 
     _start(out, config)
     shape = next(iter(results.values())).shape
-    summary = {
+    meta = {
         "cluster_shape": vars(shape),
-        "policies": {policy: r.summary for policy, r in results.items()},
+        "policies": None,
         "policy_params": {policy: r.policy_params for policy, r in results.items()},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_summaries(out / "summary.json", meta, {p: r.summary for p, r in results.items()})
     for policy, result in results.items():
         result.requests.write_parquet(out / run_file_name(policy))
     summaries = {policy: r.summary for policy, r in results.items()}
@@ -82,10 +83,10 @@ def hardware_lines(results: Mapping[str, RunResult]) -> list[str]:
         if derived:
             values = ", ".join(f"{k}={result.policy_params[k]:g}" for k in derived)
             lines.append(f"{policy} assumed {values}")
-        learned = result.summary.get("learned_params")
+        learned = result.summary.learned_params
         if learned:
             values = ", ".join(f"{k}={v:.3g}" for k, v in learned.items())
-            count = result.summary["learned_from"]
+            count = result.summary.learned_from
             lines.append(f"{policy} learned {values} from {count:,} requests")
     return lines
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from smetric.metrics.results import Percentiles, RunSummary
 from smetric.report.knee import knee_rows
 from smetric.report.tables import Column, Table
 
-Summary = Mapping[str, Any]
+QUANTILES = ("p50", "p90", "p99")
+STICKINESS = ("session", "agent", "turn")
 
 
 def _num(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -20,11 +22,11 @@ def _pct(share: float | None) -> str:
     return "-" if share is None else f"{share * 100:.0f}"
 
 
-def _three(values: Mapping[str, float | None], scale: float = 1.0, digits: int = 1) -> str:
-    return "/".join(_num(values[p], scale, digits) for p in ("p50", "p90", "p99"))
+def _three(values: Percentiles, scale: float = 1.0, digits: int = 1) -> str:
+    return "/".join(_num(v, scale, digits) for v in (values.p50, values.p90, values.p99))
 
 
-def results_table(title: str, summaries: Mapping[str, Summary]) -> Table:
+def results_table(title: str, summaries: Mapping[str, RunSummary]) -> Table:
     """One row per run summary (a simulated policy or a measured replay), best TPS bold."""
     columns = (
         Column("policy", "left"),
@@ -36,45 +38,46 @@ def results_table(title: str, summaries: Mapping[str, Summary]) -> Table:
         Column("imba-\nlance"),
         Column("sticky %\nsess/agent/turn"),
     )
-    best = max((s["tps_within_slo"] for s in summaries.values()), default=0.0)
+    best = max((s.tps_within_slo for s in summaries.values()), default=0.0)
     rows, values, bold = [], [], set()
     for i, (policy, s) in enumerate(summaries.items()):
-        ttft, tpot, reuse, sticky = s["ttft_s"], s["tpot_s"], s["reuse"], s["stickiness"]
+        ttft, tpot, reuse = s.ttft_s.to_builtins(), s.tpot_s.to_builtins(), s.reuse
+        sticky = s.stickiness.to_builtins()
         rows.append(
             (
                 policy,
-                f"{s['tps_within_slo']:,.0f}",
-                f"{s['slo_attainment']:.0%}",
-                _three(ttft, 1, 2),
-                _three(tpot, 1000, 0),
-                f"{reuse['local'] * 100:.0f}/{reuse['global'] * 100:.0f}",
-                f"{s['imbalance']['mean']:.2f}x",
-                "/".join(_pct(sticky.get(k)) for k in ("session", "agent", "turn")),
+                f"{s.tps_within_slo:,.0f}",
+                f"{s.slo_attainment:.0%}",
+                _three(s.ttft_s, 1, 2),
+                _three(s.tpot_s, 1000, 0),
+                f"{reuse.local * 100:.0f}/{reuse.global_ * 100:.0f}",
+                f"{s.imbalance.mean:.2f}x",
+                "/".join(_pct(sticky[k]) for k in STICKINESS),
             )
         )
-        if s["tps_within_slo"] == best and best > 0:
+        if s.tps_within_slo == best and best > 0:
             bold.add((i, 1))
         values.append(
             {
                 "policy": policy,
-                "tps_within_slo": s["tps_within_slo"],
-                "slo_attainment": s["slo_attainment"],
-                **{f"ttft_{p}_s": ttft[p] for p in ("p50", "p90", "p99")},
-                **{f"tpot_{p}_s": tpot[p] for p in ("p50", "p90", "p99")},
-                "hit_local": reuse["local"],
-                "hit_global": reuse["global"],
-                "imbalance_mean": s["imbalance"]["mean"],
-                **{f"sticky_{k}": sticky.get(k) for k in ("session", "agent", "turn")},
+                "tps_within_slo": s.tps_within_slo,
+                "slo_attainment": s.slo_attainment,
+                **{f"ttft_{p}_s": ttft[p] for p in QUANTILES},
+                **{f"tpot_{p}_s": tpot[p] for p in QUANTILES},
+                "hit_local": reuse.local,
+                "hit_global": reuse.global_,
+                "imbalance_mean": s.imbalance.mean,
+                **{f"sticky_{k}": sticky[k] for k in STICKINESS},
             }
         )
     return Table("runs", title, columns, tuple(rows), tuple(values), frozenset(bold))
 
 
-def branches_table(summaries: Mapping[str, Summary]) -> Table:
+def branches_table(summaries: Mapping[str, RunSummary]) -> Table:
     """Why each policy routed where it did: decisions per branch, for multi-branch policies."""
     rows, values = [], []
     for policy, summary in summaries.items():
-        counts = summary["branches"]
+        counts = summary.branches
         total = sum(counts.values())
         if len(counts) > 1 and total:
             # A branch and its share stay on one line (a no-break space between them).
@@ -85,8 +88,9 @@ def branches_table(summaries: Mapping[str, Summary]) -> Table:
     return Table("branches", "Routing decisions per branch", columns, tuple(rows), tuple(values))
 
 
-def disaggregation_table(summaries: Mapping[str, Summary]) -> Table:
-    """What disaggregation adds per policy: the prefill stage, the KV pulls, the decode."""
+def disaggregation_table(summaries: Mapping[str, RunSummary]) -> Table:
+    """What disaggregation adds per policy: the prefill stage, the KV pulls, the decode
+    (simulated runs: a replay does not see the links)."""
     columns = (
         Column("policy", "left"),
         Column("prefill TPS\n@TTFT SLO"),
@@ -97,34 +101,36 @@ def disaggregation_table(summaries: Mapping[str, Summary]) -> Table:
     )
     rows, values = [], []
     for policy, s in summaries.items():
-        pd, ttft = s["pd"], s["pd"]["prefill_ttft_s"]
-        nics = pd["nic_utilisation"]
-        e2e = pd["end_to_end_tps_within_slo"]
+        pd = s.pd
+        if pd is None or pd.nic_utilisation is None or pd.transfer_bytes is None:
+            continue
+        nics, e2e = pd.nic_utilisation, pd.end_to_end_tps_within_slo
+        ttft = pd.prefill_ttft_s.to_builtins()
         rows.append(
             (
                 policy,
-                f"{pd['prefill_tps_within_slo']:,.0f}",
-                _three(ttft, 1, 2),
-                f"{pd['transfer_bytes'] / 1e9:,.1f}",
-                f"{_num(nics['prefill']['max'], 100, 0)}/{_num(nics['decode']['max'], 100, 0)}",
+                f"{pd.prefill_tps_within_slo:,.0f}",
+                _three(pd.prefill_ttft_s, 1, 2),
+                f"{pd.transfer_bytes / 1e9:,.1f}",
+                f"{_num(nics.prefill.max, 100, 0)}/{_num(nics.decode.max, 100, 0)}",
                 "-" if e2e is None else f"{e2e:,.0f}",
             )
         )
         values.append(
             {
                 "policy": policy,
-                "prefill_tps_within_slo": pd["prefill_tps_within_slo"],
-                **{f"prefill_ttft_{p}_s": ttft[p] for p in ("p50", "p90", "p99")},
-                "transfer_bytes": pd["transfer_bytes"],
-                "nic_prefill_max": nics["prefill"]["max"],
-                "nic_decode_max": nics["decode"]["max"],
+                "prefill_tps_within_slo": pd.prefill_tps_within_slo,
+                **{f"prefill_ttft_{p}_s": ttft[p] for p in QUANTILES},
+                "transfer_bytes": pd.transfer_bytes,
+                "nic_prefill_max": nics.prefill.max,
+                "nic_decode_max": nics.decode.max,
                 "end_to_end_tps_within_slo": e2e,
             }
         )
     return Table("pd", "PD disaggregation", columns, tuple(rows), tuple(values))
 
 
-def sweep_table(summary: Summary) -> Table:
+def sweep_table(summary: Mapping[str, Any]) -> Table:
     """Per policy and global tier: the best TPS within SLO over the offered rates."""
     seeds = " (mean ± sd over seeds)" if summary.get("seeds", 1) > 1 else ""
     tiers = summary["provisionings"]
@@ -149,7 +155,7 @@ def sweep_table(summary: Summary) -> Table:
     return Table("max_tps", title, columns, tuple(rows), tuple(values), frozenset(bold))
 
 
-def knee_table(summary: Summary, default: str) -> Table:
+def knee_table(summary: Mapping[str, Any], default: str) -> Table:
     """Each policy's knee per cell, then the default policy's lead over the best baseline."""
     cells = summary["cells"]
     columns = (
@@ -179,7 +185,7 @@ def knee_table(summary: Summary, default: str) -> Table:
     return Table("knees", title, columns, tuple(map(tuple, rows)), tuple(values), frozenset(bold))
 
 
-def plan_table(summary: Summary) -> Table:
+def plan_table(summary: Mapping[str, Any]) -> Table:
     """Per policy, the fewest instances that serve the trace within SLO, and at what cost."""
     priced = summary["price_per_gpu_hour"] is not None
     unit = summary["load_unit"]

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from smetric.metrics.results import Imbalance, Percentiles, RunSummary
 from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
 from smetric.report.palette import policy_color, policy_colors
@@ -34,7 +35,7 @@ FADED = 0.35  # alpha of the secondary layer drawn in a policy's colour (total T
 NEUTRAL = "#555555"  # legend swatches that explain a layer rather than name a policy
 LATENCIES = {"ttft_s": "Time to first token", "tpot_s": "Time per output token"}
 
-Summaries = Mapping[str, Section]
+Summaries = Mapping[str, RunSummary]
 
 
 def _policy_axis(ax: Axes, labels: Sequence[str]) -> None:
@@ -62,20 +63,20 @@ def _tps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     """How much of each policy's throughput counts: TPS within SLO over all completed TPS."""
     policies = list(summaries)
     y = np.arange(len(policies))
-    total = np.array([float(summaries[p]["tps"]) for p in policies])
-    within = np.array([float(summaries[p]["tps_within_slo"]) for p in policies])
+    total = np.array([summaries[p].tps for p in policies])
+    within = np.array([summaries[p].tps_within_slo for p in policies])
     fig = new_figure(8, _rows_height(len(policies)) + 0.3)
     ax = fig.add_subplot()
     behind = ax.barh(y, total, height=0.7, color=[to_rgba(colors[p], FADED) for p in policies])
     ax.barh(y, within, height=0.45, color=[colors[p] for p in policies])
     labels = [
-        f"{w:,.0f} of {t:,.0f} tok/s ({pct(summaries[p]['slo_attainment'])} met SLO)"
+        f"{w:,.0f} of {t:,.0f} tok/s ({pct(summaries[p].slo_attainment)} met SLO)"
         for p, w, t in zip(policies, within, total, strict=True)
     ]
     ax.bar_label(behind, labels=labels, padding=4, fontsize=9)
     ax.set_xlim(0, max(total.max(initial=0.0), 1.0) * 1.6)  # room for the labels
     _policy_axis(ax, policies)
-    disaggregated = any("pd" in summary for summary in summaries.values())
+    disaggregated = any(summary.pd is not None for summary in summaries.values())
     ax.set_xlabel(f"Tokens per second ({'prompt' if disaggregated else 'prompt + output'})")
     ax.set_title("TPS within SLO and total TPS")
     _key(
@@ -130,7 +131,7 @@ def _reuse_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     """Where each policy's prompt tokens come from: local tier, global tier or recompute."""
     fig = new_figure(8, _rows_height(len(summaries)) + 0.3)
     ax = fig.add_subplot()
-    _reuse_panel(ax, [(p, s["reuse"], colors[p]) for p, s in summaries.items()])
+    _reuse_panel(ax, [(p, s.reuse.to_builtins(), colors[p]) for p, s in summaries.items()])
     ax.set_xlabel("Share of prompt tokens")
     ax.set_title("KV-cache reuse by tier")
     _tier_legend(fig)
@@ -161,15 +162,15 @@ def _cdf_axis(ax: Axes, xlabel: str) -> None:
 
 def _load_name(summaries: Summaries) -> str:
     """What load means: prefill tokens under disaggregation (Figure 21b), else tokens."""
-    if any("pd" in summary for summary in summaries.values()):
+    if any(summary.pd is not None for summary in summaries.values()):
         return "in-flight prefill tokens"
     return "in-flight tokens"
 
 
-def _mean_imbalance(imbalance: Section) -> str:
+def _mean_imbalance(imbalance: Imbalance) -> str:
     """The paper's load-imbalance figure of merit; a run with no busy window has none."""
-    mean = imbalance["mean"]
-    if mean is None or math.isnan(mean):
+    mean = imbalance.mean
+    if math.isnan(mean):
         return "no busy windows"
     return f"mean {times(mean)}"
 
@@ -179,8 +180,8 @@ def _imbalance_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure
     fig = new_figure(8, 4.2)
     ax = fig.add_subplot()
     for policy, summary in summaries.items():
-        imbalance = summary["imbalance"]
-        _cdf(ax, imbalance["series"], colors[policy], f"{policy} ({_mean_imbalance(imbalance)})")
+        imbalance = summary.imbalance
+        _cdf(ax, imbalance.series, colors[policy], f"{policy} ({_mean_imbalance(imbalance)})")
     ax.axvline(1, color="grey", lw=0.8)
     _cdf_axis(ax, f"Per-window imbalance (max / mean {_load_name(summaries)}; 1.0x = balanced)")
     ax.set_title("Distribution of per-window load imbalance")
@@ -199,9 +200,9 @@ def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     scale = ScalarMappable(Normalize(0, 1), "viridis")
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax, (policy, summary) in zip(axes, summaries.items(), strict=False):
-        window_s = summary.get("window_s", 60.0)
-        first = measured_windows(summary.get("warmup_s", 0.0), window_s)
-        heat = np.asarray(summary["load_heatmap"], dtype=float)
+        window_s = summary.window_s
+        first = measured_windows(summary.warmup_s, window_s)
+        heat = np.asarray(summary.load_heatmap, dtype=float)
         if heat.ndim == 2:
             heat = heat[:, first:]
         p99 = float(np.percentile(heat, 99)) if heat.size else 0.0
@@ -216,7 +217,7 @@ def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
             extent=(start, minutes, heat.shape[0] - 0.5 if heat.ndim == 2 else 0.5, -0.5),
         )
         ax.grid(False)
-        ax.set_title(f"{policy} ({_mean_imbalance(summary['imbalance'])})", fontsize=10)
+        ax.set_title(f"{policy} ({_mean_imbalance(summary.imbalance)})", fontsize=10)
         ax.title.set_color(colors[policy])
         ax.set_xlabel("Time (minutes)")
         ax.set_ylabel("Instance")
@@ -239,8 +240,8 @@ def _seconds_axis(ax: Axes) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def _latency_label(policy: str, percentiles: Mapping[str, float | None]) -> str:
-    p50, p90 = percentiles["p50"], percentiles["p90"]
+def _latency_label(policy: str, percentiles: Percentiles) -> str:
+    p50, p90 = percentiles.p50, percentiles.p90
     if p50 is None or p90 is None:
         return f"{policy} (none completed)"
     return f"{policy} (p50 {seconds(p50)}, p90 {seconds(p90)})"
@@ -252,7 +253,7 @@ def _latency_figure(
     """Figure 17: TTFT and TPOT of every completed request, met SLO or not, as the paper
     counts them. TPOT needs a second output token, so single-token replies are left out."""
     # Prefill-only disaggregated runs (Figure 23) have no decode, so no TPOT to plot.
-    decoding = any(s.get("pd", {}).get("mode") != "prefill-only" for s in summaries.values())
+    decoding = any(s.pd is None or s.pd.mode != "prefill-only" for s in summaries.values())
     metrics = list(LATENCIES) if decoding else ["ttft_s"]
     fig = new_figure(11 if decoding else 6, 4.4)
     axes = dict(zip(metrics, fig.subplots(1, len(metrics), squeeze=False)[0], strict=True))
@@ -265,7 +266,7 @@ def _latency_figure(
         for metric in metrics:
             sample = samples[metric]
             positive = [v for v in sample.to_list() if v is not None and v > 0]  # log axis
-            label = _latency_label(policy, summary[metric])
+            label = _latency_label(policy, summary.ttft_s if metric == "ttft_s" else summary.tpot_s)
             _cdf(axes[metric], positive, colors[policy], label)
     for metric, ax in axes.items():
         _seconds_axis(ax)
@@ -283,7 +284,7 @@ def _stickiness_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figur
     ax = fig.add_subplot()
     rows = np.arange(len(policies))
     for offset, key, alpha in ((-0.2, "session", 1.0), (0.2, "agent", 0.5)):
-        shares = [summaries[p]["stickiness"][key] for p in policies]
+        shares = [summaries[p].stickiness.to_builtins()[key] for p in policies]
         bars = ax.barh(
             rows + offset,
             [0.0 if s is None else s for s in shares],
@@ -316,7 +317,7 @@ def _save(builds: Mapping[str, Callable[[], Figure]], out: Path) -> dict[str, Pa
 
 
 def write_simulation_pngs(
-    summaries: dict[str, dict], tables: dict[str, pl.DataFrame], out: Path
+    summaries: Summaries, tables: Mapping[str, pl.DataFrame], out: Path
 ) -> dict[str, Path]:
     """Write one run's figures; keys are figure names, policies keep the summaries' order."""
     colors = policy_colors(summaries)

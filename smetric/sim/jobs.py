@@ -12,6 +12,7 @@ from typing import Any
 import polars as pl
 
 from smetric.core.policies import resolve_policy
+from smetric.metrics.results import RunSummary
 from smetric.sim.config import SimConfig
 from smetric.sim.policy import policy_constants
 from smetric.sim.result import RunResult
@@ -51,11 +52,11 @@ def run_result(trace: Trace, job: Job) -> RunResult:
     return simulate(trace, job.config, job.policy)
 
 
-def run_summary(trace: Trace, job: Job) -> dict:
+def run_summary(trace: Trace, job: Job) -> RunSummary:
     return simulate(trace, job.config, job.policy).summary
 
 
-def run_summary_and_requests(trace: Trace, job: Job) -> tuple[dict, pl.DataFrame]:
+def run_summary_and_requests(trace: Trace, job: Job) -> tuple[RunSummary, pl.DataFrame]:
     result = simulate(trace, job.config, job.policy)
     return result.summary, result.requests
 

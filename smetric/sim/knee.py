@@ -182,7 +182,7 @@ def search_knees(
             jobs, store, trace, processes=processes, with_requests=with_requests
         )
         for (key, load, seed), summary in summaries.items():
-            runs[key].setdefault(load, {})[seed] = summary["tps_within_slo"]
+            runs[key].setdefault(load, {})[seed] = summary.tps_within_slo
         for key, load in wanted.items():
             if load is not None:
                 probes[key][load] = statistics.fmean(by_seed(runs[key][load]))

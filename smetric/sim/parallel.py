@@ -8,7 +8,6 @@ backend, runs only what is missing.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import threading
@@ -20,6 +19,7 @@ from typing import Any
 
 import polars as pl
 
+from smetric.metrics.results import RunSummary
 from smetric.sim.config import dump_yaml
 from smetric.sim.jobs import (
     Events,
@@ -113,14 +113,17 @@ class RunStore:
         self.folder = folder
         self.written = 0
 
-    def get(self, job: Job, *, with_requests: bool = False) -> dict | None:
+    def get(self, job: Job, *, with_requests: bool = False) -> RunSummary | None:
         run = self.folder / job.run_id
         path = run / "summary.json"
         if not path.exists() or (with_requests and not (run / self.REQUESTS).exists()):
             return None
-        return json.loads(path.read_text())
+        try:
+            return RunSummary.from_json(path.read_bytes())
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}; remove the folder to run it again") from exc
 
-    def stored(self, job: Job, *, with_requests: bool = False) -> dict:
+    def stored(self, job: Job, *, with_requests: bool = False) -> RunSummary:
         """The summary of a run that must be stored already (one a knee search probed)."""
         summary = self.get(job, with_requests=with_requests)
         if summary is None:
@@ -131,14 +134,14 @@ class RunStore:
         """The per-request table of a run stored with one."""
         return pl.read_parquet(self.folder / job.run_id / self.REQUESTS)
 
-    def put(self, job: Job, summary: dict, requests: pl.DataFrame | None = None) -> None:
+    def put(self, job: Job, summary: RunSummary, requests: pl.DataFrame | None = None) -> None:
         run = self.folder / job.run_id
         run.mkdir(parents=True, exist_ok=True)
         dump_yaml(job.resolved, run / "config.yaml")
         if requests is not None:
             requests.write_parquet(run / self.REQUESTS)
         partial = run / "summary.json.partial"
-        partial.write_text(json.dumps(summary, indent=1))
+        partial.write_text(summary.to_json())
         partial.replace(run / "summary.json")
         self.written += 1
 
@@ -156,7 +159,7 @@ def run_sweep(
     ray_address: str | None = None,
     progress: Progress | None = None,
     with_requests: bool = False,
-) -> tuple[dict[tuple, dict], int]:
+) -> tuple[dict[tuple, RunSummary], int]:
     """Every job's summary by key, running those ``store`` lacks; and how many ran now.
 
     Runs go to worker processes on this machine, or with ``ray_address`` to a Ray cluster
@@ -165,7 +168,7 @@ def run_sweep(
     counts a stored run without one as missing.
     """
     source, fmt = jobs[0].config.workload.trace, jobs[0].config.workload.format
-    done: dict[tuple, dict] = {}
+    done: dict[tuple, RunSummary] = {}
     todo = []
     for job in jobs:
         stored = None if store is None else store.get(job, with_requests=with_requests)

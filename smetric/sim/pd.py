@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import polars as pl
 
@@ -43,13 +44,14 @@ from smetric.core.policies.decode import DecodeView, make_decode_policy
 from smetric.core.prefix_cache import Handle
 from smetric.core.prices import Completion, PriceLearner
 from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
+from smetric.metrics.results import LinkUse, NicUse, RunSummary
 from smetric.metrics.summary import with_latencies
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
 from smetric.sim.config import ClusterConfig, SimConfig
 from smetric.sim.instance import Instance, SimRequest
-from smetric.sim.policy import cluster_policy, learned_summary, policy_learner
-from smetric.sim.result import RunResult
+from smetric.sim.policy import cluster_policy, policy_learner
+from smetric.sim.result import RunResult, with_simulated
 from smetric.sim.workload import SimWorkload, build_workload
 from smetric.trace.schema import Trace
 
@@ -260,7 +262,9 @@ def handoff_table(sim: DisaggSimulation) -> pl.DataFrame:
     )
 
 
-def pd_summary(table: pl.DataFrame, config: SimConfig, sim: DisaggSimulation, horizon: float):
+def pd_summary(
+    table: pl.DataFrame, config: SimConfig, sim: DisaggSimulation, horizon: float
+) -> RunSummary:
     """``disaggregated_summary`` plus what only the simulator sees: bytes on the links."""
     cluster = config.cluster
     full = cluster.decode_instances > 0
@@ -274,23 +278,22 @@ def pd_summary(table: pl.DataFrame, config: SimConfig, sim: DisaggSimulation, ho
         config.warmup_s,
     )
 
-    def utilisation(links: list[Link]) -> dict[str, float | None]:
+    def utilisation(links: list[Link]) -> LinkUse:
         shares = [link.bytes_moved / (link.bytes_per_s * horizon) for link in links]
         if not shares:
-            return {"mean": None, "max": None}
-        return {"mean": float(np.mean(shares)), "max": float(np.max(shares))}
+            return LinkUse(mean=None, max=None)
+        return LinkUse(mean=float(np.mean(shares)), max=float(np.max(shares)))
 
     prefill_nics, decode_nics = sim.nic_links()
-    summary["pd"].update(
+    assert summary.pd is not None
+    pd = msgspec.structs.replace(
+        summary.pd,
         decode_instances=cluster.decode_instances,
         decode_policy=cluster.decode_policy if full else None,
-        transfer_bytes=summary["pd"]["transfer_tokens"] * sim.shape.kv_bytes_per_token,
-        nic_utilisation={
-            "prefill": utilisation(prefill_nics),
-            "decode": utilisation(decode_nics),
-        },
+        transfer_bytes=summary.pd.transfer_tokens * sim.shape.kv_bytes_per_token,
+        nic_utilisation=NicUse(prefill=utilisation(prefill_nics), decode=utilisation(decode_nics)),
     )
-    return summary
+    return msgspec.structs.replace(summary, pd=pd)
 
 
 def simulate_disaggregated(
@@ -309,9 +312,7 @@ def simulate_disaggregated(
     horizon = workload.horizon_s
     table = sim.run().join(handoff_table(sim), on="request_id", how="left")
     table = with_prefill_latency(with_latencies(table, config.slo, horizon), config.slo, horizon)
-    summary = pd_summary(table, config, sim, horizon)
-    prefill = sim.instances[: sim.routed]
-    summary["global_tier_bytes"] = sum(i.tier_route.bytes_moved for i in prefill)
-    summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
-    summary.update(learned_summary(learner))
+    summary = with_simulated(
+        pd_summary(table, config, sim, horizon), sim.instances[: sim.routed], sim.instances, learner
+    )
     return RunResult(policy, table, summary, sim.shape, params)

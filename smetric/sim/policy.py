@@ -45,11 +45,3 @@ def cluster_policy(spec: str, cluster: ClusterConfig) -> tuple[RoutingPolicy, di
 def policy_learner(router: RoutingPolicy, spec: str) -> PriceLearner | None:
     """The learner of the prices the spec leaves open, if the policy learns any."""
     return price_learner(router, spec_params(spec)[1])
-
-
-def learned_summary(learner: PriceLearner | None) -> dict:
-    """What a run learned, for its summary: the final estimates and from how many
-    completed requests (nothing for a policy that learns nothing)."""
-    if learner is None:
-        return {}
-    return {"learned_params": learner.learned(), "learned_from": learner.observed}

@@ -9,8 +9,8 @@ from smetric.metrics.summary import summarize, with_latencies
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
 from smetric.sim.pd import simulate_disaggregated
-from smetric.sim.policy import cluster_policy, learned_summary, policy_learner
-from smetric.sim.result import RunResult
+from smetric.sim.policy import cluster_policy, policy_learner
+from smetric.sim.result import RunResult, with_simulated
 from smetric.sim.workload import build_workload
 from smetric.trace.schema import Trace
 
@@ -32,7 +32,5 @@ def simulate(
     summary = summarize(
         table, config.slo, horizon, config.cluster.instances, config.window_s, config.warmup_s
     )
-    summary["global_tier_bytes"] = sum(i.tier_route.bytes_moved for i in sim.instances)
-    summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
-    summary.update(learned_summary(learner))
+    summary = with_simulated(summary, sim.instances, sim.instances, learner)
     return RunResult(policy, table, summary, sim.shape, params)

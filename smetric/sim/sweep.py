@@ -71,10 +71,12 @@ def sweep_summary(
         for p in policies:
             for r in rates:
                 seeds = results[(r, g, p)]
-                run: dict = {"rate": r, "global": g, "policy": p, "summary": seeds[0]}
+                # The sweep is written as it is (sweep.json): summaries in their JSON form.
+                merged = [s.to_builtins() for s in seeds]
+                run: dict = {"rate": r, "global": g, "policy": p, "summary": merged[0]}
                 if len(seeds) > 1:
-                    tps = [s["tps_within_slo"] for s in seeds]
-                    run["summary"] = mean_summary(seeds)
+                    tps = [s.tps_within_slo for s in seeds]
+                    run["summary"] = mean_summary(merged)
                     run["seeds_tps"] = tps
                     run["stdev"] = spread(tps)
                 runs.append(run)

@@ -1,0 +1,193 @@
+"""What a run produces, typed: the one schema the simulator and ``replay`` write and the
+evaluations and reports read (docs/concepts/metrics.md).
+
+A run's summary is a tree of frozen records, each a section of ``summary.json``: fields
+are named as the file's keys (``Reuse.global_`` is the file's ``"global"``), so a record
+and its JSON convert both ways without a mapping table, and mypy checks every reader
+against the fields the simulator writes. Counts are ``int`` in one run and may be
+``float`` in a mean over seeds (``sim.seeds``), so they are typed ``int | float``.
+
+Sections a run may lack are ``None`` and left out of the file (a replay measures no
+global-tier bytes; a policy that learns nothing has no learned parameters), so files
+stay the shape they always had. Files carry no version field: every file written so far
+is ``SCHEMA_VERSION`` 1, and a file that does not match it fails with a message naming
+the version this code reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Number = int | float
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A section of a run's results: frozen, converted to and from JSON by field name."""
+
+    def to_builtins(self) -> dict[str, Any]:
+        """The record as the JSON-able dict written to disk (no field left out that the
+        file has always had)."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_builtins(cls, data: object) -> Self:
+        """The record from its JSON-able form; ``ValueError`` naming the schema version
+        when ``data`` is not one (a file from an older or newer release, or not a result)."""
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(
+                f"not a {cls.__name__} of results schema version {SCHEMA_VERSION}: {exc}"
+            ) from exc
+
+    def to_json(self) -> str:
+        """The record as ``summary.json`` writes it (indented; NaN where a ratio has no
+        windows to measure, as Python's ``json`` reads and writes it)."""
+        return json.dumps(self.to_builtins(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Self:
+        return cls.from_builtins(json.loads(text))
+
+
+class Percentiles(Record, frozen=True):
+    """The 50th, 90th and 99th percentiles of a latency; None each over no requests."""
+
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+
+class RequestCounts(Record, frozen=True):
+    """What happened to the run's requests (the completed ones after the warm-up)."""
+
+    issued: Number
+    completed: Number
+    met_slo: Number
+    rejected: Number
+    unfinished: Number
+    preemptions: Number
+
+
+class Reuse(Record, frozen=True):
+    """Shares of the admitted requests' prompt tokens: hit in the instance's own cache,
+    fetched from the global tier, or computed."""
+
+    prompt_tokens: Number
+    local: float
+    global_: float = msgspec.field(name="global")
+    miss: float
+
+
+class Imbalance(Record, frozen=True):
+    """Max over mean load per window, over the busy windows after the warm-up; NaN each
+    when no window had load."""
+
+    mean: float
+    p50: float
+    p90: float
+    max: float
+    series: list[float]
+
+
+class Stickiness(Record, frozen=True):
+    """Share of follow-ups served where a reference request was (``metrics.summary``'s
+    ``stickiness`` says which); None where there were none or they were not recorded."""
+
+    session: float | None
+    agent: float | None
+    turn: float | None
+
+
+class LinkUse(Record, frozen=True):
+    """Mean and busiest share of a set of links' capacity used over the run."""
+
+    mean: float | None
+    max: float | None
+
+
+class NicUse(Record, frozen=True):
+    prefill: LinkUse
+    decode: LinkUse
+
+
+class PDSummary(Record, frozen=True):
+    """PD disaggregation's figures: the prefill stage scored on its own, and the KV
+    transfers. The fields from ``decode_instances`` on are the simulator's alone (a
+    replay does not see the links)."""
+
+    mode: Literal["full", "prefill-only"]
+    prefill_instances: int
+    prefill_tps_within_slo: float
+    prefill_ttft_s: Percentiles
+    end_to_end_tps_within_slo: float | None
+    transfer_tokens: Number
+    transfers: Number
+    requests_per_decoder: list[Number]
+    decode_instances: int | None = None
+    # None where the run only prefills; unset (left out) where nobody decides it.
+    decode_policy: str | msgspec.UnsetType | None = msgspec.UNSET
+    transfer_bytes: Number | None = None
+    nic_utilisation: NicUse | None = None
+
+
+class RunSummary(Record, frozen=True):
+    """One run's results: the paper's metrics over its horizon (``metrics.summary``),
+    PD's where the cluster is disaggregated, and what only the simulator sees."""
+
+    horizon_s: float
+    warmup_s: float
+    window_s: float
+    requests: RequestCounts
+    tps_within_slo: float
+    tps: float
+    slo_attainment: float
+    ttft_s: Percentiles
+    tpot_s: Percentiles
+    reuse: Reuse
+    imbalance: Imbalance
+    # Mean in-flight load per instance (rows) and window (columns).
+    load_heatmap: list[list[float]]
+    stickiness: Stickiness
+    # Admitted requests per routing branch the policy took.
+    branches: dict[str, int | float]
+    pd: PDSummary | None = None
+    global_tier_bytes: Number | None = None
+    # Per instance, the share of the horizon it was busy.
+    busy_fraction: list[float] | None = None
+    learned_params: dict[str, float] | None = None
+    learned_from: Number | None = None
+
+
+def write_summaries(path: Path, meta: Mapping[str, Any], runs: Mapping[str, RunSummary]) -> None:
+    """``summary.json``: ``meta`` (what produced the runs) with each run's summary under
+    ``policies``, placed where ``meta`` has a ``policies`` key, else last."""
+    data = dict(meta) | {"policies": {name: run.to_builtins() for name, run in runs.items()}}
+    path.write_text(json.dumps(data, indent=1))
+
+
+def read_summaries(path: Path) -> dict[str, RunSummary]:
+    """Each run's summary in a ``summary.json``; ``ValueError`` naming the file when it is
+    missing, unreadable or not results of this schema version."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ValueError(
+            f"{path.parent}: no summary.json (not a `smetric simulate` or `replay` result)"
+        ) from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from exc
+    runs = data.get("policies") if isinstance(data, dict) else None
+    if not isinstance(runs, dict) or not runs:
+        raise ValueError(f"{path}: no 'policies' with run summaries")
+    try:
+        return {name: RunSummary.from_builtins(run) for name, run in runs.items()}
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
