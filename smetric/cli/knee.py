@@ -95,9 +95,8 @@ def knee(
 
             store = RunStore(out / "runs")
             knees = search_knees(cells, range(seeds), settings, processes, trace, on_round, store)
-    summary = knee_summary([(g, m) for g in levels for m in modes], base.policies, knees)
-    summary["seeds"] = seeds
-    summary["settings"] = dataclasses.asdict(settings)
+    searched = [(g, m) for g in levels for m in modes]
+    summary = knee_summary(searched, base.policies, knees, seeds, settings)
     write_knee(out, base, summary, default)
     emit([knee_table(summary, default)], table_format, console)
     out_console(table_format).print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")

@@ -18,10 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from smetric.core.policies import is_ours
 from smetric.eval.grid_preset import GridPreset
+from smetric.metrics.results import Knee
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import tps_under_slo
 from smetric.sim.config import SimConfig
-from smetric.sim.knee import Knee, KneeSettings, best_baseline, knee_of, probe_job, search_knees
+from smetric.sim.knee import KneeSettings, best_baseline, knee_of, probe_job, search_knees
 from smetric.sim.parallel import RunStore
 from smetric.trace.schema import Trace
 

@@ -24,9 +24,10 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from smetric.metrics.results import Knee
 from smetric.sim.cluster import resolve_shape
 from smetric.sim.config import SimConfig
-from smetric.sim.knee import Knee, KneeSettings, probe_job, search_knees
+from smetric.sim.knee import KneeSettings, probe_job, search_knees
 from smetric.sim.parallel import RunStore, run_sweep
 from smetric.trace.schema import Trace
 

@@ -28,11 +28,10 @@ import polars as pl
 from smetric.core.policies import policy_params
 from smetric.eval.grid import FREE_GLOBAL_TIER, FREE_TIER
 from smetric.eval.preset import REFERENCE_TIER, Preset
-from smetric.metrics.results import RunSummary
+from smetric.metrics.results import Knee, RunSummary
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.knee import (
-    Knee,
     KneeSettings,
     best_baseline,
     best_of,
@@ -238,11 +237,11 @@ def _tiers(runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[s
                 runner.store.stored(probe_job((tier, p), cells[tier, p], knee.load, s))
                 for s in seeds
             ]
-            per_policy[p] = {"knee": dataclasses.asdict(knee), **_point(runs)}
+            per_policy[p] = {"knee": knee.to_builtins(), **_point(runs)}
         rival = best_baseline({p: v["knee"]["mean"] for p, v in per_policy.items()})
         out[tier] = {"best_baseline": rival, "policies": per_policy}
     if preset.ceiling:
-        ceilings = {p: dataclasses.asdict(knees[FREE_TIER, p]) for p in policies}
+        ceilings = {p: knees[FREE_TIER, p].to_builtins() for p in policies}
         best = max(ceilings, key=lambda p: ceilings[p]["mean"])
         out[FREE_TIER] = {"best": best, "knees": ceilings}
     return out
@@ -261,11 +260,11 @@ def _with_rate_sweep(
     of the best baseline (the sweep's rates are defined by it)."""
     for p, entry in tier["policies"].items():
         runs = {rate(m): [summaries["rate", p, m, s] for s in seeds] for m in multiples}
-        knee = Knee(**entry["knee"])
+        knee = Knee.from_builtins(entry["knee"])
         best = best_of(knee, {load: [r.tps_within_slo for r in rs] for load, rs in runs.items()})
         point = _point(runs[best.load]) if best.load != knee.load else entry
         tier["policies"][p] = {
-            "knee": dataclasses.asdict(best),
+            "knee": best.to_builtins(),
             **{k: v for k, v in point.items() if k != "knee"},
         }
     tier["best_baseline"] = best_baseline(

@@ -191,3 +191,34 @@ def read_summaries(path: Path) -> dict[str, RunSummary]:
         return {name: RunSummary.from_builtins(run) for name, run in runs.items()}
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
+
+
+class Knee(Record, frozen=True):
+    """A policy's knee: the offered load at which its TPS within SLO peaked, the mean
+    and spread over seeds there, each seed's value, and every probed load's mean."""
+
+    load: float
+    mean: float
+    stdev: float
+    seeds: tuple[float, ...]
+    probes: dict[float, float]
+
+
+class KneeCell(Record, frozen=True):
+    """One cell of a knee search (a global tier and a KV load): every policy's knee and
+    the best baseline at its best setting."""
+
+    global_: str = msgspec.field(name="global")
+    kv_load: str
+    knees: dict[str, Knee]
+    best_baseline: str | None
+
+
+class KneeSummary(Record, frozen=True):
+    """``smetric knee``'s result (``knee.json``), also the shape of ``reproduce``'s knees."""
+
+    policies: list[str]
+    cells: list[KneeCell]
+    # The seeds each probe ran over and the search's settings, where a search wrote them.
+    seeds: int | None = None
+    settings: dict[str, float] | None = None

@@ -17,7 +17,7 @@ from markupsafe import Markup, escape
 from smetric.core.policies import is_ours
 from smetric.eval.paper import comparisons, pct, seconds, times
 from smetric.eval.reproduce import GUARD_OFF
-from smetric.metrics.results import RunSummary
+from smetric.metrics.results import Knee, KneeSummary, RunSummary
 from smetric.report.knee import knee_rows
 from smetric.report.markdown import markdown_table
 from smetric.report.simulation import (
@@ -27,6 +27,7 @@ from smetric.report.simulation import (
     write_simulation_pngs,
     write_sweep_pngs,
 )
+from smetric.sim.knee import knee_summary
 
 Result = Mapping[str, Any]
 
@@ -47,21 +48,15 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def knee_summary(result: Result) -> dict:
-    """The tiers' knees shaped as ``smetric knee``'s summary (its table and plot read it)."""
+def tier_knees(result: Result) -> KneeSummary:
+    """The tiers' knees as ``smetric knee``'s summary (its table and plot read it)."""
     load = result["config"]["cluster"]["kv_load"]
-    return {
-        "policies": result["policies"],
-        "cells": [
-            {
-                "global": tier,
-                "kv_load": load,
-                "knees": {p: v["knee"] for p, v in cell["policies"].items()},
-                "best_baseline": cell["best_baseline"],
-            }
-            for tier, cell in result["tiers"].items()
-        ],
+    knees = {
+        (tier, load, p): Knee.from_builtins(v["knee"])
+        for tier, cell in result["tiers"].items()
+        for p, v in cell["policies"].items()
     }
+    return knee_summary([(tier, load) for tier in result["tiers"]], result["policies"], knees)
 
 
 def tier_sweep(result: Result) -> dict:
@@ -110,7 +105,7 @@ def write_figures(
 ) -> dict[str, Path]:
     """Every figure of the report, by name."""
     pngs = dict(write_sweep_pngs(tier_sweep(result), out, ("max_tps", "reuse_by_provisioning")))
-    pngs["knee"] = write_knee_png(knee_summary(result), out / "knee.png")
+    pngs["knee"] = write_knee_png(tier_knees(result), out / "knee.png")
     pngs |= write_sweep_pngs(rate_sweep(result), out, ("tps_vs_rate",))
     at_load = write_simulation_pngs(dict(summaries), dict(tables), out / "paper-load")
     pngs |= {name: at_load[name] for name in ("latency", "heatmaps", "stickiness")}
@@ -121,7 +116,7 @@ def write_figures(
 
 def _tier_sections(result: Result) -> list[Section]:
     ours = [p for p in result["policies"] if is_ours(p)]
-    knees = knee_summary(result)
+    knees = tier_knees(result)
     head = ("policy", *(f"global {t}" for t in result["tiers"]))
     split = [
         [p]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from smetric.core.policies import base_name, hardware_params
-from smetric.metrics.results import write_summaries
+from smetric.metrics.results import KneeSummary, write_summaries
 from smetric.metrics.runs import run_file_name
 from smetric.report.knee import knee_markdown
 from smetric.sim.config import SimConfig, dump_yaml
@@ -55,12 +55,12 @@ def write_sweep(out: Path, config: SimConfig, summary: dict) -> int:
     return len(write_sweep_pngs(summary, out))
 
 
-def write_knee(out: Path, config: SimConfig, summary: dict, default: str) -> None:
+def write_knee(out: Path, config: SimConfig, summary: KneeSummary, default: str) -> None:
     """Configuration, knee.json, knee.md (``default`` against the best baseline), knee.png."""
     from smetric.report.simulation import write_knee_png
 
     _start(out, config)
-    (out / "knee.json").write_text(json.dumps(summary, indent=1))
+    (out / "knee.json").write_text(summary.to_json())
     (out / "knee.md").write_text(knee_markdown(summary, (default,)))
     write_knee_png(summary, out / "knee.png")
 

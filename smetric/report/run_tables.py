@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from smetric.metrics.results import Percentiles, RunSummary
+from smetric.metrics.results import KneeSummary, Percentiles, RunSummary
 from smetric.report.knee import knee_rows
 from smetric.report.tables import Column, Table
 
@@ -155,12 +155,12 @@ def sweep_table(summary: Mapping[str, Any]) -> Table:
     return Table("max_tps", title, columns, tuple(rows), tuple(values), frozenset(bold))
 
 
-def knee_table(summary: Mapping[str, Any], default: str) -> Table:
+def knee_table(summary: KneeSummary, default: str) -> Table:
     """Each policy's knee per cell, then the default policy's lead over the best baseline."""
-    cells = summary["cells"]
+    cells = summary.cells
     columns = (
         Column("policy", "left"),
-        *(Column(f"global {c['global']}\n{c['kv_load']} load") for c in cells),
+        *(Column(f"global {c.global_}\n{c.kv_load} load") for c in cells),
     )
     marked = "\0"
     rows = knee_rows(summary, (default,), lambda v: f"{v:,.0f}", lambda t: marked + t)
@@ -170,15 +170,15 @@ def knee_table(summary: Mapping[str, Any], default: str) -> Table:
     for row in rows:
         value: dict[str, Any] = {"policy": row[0]}
         for cell, text in zip(cells, row[1:], strict=True):
-            key = f"{cell['global']}_{cell['kv_load']}"
-            knee = cell["knees"].get(row[0])
+            key = f"{cell.global_}_{cell.kv_load}"
+            knee = cell.knees.get(row[0])
             if knee is None:  # a "vs best baseline" row
                 value[f"lead_{key}"] = text
             else:
                 value |= {
-                    f"mean_{key}": knee["mean"],
-                    f"stdev_{key}": knee["stdev"],
-                    f"load_{key}": knee["load"],
+                    f"mean_{key}": knee.mean,
+                    f"stdev_{key}": knee.stdev,
+                    f"load_{key}": knee.load,
                 }
         values.append(value)
     title = "Max TPS within SLO: mean ± sd over seeds (at the knee's load)"

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from smetric.metrics.results import Imbalance, Percentiles, RunSummary
+from smetric.metrics.results import Imbalance, KneeSummary, Percentiles, RunSummary
 from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
 from smetric.report.palette import policy_color, policy_colors
@@ -509,28 +509,28 @@ def write_sensitivity_png(sensitivity: dict, path: Path) -> Path:
     return _save({path.stem: partial(_sensitivity_figure, sensitivity)}, path.parent)[path.stem]
 
 
-def _knee_figure(summary: Section, colors: Mapping[str, str]) -> Figure:
+def _knee_figure(summary: KneeSummary, colors: Mapping[str, str]) -> Figure:
     """Every probe of each policy's knee search, one panel per cell: the curve each knee
     sits on, so a reader can see how sharp it is and how much the search explored."""
-    cells = summary["cells"]
+    cells = summary.cells
     fig = new_figure(min(4.0 * len(cells), 16), 4.4)
     axes = fig.subplots(1, len(cells), sharey=True, squeeze=False).ravel()
     for ax, cell in zip(axes, cells, strict=True):
-        for policy, knee in cell["knees"].items():
-            probes = sorted((float(load), tps) for load, tps in knee["probes"].items())
+        for policy, knee in cell.knees.items():
+            probes = sorted(knee.probes.items())
             ax.plot(*zip(*probes, strict=True), color=colors[policy], marker="o", ms=3, lw=1.5)
-            ax.plot([knee["load"]], [knee["mean"]], color=colors[policy], marker="*", ms=11)
+            ax.plot([knee.load], [knee.mean], color=colors[policy], marker="*", ms=11)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(f"Global tier: {cell['global']}, {cell['kv_load']} load")
+        ax.set_title(f"Global tier: {cell.global_}, {cell.kv_load} load")
         ax.set_xlabel("Offered load (log)")
     return _tps_panels(fig, axes[0], "TPS within SLO, mean over seeds (tok/s)", colors)
 
 
-def write_knee_png(summary: dict, path: Path) -> Path:
+def write_knee_png(summary: KneeSummary, path: Path) -> Path:
     """The knee searches' probes (``smetric knee``), policies in the summary's order."""
-    colors = policy_colors(summary["policies"])
+    colors = policy_colors(summary.policies)
     return _save({path.stem: partial(_knee_figure, summary, colors)}, path.parent)[path.stem]
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from smetric.core.policies import is_ours
+from smetric.metrics.results import Knee, KneeCell, KneeSummary
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.parallel import RunStore, run_sweep
@@ -59,24 +60,15 @@ def next_load(probes: Mapping[float, float], settings: KneeSettings) -> float | 
     return math.sqrt(a * b)
 
 
-@dataclass(frozen=True)
-class Knee:
-    """A policy's best load, its mean and spread over seeds there, and every probe."""
-
-    load: float
-    mean: float
-    stdev: float
-    seeds: tuple[float, ...]
-    probes: dict[float, float]
-
-
 def knee_of(runs: Mapping[float, Sequence[float]]) -> Knee:
     """The knee among probed loads, each with its per-seed values."""
     means = {load: statistics.fmean(values) for load, values in runs.items()}
     best = max(sorted(means), key=lambda load: (means[load], -load))
     values = tuple(runs[best])
     spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return Knee(best, means[best], spread, values, dict(sorted(means.items())))
+    return Knee(
+        load=best, mean=means[best], stdev=spread, seeds=values, probes=dict(sorted(means.items()))
+    )
 
 
 def best_of(knee: Knee, runs: Mapping[float, Sequence[float]]) -> Knee:
@@ -91,7 +83,9 @@ def best_of(knee: Knee, runs: Mapping[float, Sequence[float]]) -> Knee:
     best = max(sorted(per_seed), key=lambda load: (means[load], -load))
     values = per_seed[best]
     spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return Knee(best, means[best], spread, values, dict(sorted(means.items())))
+    return Knee(
+        load=best, mean=means[best], stdev=spread, seeds=values, probes=dict(sorted(means.items()))
+    )
 
 
 def best_baseline(values: Mapping[str, float]) -> str | None:
@@ -102,22 +96,25 @@ def best_baseline(values: Mapping[str, float]) -> str | None:
 
 
 def knee_summary(
-    cells: Sequence[tuple[str, str]], policies: tuple[str, ...], knees: Mapping[tuple, Knee]
-) -> dict:
-    """Per (global tier, load mode) cell, every policy's knee and the best baseline."""
+    cells: Sequence[tuple[str, str]],
+    policies: Sequence[str],
+    knees: Mapping[tuple, Knee],
+    seeds: int | None = None,
+    settings: KneeSettings | None = None,
+) -> KneeSummary:
+    """Per (global tier, load mode) cell, every policy's knee and the best baseline; with
+    the seeds and settings of the search that found them, where given."""
     out = []
     for glob, load in cells:
         per_policy = {p: knees[(glob, load, p)] for p in policies}
         rival = best_baseline({p: k.mean for p, k in per_policy.items()})
-        out.append(
-            {
-                "global": glob,
-                "kv_load": load,
-                "knees": {p: dataclasses.asdict(k) for p, k in per_policy.items()},
-                "best_baseline": rival,
-            }
-        )
-    return {"policies": list(policies), "cells": out}
+        out.append(KneeCell(global_=glob, kv_load=load, knees=per_policy, best_baseline=rival))
+    return KneeSummary(
+        policies=list(policies),
+        cells=out,
+        seeds=seeds,
+        settings=None if settings is None else dataclasses.asdict(settings),
+    )
 
 
 def with_load(config: SimConfig, load: float) -> SimConfig:
