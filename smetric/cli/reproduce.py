@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -93,7 +92,7 @@ def reproduce_command(
             )
         summaries, tables = paper_load_runs(store, chosen, specs, result)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "reproduce.json").write_text(json.dumps(result, indent=1))
+    (out / "reproduce.json").write_text(result.to_json())
     html, markdown = write_report(result, summaries, tables, command, out)
     if page is not None:
         with user_errors():

@@ -9,17 +9,16 @@ paper's "Bailian" is ``linear`` at λ=0.9, its "load-balance-only" is ``least_lo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from smetric.core.policies import is_ours
 from smetric.eval.reproduce import GUARD_OFF, PAPER_LOAD
+from smetric.metrics.results import Point, Quantile, ReproduceResult
 from smetric.sim.knee import best_baseline
 
 BAILIAN = "linear"
 LOAD_BALANCE = "least_load"
 LMETRIC = "lmetric"
-
-Result = Mapping[str, Any]
 
 
 class Comparison(NamedTuple):
@@ -47,14 +46,14 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
-def _knee(result: Result, tier: str, policy: str) -> float:
-    return result["tiers"][tier]["policies"][policy]["knee"]["mean"]
+def _knee(result: ReproduceResult, tier: str, policy: str) -> float:
+    return result.tiers[tier].policies[policy].knee.mean
 
 
-def _vs_best_baseline(result: Result, policy: str, tiers: Sequence[str]) -> str:
+def _vs_best_baseline(result: ReproduceResult, policy: str, tiers: Sequence[str]) -> str:
     parts = []
     for tier in tiers:
-        rival = result["tiers"][tier]["best_baseline"]
+        rival = result.tiers[tier].best_baseline
         if rival is None:
             return "-"
         gap = change(_knee(result, tier, policy), _knee(result, tier, rival))
@@ -62,14 +61,14 @@ def _vs_best_baseline(result: Result, policy: str, tiers: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
-def _needs(result: Result, *policies: str) -> str | None:
+def _needs(result: ReproduceResult, *policies: str) -> str | None:
     """Why a row cannot be computed: the policies it compares that were not run."""
-    missing = [p for p in policies if p not in result["policies"]]
+    missing = [p for p in policies if p not in result.policies]
     return f"not run (needs {', '.join(missing)})" if missing else None
 
 
-def _with_store(result: Result) -> list[Comparison]:
-    tiers = [t for t in result["tiers"] if t != "none"]
+def _with_store(result: ReproduceResult) -> list[Comparison]:
+    tiers = [t for t in result.tiers if t != "none"]
     return [
         Comparison(
             "16a",
@@ -77,13 +76,13 @@ def _with_store(result: Result) -> list[Comparison]:
             "+10 % to +16 %",
             _vs_best_baseline(result, p, tiers),
         )
-        for p in result["policies"]
+        for p in result.policies
         if is_ours(p)
     ]
 
 
-def _no_store(result: Result) -> list[Comparison]:
-    if "none" not in result["tiers"]:
+def _no_store(result: ReproduceResult) -> list[Comparison]:
+    if "none" not in result.tiers:
         return []
     ours = _needs(result, "smetric", BAILIAN) or change(
         _knee(result, "none", "smetric"), _knee(result, "none", BAILIAN)
@@ -91,23 +90,23 @@ def _no_store(result: Result) -> list[Comparison]:
     return [Comparison("16a", "No global store: `smetric` vs Bailian", "within 1 % (ahead)", ours)]
 
 
-def _load_balance_gap(result: Result) -> list[Comparison]:
-    full = result["tiers"]["full"]["policies"]
-    others = {p: v["knee"]["mean"] for p, v in full.items() if p != LOAD_BALANCE}
+def _load_balance_gap(result: ReproduceResult) -> list[Comparison]:
+    full = result.tiers["full"].policies
+    others = {p: v.knee.mean for p, v in full.items() if p != LOAD_BALANCE}
     rival = best_baseline(others)
     ours = _needs(result, LOAD_BALANCE) or (
         "-"
         if rival is None
-        else f"{change(full[LOAD_BALANCE]['knee']['mean'], others[rival])} vs {rival}"
+        else f"{change(full[LOAD_BALANCE].knee.mean, others[rival])} vs {rival}"
     )
     return [
         Comparison("11a", "Full tier: least-load vs the strongest baseline", "within 7 %", ours)
     ]
 
 
-def _reuse(result: Result) -> list[Comparison]:
-    full = result["tiers"]["full"]["policies"]
-    overall = [v["reuse"]["local"] + v["reuse"]["global"] for v in full.values()]
+def _reuse(result: ReproduceResult) -> list[Comparison]:
+    full = result.tiers["full"].policies
+    overall = [v.reuse.local + v.reuse.global_ for v in full.values()]
     rows = [
         Comparison(
             "11b",
@@ -120,12 +119,11 @@ def _reuse(result: Result) -> list[Comparison]:
             "Full tier: local-tier hits, `smetric` vs Bailian",
             "64 % vs 65 %",
             _needs(result, "smetric", BAILIAN)
-            or f"{pct(full['smetric']['reuse']['local'])} vs "
-            f"{pct(full[BAILIAN]['reuse']['local'])}",
+            or f"{pct(full['smetric'].reuse.local)} vs {pct(full[BAILIAN].reuse.local)}",
         ),
     ]
-    small = [t for t in result["tiers"] if t not in ("none", "full")] or ["none"]
-    at = result["tiers"][small[0]]["policies"]
+    small = [t for t in result.tiers if t not in ("none", "full")] or ["none"]
+    at = result.tiers[small[0]].policies
     trio = (BAILIAN, LMETRIC, LOAD_BALANCE)
     rows.append(
         Comparison(
@@ -133,19 +131,18 @@ def _reuse(result: Result) -> list[Comparison]:
             f"No or a small global tier (ours: {small[0]}): local-tier hits, "
             "Bailian / LMetric / least-load",
             "58 % / 33 % / 6 %",
-            _needs(result, *trio) or " / ".join(pct(at[p]["reuse"]["local"]) for p in trio),
+            _needs(result, *trio) or " / ".join(pct(at[p].reuse.local) for p in trio),
         )
     )
     return rows
 
 
-def _balance(result: Result) -> list[Comparison]:
-    at = result["at_paper_load"]["policies"]
+def _balance(result: ReproduceResult) -> list[Comparison]:
+    at = result.at_paper_load.policies
     four = ("smetric", BAILIAN, LMETRIC, LOAD_BALANCE)
     pair = (BAILIAN, LOAD_BALANCE)
     sticky = _needs(result, *pair) or " vs ".join(
-        f"{pct(at[p]['stickiness']['session'])} (per agent {pct(at[p]['stickiness']['agent'])})"
-        for p in pair
+        f"{pct(at[p].stickiness.session)} (per agent {pct(at[p].stickiness.agent)})" for p in pair
     )
     return [
         Comparison(
@@ -153,7 +150,7 @@ def _balance(result: Result) -> list[Comparison]:
             f"Full tier, {PAPER_LOAD:g}x load: mean imbalance (max/mean in-flight tokens), "
             "`smetric` / Bailian / LMetric / least-load",
             "2.6x / 3.0x / 3.2x / 2.0x",
-            _needs(result, *four) or " / ".join(times(at[p]["imbalance"]) for p in four),
+            _needs(result, *four) or " / ".join(times(at[p].imbalance) for p in four),
         ),
         Comparison(
             "12",
@@ -165,16 +162,16 @@ def _balance(result: Result) -> list[Comparison]:
     ]
 
 
-def _rate_sweep(result: Result) -> list[Comparison]:
-    sweep = result["rate_sweep"]
-    if "smetric" not in sweep["policies"]:
+def _rate_sweep(result: ReproduceResult) -> list[Comparison]:
+    sweep = result.rate_sweep
+    if "smetric" not in sweep.policies:
         return []
-    tps = {p: [point["tps_within_slo"] for point in v] for p, v in sweep["policies"].items()}
+    tps = {p: [point.tps_within_slo for point in v] for p, v in sweep.policies.items()}
     parts = []
     for multiple in (1.0, 1.5, 1.75):
-        if multiple not in sweep["multiples"]:
+        if multiple not in sweep.multiples:
             continue
-        i = sweep["multiples"].index(multiple)
+        i = sweep.multiples.index(multiple)
         rival = best_baseline({p: v[i] for p, v in tps.items()})
         if rival is not None:
             parts.append(f"{multiple:g}x: {change(tps['smetric'][i], tps[rival][i])} vs {rival}")
@@ -186,8 +183,8 @@ def _rate_sweep(result: Result) -> list[Comparison]:
             "; ".join(parts) or "-",
         )
     ]
-    if 2.0 in sweep["multiples"]:
-        i = sweep["multiples"].index(2.0)
+    if 2.0 in sweep.multiples:
+        i = sweep.multiples.index(2.0)
         below = sum(1 for v in tps.values() if v[i] < max(v))
         rows.append(
             Comparison(
@@ -200,18 +197,14 @@ def _rate_sweep(result: Result) -> list[Comparison]:
     return rows
 
 
-def _latency(result: Result) -> list[Comparison]:
-    at = result["at_paper_load"]["policies"]
+def _latency(result: ReproduceResult) -> list[Comparison]:
+    at = result.at_paper_load.policies
     missing = _needs(result, "smetric", BAILIAN)
     rivals = [p for p in at if not is_ours(p)]
-    tpot = []
-    for q in ("p50", "p90"):
-        best = min((at[p]["tpot_s"][q] for p in rivals if at[p]["tpot_s"][q]), default=None)
-        mine = at["smetric"]["tpot_s"][q] if "smetric" in at else None
-        tpot.append(f"{q.upper()} {change(mine, best)}")
+    tpot = [_tpot_vs_best(at, rivals, "p50"), _tpot_vs_best(at, rivals, "p90")]
     ttft = missing or (
-        f"{seconds(at['smetric']['ttft_s']['p50'])}, "
-        f"{change(at['smetric']['ttft_s']['p50'], at[BAILIAN]['ttft_s']['p50'])} vs Bailian"
+        f"{seconds(at['smetric'].ttft_s.p50)}, "
+        f"{change(at['smetric'].ttft_s.p50, at[BAILIAN].ttft_s.p50)} vs Bailian"
     )
     return [
         Comparison(
@@ -230,8 +223,15 @@ def _latency(result: Result) -> list[Comparison]:
     ]
 
 
-def _guard(result: Result) -> list[Comparison]:
-    on, off = result["guard"]["smetric"]["percentiles"], result["guard"][GUARD_OFF]["percentiles"]
+def _tpot_vs_best(at: Mapping[str, Point], rivals: Sequence[str], q: Quantile) -> str:
+    """``smetric``'s TPOT at percentile ``q`` against the best of ``rivals`` there."""
+    best = min((v for v in (at[p].tpot_s.of(q) for p in rivals) if v), default=None)
+    mine = at["smetric"].tpot_s.of(q) if "smetric" in at else None
+    return f"{q.upper()} {change(mine, best)}"
+
+
+def _guard(result: ReproduceResult) -> list[Comparison]:
+    on, off = result.guard["smetric"].percentiles, result.guard[GUARD_OFF].percentiles
     ours = ", ".join(f"{q} {times(on[q])} vs {times(off[q])}" for q in ("p75", "p90", "p99"))
     return [
         Comparison(
@@ -243,23 +243,23 @@ def _guard(result: Result) -> list[Comparison]:
     ]
 
 
-def _sensitivity(result: Result) -> list[Comparison]:
+def _sensitivity(result: ReproduceResult) -> list[Comparison]:
     rows = []
     for param, label, paper in (
         ("overload", "OVERLOAD", "within 6 % of the default; overall hits 75-76 %"),
         ("hit_ratio", "HIT_RATIO", "within 4 % of the default; overall hits 75-76 %"),
     ):
-        points = result["sensitivity"][param]
-        default = next((p for p in points if p["policy"] == "smetric"), None)
+        points = result.sensitivity[param]
+        default = next((p for p in points if p.policy == "smetric"), None)
         if default is None:
             continue
         worst = max(
-            abs(p["tps_within_slo"] / default["tps_within_slo"] - 1)
+            abs(p.tps_within_slo / default.tps_within_slo - 1)
             for p in points
-            if default["tps_within_slo"]
+            if default.tps_within_slo
         )
-        hits = [p["reuse"]["local"] + p["reuse"]["global"] for p in points]
-        span = f"{points[0]['label']} to {points[-1]['label']}"
+        hits = [p.reuse.local + p.reuse.global_ for p in points]
+        span = f"{points[0].label} to {points[-1].label}"
         rows.append(
             Comparison(
                 "25",
@@ -272,7 +272,7 @@ def _sensitivity(result: Result) -> list[Comparison]:
     return rows
 
 
-SECTIONS: tuple[Callable[[Result], list[Comparison]], ...] = (
+SECTIONS: tuple[Callable[[ReproduceResult], list[Comparison]], ...] = (
     _with_store,
     _no_store,
     _load_balance_gap,
@@ -285,20 +285,20 @@ SECTIONS: tuple[Callable[[Result], list[Comparison]], ...] = (
 )
 
 
-def is_large_model(result: Result) -> bool:
+def is_large_model(result: ReproduceResult) -> bool:
     """A result of the paper's larger model (Qwen3-235B-A22B), whose evaluation is its
     Figures 18-20 rather than the 30B model's."""
-    return "235B" in result["config"]["cluster"]["model"]
+    return "235B" in result.config["cluster"]["model"]
 
 
-def title(result: Result) -> str:
+def title(result: ReproduceResult) -> str:
     if is_large_model(result):
         return "The paper's larger model: Qwen3-235B-A22B-FP8 on 8 x 4 H20 (Figs. 18-20)"
     return "The paper's colocation evaluation"
 
 
-def _peak(result: Result) -> list[Comparison]:
-    sweep = result["rate_sweep"]
+def _peak(result: ReproduceResult) -> list[Comparison]:
+    sweep = result.rate_sweep
     missing = _needs(result, "smetric", BAILIAN)
     rows = [
         Comparison(
@@ -310,12 +310,12 @@ def _peak(result: Result) -> list[Comparison]:
     ]
     at_peak = "-"
     if not _needs(result, "smetric", LMETRIC):
-        points = sweep["policies"]["smetric"]
-        i = max(range(len(points)), key=lambda j: points[j]["tps_within_slo"])
-        ours, theirs = points[i], sweep["policies"][LMETRIC][i]
+        points = sweep.policies["smetric"]
+        i = max(range(len(points)), key=lambda j: points[j].tps_within_slo)
+        ours, theirs = points[i], sweep.policies[LMETRIC][i]
         at_peak = (
-            f"{change(ours['tps_within_slo'], theirs['tps_within_slo'])} "
-            f"(at {sweep['multiples'][i]:g}x, `smetric`'s best sweep point)"
+            f"{change(ours.tps_within_slo, theirs.tps_within_slo)} "
+            f"(at {sweep.multiples[i]:g}x, `smetric`'s best sweep point)"
         )
     rows.append(
         Comparison(
@@ -328,11 +328,11 @@ def _peak(result: Result) -> list[Comparison]:
     return rows
 
 
-def _large_balance(result: Result) -> list[Comparison]:
-    at = result["at_paper_load"]["policies"]
+def _large_balance(result: ReproduceResult) -> list[Comparison]:
+    at = result.at_paper_load.policies
     four = ("smetric", LMETRIC, BAILIAN, LOAD_BALANCE)
     gap = _needs(result, "smetric", LOAD_BALANCE) or change(
-        at[LOAD_BALANCE]["tps_within_slo"], at["smetric"]["tps_within_slo"]
+        at[LOAD_BALANCE].tps_within_slo, at["smetric"].tps_within_slo
     )
     return [
         Comparison(
@@ -340,7 +340,7 @@ def _large_balance(result: Result) -> list[Comparison]:
             f"Full tier, {PAPER_LOAD:g}x load: mean imbalance, `smetric` / LMetric / Bailian "
             "/ least-load",
             "1.6x / 1.6x / 1.6x / 1.3x",
-            _needs(result, *four) or " / ".join(times(at[p]["imbalance"]) for p in four),
+            _needs(result, *four) or " / ".join(times(at[p].imbalance) for p in four),
         ),
         Comparison(
             "18b",
@@ -351,12 +351,12 @@ def _large_balance(result: Result) -> list[Comparison]:
     ]
 
 
-def _large_reuse(result: Result) -> list[Comparison]:
-    full = result["tiers"]["full"]["policies"]
+def _large_reuse(result: ReproduceResult) -> list[Comparison]:
+    full = result.tiers["full"].policies
     if "smetric" not in full:
         return [Comparison("19b", "Full tier: `smetric`'s local and overall reuse", "", "-")]
-    mine = full["smetric"]["reuse"]
-    overall = {p: v["reuse"]["local"] + v["reuse"]["global"] for p, v in full.items()}
+    mine = full["smetric"].reuse
+    overall = {p: v.reuse.local + v.reuse.global_ for p, v in full.items()}
     best = max(overall, key=overall.__getitem__)
     return [
         Comparison(
@@ -364,27 +364,23 @@ def _large_reuse(result: Result) -> list[Comparison]:
             "Full tier, at each knee: `smetric`'s local-tier hits and overall reuse "
             "(the highest of all policies)",
             "69 % and 76 % (highest)",
-            f"{pct(mine['local'])} and {pct(overall['smetric'])} (highest: {best})",
+            f"{pct(mine.local)} and {pct(overall['smetric'])} (highest: {best})",
         )
     ]
 
 
-def _large_latency(result: Result) -> list[Comparison]:
-    at = result["at_paper_load"]["policies"]
+def _large_latency(result: ReproduceResult) -> list[Comparison]:
+    at = result.at_paper_load.policies
     missing = _needs(result, "smetric", LMETRIC)
 
-    def ttft(q: str) -> str:
+    def ttft(q: Quantile) -> str:
         if missing:
             return missing
-        mine = at["smetric"]["ttft_s"][q]
-        return f"{seconds(mine)}, {change(mine, at[LMETRIC]['ttft_s'][q])} vs LMetric"
+        mine = at["smetric"].ttft_s.of(q)
+        return f"{seconds(mine)}, {change(mine, at[LMETRIC].ttft_s.of(q))} vs LMetric"
 
     rivals = [p for p in at if not is_ours(p)]
-    tpot = []
-    for q in ("p90", "p99"):
-        best = min((at[p]["tpot_s"][q] for p in rivals if at[p]["tpot_s"][q]), default=None)
-        mine = at["smetric"]["tpot_s"][q] if "smetric" in at else None
-        tpot.append(f"{q.upper()} {change(mine, best)}")
+    tpot = [_tpot_vs_best(at, rivals, "p90"), _tpot_vs_best(at, rivals, "p99")]
     return [
         Comparison(
             "20",
@@ -407,7 +403,7 @@ def _large_latency(result: Result) -> list[Comparison]:
     ]
 
 
-LARGE_SECTIONS: tuple[Callable[[Result], list[Comparison]], ...] = (
+LARGE_SECTIONS: tuple[Callable[[ReproduceResult], list[Comparison]], ...] = (
     _peak,
     _large_balance,
     _large_reuse,
@@ -415,7 +411,7 @@ LARGE_SECTIONS: tuple[Callable[[Result], list[Comparison]], ...] = (
 )
 
 
-def comparisons(result: Result) -> list[Comparison]:
+def comparisons(result: ReproduceResult) -> list[Comparison]:
     """Every published number the result can be set beside, in the paper's order."""
     sections = LARGE_SECTIONS if is_large_model(result) else SECTIONS
     return [row for section in sections for row in section(result)]

@@ -21,14 +21,33 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import numpy as np
 import polars as pl
 
 from smetric.core.policies import policy_params
 from smetric.eval.grid import FREE_GLOBAL_TIER, FREE_TIER
 from smetric.eval.preset import REFERENCE_TIER, Preset
-from smetric.metrics.results import Knee, RunSummary
+from smetric.metrics.results import (
+    AtLoad,
+    Ceiling,
+    Guard,
+    HitSplit,
+    Knee,
+    KneePoint,
+    LoadUnit,
+    MeanPoint,
+    Percentiles,
+    Point,
+    RateSweep,
+    ReproduceResult,
+    RunSummary,
+    SensitivityPoint,
+    Stickiness,
+    Tier,
+)
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.knee import (
@@ -54,7 +73,6 @@ DEFAULT_POLICIES = (
 )
 PAPER_LOAD = 1.5  # Figures 14, 17 and 25 are measured at 1.5x Figure 15a's load unit
 GUARD_OFF = "smetric:overload=inf"  # SMetric without its overload guard (Fig. 14)
-TIERS = ("local", "global", "miss")  # where a prompt token's KV came from
 
 # Progress: what is running, runs done, runs in all (None while a knee search decides).
 Progress = Callable[[str, int, int | None], None]
@@ -101,16 +119,15 @@ def reproduce(
     store: RunStore,
     processes: int,
     progress: Progress,
-) -> dict:
-    """Every figure's data (see the module doc), as JSON-able dicts and lists."""
+) -> ReproduceResult:
+    """Every figure's data (see the module doc)."""
     base = dataclasses.replace(preset.config, policies=tuple(policies))
     runner = Runner(trace, store, processes, progress)
     seeds = range(preset.seeds)
-    tiers = _tiers(runner, base, preset, policies)
-    ceiling = tiers.pop(FREE_TIER, None)
+    tiers, ceiling = _tiers(runner, base, preset, policies)
     full = base.override("cluster", global_capacity=REFERENCE_TIER)
-    reference = tiers[REFERENCE_TIER]["best_baseline"] or policies[0]
-    knee_load = tiers[REFERENCE_TIER]["policies"][reference]["knee"]["load"]
+    reference = tiers[REFERENCE_TIER].best_baseline or policies[0]
+    knee_load = tiers[REFERENCE_TIER].policies[reference].knee.load
     unit = knee_load / PAPER_LOAD
 
     def rate(multiple: float) -> float:
@@ -136,55 +153,53 @@ def reproduce(
         for s in seeds
     ]
     summaries = runner.run("rate sweep and sensitivity", [*sweep_jobs, *extra])
-    _with_rate_sweep(tiers[REFERENCE_TIER], preset.load_multiples, rate, seeds, summaries)
+    tiers[REFERENCE_TIER] = _with_rate_sweep(
+        tiers[REFERENCE_TIER], preset.load_multiples, rate, seeds, summaries
+    )
     variant = {spec: [summaries["variant", spec, s] for s in seeds] for spec in specs}
     paper_summaries = {p: [detail["paper", p, s] for s in seeds] for p in policies}
-    return {
-        "preset": preset.name,
-        "setup": preset.describe(),
-        "trace": trace.name,
-        "config": base.to_dict(),
-        "seeds": preset.seeds,
-        "policies": list(policies),
-        "tiers": tiers,
-        # The same cluster with a free global tier, the best of every policy's knee there.
-        "ceiling": ceiling,
-        "load_unit": {
-            "rate": unit,
-            "reference_policy": reference,
-            "reference_knee": knee_load,
-            "paper_load": PAPER_LOAD,
-        },
-        "rate_sweep": {
-            "multiples": list(preset.load_multiples),
-            "rates": [rate(m) for m in preset.load_multiples],
-            "policies": {
+    return ReproduceResult(
+        preset=preset.name,
+        setup=preset.describe(),
+        trace=trace.name,
+        config=base.to_dict(),
+        seeds=preset.seeds,
+        policies=list(policies),
+        tiers=tiers,
+        ceiling=ceiling,
+        load_unit=LoadUnit(
+            rate=unit, reference_policy=reference, reference_knee=knee_load, paper_load=PAPER_LOAD
+        ),
+        rate_sweep=RateSweep(
+            multiples=list(preset.load_multiples),
+            rates=[rate(m) for m in preset.load_multiples],
+            policies={
                 p: [
                     _mean_point([summaries["rate", p, m, s] for s in seeds])
                     for m in preset.load_multiples
                 ]
                 for p in policies
             },
-        },
-        "at_paper_load": {
-            "rate": rate(PAPER_LOAD),
-            "policies": {p: _point(runs) for p, runs in paper_summaries.items()},
-        },
-        "guard": {spec: _guard(variant[spec], base.window_s) for spec in ("smetric", GUARD_OFF)},
-        "sensitivity": {
+        ),
+        at_paper_load=AtLoad(
+            rate=rate(PAPER_LOAD),
+            policies={p: _point(runs) for p, runs in paper_summaries.items()},
+        ),
+        guard={spec: _guard(variant[spec], base.window_s) for spec in ("smetric", GUARD_OFF)},
+        sensitivity={
             "overload": _sweep(overloads, variant),
             "hit_ratio": _sweep(hit_ratios, variant),
         },
-    }
+    )
 
 
 def paper_load_runs(
-    store: RunStore, preset: Preset, policies: Sequence[str], result: Mapping
+    store: RunStore, preset: Preset, policies: Sequence[str], result: ReproduceResult
 ) -> tuple[dict[str, RunSummary], dict[str, pl.DataFrame]]:
     """The first seed's summary and per-request table at 1.5x load, per policy: what the
     per-run figures (latency CDFs, heatmaps, stickiness) draw."""
     full = preset.config.override("cluster", global_capacity=REFERENCE_TIER)
-    rate = result["at_paper_load"]["rate"]
+    rate = result.at_paper_load.rate
     jobs = {p: at_load(full, p, rate, 0, ("paper", p, 0)) for p in policies}
     summaries = {p: store.get(job) for p, job in jobs.items()}
     if any(summary is None for summary in summaries.values()):
@@ -202,8 +217,12 @@ def _variants(param: str, values: Sequence[float]) -> dict[float, str]:
     return {v: "smetric" if v == default else f"smetric:{param}={v:g}" for v in values}
 
 
-def _tiers(runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[str]) -> dict:
-    """Each policy's knee per global tier (Figs. 11a/16a), and its hit split there (11b)."""
+def _tiers(
+    runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[str]
+) -> tuple[dict[str, Tier], Ceiling | None]:
+    """Each policy's knee per global tier (Figs. 11a/16a) and its hit split there (11b);
+    and with a ceiling, the same cluster with a free global tier, the best of every
+    policy's knee there."""
     cells = {
         (tier, p): dataclasses.replace(
             base.override("cluster", global_capacity=tier), policies=(p,)
@@ -230,46 +249,47 @@ def _tiers(runner: Runner, base: SimConfig, preset: Preset, policies: Sequence[s
     )
     out = {}
     for tier in preset.tiers:
-        per_policy: dict[str, dict] = {}
+        per_policy: dict[str, KneePoint] = {}
         for p in policies:
-            knee: Knee = knees[tier, p]
+            knee = knees[tier, p]
             runs = [
                 runner.store.stored(probe_job((tier, p), cells[tier, p], knee.load, s))
                 for s in seeds
             ]
-            per_policy[p] = {"knee": knee.to_builtins(), **_point(runs)}
-        rival = best_baseline({p: v["knee"]["mean"] for p, v in per_policy.items()})
-        out[tier] = {"best_baseline": rival, "policies": per_policy}
-    if preset.ceiling:
-        ceilings = {p: knees[FREE_TIER, p].to_builtins() for p in policies}
-        best = max(ceilings, key=lambda p: ceilings[p]["mean"])
-        out[FREE_TIER] = {"best": best, "knees": ceilings}
-    return out
+            per_policy[p] = _at_knee(knee, _point(runs))
+        rival = best_baseline({p: v.knee.mean for p, v in per_policy.items()})
+        out[tier] = Tier(best_baseline=rival, policies=per_policy)
+    if not preset.ceiling:
+        return out, None
+    ceilings = {p: knees[FREE_TIER, p] for p in policies}
+    best = max(ceilings, key=lambda p: ceilings[p].mean)
+    return out, Ceiling(best=best, knees=ceilings)
+
+
+def _at_knee(knee: Knee, point: Point) -> KneePoint:
+    return KneePoint(knee=knee, **msgspec.structs.asdict(point))
 
 
 def _with_rate_sweep(
-    tier: dict,
+    tier: Tier,
     multiples: Sequence[float],
     rate: Callable[[float], float],
     seeds: Sequence[int],
     summaries: Mapping[tuple, RunSummary],
-) -> None:
+) -> Tier:
     """Fold the full tier's rate sweep into its knees: where a sweep point beats the
     search's best probe, that point is the policy's maximum TPS within SLO, so the knee
     table, the headline and the rate figure agree. The load unit stays the searched knee
     of the best baseline (the sweep's rates are defined by it)."""
-    for p, entry in tier["policies"].items():
+    policies = {}
+    for p, entry in tier.policies.items():
         runs = {rate(m): [summaries["rate", p, m, s] for s in seeds] for m in multiples}
-        knee = Knee.from_builtins(entry["knee"])
-        best = best_of(knee, {load: [r.tps_within_slo for r in rs] for load, rs in runs.items()})
-        point = _point(runs[best.load]) if best.load != knee.load else entry
-        tier["policies"][p] = {
-            "knee": best.to_builtins(),
-            **{k: v for k, v in point.items() if k != "knee"},
-        }
-    tier["best_baseline"] = best_baseline(
-        {p: v["knee"]["mean"] for p, v in tier["policies"].items()}
-    )
+        scores = {load: [r.tps_within_slo for r in rs] for load, rs in runs.items()}
+        best = best_of(entry.knee, scores)
+        moved = best.load != entry.knee.load
+        policies[p] = _at_knee(best, _point(runs[best.load])) if moved else entry
+    rival = best_baseline({p: v.knee.mean for p, v in policies.items()})
+    return Tier(best_baseline=rival, policies=policies)
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -277,30 +297,48 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
-def _mean_point(runs: Sequence[RunSummary]) -> dict:
+def _mean_point(runs: Sequence[RunSummary]) -> MeanPoint:
     """TPS within SLO over seeds (mean and spread) and the mean hit split."""
+    return MeanPoint(**_mean_fields(runs))
+
+
+def _mean_fields(runs: Sequence[RunSummary]) -> dict[str, Any]:
     tps = [r.tps_within_slo for r in runs]
-    reuse = [r.reuse.to_builtins() for r in runs]
     return {
         "tps_within_slo": statistics.fmean(tps),
         "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0,
-        "reuse": {k: statistics.fmean(r[k] for r in reuse) for k in TIERS},
+        "reuse": HitSplit(
+            local=statistics.fmean(r.reuse.local for r in runs),
+            global_=statistics.fmean(r.reuse.global_ for r in runs),
+            miss=statistics.fmean(r.reuse.miss for r in runs),
+        ),
     }
 
 
-def _point(runs: Sequence[RunSummary]) -> dict:
+def _point(runs: Sequence[RunSummary]) -> Point:
     """What the figures and the paper's table read of one configuration's runs: means
     over seeds of TPS, hit split, latency percentiles, imbalance and stickiness."""
-    ttft = [r.ttft_s.to_builtins() for r in runs]
-    tpot = [r.tpot_s.to_builtins() for r in runs]
-    sticky = [r.stickiness.to_builtins() for r in runs]
-    return _mean_point(runs) | {
-        "slo_attainment": statistics.fmean(r.slo_attainment for r in runs),
-        "ttft_s": {q: _mean([r[q] for r in ttft]) for q in ("p50", "p90", "p99")},
-        "tpot_s": {q: _mean([r[q] for r in tpot]) for q in ("p50", "p90", "p99")},
-        "imbalance": _mean([_mean(measured_imbalance(r)) for r in runs]),
-        "stickiness": {k: _mean([r[k] for r in sticky]) for k in ("session", "agent", "turn")},
-    }
+
+    def percentiles(of: Sequence[Percentiles]) -> Percentiles:
+        return Percentiles(
+            p50=_mean([p.p50 for p in of]),
+            p90=_mean([p.p90 for p in of]),
+            p99=_mean([p.p99 for p in of]),
+        )
+
+    sticky = [r.stickiness for r in runs]
+    return Point(
+        **_mean_fields(runs),
+        slo_attainment=statistics.fmean(r.slo_attainment for r in runs),
+        ttft_s=percentiles([r.ttft_s for r in runs]),
+        tpot_s=percentiles([r.tpot_s for r in runs]),
+        imbalance=_mean([_mean(measured_imbalance(r)) for r in runs]),
+        stickiness=Stickiness(
+            session=_mean([s.session for s in sticky]),
+            agent=_mean([s.agent for s in sticky]),
+            turn=_mean([s.turn for s in sticky]),
+        ),
+    )
 
 
 def window_imbalance(heatmap: Sequence[Sequence[float]]) -> list[float | None]:
@@ -318,32 +356,34 @@ def measured_imbalance(summary: RunSummary) -> list[float]:
     return list(summary.imbalance.series)
 
 
-def _guard(runs: Sequence[RunSummary], window_s: float) -> dict:
+def _guard(runs: Sequence[RunSummary], window_s: float) -> Guard:
     """Per-window imbalance over time (first seed, warm-up included) and over all seeds'
     busy windows after the warm-up."""
     pooled = [v for r in runs for v in measured_imbalance(r)]
-    return {
-        "window_s": window_s,
-        "warmup_s": runs[0].warmup_s,
-        "over_time": window_imbalance(runs[0].load_heatmap),
-        "windows": pooled,
-        "percentiles": {
+    return Guard(
+        window_s=window_s,
+        warmup_s=runs[0].warmup_s,
+        over_time=window_imbalance(runs[0].load_heatmap),
+        windows=pooled,
+        percentiles={
             f"p{q}": float(np.percentile(pooled, q)) if pooled else None for q in (50, 75, 90, 99)
         },
-        "mean": _mean(pooled),
-        "tps_within_slo": statistics.fmean(r.tps_within_slo for r in runs),
-    }
+        mean=_mean(pooled),
+        tps_within_slo=statistics.fmean(r.tps_within_slo for r in runs),
+    )
 
 
-def _sweep(variants: Mapping[float, str], runs: Mapping[str, list[RunSummary]]) -> list[dict]:
+def _sweep(
+    variants: Mapping[float, str], runs: Mapping[str, list[RunSummary]]
+) -> list[SensitivityPoint]:
     """One point per value; ``value`` is None for infinity (JSON has none), ``label`` the
     value as written ("inf")."""
     return [
-        {
-            "value": value if math.isfinite(value) else None,
-            "label": f"{value:g}",
-            "policy": spec,
-            **_mean_point(runs[spec]),
-        }
+        SensitivityPoint(
+            value=value if math.isfinite(value) else None,
+            label=f"{value:g}",
+            policy=spec,
+            **_mean_fields(runs[spec]),
+        )
         for value, spec in variants.items()
     ]

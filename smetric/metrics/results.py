@@ -39,9 +39,10 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     @classmethod
     def from_builtins(cls, data: object) -> Self:
         """The record from its JSON-able form; ``ValueError`` naming the schema version
-        when ``data`` is not one (a file from an older or newer release, or not a result)."""
+        when ``data`` is not one (a file from an older or newer release, or not a result).
+        Numeric keys may be strings, as JSON writes them (a knee's probed loads)."""
         try:
-            return msgspec.convert(data, cls)
+            return msgspec.convert(data, cls, str_keys=True)
         except msgspec.ValidationError as exc:
             raise ValueError(
                 f"not a {cls.__name__} of results schema version {SCHEMA_VERSION}: {exc}"
@@ -57,12 +58,19 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         return cls.from_builtins(json.loads(text))
 
 
+Quantile = Literal["p50", "p90", "p99"]
+QUANTILES: tuple[Quantile, ...] = ("p50", "p90", "p99")
+
+
 class Percentiles(Record, frozen=True):
     """The 50th, 90th and 99th percentiles of a latency; None each over no requests."""
 
     p50: float | None
     p90: float | None
     p99: float | None
+
+    def of(self, q: Quantile) -> float | None:
+        return {"p50": self.p50, "p90": self.p90, "p99": self.p99}[q]
 
 
 class RequestCounts(Record, frozen=True):
@@ -97,6 +105,10 @@ class Imbalance(Record, frozen=True):
     series: list[float]
 
 
+Way = Literal["session", "agent", "turn"]
+WAYS: tuple[Way, ...] = ("session", "agent", "turn")
+
+
 class Stickiness(Record, frozen=True):
     """Share of follow-ups served where a reference request was (``metrics.summary``'s
     ``stickiness`` says which); None where there were none or they were not recorded."""
@@ -104,6 +116,9 @@ class Stickiness(Record, frozen=True):
     session: float | None
     agent: float | None
     turn: float | None
+
+    def of(self, way: Way) -> float | None:
+        return {"session": self.session, "agent": self.agent, "turn": self.turn}[way]
 
 
 class LinkUse(Record, frozen=True):
@@ -222,3 +237,112 @@ class KneeSummary(Record, frozen=True):
     # The seeds each probe ran over and the search's settings, where a search wrote them.
     seeds: int | None = None
     settings: dict[str, float] | None = None
+
+
+class HitSplit(Record, frozen=True):
+    """Shares of prompt tokens by where their KV came from, a mean over seeds."""
+
+    local: float
+    global_: float = msgspec.field(name="global")
+    miss: float
+
+
+class MeanPoint(Record, frozen=True):
+    """One configuration's TPS within SLO over seeds (mean and spread) and hit split."""
+
+    tps_within_slo: float
+    stdev: float
+    reuse: HitSplit
+
+
+class Point(MeanPoint, frozen=True):
+    """A configuration's runs as the figures and the paper's table read them: means over
+    seeds (latencies and stickiness over the seeds that measured them)."""
+
+    slo_attainment: float
+    ttft_s: Percentiles
+    tpot_s: Percentiles
+    # Mean max / mean in-flight load per window after the warm-up.
+    imbalance: float | None
+    stickiness: Stickiness
+
+
+class KneePoint(Point, frozen=True):
+    """A policy at its knee on one global tier: the knee and its runs' point."""
+
+    knee: Knee
+
+
+class Tier(Record, frozen=True):
+    best_baseline: str | None
+    policies: dict[str, KneePoint]
+
+
+class Ceiling(Record, frozen=True):
+    """Every policy's knee with a free global tier, and the best of them."""
+
+    best: str
+    knees: dict[str, Knee]
+
+
+class LoadUnit(Record, frozen=True):
+    """The rate that 1.0x load means: the best baseline's full-tier knee is ``paper_load``."""
+
+    rate: float
+    reference_policy: str
+    reference_knee: float
+    paper_load: float
+
+
+class RateSweep(Record, frozen=True):
+    multiples: list[float]
+    rates: list[float]
+    # Per policy, one point per rate.
+    policies: dict[str, list[MeanPoint]]
+
+
+class AtLoad(Record, frozen=True):
+    rate: float
+    policies: dict[str, Point]
+
+
+class Guard(Record, frozen=True):
+    """Per-window imbalance of one policy: over time (first seed) and pooled over seeds."""
+
+    window_s: float
+    warmup_s: float
+    # None where the cluster was idle.
+    over_time: list[float | None]
+    windows: list[float]
+    # p50, p75, p90 and p99 over the pooled windows.
+    percentiles: dict[str, float | None]
+    mean: float | None
+    tps_within_slo: float
+
+
+class SensitivityPoint(MeanPoint, frozen=True):
+    # None for infinity (JSON has none); ``label`` is the value as written ("inf").
+    value: float | None
+    label: str
+    policy: str
+
+
+class ReproduceResult(Record, frozen=True):
+    """``smetric reproduce``'s result (``reproduce.json``): every figure's data."""
+
+    preset: str
+    setup: str
+    trace: str
+    # The base configuration, as ``SimConfig.to_dict`` writes it.
+    config: dict[str, Any]
+    seeds: int
+    policies: list[str]
+    tiers: dict[str, Tier]
+    ceiling: Ceiling | None
+    load_unit: LoadUnit
+    rate_sweep: RateSweep
+    at_paper_load: AtLoad
+    # By policy spec: ``smetric`` and the same without its overload guard.
+    guard: dict[str, Guard]
+    # By parameter (``overload``, ``hit_ratio``), one point per value.
+    sensitivity: dict[str, list[SensitivityPoint]]

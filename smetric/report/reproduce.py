@@ -8,7 +8,7 @@ import base64
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jinja2
 import polars as pl
@@ -17,7 +17,14 @@ from markupsafe import Markup, escape
 from smetric.core.policies import is_ours
 from smetric.eval.paper import comparisons, pct, seconds, times
 from smetric.eval.reproduce import GUARD_OFF
-from smetric.metrics.results import Knee, KneeSummary, RunSummary
+from smetric.metrics.results import (
+    QUANTILES,
+    WAYS,
+    HitSplit,
+    KneeSummary,
+    ReproduceResult,
+    RunSummary,
+)
 from smetric.report.knee import knee_rows
 from smetric.report.markdown import markdown_table
 from smetric.report.simulation import (
@@ -28,8 +35,6 @@ from smetric.report.simulation import (
     write_sweep_pngs,
 )
 from smetric.sim.knee import knee_summary
-
-Result = Mapping[str, Any]
 
 
 class Section(NamedTuple):
@@ -48,57 +53,54 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def tier_knees(result: Result) -> KneeSummary:
+def tier_knees(result: ReproduceResult) -> KneeSummary:
     """The tiers' knees as ``smetric knee``'s summary (its table and plot read it)."""
-    load = result["config"]["cluster"]["kv_load"]
+    load = result.config["cluster"]["kv_load"]
     knees = {
-        (tier, load, p): Knee.from_builtins(v["knee"])
-        for tier, cell in result["tiers"].items()
-        for p, v in cell["policies"].items()
+        (tier, load, p): v.knee
+        for tier, cell in result.tiers.items()
+        for p, v in cell.policies.items()
     }
-    return knee_summary([(tier, load) for tier in result["tiers"]], result["policies"], knees)
+    return knee_summary([(tier, load) for tier in result.tiers], result.policies, knees)
 
 
-def tier_sweep(result: Result) -> dict:
+def tier_sweep(result: ReproduceResult) -> dict:
     """The knees shaped as a sweep's summary, for its max-TPS and hit-split figures."""
-    tiers = result["tiers"]
+    tiers = result.tiers
     return {
         "title": "Max TPS within SLO at each policy's knee (mean over seeds)",
-        "policies": result["policies"],
+        "policies": result.policies,
         "provisionings": list(tiers),
         "rates": [],
         "max_tps": {
-            t: {
-                p: {"tps": v["knee"]["mean"], "rate": v["knee"]["load"]}
-                for p, v in c["policies"].items()
-            }
+            t: {p: {"tps": v.knee.mean, "rate": v.knee.load} for p, v in c.policies.items()}
             for t, c in tiers.items()
         },
         "runs": [
-            {"global": t, "policy": p, "rate": v["knee"]["load"], "summary": v}
+            {"global": t, "policy": p, "rate": v.knee.load, "summary": v.to_builtins()}
             for t, c in tiers.items()
-            for p, v in c["policies"].items()
+            for p, v in c.policies.items()
         ],
     }
 
 
-def rate_sweep(result: Result) -> dict:
+def rate_sweep(result: ReproduceResult) -> dict:
     """The full tier's rate sweep shaped as a sweep's summary (one provisioning)."""
-    sweep = result["rate_sweep"]
+    sweep = result.rate_sweep
     return {
-        "policies": result["policies"],
+        "policies": result.policies,
         "provisionings": ["full"],
-        "rates": sweep["rates"],
+        "rates": sweep.rates,
         "runs": [
-            {"global": "full", "policy": p, "rate": rate, "summary": point}
-            for p, points in sweep["policies"].items()
-            for rate, point in zip(sweep["rates"], points, strict=True)
+            {"global": "full", "policy": p, "rate": rate, "summary": point.to_builtins()}
+            for p, points in sweep.policies.items()
+            for rate, point in zip(sweep.rates, points, strict=True)
         ],
     }
 
 
 def write_figures(
-    result: Result,
+    result: ReproduceResult,
     summaries: Mapping[str, RunSummary],
     tables: Mapping[str, pl.DataFrame],
     out: Path,
@@ -109,22 +111,22 @@ def write_figures(
     pngs |= write_sweep_pngs(rate_sweep(result), out, ("tps_vs_rate",))
     at_load = write_simulation_pngs(dict(summaries), dict(tables), out / "paper-load")
     pngs |= {name: at_load[name] for name in ("latency", "heatmaps", "stickiness")}
-    pngs["guard"] = write_guard_png(result["guard"], out / "guard.png")
-    pngs["sensitivity"] = write_sensitivity_png(result["sensitivity"], out / "sensitivity.png")
+    pngs["guard"] = write_guard_png(result.guard, out / "guard.png")
+    pngs["sensitivity"] = write_sensitivity_png(result.sensitivity, out / "sensitivity.png")
     return pngs
 
 
-def _tier_sections(result: Result) -> list[Section]:
-    ours = [p for p in result["policies"] if is_ours(p)]
+def _tier_sections(result: ReproduceResult) -> list[Section]:
+    ours = [p for p in result.policies if is_ours(p)]
     knees = tier_knees(result)
-    head = ("policy", *(f"global {t}" for t in result["tiers"]))
+    head = ("policy", *(f"global {t}" for t in result.tiers))
     split = [
         [p]
         + [
-            " / ".join(pct(cell["policies"][p]["reuse"][k]) for k in ("local", "global", "miss"))
-            for cell in result["tiers"].values()
+            " / ".join(pct(share) for share in _split(cell.policies[p].reuse))
+            for cell in result.tiers.values()
         ]
-        for p in result["policies"]
+        for p in result.policies
     ]
     return [
         Section(
@@ -149,52 +151,57 @@ def _tier_sections(result: Result) -> list[Section]:
     ]
 
 
-def ceiling_rows(result: Result) -> list[list[str]]:
+def _split(reuse: HitSplit) -> tuple[float, float, float]:
+    """Local hits, global hits and misses, the order the tables and figures show them."""
+    return reuse.local, reuse.global_, reuse.miss
+
+
+def ceiling_rows(result: ReproduceResult) -> list[list[str]]:
     """The knee table's ceiling, where the evaluation searched one: the best knee of any
     policy with a free global tier (never evicts, moves KV in no time), and the best
     policy of each tier as a share of it (none without a ceiling)."""
-    ceiling = result.get("ceiling")
-    if not ceiling:
+    ceiling = result.ceiling
+    if ceiling is None:
         return []
-    top = ceiling["knees"][ceiling["best"]]
-    columns = len(result["tiers"])
+    top = ceiling.knees[ceiling.best]
+    columns = len(result.tiers)
     shares = []
-    for cell in result["tiers"].values():
-        best = max(cell["policies"], key=lambda p: cell["policies"][p]["knee"]["mean"])
-        share = cell["policies"][best]["knee"]["mean"] / top["mean"] if top["mean"] else 0
+    for cell in result.tiers.values():
+        best = max(cell.policies, key=lambda p: cell.policies[p].knee.mean)
+        share = cell.policies[best].knee.mean / top.mean if top.mean else 0
         shares.append(f"{share:.0%} ({best})")
     return [
-        [f"ceiling: free global tier, best of all ({ceiling['best']})"]
-        + [f"{kilo(top['mean'])} (@{top['load']:.3g})"] * columns,
+        [f"ceiling: free global tier, best of all ({ceiling.best})"]
+        + [f"{kilo(top.mean)} (@{top.load:.3g})"] * columns,
         ["best policy / ceiling", *shares],
     ]
 
 
-def _rate_section(result: Result) -> Section:
-    sweep, unit = result["rate_sweep"], result["load_unit"]
+def _rate_section(result: ReproduceResult) -> Section:
+    sweep, unit = result.rate_sweep, result.load_unit
     head = (
         "policy",
-        *(f"{m:g}x ({r:.3g}/s)" for m, r in zip(sweep["multiples"], sweep["rates"], strict=True)),
+        *(f"{m:g}x ({r:.3g}/s)" for m, r in zip(sweep.multiples, sweep.rates, strict=True)),
     )
     tops = [
-        max(points[i]["tps_within_slo"] for points in sweep["policies"].values())
-        for i in range(len(sweep["rates"]))
+        max(points[i].tps_within_slo for points in sweep.policies.values())
+        for i in range(len(sweep.rates))
     ]
     rows = [
         [p]
         + [
-            f"**{kilo(point['tps_within_slo'])}**"
-            if point["tps_within_slo"] == top
-            else kilo(point["tps_within_slo"])
+            f"**{kilo(point.tps_within_slo)}**"
+            if point.tps_within_slo == top
+            else kilo(point.tps_within_slo)
             for point, top in zip(points, tops, strict=True)
         ]
-        for p, points in sweep["policies"].items()
+        for p, points in sweep.policies.items()
     ]
     return Section(
         "TPS within SLO vs offered load, full global tier (Fig. 15a)",
-        f"Mean over seeds. The load unit 1.0x is {unit['rate']:.4g} sessions/s: two thirds "
-        f"of the best baseline's knee on the full tier ({unit['reference_policy']} at "
-        f"{unit['reference_knee']:.4g}/s), so that {unit['paper_load']:g}x, where the paper "
+        f"Mean over seeds. The load unit 1.0x is {unit.rate:.4g} sessions/s: two thirds "
+        f"of the best baseline's knee on the full tier ({unit.reference_policy} at "
+        f"{unit.reference_knee:.4g}/s), so that {unit.paper_load:g}x, where the paper "
         "measures Figs. 14, 17 and 25 near saturation, is that knee.",
         ("tps_vs_rate",),
         head,
@@ -202,27 +209,27 @@ def _rate_section(result: Result) -> Section:
     )
 
 
-def _paper_load_section(result: Result) -> Section:
-    at = result["at_paper_load"]
+def _paper_load_section(result: ReproduceResult) -> Section:
+    at = result.at_paper_load
     rows = []
-    for p, v in at["policies"].items():
-        ttft, tpot, sticky, reuse = v["ttft_s"], v["tpot_s"], v["stickiness"], v["reuse"]
+    for p, v in at.policies.items():
+        ttft, tpot, sticky, reuse = v.ttft_s, v.tpot_s, v.stickiness, v.reuse
         rows.append(
             [
                 p,
-                kilo(v["tps_within_slo"]),
-                pct(v["slo_attainment"]),
-                " / ".join(seconds(ttft[q]) for q in ("p50", "p90", "p99")),
-                " / ".join(_ms(tpot[q]) for q in ("p50", "p90", "p99")),
-                f"{pct(reuse['local'])} / {pct(reuse['global'])}",
-                times(v["imbalance"]),
-                " / ".join(pct(sticky[k]) for k in ("session", "agent", "turn")),
+                kilo(v.tps_within_slo),
+                pct(v.slo_attainment),
+                " / ".join(seconds(ttft.of(q)) for q in QUANTILES),
+                " / ".join(_ms(tpot.of(q)) for q in QUANTILES),
+                f"{pct(reuse.local)} / {pct(reuse.global_)}",
+                times(v.imbalance),
+                " / ".join(pct(sticky.of(way)) for way in WAYS),
             ]
         )
     return Section(
-        f"At {result['load_unit']['paper_load']:g}x load, full global tier: latency, balance, "
+        f"At {result.load_unit.paper_load:g}x load, full global tier: latency, balance, "
         "stickiness (Figs. 12, 15b, 17)",
-        f"{at['rate']:.4g} sessions/s; means over seeds, figures from the first seed; "
+        f"{at.rate:.4g} sessions/s; means over seeds, figures from the first seed; "
         "imbalance: mean max / mean in-flight tokens per window after the warm-up. Latency "
         "counts every completed request, met SLO or not, as the paper does. Stickiness: "
         "follow-ups on the instance of their session's first request / of their own "
@@ -242,18 +249,18 @@ def _paper_load_section(result: Result) -> Section:
     )
 
 
-def _guard_section(result: Result) -> Section:
+def _guard_section(result: ReproduceResult) -> Section:
     rows = []
-    for spec, data in result["guard"].items():
-        q = data["percentiles"]
+    for spec, data in result.guard.items():
+        q = data.percentiles
         rows.append(
-            [spec, kilo(data["tps_within_slo"]), times(data["mean"])]
+            [spec, kilo(data.tps_within_slo), times(data.mean)]
             + [times(q[k]) for k in ("p50", "p75", "p90", "p99")]
         )
     return Section(
         "SMetric's overload guard on and off (Fig. 14)",
         f"`smetric` (OVERLOAD=2) against `{GUARD_OFF}` (the guard never trips), full tier, "
-        f"{result['load_unit']['paper_load']:g}x load: per-window imbalance (max / mean "
+        f"{result.load_unit.paper_load:g}x load: per-window imbalance (max / mean "
         "in-flight tokens per window, over every seed's busy windows after the warm-up).",
         ("guard",),
         ("policy", "TPS@SLO", "mean", "p50", "p75", "p90", "p99"),
@@ -261,36 +268,36 @@ def _guard_section(result: Result) -> Section:
     )
 
 
-def _sensitivity_section(result: Result) -> Section:
+def _sensitivity_section(result: ReproduceResult) -> Section:
     rows = []
-    for param, points in result["sensitivity"].items():
-        default = next((p for p in points if p["policy"] == "smetric"), None)
+    for param, points in result.sensitivity.items():
+        default = next((p for p in points if p.policy == "smetric"), None)
         for point in points:
             lead = "-"
-            if default and default["tps_within_slo"]:
-                lead = f"{(point['tps_within_slo'] / default['tps_within_slo'] - 1) * 100:+.1f} %"
-            reuse = point["reuse"]
+            if default and default.tps_within_slo:
+                lead = f"{(point.tps_within_slo / default.tps_within_slo - 1) * 100:+.1f} %"
+            reuse = point.reuse
             rows.append(
                 [
                     param.upper(),
-                    point["label"],
-                    kilo(point["tps_within_slo"]),
+                    point.label,
+                    kilo(point.tps_within_slo),
                     lead,
-                    f"{pct(reuse['local'])} / {pct(reuse['global'])}",
-                    pct(reuse["local"] + reuse["global"]),
+                    f"{pct(reuse.local)} / {pct(reuse.global_)}",
+                    pct(reuse.local + reuse.global_),
                 ]
             )
     return Section(
         "Sensitivity to OVERLOAD and HIT_RATIO (Fig. 25)",
         f"`smetric:overload=X` and `smetric:hit_ratio=Y` (defaults 2 and 0.5), full tier, "
-        f"{result['load_unit']['paper_load']:g}x load, mean over seeds.",
+        f"{result.load_unit.paper_load:g}x load, mean over seeds.",
         ("sensitivity",),
         ("parameter", "value", "TPS@SLO", "vs default", "hits local / global", "overall hits"),
         rows,
     )
 
 
-def _paper_section(result: Result) -> Section:
+def _paper_section(result: ReproduceResult) -> Section:
     return Section(
         "The paper's numbers beside ours",
         "The paper measured 32 H20s running vLLM with Mooncake and LMCache on its "
@@ -303,7 +310,7 @@ def _paper_section(result: Result) -> Section:
     )
 
 
-SECTIONS: tuple[Callable[[Result], Section | list[Section]], ...] = (
+SECTIONS: tuple[Callable[[ReproduceResult], Section | list[Section]], ...] = (
     _paper_section,
     _tier_sections,
     _rate_section,
@@ -313,7 +320,7 @@ SECTIONS: tuple[Callable[[Result], Section | list[Section]], ...] = (
 )
 
 
-def sections(result: Result) -> list[Section]:
+def sections(result: ReproduceResult) -> list[Section]:
     out: list[Section] = []
     for build in SECTIONS:
         made = build(result)
@@ -321,18 +328,18 @@ def sections(result: Result) -> list[Section]:
     return out
 
 
-def intro(result: Result, command: str) -> str:
-    slo = result["config"]["slo"]
+def intro(result: ReproduceResult, command: str) -> str:
+    slo = result.config["slo"]
     return (
-        f"Generated by `{command}` (preset `{result['preset']}`, trace "
-        f"`{result['trace']}`): {result['setup']}. Global-tier loads "
-        f"{result['config']['cluster']['kv_load']}; SLOs: TTFT ≤ {slo['ttft_base_s']:g} s + "
+        f"Generated by `{command}` (preset `{result.preset}`, trace "
+        f"`{result.trace}`): {result.setup}. Global-tier loads "
+        f"{result.config['cluster']['kv_load']}; SLOs: TTFT ≤ {slo['ttft_base_s']:g} s + "
         f"{slo['ttft_per_token_s'] * 1000:g} ms per prompt token, TPOT ≤ "
-        f"{slo['tpot_s'] * 1000:g} ms. Policies: {', '.join(f'`{p}`' for p in result['policies'])}."
+        f"{slo['tpot_s'] * 1000:g} ms. Policies: {', '.join(f'`{p}`' for p in result.policies)}."
     )
 
 
-def validation_markdown(result: Result, command: str) -> str:
+def validation_markdown(result: ReproduceResult, command: str) -> str:
     parts = [intro(result, command) + "\n"]
     for section in sections(result):
         parts.append(f"### {section.title}\n\n{section.caption}\n")
@@ -350,7 +357,7 @@ def inline(text: str) -> Markup:
     return Markup(re.sub(r"`(.+?)`", r"<code>\1</code>", html))
 
 
-def write_html(result: Result, pngs: Mapping[str, Path], command: str, path: Path) -> None:
+def write_html(result: ReproduceResult, pngs: Mapping[str, Path], command: str, path: Path) -> None:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("smetric.report", "templates"),
         autoescape=True,
@@ -368,7 +375,7 @@ def write_html(result: Result, pngs: Mapping[str, Path], command: str, path: Pat
 
 
 def write_report(
-    result: Result,
+    result: ReproduceResult,
     summaries: Mapping[str, RunSummary],
     tables: Mapping[str, pl.DataFrame],
     command: str,

@@ -24,7 +24,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from smetric.metrics.results import Imbalance, KneeSummary, Percentiles, RunSummary
+from smetric.metrics.results import (
+    Guard,
+    Imbalance,
+    KneeSummary,
+    Percentiles,
+    RunSummary,
+    SensitivityPoint,
+)
 from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
 from smetric.report.palette import policy_color, policy_colors
@@ -432,7 +439,7 @@ def write_sweep_pngs(
     return _save({name: partial(SWEEP_FIGURES[name], sweep, colors) for name in names}, out)
 
 
-def _guard_figure(guard: Section) -> Figure:
+def _guard_figure(guard: Mapping[str, Guard]) -> Figure:
     """Figure 14: per-window load imbalance with and without SMetric's overload guard, as
     the paper plots it (its distribution) and over time, where a reader sees when the
     guard acts."""
@@ -440,13 +447,13 @@ def _guard_figure(guard: Section) -> Figure:
     fig = new_figure(11, 4.4)
     spread, timeline = fig.subplots(1, 2)
     for spec, data in guard.items():
-        label = f"{spec} (mean {times(data['mean'])})" if data["mean"] else spec
-        _cdf(spread, data["windows"], colors[spec], label)
-        width = data["window_s"] / 60
-        minutes = [(i + 0.5) * width for i in range(len(data["over_time"]))]
-        values = [math.nan if v is None else v for v in data["over_time"]]
+        label = f"{spec} (mean {times(data.mean)})" if data.mean else spec
+        _cdf(spread, data.windows, colors[spec], label)
+        width = data.window_s / 60
+        minutes = [(i + 0.5) * width for i in range(len(data.over_time))]
+        values = [math.nan if v is None else v for v in data.over_time]
         timeline.plot(minutes, values, color=colors[spec], lw=1.4, label=spec)
-    warmup = next(iter(guard.values()))["warmup_s"] / 60
+    warmup = next(iter(guard.values())).warmup_s / 60
     if warmup > 0:
         timeline.axvspan(0, warmup, color="grey", alpha=0.12, lw=0, label="warm-up (left out)")
     spread.axvline(1, color="grey", lw=0.8)
@@ -460,7 +467,7 @@ def _guard_figure(guard: Section) -> Figure:
     return fig
 
 
-def _sensitivity_figure(sensitivity: Section) -> Figure:
+def _sensitivity_figure(sensitivity: Mapping[str, Sequence[SensitivityPoint]]) -> Figure:
     """Figure 25: SMetric's TPS within SLO (line) and hit split (bars) as OVERLOAD and
     HIT_RATIO move away from their defaults."""
     names = {
@@ -473,18 +480,18 @@ def _sensitivity_figure(sensitivity: Section) -> Figure:
     for ax, (param, title) in zip(axes, names.items(), strict=True):
         points = sensitivity[param]
         x = np.arange(len(points))
-        local = np.array([p["reuse"]["local"] for p in points])
-        remote = np.array([p["reuse"]["global"] for p in points])
+        local = np.array([p.reuse.local for p in points])
+        remote = np.array([p.reuse.global_ for p in points])
         ax.bar(x, local, 0.6, color=to_rgba(color, FADED))
         ax.bar(x, remote, 0.6, bottom=local, color="white", edgecolor=color, hatch="///", lw=0)
         ax.set_ylim(0, 1)
         percent_axis(ax, "y")
         ax.set_ylabel("Share of prompt tokens (hits)")
-        ax.set_xticks(x, [p["label"] for p in points])
+        ax.set_xticks(x, [p.label for p in points])
         ax.grid(axis="x", visible=False)
         ax.set_xlabel(title)
         line = ax.twinx()
-        line.plot(x, [p["tps_within_slo"] for p in points], color=NEUTRAL, marker="o", lw=1.8)
+        line.plot(x, [p.tps_within_slo for p in points], color=NEUTRAL, marker="o", lw=1.8)
         line.set_ylim(bottom=0)
         line.set_ylabel("TPS within SLO (tok/s)")
         line.grid(False)
@@ -499,12 +506,14 @@ def _sensitivity_figure(sensitivity: Section) -> Figure:
     return fig
 
 
-def write_guard_png(guard: dict, path: Path) -> Path:
+def write_guard_png(guard: Mapping[str, Guard], path: Path) -> Path:
     """Figure 14 from ``reproduce``'s guard data, one series per SMetric setting."""
     return _save({path.stem: partial(_guard_figure, guard)}, path.parent)[path.stem]
 
 
-def write_sensitivity_png(sensitivity: dict, path: Path) -> Path:
+def write_sensitivity_png(
+    sensitivity: Mapping[str, Sequence[SensitivityPoint]], path: Path
+) -> Path:
     """Figure 25 from ``reproduce``'s sensitivity data."""
     return _save({path.stem: partial(_sensitivity_figure, sensitivity)}, path.parent)[path.stem]
 
