@@ -14,11 +14,13 @@ import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.patches import Rectangle
 
-from smetric.metrics.results import RunSummary, Stickiness
+from smetric.metrics.results import RunSummary, Stickiness, SweepResult
 from smetric.report.palette import HUES, policy_color, policy_colors
 from smetric.report.simulation import (
+    SweepFigures,
     _max_tps_figure,
     _tps_figure,
+    sweep_figures,
     write_simulation_pngs,
     write_sweep_pngs,
 )
@@ -135,6 +137,11 @@ def make_run(
     return summaries, tables
 
 
+def figures(sweep: dict[str, Any]) -> SweepFigures:
+    """What the sweep figures draw of a sweep in its JSON form."""
+    return sweep_figures(SweepResult.from_builtins(sweep))
+
+
 def make_sweep() -> dict[str, Any]:
     """Three policies x two provisionings x three rates, saturating at the middle rate."""
     rng = np.random.default_rng(11)
@@ -186,7 +193,7 @@ def test_simulation_pngs(tmp_path: Path) -> None:
 
 
 def test_sweep_pngs(tmp_path: Path) -> None:
-    assert_readable_pngs(write_sweep_pngs(make_sweep(), tmp_path), SWEEP_PNGS)
+    assert_readable_pngs(write_sweep_pngs(figures(make_sweep()), tmp_path), SWEEP_PNGS)
 
 
 def test_idle_policy_and_missing_latencies_render(tmp_path: Path) -> None:
@@ -219,7 +226,7 @@ def test_zero_tps_sweep_renders(tmp_path: Path) -> None:
     for slot in sweep["max_tps"].values():
         for best in slot.values():
             best.update(tps=0.0, rate=RATES[0])
-    assert_readable_pngs(write_sweep_pngs(sweep, tmp_path), SWEEP_PNGS)
+    assert_readable_pngs(write_sweep_pngs(figures(sweep), tmp_path), SWEEP_PNGS)
 
 
 def test_a_policy_has_one_colour_whatever_shares_its_figure() -> None:
@@ -248,7 +255,7 @@ def test_run_and_sweep_draw_a_policy_in_the_same_colour(policy: str) -> None:
     colour = to_rgba(policy_colors(summaries)[policy])
     assert colour == to_rgba(policy_colors(sweep["policies"])[policy])
     assert colour in _bar_colours(_tps_figure(summaries, policy_colors(summaries)))
-    assert colour in _bar_colours(_max_tps_figure(sweep, policy_colors(sweep["policies"])))
+    assert colour in _bar_colours(_max_tps_figure(figures(sweep), policy_colors(sweep["policies"])))
 
 
 def test_the_stickiness_figure_plots_what_its_title_and_the_tables_say() -> None:

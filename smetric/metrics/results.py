@@ -139,14 +139,14 @@ class PDSummary(Record, frozen=True):
     replay does not see the links)."""
 
     mode: Literal["full", "prefill-only"]
-    prefill_instances: int
+    prefill_instances: Number
     prefill_tps_within_slo: float
     prefill_ttft_s: Percentiles
     end_to_end_tps_within_slo: float | None
     transfer_tokens: Number
     transfers: Number
     requests_per_decoder: list[Number]
-    decode_instances: int | None = None
+    decode_instances: Number | None = None
     # None where the run only prefills; unset (left out) where nobody decides it.
     decode_policy: str | msgspec.UnsetType | None = msgspec.UNSET
     transfer_bytes: Number | None = None
@@ -179,6 +179,39 @@ class RunSummary(Record, frozen=True):
     busy_fraction: list[float] | None = None
     learned_params: dict[str, float] | None = None
     learned_from: Number | None = None
+
+
+class SweepRun(Record, frozen=True):
+    """One cell of a rate sweep: its summary (the mean over seeds, with several), and the
+    seeds' TPS within SLO and its spread."""
+
+    rate: float
+    global_: str = msgspec.field(name="global")
+    policy: str
+    summary: RunSummary
+    seeds_tps: list[float] | None = None
+    stdev: float | None = None
+
+
+class BestRate(Record, frozen=True):
+    """A policy's best TPS within SLO over a sweep's rates, and the rate it was at."""
+
+    tps: float
+    rate: float
+    stdev: float | None = None
+
+
+class SweepResult(Record, frozen=True):
+    """``smetric sweep``'s result (``sweep.json``): rates x global tiers x policies."""
+
+    rates: list[float]
+    provisionings: list[str]
+    policies: list[str]
+    runs: list[SweepRun]
+    # Per global tier and policy.
+    max_tps: dict[str, dict[str, BestRate]]
+    # With several seeds, how many.
+    seeds: int | None = None
 
 
 def write_summaries(path: Path, meta: Mapping[str, Any], runs: Mapping[str, RunSummary]) -> None:

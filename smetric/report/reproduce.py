@@ -20,6 +20,7 @@ from smetric.eval.reproduce import GUARD_OFF
 from smetric.metrics.results import (
     QUANTILES,
     WAYS,
+    BestRate,
     HitSplit,
     KneeSummary,
     ReproduceResult,
@@ -28,6 +29,7 @@ from smetric.metrics.results import (
 from smetric.report.knee import knee_rows
 from smetric.report.markdown import markdown_table
 from smetric.report.simulation import (
+    SweepFigures,
     write_guard_png,
     write_knee_png,
     write_sensitivity_png,
@@ -64,39 +66,37 @@ def tier_knees(result: ReproduceResult) -> KneeSummary:
     return knee_summary([(tier, load) for tier in result.tiers], result.policies, knees)
 
 
-def tier_sweep(result: ReproduceResult) -> dict:
-    """The knees shaped as a sweep's summary, for its max-TPS and hit-split figures."""
+def tier_sweep(result: ReproduceResult) -> SweepFigures:
+    """The knees drawn as a sweep's max-TPS and hit-split figures: each policy's point at
+    its knee, per tier."""
     tiers = result.tiers
-    return {
-        "title": "Max TPS within SLO at each policy's knee (mean over seeds)",
-        "policies": result.policies,
-        "provisionings": list(tiers),
-        "rates": [],
-        "max_tps": {
-            t: {p: {"tps": v.knee.mean, "rate": v.knee.load} for p, v in c.policies.items()}
+    return SweepFigures(
+        policies=result.policies,
+        provisionings=list(tiers),
+        rates=[],
+        best={
+            t: {p: BestRate(tps=v.knee.mean, rate=v.knee.load) for p, v in c.policies.items()}
             for t, c in tiers.items()
         },
-        "runs": [
-            {"global": t, "policy": p, "rate": v.knee.load, "summary": v.to_builtins()}
-            for t, c in tiers.items()
-            for p, v in c.policies.items()
-        ],
-    }
+        points={(t, p, v.knee.load): v for t, c in tiers.items() for p, v in c.policies.items()},
+        title="Max TPS within SLO at each policy's knee (mean over seeds)",
+    )
 
 
-def rate_sweep(result: ReproduceResult) -> dict:
-    """The full tier's rate sweep shaped as a sweep's summary (one provisioning)."""
+def rate_sweep(result: ReproduceResult) -> SweepFigures:
+    """The full tier's rate sweep drawn as a sweep's (one provisioning)."""
     sweep = result.rate_sweep
-    return {
-        "policies": result.policies,
-        "provisionings": ["full"],
-        "rates": sweep.rates,
-        "runs": [
-            {"global": "full", "policy": p, "rate": rate, "summary": point.to_builtins()}
+    return SweepFigures(
+        policies=result.policies,
+        provisionings=["full"],
+        rates=sweep.rates,
+        best={},
+        points={
+            ("full", p, rate): point
             for p, points in sweep.policies.items()
             for rate, point in zip(sweep.rates, points, strict=True)
-        ],
-    }
+        },
+    )
 
 
 def write_figures(

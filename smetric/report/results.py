@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from smetric.core.policies import base_name, hardware_params
-from smetric.metrics.results import KneeSummary, write_summaries
+from smetric.metrics.results import KneeSummary, SweepResult, write_summaries
 from smetric.metrics.runs import run_file_name
 from smetric.report.knee import knee_markdown
 from smetric.sim.config import SimConfig, dump_yaml
@@ -46,13 +46,13 @@ def write_simulation(out: Path, config: SimConfig, results: Mapping[str, RunResu
     return len(write_simulation_pngs(summaries, tables, out))
 
 
-def write_sweep(out: Path, config: SimConfig, summary: dict) -> int:
+def write_sweep(out: Path, config: SimConfig, summary: SweepResult) -> int:
     """Configuration, sweep.json and plots; returns the plot count."""
-    from smetric.report.simulation import write_sweep_pngs
+    from smetric.report.simulation import sweep_figures, write_sweep_pngs
 
     _start(out, config)
-    (out / "sweep.json").write_text(json.dumps(summary, indent=1))
-    return len(write_sweep_pngs(summary, out))
+    (out / "sweep.json").write_text(summary.to_json())
+    return len(write_sweep_pngs(sweep_figures(summary), out))
 
 
 def write_knee(out: Path, config: SimConfig, summary: KneeSummary, default: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from smetric.metrics.results import KneeSummary, Percentiles, RunSummary
+from smetric.metrics.results import KneeSummary, Percentiles, RunSummary, SweepResult
 from smetric.report.knee import knee_rows
 from smetric.report.tables import Column, Table
 
@@ -130,25 +130,25 @@ def disaggregation_table(summaries: Mapping[str, RunSummary]) -> Table:
     return Table("pd", "PD disaggregation", columns, tuple(rows), tuple(values))
 
 
-def sweep_table(summary: Mapping[str, Any]) -> Table:
+def sweep_table(summary: SweepResult) -> Table:
     """Per policy and global tier: the best TPS within SLO over the offered rates."""
-    seeds = " (mean ± sd over seeds)" if summary.get("seeds", 1) > 1 else ""
-    tiers = summary["provisionings"]
+    seeds = " (mean ± sd over seeds)" if summary.seeds else ""
+    tiers = summary.provisionings
     columns = (Column("policy", "left"), *(Column(f"global\n{g}") for g in tiers))
     rows, values, bold = [], [], set()
-    for i, p in enumerate(summary["policies"]):
+    for i, p in enumerate(summary.policies):
         cells = [p]
         value: dict[str, Any] = {"policy": p}
         for j, g in enumerate(tiers, start=1):
-            row = summary["max_tps"][g][p]
-            top = max(v["tps"] for v in summary["max_tps"][g].values())
-            sd = f" ± {row['stdev']:,.0f}" if "stdev" in row else ""
-            cells.append(f"{row['tps']:,.0f}{sd} (@{row['rate']:g})")
-            if row["tps"] == top and top > 0:
+            row = summary.max_tps[g][p]
+            top = max(v.tps for v in summary.max_tps[g].values())
+            sd = "" if row.stdev is None else f" ± {row.stdev:,.0f}"
+            cells.append(f"{row.tps:,.0f}{sd} (@{row.rate:g})")
+            if row.tps == top and top > 0:
                 bold.add((i, j))
-            value |= {f"tps_{g}": row["tps"], f"rate_{g}": row["rate"]}
-            if "stdev" in row:
-                value[f"stdev_{g}"] = row["stdev"]
+            value |= {f"tps_{g}": row.tps, f"rate_{g}": row.rate}
+            if row.stdev is not None:
+                value[f"stdev_{g}"] = row.stdev
         rows.append(tuple(cells))
         values.append(value)
     title = f"Max TPS within SLO{seeds} (at offered rate, sessions/s)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,17 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from smetric.metrics.results import (
+    BestRate,
     Guard,
+    HitSplit,
     Imbalance,
     KneeSummary,
+    MeanPoint,
     Percentiles,
+    Reuse,
     RunSummary,
     SensitivityPoint,
+    SweepResult,
 )
 from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
@@ -96,12 +102,13 @@ def _tps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     return fig
 
 
-def _reuse_panel(ax: Axes, rows: Sequence[tuple[str, Mapping[str, float], str]]) -> None:
+def _reuse_panel(ax: Axes, rows: Sequence[tuple[str, Reuse | HitSplit, str]]) -> None:
     """100 % bars of prompt tokens per row: local hits solid, global hits hatched (Fig. 11b)."""
     y = np.arange(len(rows))
     left = np.zeros(len(rows))
+    splits = [{"local": s.local, "global": s.global_, "miss": s.miss} for _, s, _ in rows]
     for tier in TIERS:
-        widths = np.array([float(split[tier]) for _, split, _ in rows])
+        widths = np.array([split[tier] for split in splits])
         if tier == "miss":
             style: dict[str, Any] = {"color": COLORS["miss"]}
         else:
@@ -138,7 +145,7 @@ def _reuse_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
     """Where each policy's prompt tokens come from: local tier, global tier or recompute."""
     fig = new_figure(8, _rows_height(len(summaries)) + 0.3)
     ax = fig.add_subplot()
-    _reuse_panel(ax, [(p, s.reuse.to_builtins(), colors[p]) for p, s in summaries.items()])
+    _reuse_panel(ax, [(p, s.reuse, colors[p]) for p, s in summaries.items()])
     ax.set_xlabel("Share of prompt tokens")
     ax.set_title("KV-cache reuse by tier")
     _tier_legend(fig)
@@ -341,29 +348,55 @@ def write_simulation_pngs(
     )
 
 
-def _tokens_unit(sweep: Section) -> str:
-    """Disaggregated runs count prompt tokens (the paper's prefill TPS), others all."""
-    disaggregated = any("pd" in run["summary"] for run in sweep["runs"])
-    return "prompt tok/s" if disaggregated else "tok/s"
+@dataclass(frozen=True)
+class SweepFigures:
+    """What the sweep figures draw (Figs. 11, 15a, 16): each policy's best TPS within SLO
+    per global tier, and TPS and hit split at every (tier, policy, rate) point. Built from
+    a sweep (``sweep_figures``) or from ``reproduce``'s knees and rate sweep."""
+
+    policies: Sequence[str]
+    provisionings: Sequence[str]
+    rates: Sequence[float]
+    best: Mapping[str, Mapping[str, BestRate]]
+    points: Mapping[tuple[str, str, float], MeanPoint]
+    # Disaggregated runs count prompt tokens (the paper's prefill TPS), others all.
+    prompt_tokens: bool = False
+    title: str = "Maximum TPS within SLO over the offered-rate sweep"
 
 
-def _run_index(sweep: Section) -> dict[tuple[str, str, float], Section]:
-    return {(run["global"], run["policy"], run["rate"]): run["summary"] for run in sweep["runs"]}
+def sweep_figures(sweep: SweepResult) -> SweepFigures:
+    def point(summary: RunSummary) -> MeanPoint:
+        reuse = summary.reuse
+        split = HitSplit(local=reuse.local, global_=reuse.global_, miss=reuse.miss)
+        return MeanPoint(tps_within_slo=summary.tps_within_slo, stdev=0.0, reuse=split)
+
+    return SweepFigures(
+        policies=sweep.policies,
+        provisionings=sweep.provisionings,
+        rates=sweep.rates,
+        best=sweep.max_tps,
+        points={(r.global_, r.policy, r.rate): point(r.summary) for r in sweep.runs},
+        prompt_tokens=any(r.summary.pd is not None for r in sweep.runs),
+    )
 
 
-def _max_tps_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
+def _tokens_unit(sweep: SweepFigures) -> str:
+    return "prompt tok/s" if sweep.prompt_tokens else "tok/s"
+
+
+def _max_tps_figure(sweep: SweepFigures, colors: Mapping[str, str]) -> Figure:
     """Figures 11a/16a: each policy's best TPS within SLO over the rate sweep, per global
     tier, grouped by provisioning because the question is who wins at each one."""
-    provisionings, policies = sweep["provisionings"], sweep["policies"]
+    provisionings, policies = sweep.provisionings, sweep.policies
     width = 0.8 / len(policies)
     x = np.arange(len(provisionings))
     fig = new_figure(8, 4.6)
     ax = fig.add_subplot()
     for i, policy in enumerate(policies):
-        best = [sweep["max_tps"][g][policy] for g in provisionings]
-        tps = [float(b["tps"]) for b in best]
+        best = [sweep.best[g][policy] for g in provisionings]
+        tps = [b.tps for b in best]
         # A sweep over seeds plots each mean with its standard deviation.
-        sd = [float(b["stdev"]) for b in best] if "stdev" in best[0] else None
+        sd = [b.stdev or 0.0 for b in best] if best[0].stdev is not None else None
         offset = (i - (len(policies) - 1) / 2) * width
         bars = ax.bar(x + offset, tps, width * 0.9, color=colors[policy], yerr=sd, capsize=2)
         labels = [f"{v:,.0f}" for v in tps]
@@ -373,21 +406,21 @@ def _max_tps_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
     ax.grid(axis="x", visible=False)
     ax.set_xlabel("Global-tier provisioning")
     ax.set_ylabel(f"Max TPS within SLO ({_tokens_unit(sweep)})")
-    ax.set_title(sweep.get("title", "Maximum TPS within SLO over the offered-rate sweep"))
+    ax.set_title(sweep.title)
     _policy_legend(fig, colors)
     return fig
 
 
-def _tps_vs_rate_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
+def _tps_vs_rate_figure(sweep: SweepFigures, colors: Mapping[str, str]) -> Figure:
     """Figure 15a: where each policy's TPS within SLO saturates as the offered rate grows."""
-    runs = _run_index(sweep)
-    provisionings, rates = sweep["provisionings"], sorted(sweep["rates"])
+    runs = sweep.points
+    provisionings, rates = sweep.provisionings, sorted(sweep.rates)
     # At least 8 inches: the policy key below the panels needs the room.
     fig = new_figure(min(max(4.0 * len(provisionings), 8), 13), 4.4)
     axes = fig.subplots(1, len(provisionings), sharey=True, squeeze=False).ravel()
     for ax, level in zip(axes, provisionings, strict=True):
-        for policy in sweep["policies"]:
-            tps = [float(runs[level, policy, r]["tps_within_slo"]) for r in rates]
+        for policy in sweep.policies:
+            tps = [runs[level, policy, r].tps_within_slo for r in rates]
             ax.plot(rates, tps, color=colors[policy], marker="o", ms=4, lw=1.8)
         ax.set_title(f"Global tier: {level}")
         ax.set_xlabel("Offered rate (sessions/s)")
@@ -402,20 +435,18 @@ def _tps_panels(fig: Figure, first: Axes, ylabel: str, colors: Mapping[str, str]
     return fig
 
 
-def _reuse_by_provisioning_figure(sweep: Section, colors: Mapping[str, str]) -> Figure:
+def _reuse_by_provisioning_figure(sweep: SweepFigures, colors: Mapping[str, str]) -> Figure:
     """Figures 11b/16b: the hit split that produced each max-TPS bar, so a TPS gap can be
     traced to local hits lost or to recompute."""
-    runs = _run_index(sweep)
-    provisionings, policies = sweep["provisionings"], sweep["policies"]
+    runs = sweep.points
+    provisionings, policies = sweep.provisionings, sweep.policies
     fig = new_figure(8, len(provisionings) * (0.5 + 0.45 * len(policies)) + 0.9)
     axes = fig.subplots(len(provisionings), 1, sharex=True, squeeze=False).ravel()
     for ax, level in zip(axes, provisionings, strict=True):
         rows = []
         for policy in policies:
-            rate = sweep["max_tps"][level][policy]["rate"]
-            rows.append(
-                (f"{policy} @ {rate:g}/s", runs[level, policy, rate]["reuse"], colors[policy])
-            )
+            rate = sweep.best[level][policy].rate
+            rows.append((f"{policy} @ {rate:g}/s", runs[level, policy, rate].reuse, colors[policy]))
         _reuse_panel(ax, rows)
         ax.set_title(f"Global tier: {level}", loc="left", fontsize=10)
     axes[-1].set_xlabel("Share of prompt tokens, at each policy's max-TPS rate (sessions/s)")
@@ -431,11 +462,11 @@ SWEEP_FIGURES = {
 
 
 def write_sweep_pngs(
-    sweep: dict, out: Path, names: Sequence[str] = tuple(SWEEP_FIGURES)
+    sweep: SweepFigures, out: Path, names: Sequence[str] = tuple(SWEEP_FIGURES)
 ) -> dict[str, Path]:
     """Write a sweep's figures (``names`` of them); policies keep the sweep's order and so
-    its colours. ``sweep["title"]``, if given, titles the max-TPS figure."""
-    colors = policy_colors(sweep["policies"])
+    its colours."""
+    colors = policy_colors(sweep.policies)
     return _save({name: partial(SWEEP_FIGURES[name], sweep, colors) for name in names}, out)
 
 

@@ -8,8 +8,8 @@ best mean TPS within SLO (the paper's Figures 11a/16a).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
+from smetric.metrics.results import BestRate, RunSummary, SweepResult, SweepRun
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.seeds import mean_summary, spread
@@ -47,18 +47,23 @@ def sweep_jobs(
     ]
 
 
-def sweep_cells(jobs: Sequence[Job], results: Mapping[tuple, Any]) -> dict[tuple, list[Any]]:
+def sweep_cells(
+    jobs: Sequence[Job], results: Mapping[tuple, RunSummary]
+) -> dict[tuple, list[RunSummary]]:
     """Each (rate, provisioning, policy) cell's summaries, in seed order whatever order
     the runs finished in."""
-    cells: dict[tuple, list[Any]] = {}
+    cells: dict[tuple, list[RunSummary]] = {}
     for job in jobs:
         cells.setdefault(job.key[:3], []).append(results[job.key])
     return cells
 
 
 def sweep_summary(
-    rates: list[float], provisionings: list[str], policies: tuple[str, ...], results: dict
-) -> dict:
+    rates: list[float],
+    provisionings: list[str],
+    policies: tuple[str, ...],
+    results: Mapping[tuple, Sequence[RunSummary]],
+) -> SweepResult:
     """Every cell's summary, and each policy's best TPS within SLO per provisioning.
 
     ``results`` holds each (rate, provisioning, policy) cell's summaries, one per seed.
@@ -70,31 +75,35 @@ def sweep_summary(
     for g in provisionings:
         for p in policies:
             for r in rates:
-                seeds = results[(r, g, p)]
-                # The sweep is written as it is (sweep.json): summaries in their JSON form.
-                merged = [s.to_builtins() for s in seeds]
-                run: dict = {"rate": r, "global": g, "policy": p, "summary": merged[0]}
-                if len(seeds) > 1:
-                    tps = [s.tps_within_slo for s in seeds]
-                    run["summary"] = mean_summary(merged)
-                    run["seeds_tps"] = tps
-                    run["stdev"] = spread(tps)
-                runs.append(run)
-    best: dict[str, dict[str, dict[str, float]]] = {}
+                per_seed = results[(r, g, p)]
+                if len(per_seed) == 1:
+                    runs.append(SweepRun(rate=r, global_=g, policy=p, summary=per_seed[0]))
+                    continue
+                values = [s.tps_within_slo for s in per_seed]
+                merged = mean_summary([s.to_builtins() for s in per_seed])
+                runs.append(
+                    SweepRun(
+                        rate=r,
+                        global_=g,
+                        policy=p,
+                        summary=RunSummary.from_builtins(merged),
+                        seeds_tps=values,
+                        stdev=spread(values),
+                    )
+                )
+    best: dict[str, dict[str, BestRate]] = {}
     for run in runs:
-        slot = best.setdefault(run["global"], {})
-        current = slot.get(run["policy"])
-        tps = run["summary"]["tps_within_slo"]
-        if current is None or tps > current["tps"]:
-            slot[run["policy"]] = {"tps": tps, "rate": run["rate"]}
-            if "stdev" in run:
-                slot[run["policy"]]["stdev"] = run["stdev"]
-    summary = {
-        "rates": rates,
-        "provisionings": provisionings,
-        "policies": list(policies),
-        "runs": runs,
-        "max_tps": best,
-    }
+        slot = best.setdefault(run.global_, {})
+        current = slot.get(run.policy)
+        tps = run.summary.tps_within_slo
+        if current is None or tps > current.tps:
+            slot[run.policy] = BestRate(tps=tps, rate=run.rate, stdev=run.stdev)
     seeds = max(len(v) for v in results.values())
-    return summary | {"seeds": seeds} if seeds > 1 else summary
+    return SweepResult(
+        rates=rates,
+        provisionings=provisionings,
+        policies=list(policies),
+        runs=runs,
+        max_tps=best,
+        seeds=seeds if seeds > 1 else None,
+    )
