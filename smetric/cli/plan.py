@@ -120,8 +120,7 @@ def plan(
 
             points = search_plan(base, trace, settings, processes, store, on_round)
         block_size = int(trace.requests["block_size"][0]) if trace.num_requests else 16
-        summary = plan_summary(base, points, settings, block_size)
-    summary["runs_simulated"] = store.written
+        summary = plan_summary(base, points, settings, block_size, store.written)
     write_plan(out, base, summary)
     print_table(plan_table(summary), console)
     console.print(

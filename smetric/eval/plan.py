@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from smetric.metrics.results import Knee
+from smetric.metrics.results import Knee, Plan, PlanPoint, PlanResult
 from smetric.sim.cluster import resolve_shape
 from smetric.sim.config import SimConfig
 from smetric.sim.knee import KneeSettings, probe_job, search_knees
@@ -170,25 +170,27 @@ def plan_summary(
     points: dict[tuple[str, str], list[Point]],
     settings: PlanSettings,
     block_size: int,
-) -> dict:
-    """The plans and every probed point, JSON-ready."""
+    runs_simulated: int | None = None,
+) -> PlanResult:
+    """The plans and every probed point (and how many runs were simulated for them, not
+    taken from a store, where counted)."""
     gpus = base.cluster.gpus_per_instance
-    curves: dict[str, dict[str, list[dict]]] = {}
-    plans: dict[str, dict | None] = {}
+    curves: dict[str, dict[str, list[PlanPoint]]] = {}
+    plans: dict[str, Plan | None] = {}
     for policy in base.policies:
         curves[policy] = {}
         best: tuple[Point, str] | None = None
         for glob in settings.globals:
             found = points[(policy, glob)]
             curves[policy][glob] = [
-                {
-                    "instances": p.instances,
-                    "tps_within_slo": p.tps_within_slo,
-                    "slo_attainment": p.attainment,
-                    "knee_load": p.knee.load,
-                    "knee_tps_within_slo": p.knee.mean,
-                    "serves": p.serves,
-                }
+                PlanPoint(
+                    instances=p.instances,
+                    tps_within_slo=p.tps_within_slo,
+                    slo_attainment=p.attainment,
+                    knee_load=p.knee.load,
+                    knee_tps_within_slo=p.knee.mean,
+                    serves=p.serves,
+                )
                 for p in found
             ]
             smallest = fewest(found)
@@ -202,32 +204,33 @@ def plan_summary(
         if settings.price_per_gpu_hour is not None and point.tps_within_slo > 0:
             per_hour = point.instances * gpus * settings.price_per_gpu_hour
             cost = per_hour / (point.tps_within_slo * HOURS / 1e6)
-        plans[policy] = {
-            "instances": point.instances,
-            "gpus": point.instances * gpus,
-            "global": glob,
-            "global_bytes": global_tier_bytes(base, glob, point.instances, block_size),
-            "tps_within_slo": point.tps_within_slo,
-            "slo_attainment": point.attainment,
-            "knee_load": point.knee.load,
-            "cost_per_million_tokens": cost,
-        }
+        plans[policy] = Plan(
+            instances=point.instances,
+            gpus=point.instances * gpus,
+            global_=glob,
+            global_bytes=global_tier_bytes(base, glob, point.instances, block_size),
+            tps_within_slo=point.tps_within_slo,
+            slo_attainment=point.attainment,
+            knee_load=point.knee.load,
+            cost_per_million_tokens=cost,
+        )
     ranked = {p: plan for p in base.policies if (plan := plans[p]) is not None}
     choice = min(
         ranked,
-        key=lambda p: (ranked[p]["instances"], settings.globals.index(ranked[p]["global"])),
+        key=lambda p: (ranked[p].instances, settings.globals.index(ranked[p].global_)),
         default=None,
     )
-    return {
-        "trace_load": trace_load(base),
-        "load_unit": "speed-up" if base.workload.open_loop else "sessions/s",
-        "attainment": settings.attainment,
-        "seeds": list(settings.seeds),
-        "instances_searched": [settings.min_instances, settings.max_instances],
-        "price_per_gpu_hour": settings.price_per_gpu_hour,
-        "policies": list(base.policies),
-        "globals": list(settings.globals),
-        "plans": plans,
-        "choice": choice,
-        "curves": curves,
-    }
+    return PlanResult(
+        trace_load=trace_load(base),
+        load_unit="speed-up" if base.workload.open_loop else "sessions/s",
+        attainment=settings.attainment,
+        seeds=list(settings.seeds),
+        instances_searched=[settings.min_instances, settings.max_instances],
+        price_per_gpu_hour=settings.price_per_gpu_hour,
+        policies=list(base.policies),
+        globals=list(settings.globals),
+        plans=plans,
+        choice=choice,
+        curves=curves,
+        runs_simulated=runs_simulated,
+    )

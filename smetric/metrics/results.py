@@ -214,6 +214,54 @@ class SweepResult(Record, frozen=True):
     seeds: int | None = None
 
 
+class PlanPoint(Record, frozen=True):
+    """One instance count's figures for one policy and global tier: at the trace's own
+    load (means over seeds), and at the count's knee."""
+
+    instances: int
+    tps_within_slo: float
+    slo_attainment: float
+    knee_load: float
+    knee_tps_within_slo: float
+    serves: bool
+
+
+class Plan(Record, frozen=True):
+    """A policy's plan: the fewest instances (and the global tier) that serve the trace."""
+
+    instances: int
+    gpus: int
+    global_: str = msgspec.field(name="global")
+    # None: an unbounded tier, which never evicts.
+    global_bytes: int | None
+    tps_within_slo: float
+    slo_attainment: float
+    knee_load: float
+    # None without a price per GPU-hour.
+    cost_per_million_tokens: float | None
+
+
+class PlanResult(Record, frozen=True):
+    """``smetric plan``'s result (``plan.json``)."""
+
+    trace_load: float
+    load_unit: str
+    attainment: float
+    seeds: list[int]
+    # The least and most instances searched.
+    instances_searched: list[int]
+    price_per_gpu_hour: float | None
+    policies: list[str]
+    globals: list[str]
+    # None for a policy that no count searched serves.
+    plans: dict[str, Plan | None]
+    # The policy needing the fewest instances, if any serves.
+    choice: str | None
+    # Per policy and global tier, every instance count probed.
+    curves: dict[str, dict[str, list[PlanPoint]]]
+    runs_simulated: int | None = None
+
+
 def write_summaries(path: Path, meta: Mapping[str, Any], runs: Mapping[str, RunSummary]) -> None:
     """``summary.json``: ``meta`` (what produced the runs) with each run's summary under
     ``policies``, placed where ``meta`` has a ``policies`` key, else last."""

@@ -9,13 +9,12 @@ that a command's ``--help`` does not load matplotlib.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from smetric.core.policies import base_name, hardware_params
-from smetric.metrics.results import KneeSummary, SweepResult, write_summaries
+from smetric.metrics.results import KneeSummary, PlanResult, SweepResult, write_summaries
 from smetric.metrics.runs import run_file_name
 from smetric.report.knee import knee_markdown
 from smetric.sim.config import SimConfig, dump_yaml
@@ -65,12 +64,12 @@ def write_knee(out: Path, config: SimConfig, summary: KneeSummary, default: str)
     write_knee_png(summary, out / "knee.png")
 
 
-def write_plan(out: Path, config: SimConfig, summary: dict) -> None:
+def write_plan(out: Path, config: SimConfig, summary: PlanResult) -> None:
     """Configuration, plan.json and plan.png."""
     from smetric.report.simulation import write_plan_png
 
     _start(out, config)
-    (out / "plan.json").write_text(json.dumps(summary, indent=1))
+    (out / "plan.json").write_text(summary.to_json())
     write_plan_png(summary, out / "plan.png")
 
 

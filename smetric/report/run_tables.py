@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from smetric.metrics.results import KneeSummary, Percentiles, RunSummary, SweepResult
+from smetric.metrics.results import (
+    KneeSummary,
+    Percentiles,
+    PlanResult,
+    RunSummary,
+    SweepResult,
+)
 from smetric.report.knee import knee_rows
 from smetric.report.tables import Column, Table
 
@@ -185,43 +191,47 @@ def knee_table(summary: KneeSummary, default: str) -> Table:
     return Table("knees", title, columns, tuple(map(tuple, rows)), tuple(values), frozenset(bold))
 
 
-def plan_table(summary: Mapping[str, Any]) -> Table:
+def plan_table(summary: PlanResult) -> Table:
     """Per policy, the fewest instances that serve the trace within SLO, and at what cost."""
-    priced = summary["price_per_gpu_hour"] is not None
-    unit = summary["load_unit"]
+    priced = summary.price_per_gpu_hour is not None
+    unit = summary.load_unit
     title = (
-        f"Fewest instances serving the trace's load ({summary['trace_load']:g} {unit}) "
-        f"with {summary['attainment']:.0%} of requests within SLO"
+        f"Fewest instances serving the trace's load ({summary.trace_load:g} {unit}) "
+        f"with {summary.attainment:.0%} of requests within SLO"
     )
     headers = ["instances", "GPUs", "global tier", "TPS within SLO", "SLO met"]
     headers += ["$ / M tokens"] if priced else []
     columns = (Column("policy", "left"), *(Column(h) for h in headers))
     rows, values, bold = [], [], set()
-    for i, (policy, plan) in enumerate(summary["plans"].items()):
+    for i, (policy, plan) in enumerate(summary.plans.items()):
         if plan is None:
-            most = summary["instances_searched"][1]
+            most = summary.instances_searched[1]
             rows.append((policy, f"> {most}", *["-"] * (len(headers) - 1)))
             values.append({"policy": policy, "instances": None})
             continue
-        size = plan["global_bytes"]
-        tier = plan["global"] if not size else f"{plan['global']} ({size / 1e9:,.0f} GB)"
-        if policy == summary["choice"]:
+        size = plan.global_bytes
+        tier = plan.global_ if not size else f"{plan.global_} ({size / 1e9:,.0f} GB)"
+        if policy == summary.choice:
             bold.add((i, 0))
         row = [
             policy,
-            str(plan["instances"]),
-            str(plan["gpus"]),
+            str(plan.instances),
+            str(plan.gpus),
             tier,
-            f"{plan['tps_within_slo']:,.0f}",
-            f"{plan['slo_attainment']:.0%}",
+            f"{plan.tps_within_slo:,.0f}",
+            f"{plan.slo_attainment:.0%}",
         ]
-        value = {
+        value: dict[str, Any] = {
             "policy": policy,
-            **{k: plan[k] for k in ("instances", "gpus", "global", "global_bytes")},
-            **{k: plan[k] for k in ("tps_within_slo", "slo_attainment")},
+            "instances": plan.instances,
+            "gpus": plan.gpus,
+            "global": plan.global_,
+            "global_bytes": plan.global_bytes,
+            "tps_within_slo": plan.tps_within_slo,
+            "slo_attainment": plan.slo_attainment,
         }
         if priced:
-            cost = plan["cost_per_million_tokens"]
+            cost = plan.cost_per_million_tokens
             row.append("-" if cost is None else f"{cost:,.3f}")
             value["cost_per_million_tokens"] = cost
         rows.append(tuple(row))

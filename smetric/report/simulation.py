@@ -33,6 +33,7 @@ from smetric.metrics.results import (
     KneeSummary,
     MeanPoint,
     Percentiles,
+    PlanResult,
     Reuse,
     RunSummary,
     SensitivityPoint,
@@ -41,7 +42,7 @@ from smetric.metrics.results import (
 from smetric.metrics.summary import measured_windows
 from smetric.report.figures import COLORS, DPI, STYLE, new_figure, percent_axis
 from smetric.report.palette import policy_color, policy_colors
-from smetric.report.terminal import Section, pct, seconds, times
+from smetric.report.terminal import pct, seconds, times
 
 TIERS = {"local": "Local-tier hit", "global": "Global-tier hit", "miss": "Miss (computed)"}
 FADED = 0.35  # alpha of the secondary layer drawn in a policy's colour (total TPS, global hits)
@@ -574,36 +575,34 @@ def write_knee_png(summary: KneeSummary, path: Path) -> Path:
     return _save({path.stem: partial(_knee_figure, summary, colors)}, path.parent)[path.stem]
 
 
-def _plan_figure(summary: Section, colors: Mapping[str, str]) -> Figure:
+def _plan_figure(summary: PlanResult, colors: Mapping[str, str]) -> Figure:
     """TPS within SLO at the trace's own load against instance count (``smetric plan``),
     one panel per global tier; the knee's TPS (what the count could serve at most) faded,
     each policy's plan starred."""
-    tiers = summary["globals"]
+    tiers = summary.globals
     fig = new_figure(min(4.0 * len(tiers), 16), 4.4)
     axes = fig.subplots(1, len(tiers), sharey=True, squeeze=False).ravel()
     for ax, tier in zip(axes, tiers, strict=True):
-        for policy, curves in summary["curves"].items():
+        for policy, curves in summary.curves.items():
             points = curves[tier]
             if not points:
                 continue
-            counts = [p["instances"] for p in points]
+            counts = [p.instances for p in points]
             color = colors[policy]
-            ax.plot(counts, [p["tps_within_slo"] for p in points], color=color, marker="o", ms=3)
-            knee = [p["knee_tps_within_slo"] for p in points]
+            ax.plot(counts, [p.tps_within_slo for p in points], color=color, marker="o", ms=3)
+            knee = [p.knee_tps_within_slo for p in points]
             ax.plot(counts, knee, color=to_rgba(color, FADED), ls="--", lw=1)
-            plan = summary["plans"][policy]
-            if plan is not None and plan["global"] == tier:
-                best = next(p for p in points if p["instances"] == plan["instances"])
-                ax.plot(
-                    [best["instances"]], [best["tps_within_slo"]], color=color, marker="*", ms=12
-                )
+            plan = summary.plans[policy]
+            if plan is not None and plan.global_ == tier:
+                best = next(p for p in points if p.instances == plan.instances)
+                ax.plot([best.instances], [best.tps_within_slo], color=color, marker="*", ms=12)
         ax.set_title(f"Global tier: {tier}")
         ax.set_xlabel("Instances")
         ax.xaxis.get_major_locator().set_params(integer=True)
     return _tps_panels(fig, axes[0], "TPS within SLO (tok/s); dashed: at the knee", colors)
 
 
-def write_plan_png(summary: dict, path: Path) -> Path:
+def write_plan_png(summary: PlanResult, path: Path) -> Path:
     """``smetric plan``'s curves, policies in the summary's order."""
-    colors = policy_colors(summary["policies"])
+    colors = policy_colors(summary.policies)
     return _save({path.stem: partial(_plan_figure, summary, colors)}, path.parent)[path.stem]
