@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from smetric.cli import app
 from smetric.eval.grid import cell_verdict, grid_cells, means_of, twin_of, verdict_summary
-from smetric.eval.grid_preset import load_grid_preset
+from smetric.eval.grid_preset import CONFIGURED, load_grid_preset
+from smetric.metrics.results import GridResult
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import tps_under_slo
 from smetric.report.grid import (
@@ -45,6 +46,26 @@ loose_slo: {ttft_base_s: 2.0, ttft_per_token_s: 0.0005, tpot_s: 0.03}
 )
 
 
+def as_result(data: dict) -> GridResult:
+    """A grid result from a test's partial one: what it leaves out as a one-world grid
+    has it, a knee's seeds its mean, the looser SLO's knees the default's."""
+
+    def knee(given: dict) -> dict:
+        return {"load": 0.1, "stdev": 0.0, "seeds": [given["mean"]], "probes": {}} | given
+
+    def cell(given: dict) -> dict:
+        knees = {p: knee(k) for p, k in given["knees"].items()}
+        loose = {p: knee(k) for p, k in given.get("loose", given["knees"]).items()}
+        return {"world": CONFIGURED} | given | {"knees": knees, "loose": loose}
+
+    slo = dataclasses.asdict(SLOConfig())
+    defaults = {"preset": "p", "worlds": {CONFIGURED: {}}, "seeds": 1, "precision": 2.0}
+    cells = [cell(c) for c in data["cells"]]
+    return GridResult.from_builtins(
+        defaults | {"slo": slo, "loose_slo": slo} | data | {"cells": cells}
+    )
+
+
 def test_cell_verdict_compares_each_of_ours_with_the_best_baseline_at_its_best_setting() -> None:
     means = {
         "smetric": 95.0,
@@ -54,9 +75,9 @@ def test_cell_verdict_compares_each_of_ours_with_the_best_baseline_at_its_best_s
         "linear:lam=0.9": 60.0,
     }
     verdict = cell_verdict(means)
-    assert verdict["best_baseline"] == "linear:lam=0.3"
-    assert verdict["value"] == 100.0
-    assert verdict["lead"] == pytest.approx({"smetric": -5.0, "smetric_cost": 6.0})
+    assert verdict.best_baseline == "linear:lam=0.3"
+    assert verdict.value == 100.0
+    assert verdict.lead == pytest.approx({"smetric": -5.0, "smetric_cost": 6.0})
 
 
 def test_verdict_counts_cells_within_one_percent_and_five_percent_ahead() -> None:
@@ -95,7 +116,7 @@ def test_grid_table_has_a_row_per_cell_with_the_best_baseline_and_our_lead() -> 
             }
         ],
     }
-    table = grid_table(result).splitlines()
+    table = grid_table(as_result(result)).splitlines()
     assert table[0] == "| cell | best baseline | smetric |"
     assert table[2] == (
         "| weka · 1x · async · H200-fp8 | least_load 100.0k ± 2.0k (@0.3) "
@@ -117,12 +138,12 @@ def test_headroom_counts_wins_only_where_the_ceiling_leaves_room_for_one() -> No
         cell("1x", "B", smetric_cost=101.0, least_load=100.0),  # 4 % above: no room
     ]
     result = {"policies": ["smetric_cost", "least_load"], "cells": cells}
-    line = headroom_line(result)
+    line = headroom_line(as_result(result))
     assert line is not None
     assert line.startswith("Headroom: in 2 of 3 cells the free-tier ceiling is at least 5 %")
     assert "at least 5 % ahead in those: `smetric_cost` in 1." in line
     no_ceiling = {**result, "cells": [c for c in cells if c["tier"] != "free"]}
-    assert headroom_line(no_ceiling) is None
+    assert headroom_line(as_result(no_ceiling)) is None
 
 
 def test_cells_cover_the_product_and_scale_first_loads_by_hardware(tmp_path: Path) -> None:
@@ -381,21 +402,21 @@ def test_own_tier_ceiling_is_counted_per_tier_and_full_takes_the_free_tier() -> 
         cell("full", smetric_cost=170e3, least_load=150e3),  # room under free; a win
     ]
     result = {"policies": ["smetric_cost", "least_load"], "cells": cells}
-    line = headroom_line(result)
+    line = headroom_line(as_result(result))
     assert line is not None
     # The unbounded ceiling leaves room everywhere; the own-tier one only above full.
     assert line.startswith("Headroom: in 3 of 3 cells the free-tier ceiling")
     assert "with a global tier leave room" in line
     assert "), 1 of the 2 cells with a global tier leave room for a lead of 5 %" in line
     assert line.endswith("at least 5 % ahead in those: `smetric_cost` in 1.")
-    rows = grid_table(result).splitlines()
+    rows = grid_table(as_result(result)).splitlines()
     assert rows[0].endswith("| ceiling: own tier, free | ceiling (best of all) |")
     assert rows[2].endswith("| - | 200.0k, best 41% |")  # none: no own ceiling
     assert rows[3].endswith("| 104.0k, best 97% | 200.0k, best 50% |")  # 1x: 101 of 104
     assert rows[4].endswith("| 200.0k, best 85% | 200.0k, best 85% |")  # full: the free tier
     unbounded_only = {**result, "cells": [c for c in cells if c["tier"] != "free-1x"]}
-    assert "own tier" not in grid_table(unbounded_only)
-    assert "own tier" not in (headroom_line(unbounded_only) or "")
+    assert "own tier" not in grid_table(as_result(unbounded_only))
+    assert "own tier" not in (headroom_line(as_result(unbounded_only)) or "")
 
 
 def test_robustness_table_gives_the_default_policy_lead_per_world_over_seeds() -> None:
@@ -421,14 +442,14 @@ def test_robustness_table_gives_the_default_policy_lead_per_world_over_seeds() -
             cell("free", "slow", [150.0, 150.0], [160.0, 160.0]),
         ],
     }  # fmt: skip
-    table = robustness_table(result)
+    table = robustness_table(as_result(result))
     assert "| configured | +15.0 ± 7.1 % |" in table
     assert "| slow | +0.0 ± 1.4 % |" in table
     assert "free" not in table  # ceilings are no cells of the verdict
-    rows = grid_table(result)
+    rows = grid_table(as_result(result))
     assert "| weka · full · sync · H20 · configured | least_load" in rows
     assert "0.2k, best 50%" in rows  # the ceiling: the best of any policy, free tier
-    text = grid_markdown(result, "smetric grid")
+    text = grid_markdown(as_result(result), "smetric grid")
     assert "`smetric_cost`'s lead in every world" in text
     assert "- `slow`: prefill_slowdown 1.25" in text
 
@@ -453,5 +474,6 @@ def test_a_tiny_robustness_grid_end_to_end(tmp_path: Path) -> None:
     assert "| configured |" in text and "| slow |" in text
     assert "ceiling (best of all)" in text
     assert "Headroom: in " in text
-    best = {c["world"]: max(means_of(c).values()) for c in result["cells"] if c["tier"] == "full"}
+    cells = GridResult.from_json((out / "grid.json").read_text()).cells
+    best = {c.world: max(means_of(c).values()) for c in cells if c.tier == "full"}
     assert best["slow"] <= best["configured"]

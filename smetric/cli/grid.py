@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from pathlib import Path
@@ -97,7 +96,7 @@ def grid_command(
 
             result = run_grid(chosen, specs, load, store, processes, on_round)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "grid.json").write_text(json.dumps(result, indent=1))
+    (out / "grid.json").write_text(result.to_json())
     markdown = out / "grid.md"
     markdown.write_text(grid_markdown(result, command))
     if page is not None:

@@ -15,10 +15,11 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from smetric.core.policies import is_ours
 from smetric.eval.grid_preset import GridPreset
-from smetric.metrics.results import Knee
+from smetric.metrics.results import GridCell, GridResult, Knee, Which
 from smetric.metrics.slo import SLOConfig
 from smetric.metrics.summary import tps_under_slo
 from smetric.sim.config import SimConfig
@@ -26,7 +27,6 @@ from smetric.sim.knee import KneeSettings, best_baseline, knee_of, probe_job, se
 from smetric.sim.parallel import RunStore
 from smetric.trace.schema import Trace
 
-CELL_FIELDS = ("trace", "tier", "kv_load", "hardware", "world")
 # The tier of a cell that gives its group a ceiling: the same cluster with a free global
 # tier (never evicts, moves KV in no time), under every policy, the best of them.
 FREE_TIER = "free"
@@ -108,8 +108,8 @@ def run_grid(
     store: RunStore,
     processes: int,
     on_round: Callable[[str, int, int], None],
-) -> dict:
-    """Every cell's knees under the default and the looser SLO, as JSON-able data."""
+) -> GridResult:
+    """Every cell's knees under the default and the looser SLO."""
     cells = grid_cells(preset)
     seeds = range(preset.seeds)
     out = []
@@ -141,23 +141,28 @@ def run_grid(
                 p: rescored_knee(store, (*key, p), searches[(*key, p)], k, seeds, preset.loose_slo)
                 for p, k in default.items()
             }
+            trace_name, tier, mode, hardware, world = key
             out.append(
-                {
-                    **dict(zip(CELL_FIELDS, key, strict=True)),
-                    "knees": {p: _brief(k) for p, k in default.items()},
-                    "loose": {p: _brief(k) for p, k in loose.items()},
-                }
+                GridCell(
+                    trace=trace_name,
+                    tier=tier,
+                    kv_load=mode,
+                    hardware=hardware,
+                    world=world,
+                    knees=default,
+                    loose=loose,
+                )
             )
-    return {
-        "preset": preset.name,
-        "policies": list(policies),
-        "worlds": preset.worlds,
-        "seeds": preset.seeds,
-        "precision": preset.precision,
-        "slo": dataclasses.asdict(next(iter(preset.traces.values())).config.slo),
-        "loose_slo": dataclasses.asdict(preset.loose_slo),
-        "cells": out,
-    }
+    return GridResult(
+        preset=preset.name,
+        policies=list(policies),
+        worlds=preset.worlds,
+        seeds=preset.seeds,
+        precision=preset.precision,
+        slo=dataclasses.asdict(next(iter(preset.traces.values())).config.slo),
+        loose_slo=dataclasses.asdict(preset.loose_slo),
+        cells=out,
+    )
 
 
 def rescored_knee(
@@ -183,33 +188,31 @@ def rescored_knee(
     return knee_of(runs)
 
 
-def _brief(knee: Knee) -> dict:
-    return {
-        "load": knee.load,
-        "mean": knee.mean,
-        "stdev": knee.stdev,
-        "seeds": list(knee.seeds),
-        # Every probed load's mean: the curve behind the knee, where a cell is lost.
-        "probes": {f"{load:.6g}": value for load, value in knee.probes.items()},
-    }
+@dataclass(frozen=True)
+class Verdict:
+    """A cell's best baseline at its best setting, its mean, and each of our policies'
+    lead over it in percent (None where no baseline ran or the best made nothing)."""
+
+    best_baseline: str | None
+    value: float | None
+    lead: dict[str, float | None]
 
 
-def cell_verdict(means: Mapping[str, float]) -> dict:
-    """A cell's best baseline at its best setting and each of our policies' lead over it
-    in percent (None where no baseline ran or the best made nothing)."""
+def cell_verdict(means: Mapping[str, float]) -> Verdict:
+    """The verdict of a cell with ``{policy: mean}``."""
     rival = best_baseline(means)
     top = means[rival] if rival is not None else 0.0
-    return {
-        "best_baseline": rival,
-        "value": top if rival is not None else None,
-        "lead": {p: (means[p] / top - 1) * 100 if top > 0 else None for p in means if is_ours(p)},
-    }
+    return Verdict(
+        best_baseline=rival,
+        value=top if rival is not None else None,
+        lead={p: (means[p] / top - 1) * 100 if top > 0 else None for p in means if is_ours(p)},
+    )
 
 
 def verdict_summary(cells: Sequence[Mapping[str, float]]) -> dict[str, dict[str, int]]:
     """Per policy of ours, over the cells (each ``{policy: mean}``): how many cells it
     is within 1 % of the best baseline (or ahead), and how many at least 5 % ahead."""
-    leads = [cell_verdict(means)["lead"] for means in cells]
+    leads = [cell_verdict(means).lead for means in cells]
     ours = list(dict.fromkeys(p for lead in leads for p in lead))
 
     def count(p: str, threshold: float) -> int:
@@ -227,6 +230,6 @@ def verdict_summary(cells: Sequence[Mapping[str, float]]) -> dict[str, dict[str,
     }
 
 
-def means_of(cell: Mapping, which: str = "knees") -> dict[str, float]:
+def means_of(cell: GridCell, which: Which = "knees") -> dict[str, float]:
     """``{policy: mean TPS within SLO at its knee}`` of a result cell."""
-    return {p: k["mean"] for p, k in cell[which].items()}
+    return {p: k.mean for p, k in cell.of(which).items()}

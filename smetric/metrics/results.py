@@ -262,6 +262,41 @@ class PlanResult(Record, frozen=True):
     runs_simulated: int | None = None
 
 
+# A grid cell's knees under the default SLO, or the same runs scored under the looser one.
+Which = Literal["knees", "loose"]
+
+
+class GridCell(Record, frozen=True):
+    """One cell of ``smetric grid``: every policy's knee under the default SLO and under
+    the looser one (the same runs scored again)."""
+
+    trace: str
+    tier: str
+    kv_load: str
+    hardware: str
+    world: str
+    knees: dict[str, Knee]
+    loose: dict[str, Knee]
+
+    def of(self, which: Which) -> dict[str, Knee]:
+        return self.knees if which == "knees" else self.loose
+
+
+class GridResult(Record, frozen=True):
+    """``smetric grid``'s result (``grid.json``)."""
+
+    preset: str
+    policies: list[str]
+    # Name -> the perturbations of the simulated engines the policies are not told of.
+    worlds: dict[str, dict[str, float]]
+    seeds: int
+    precision: float
+    # The default and the looser SLO, as ``SLOConfig``'s fields.
+    slo: dict[str, float]
+    loose_slo: dict[str, float]
+    cells: list[GridCell]
+
+
 def write_summaries(path: Path, meta: Mapping[str, Any], runs: Mapping[str, RunSummary]) -> None:
     """``summary.json``: ``meta`` (what produced the runs) with each run's summary under
     ``policies``, placed where ``meta`` has a ``policies`` key, else last."""

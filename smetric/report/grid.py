@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from smetric.core.policies import DEFAULT_POLICY, is_ours
 from smetric.eval.grid import (
@@ -18,7 +17,7 @@ from smetric.eval.grid import (
     twin_of,
     verdict_summary,
 )
-from smetric.eval.grid_preset import CONFIGURED
+from smetric.metrics.results import GridCell, GridResult, Knee, Which
 from smetric.report.markdown import markdown_table
 
 
@@ -26,25 +25,25 @@ def _k(value: float) -> str:
     return f"{value / 1000:,.1f}k"
 
 
-def _knee(knee: Mapping[str, Any]) -> str:
-    spread = f" ± {_k(knee['stdev'])}" if len(knee["seeds"]) > 1 else ""
-    return f"{_k(knee['mean'])}{spread} (@{knee['load']:.3g})"
+def _knee(knee: Knee) -> str:
+    spread = f" ± {_k(knee.stdev)}" if len(knee.seeds) > 1 else ""
+    return f"{_k(knee.mean)}{spread} (@{knee.load:.3g})"
 
 
-def cell_name(cell: Mapping[str, Any], worlds: bool = False) -> str:
+def cell_name(cell: GridCell, worlds: bool = False) -> str:
     """trace · tier · fetch · hardware, and the world where a grid has several."""
-    fields = [cell["trace"], cell["tier"], cell["kv_load"], cell["hardware"]]
-    return " · ".join(fields + ([cell["world"]] if worlds else []))
+    fields = [cell.trace, cell.tier, cell.kv_load, cell.hardware]
+    return " · ".join(fields + ([cell.world] if worlds else []))
 
 
-def grid_table(result: Mapping[str, Any], which: str = "knees") -> str:
+def grid_table(result: GridResult, which: Which = "knees") -> str:
     """Cells as rows (trace · tier · fetch · hardware · world): the best baseline (name,
     knee), then each of our policies' knee and its lead over that baseline; with
     ceiling cells, each ceiling and the best policy's share of it."""
-    ours = [p for p in result["policies"] if is_ours(p)]
+    ours = [p for p in result.policies if is_ours(p)]
     ceilings = ceiling_of(result, which)
     own = own_ceiling_of(result, which)
-    worlds = len(result.get("worlds", {})) > 1
+    worlds = len(result.worlds) > 1
     head = [
         "cell",
         "best baseline",
@@ -56,14 +55,14 @@ def grid_table(result: Mapping[str, Any], which: str = "knees") -> str:
     for cell in measured_cells(result):
         means = means_of(cell, which)
         verdict = cell_verdict(means)
-        rival = verdict["best_baseline"]
+        rival = verdict.best_baseline
         row = [
             cell_name(cell, worlds),
-            f"{rival} {_knee(cell[which][rival])}" if rival else "-",
+            f"{rival} {_knee(cell.of(which)[rival])}" if rival else "-",
         ]
         for p in ours:
-            lead = verdict["lead"][p]
-            text = _knee(cell[which][p])
+            lead = verdict.lead[p]
+            text = _knee(cell.of(which)[p])
             row.append(f"{text}, {lead:+.1f} %" if lead is not None else text)
         best = max(means.values())
         tops = [own.get(own_key(cell))] if own else []
@@ -84,7 +83,7 @@ def verdict_line(cells: Sequence[Mapping[str, float]]) -> str:
     return "Verdict: " + "; ".join(parts) + "."
 
 
-def headroom_line(result: Mapping[str, Any], which: str = "knees") -> str | None:
+def headroom_line(result: GridResult, which: Which = "knees") -> str | None:
     """Where the ceiling leaves room for a lead of ``AHEAD`` % over the best baseline, and
     how many of those cells each of our policies wins by that much. In a cell where even
     a free global tier under the best policy is less than that above the best baseline,
@@ -120,81 +119,80 @@ def headroom_line(result: Mapping[str, Any], which: str = "knees") -> str | None
 
 
 def _room(
-    result: Mapping[str, Any],
-    cells: Sequence[Mapping[str, Any]],
-    key: Callable[[Mapping[str, Any]], tuple],
+    result: GridResult,
+    cells: Sequence[GridCell],
+    key: Callable[[GridCell], tuple],
     ceilings: Mapping[tuple, float],
-    which: str,
+    which: Which,
 ) -> tuple[int, str]:
     """How many ``cells`` have a ceiling (``ceilings[key(cell)]``) at least ``AHEAD`` %
     above their best baseline, and, as text, how many of those each of our policies wins
     by that much."""
-    room, wins = 0, dict.fromkeys([p for p in result["policies"] if is_ours(p)], 0)
+    room, wins = 0, dict.fromkeys([p for p in result.policies if is_ours(p)], 0)
     for cell in cells:
         verdict = cell_verdict(means_of(cell, which))
         top = ceilings.get(key(cell))
-        if not top or not verdict["value"] or top < verdict["value"] * (1 + AHEAD / 100):
+        if not top or not verdict.value or top < verdict.value * (1 + AHEAD / 100):
             continue
         room += 1
-        for p, lead in verdict["lead"].items():
+        for p, lead in verdict.lead.items():
             wins[p] += int(lead is not None and lead >= AHEAD - 1e-9)
     return room, ", ".join(f"`{p}` in {n}" for p, n in wins.items())
 
 
-def measured_cells(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def measured_cells(result: GridResult) -> list[GridCell]:
     """The cells the verdict counts: all but the ceilings."""
-    return [c for c in result["cells"] if not is_ceiling(c["tier"])]
+    return [c for c in result.cells if not is_ceiling(c.tier)]
 
 
-def group_of(cell: Mapping[str, Any]) -> tuple:
+def group_of(cell: GridCell) -> tuple:
     """The cells one ceiling bounds: all tiers of a trace, fetch mode, KV room, world."""
-    return (cell["trace"], cell["kv_load"], cell["hardware"], cell.get("world", CONFIGURED))
+    return (cell.trace, cell.kv_load, cell.hardware, cell.world)
 
 
-def own_key(cell: Mapping[str, Any]) -> tuple:
+def own_key(cell: GridCell) -> tuple:
     """A cell's group and its tier's free twin: where its own-tier ceiling is found."""
-    return (*group_of(cell), twin_of(cell["tier"]))
+    return (*group_of(cell), twin_of(cell.tier))
 
 
-def ceiling_of(result: Mapping[str, Any], which: str = "knees") -> dict[tuple, float]:
+def ceiling_of(result: GridResult, which: Which = "knees") -> dict[tuple, float]:
     """Per group, the best knee any policy reached with a free global tier."""
     return {
-        group_of(c): max(means_of(c, which).values())
-        for c in result["cells"]
-        if c["tier"] == FREE_TIER
+        group_of(c): max(means_of(c, which).values()) for c in result.cells if c.tier == FREE_TIER
     }
 
 
-def own_ceiling_of(result: Mapping[str, Any], which: str = "knees") -> dict[tuple, float]:
+def own_ceiling_of(result: GridResult, which: Which = "knees") -> dict[tuple, float]:
     """Per group and twin tier, the best knee any policy reached with that tier free: the
     own-tier ceiling of the cells of that tier (``full``'s twin is the free tier itself).
     Empty unless the grid ran the tiers' twins."""
-    if not any(c["tier"].startswith(FREE_TWIN) for c in result["cells"]):
+    if not any(c.tier.startswith(FREE_TWIN) for c in result.cells):
         return {}
     return {
-        (*group_of(c), c["tier"]): max(means_of(c, which).values())
-        for c in result["cells"]
-        if is_ceiling(c["tier"])
+        (*group_of(c), c.tier): max(means_of(c, which).values())
+        for c in result.cells
+        if is_ceiling(c.tier)
     }
 
 
-def default_policy(result: Mapping[str, Any]) -> str | None:
+def default_policy(result: GridResult) -> str | None:
     """The policy whose lead the robustness table follows: the default, else the first
     of ours."""
-    ours = [p for p in result["policies"] if is_ours(p)]
+    ours = [p for p in result.policies if is_ours(p)]
     return DEFAULT_POLICY if DEFAULT_POLICY in ours else (ours[0] if ours else None)
 
 
-def seed_leads(cell: Mapping[str, Any], policy: str, which: str = "knees") -> list[float]:
+def seed_leads(cell: GridCell, policy: str, which: Which = "knees") -> list[float]:
     """``policy``'s lead over the cell's best baseline (by mean), seed by seed, in %."""
-    rival = cell_verdict(means_of(cell, which))["best_baseline"]
+    rival = cell_verdict(means_of(cell, which)).best_baseline
     if rival is None:
         return []
-    ours, theirs = cell[which][policy]["seeds"], cell[which][rival]["seeds"]
+    knees = cell.of(which)
+    ours, theirs = knees[policy].seeds, knees[rival].seeds
     return [(a / b - 1) * 100 for a, b in zip(ours, theirs, strict=True) if b > 0]
 
 
-def robustness_table(result: Mapping[str, Any], which: str = "knees") -> str:
+def robustness_table(result: GridResult, which: Which = "knees") -> str:
     """Worlds as rows, cells (trace · tier · fetch · hardware) as columns: the default
     policy's lead over the best baseline, mean ± standard deviation over seeds."""
     policy = default_policy(result)
@@ -209,7 +207,7 @@ def robustness_table(result: Mapping[str, Any], which: str = "knees") -> str:
             text = f"{statistics.fmean(leads):+.1f} ± {statistics.stdev(leads):.1f} %"
         else:
             text = f"{leads[0]:+.1f} %"
-        by_world.setdefault(cell["world"], {})[cell_name(cell)] = text
+        by_world.setdefault(cell.world, {})[cell_name(cell)] = text
     rows = [[world, *(row.get(c, "-") for c in columns)] for world, row in by_world.items()]
     return markdown_table(["world", *columns], rows).rstrip("\n")
 
@@ -219,13 +217,13 @@ def _world_line(name: str, factors: Mapping[str, float]) -> str:
     return f"- `{name}`: " + (", ".join(changed) if changed else "as configured")
 
 
-def grid_markdown(result: Mapping[str, Any], command: str) -> str:
+def grid_markdown(result: GridResult, command: str) -> str:
     """The grid under the default SLO and under the looser one, each with its verdict."""
-    loose, slo = result["loose_slo"], result["slo"]
-    seeds = result["seeds"]
+    loose, slo = result.loose_slo, result.slo
+    seeds = result.seeds
     out = [
-        f"Generated by `{command}` (preset `{result['preset']}`): each policy's knee (max "
-        f"TPS within SLO, tok/s, searched adaptively over load to {result['precision']:g}x; "
+        f"Generated by `{command}` (preset `{result.preset}`): each policy's knee (max "
+        f"TPS within SLO, tok/s, searched adaptively over load to {result.precision:g}x; "
         f"sessions/s closed loop, replay speed-up open loop) per cell, mean"
         f"{' ± standard deviation' if seeds > 1 else ''} over {seeds} seed"
         f"{'s' if seeds > 1 else ''}; the best baseline at its best setting, and each of "
@@ -252,15 +250,15 @@ def grid_markdown(result: Mapping[str, Any], command: str) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def _headroom_part(result: Mapping[str, Any], which: str = "knees") -> list[str]:
+def _headroom_part(result: GridResult, which: Which = "knees") -> list[str]:
     line = headroom_line(result, which)
     return [] if line is None else [line, ""]
 
 
-def _robustness_part(result: Mapping[str, Any]) -> list[str]:
+def _robustness_part(result: GridResult) -> list[str]:
     """Under the default SLO: how each world differs, and the default policy's lead in
     each (nothing for a grid of one world)."""
-    worlds = result.get("worlds", {})
+    worlds = result.worlds
     if len(worlds) < 2:
         return []
     policy = default_policy(result)
