@@ -1,5 +1,6 @@
-"""What a run produces, typed: the one schema the simulator and ``replay`` write and the
-evaluations and reports read (docs/concepts/metrics.md).
+"""What runs produce, typed: the one schema the simulator, ``replay`` and the evaluations
+write and the reports read (docs/concepts/metrics.md). A run's summary first, then what
+the experiments built on runs produce: knee searches, sweeps, plans, grids, ``reproduce``.
 
 A run's summary is a tree of frozen records, each a section of ``summary.json``: fields
 are named as the file's keys (``Reuse.global_`` is the file's ``"global"``), so a record
@@ -29,7 +30,7 @@ Number = int | float
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A section of a run's results: frozen, converted to and from JSON by field name."""
+    """A record of the results: frozen, converted to and from JSON by field name."""
 
     def to_builtins(self) -> dict[str, Any]:
         """The record as the JSON-able dict written to disk (no field left out that the
@@ -49,7 +50,7 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
             ) from exc
 
     def to_json(self) -> str:
-        """The record as ``summary.json`` writes it (indented; NaN where a ratio has no
+        """The record as the result files write it (indented; NaN where a ratio has no
         windows to measure, as Python's ``json`` reads and writes it)."""
         return json.dumps(self.to_builtins(), indent=1)
 
