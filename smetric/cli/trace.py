@@ -51,6 +51,7 @@ def trace_info(
             f"{row['trigger']} {row['count']:,}"
             for row in frame["trigger"].value_counts(sort=True).iter_rows(named=True)
         ),
+        "skipped records": trace.skipped_text(),
         "loaded in": f"{elapsed:.2f} s",
     }
     columns = (Column("fact", "left"), Column("value", "left", wrap=True))

@@ -8,6 +8,7 @@ than guessed, and ``Trace`` records which of its facts were inferred.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -84,6 +85,17 @@ class Trace:
     # True when session/parent structure was reconstructed rather than recorded.
     sessions_inferred: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Records the loader left out because it does not know their kind, counted by kind.
+    skipped: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def skipped_text(self) -> str:
+        """``3 (type "?" 2, type "x" 1)``: how many records were left out, and of what kind."""
+        kinds = ", ".join(f"type {kind!r} {n:,}" for kind, n in sorted(self.skipped.items()))
+        return f"{self.num_skipped:,} ({kinds})" if self.skipped else "0"
 
     @property
     def num_requests(self) -> int:
