@@ -96,6 +96,11 @@ def cli_page() -> str:
         "",
         plain(root.help),
         "",
+        "A command ends with exit code 0 when done, 2 on bad input (a flag, file, setting or",
+        "trace it cannot use, said in one line that names it), and 1 on an internal error,",
+        "which is a bug: `smetric --debug COMMAND ...` (or `SMETRIC_DEBUG=1`) shows its",
+        "traceback for the report.",
+        "",
     ]
     commands = list(_commands(root, "smetric"))
     out += [f"- [`{full}`](#{full.replace(' ', '-')})" for full, _ in commands]

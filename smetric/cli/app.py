@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from smetric.cli.errors import Debug, err_console, user_errors
 from smetric.cli.help import ProseGroup
 from smetric.metrics.runs import safe_name
 from smetric.report.tables import FORMATS as TABLE_FORMATS
 from smetric.trace.load import FORMATS, count_units, load_trace
 from smetric.trace.schema import Trace
+
+
+class SmetricGroup(ProseGroup):
+    """The ``smetric`` group: whatever a command raises ends as bad input or as a bug."""
+
+    def invoke(self, ctx: Any) -> Any:
+        with user_errors():
+            return super().invoke(ctx)
+
 
 app = typer.Typer(
     help=(
@@ -29,13 +36,29 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
-    cls=ProseGroup,
+    cls=SmetricGroup,
 )
 trace_app = typer.Typer(help="Inspect and convert request traces.", no_args_is_help=True)
 app.add_typer(trace_app, name="trace")
 
 console = Console()
-err_console = Console(stderr=True)
+__all__ = ["err_console", "user_errors"]
+
+
+@app.callback()
+def _root(
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            envvar="SMETRIC_DEBUG",
+            help="Let an internal error's traceback through, for a bug report.",
+        ),
+    ] = False,
+) -> None:
+    """Options every command shares."""
+    Debug.on = debug
+
 
 TraceArg = Annotated[
     str,
@@ -70,18 +93,6 @@ def out_console(fmt: str) -> Console:
     """Where a command's other lines go: with the tables, or out of their way on stderr
     when the tables are for a script."""
     return console if fmt == "table" else err_console
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Bad input ends with one located line and exit code 2, never a traceback."""
-    try:
-        yield
-    except ValueError as exc:  # a TraceError is one
-        # Escaped: a message that names a TOML table or a list ("[hardware]", "['x']")
-        # would otherwise be read as markup and lose it.
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(2) from exc
 
 
 def progress_bar() -> Progress:

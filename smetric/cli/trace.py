@@ -19,6 +19,7 @@ from smetric.cli.app import (
     trace_app,
     user_errors,
 )
+from smetric.core.errors import UserError
 from smetric.report.tables import Column, Table, check_format, emit
 from smetric.trace.load import DEFAULT_SAMPLE, write_parquet
 
@@ -76,7 +77,7 @@ def trace_convert(
     """Convert any supported trace to SMetric's normalised Parquet request table."""
     with user_errors():
         if out.suffix != ".parquet":
-            raise ValueError(f"{out}: the output must be a .parquet file")
+            raise UserError(f"{out}: the output must be a .parquet file")
         trace = load_with_progress(source, fmt)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_parquet(trace, out)

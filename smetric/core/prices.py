@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies.base import RoutingPolicy
 from smetric.core.policies.registry import learnable_params
 
@@ -162,9 +163,9 @@ class PriceLearner:
     ) -> None:
         missing = [name for name in LEARNABLE if name not in prior]
         if missing:
-            raise ValueError(f"price learner: no starting value for {', '.join(missing)}")
+            raise ConfigError(f"price learner: no starting value for {', '.join(missing)}")
         if window < 1 or refit_every < 1 or prior_weight <= 0:
-            raise ValueError("price learner: window and refit_every >= 1, prior_weight > 0")
+            raise ConfigError("price learner: window and refit_every >= 1, prior_weight > 0")
         self.prior = {name: float(prior[name]) for name in LEARNABLE}
         self.fixed = frozenset(fixed) & set(LEARNABLE)
         self.refit_every = refit_every

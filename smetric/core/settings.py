@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from smetric.core.errors import ConfigError
+
 # Where a policy parameter's value comes from: set by hand (the default), derived from the
 # hardware a driver knows (``model.calibrate``), or fitted to measurements.
 Source = Literal["tuned", "hardware", "learned"]
@@ -38,9 +40,9 @@ class Meta:
         if value is None:
             return value
         if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{name} {value!r}: use one of {', '.join(self.choices)}")
+            raise ConfigError(f"{name} {value!r}: use one of {', '.join(self.choices)}")
         if self.nonempty_items and any(not str(item).strip() for item in value):
-            raise ValueError(f"{name}: an item must not be empty")
+            raise ConfigError(f"{name}: an item must not be empty")
         if isinstance(value, bool) or not isinstance(value, int | float):
             return value
         # Written so that NaN fails every bound.
@@ -51,7 +53,7 @@ class Meta:
             and (self.lt is None or value < self.lt)
         )
         if not inside or (self.bounded and math.isnan(value)):
-            raise ValueError(f"{name} must lie in {self.range()}, got {value}")
+            raise ConfigError(f"{name} must lie in {self.range()}, got {value}")
         return value
 
     @property

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from smetric.core.blocks import reusable_hit_tokens
+from smetric.core.errors import ConfigError
 from smetric.core.policies import ClusterView, Policy, RoutingRequest
 from smetric.core.prices import Completion, PriceLearner, Retunable
 from smetric.core.settings import check_settings
@@ -68,7 +69,7 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
     )
     capacity = int(capacity * config.kv_room_scale)
     if capacity <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"{config.model} ({config.weight_dtype or model.weight_dtype}) leaves no KV room on "
             f"{config.gpus_per_instance}x{config.hardware} at memory utilisation "
             f"{config.gpu_memory_utilization}"

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies import POLICY_NAMES, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES, make_decode_policy
 from smetric.core.settings import check_settings, setting
@@ -201,7 +202,7 @@ def check_runnable(config: SimConfig) -> SimConfig:
     typo fails at once and names the valid values."""
     check_config(config)
     if config.warmup_s >= config.workload.duration_s:
-        raise ValueError(
+        raise ConfigError(
             f"warmup_s {config.warmup_s:g} must be shorter than workload.duration_s "
             f"{config.workload.duration_s:g}"
         )
@@ -216,7 +217,7 @@ def check_runnable(config: SimConfig) -> SimConfig:
 def load_yaml(path: Path) -> SimConfig:
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must map keys to values")
+        raise ConfigError(f"{path}: the top level must map keys to values")
     return from_dict(data, str(path))
 
 
@@ -227,15 +228,15 @@ def dump_yaml(config: SimConfig, path: Path) -> None:
 def check_disaggregation(cluster: ClusterConfig) -> None:
     """Decode instances need prefill instances to feed them, and a known decode rule."""
     if cluster.prefill_instances < 0 or cluster.decode_instances < 0:
-        raise ValueError("prefill and decode instance counts must not be negative")
+        raise ConfigError("prefill and decode instance counts must not be negative")
     if cluster.decode_instances and not cluster.prefill_instances:
-        raise ValueError("decode instances need prefill instances (--prefill-instances N)")
+        raise ConfigError("decode instances need prefill instances (--prefill-instances N)")
     make_decode_policy(cluster.decode_policy)
 
 
 def check_kv_load(mode: str) -> str:
     if mode not in KV_LOAD_MODES:
-        raise ValueError(f"kv_load {mode!r}: use one of {', '.join(KV_LOAD_MODES)}")
+        raise ConfigError(f"kv_load {mode!r}: use one of {', '.join(KV_LOAD_MODES)}")
     return mode
 
 
@@ -249,11 +250,11 @@ def parse_global_capacity(text: str) -> float | None:
     try:
         ratio = float(value.removesuffix("x"))
     except ValueError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"global capacity {text!r}: use none, full, or a ratio to local capacity like 1.6x"
         ) from exc
     if ratio < 0:
-        raise ValueError(f"global capacity {text!r} must not be negative")
+        raise ConfigError(f"global capacity {text!r} must not be negative")
     return ratio
 
 

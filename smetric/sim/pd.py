@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies import Policy
 from smetric.core.policies.decode import DecodeView, make_decode_policy
 from smetric.core.prefix_cache import Handle
@@ -301,7 +302,7 @@ def simulate_disaggregated(
 ):
     """One disaggregated run: ``run.simulate``'s result for a PD cluster."""
     if config.cluster.decode_instances < 0:
-        raise ValueError("decode_instances must not be negative")
+        raise ConfigError("decode_instances must not be negative")
     workload = build_workload(trace, config.workload)
     router, params = cluster_policy(policy, config.cluster)
     learner = policy_learner(router, policy)

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from pathlib import Path
 
 import numpy as np
 import polars as pl
+
+# Where every loader has always found it.
+from smetric.core.errors import TraceError as TraceError
 
 
 class Trigger(StrEnum):
@@ -60,17 +62,6 @@ SCHEMA: dict[str, pl.DataType] = {
 }
 
 COLUMNS = tuple(SCHEMA)
-
-
-class TraceError(ValueError):
-    """Bad input, located: which file, which line, what is wrong."""
-
-    def __init__(self, path: Path | str, message: str, line: int | None = None) -> None:
-        self.path = str(path)
-        self.line = line
-        self.reason = message
-        where = f"{self.path}:{line}" if line is not None else self.path
-        super().__init__(f"{where}: {message}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, Protocol
 
+from smetric.core.errors import ConfigError
 from smetric.core.settings import check_settings
 
 
@@ -114,7 +115,7 @@ class RoutingPolicy(ABC):
         check_settings(self)
         load = getattr(self, "load", None)
         if balances_load(type(self)) and load not in LOAD_SIGNALS:
-            raise ValueError(f"load {load!r}: use one of {', '.join(LOAD_SIGNALS)}")
+            raise ConfigError(f"load {load!r}: use one of {', '.join(LOAD_SIGNALS)}")
 
     @abstractmethod
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision: ...

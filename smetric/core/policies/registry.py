@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import Field
 from typing import Any
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies.base import RoutingPolicy, balances_load
 from smetric.core.policies.cache_aware import CacheAware
 from smetric.core.policies.least_load import LeastLoad
@@ -44,7 +45,7 @@ def policy_class(name: str) -> type[RoutingPolicy]:
     try:
         return POLICIES[name]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}"
         ) from None
 
@@ -117,16 +118,16 @@ def spec_params(spec: str) -> tuple[str, dict[str, float]]:
     for item in rest.split(",") if rest.strip() else ():
         key, eq, text = (part.strip() for part in item.partition("="))
         if not eq:
-            raise ValueError(f"policy {spec!r}: expected key=value, got {item.strip()!r}")
+            raise ConfigError(f"policy {spec!r}: expected key=value, got {item.strip()!r}")
         if key not in defaults:
             valid = ", ".join(defaults) or "none"
-            raise ValueError(f"policy {name!r} has no parameter {key!r}; valid: {valid}")
+            raise ConfigError(f"policy {name!r} has no parameter {key!r}; valid: {valid}")
         if key in params:
-            raise ValueError(f"policy {spec!r}: parameter {key!r} given twice")
+            raise ConfigError(f"policy {spec!r}: parameter {key!r} given twice")
         try:
             params[key] = float(text)
         except ValueError:
-            raise ValueError(f"policy {spec!r}: {key}={text!r} is not a number") from None
+            raise ConfigError(f"policy {spec!r}: {key}={text!r} is not a number") from None
     return name, params
 
 

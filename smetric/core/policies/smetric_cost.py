@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
 from smetric.core.policies.ties import TieBreaker, best_hit
 from smetric.core.settings import setting, settings_of
@@ -118,7 +119,7 @@ class SMetricCost(RoutingPolicy):
     def __post_init__(self) -> None:
         RoutingPolicy.__post_init__(self)
         if self.learn not in (0.0, 1.0):
-            raise ValueError(f"learn must be 0 or 1, got {self.learn}")
+            raise ConfigError(f"learn must be 0 or 1, got {self.learn}")
         self._derive()
 
     def _derive(self) -> None:
@@ -132,7 +133,7 @@ class SMetricCost(RoutingPolicy):
         for name, value in values.items():
             meta = declared.get(name)
             if meta is None or meta.source == "tuned":
-                raise ValueError(f"{self.name}: {name!r} is not one of its learned constants")
+                raise ConfigError(f"{self.name}: {name!r} is not one of its learned constants")
             setattr(self, name, meta.check(name, value))
         self._derive()
 
