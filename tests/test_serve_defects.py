@@ -26,6 +26,8 @@ from smetric.testing.fault_suite import SmetricProcess
 
 from conftest import closed_port, router_client
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 
 def test_health_says_503_when_a_role_has_no_healthy_engine() -> None:
     async def scenario() -> None:

@@ -31,6 +31,8 @@ from smetric.testing.faulty import Fault, FaultyEngine
 
 from conftest import router_client
 
+pytestmark = pytest.mark.server
+
 
 class Timeouts(TypedDict, total=False):
     """Router settings in seconds, as tests pass them on to ``RouterSettings``."""

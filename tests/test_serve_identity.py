@@ -23,6 +23,8 @@ from smetric.testing.engines import metric
 
 from conftest import router_client
 
+pytestmark = pytest.mark.server
+
 CLAUDE_SUBAGENT = {
     "x-claude-code-session-id": "s-1",
     "x-claude-code-agent-id": "a-7",

@@ -21,6 +21,8 @@ from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import Fault
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 # Patient enough for a mock engine on a busy machine, quick to give up on a silent one.
 QUICK: Timeouts = {"first_byte_timeout_s": 1.0, "idle_timeout_s": 1.0, "connect_timeout_s": 1.0}
 # A decode engine that generates in real time: a long answer takes seconds.

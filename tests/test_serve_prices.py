@@ -6,12 +6,15 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from smetric.core.policies import make_policy
 from smetric.core.policies.smetric_cost import SMetricCost
 from smetric.serve.prices import PriceFeed
 from smetric.testing.prices import H20_PRICES, model_engines
+
+pytestmark = pytest.mark.server
 
 if TYPE_CHECKING:
     from smetric.serve.app import Router

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from aiohttp.test_utils import TestServer
 from test_serve import CHAT, FAST, conversation, eventually, run
 from test_serve_faults import Timeouts, no_load_left, with_mixed
@@ -17,6 +18,8 @@ from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 
 from conftest import router_client
+
+pytestmark = pytest.mark.server
 
 # As a user who sets no timeouts gets them: a first byte may take 300 s.
 PATIENT: Timeouts = {"first_byte_timeout_s": 300, "idle_timeout_s": 60}
