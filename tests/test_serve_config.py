@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import typer.main
 import yaml
 from typer.testing import CliRunner
 
 from smetric.cli import app
+from smetric.cli.app import command
 from smetric.cli.engine import ENGINE_FLAGS
 from smetric.cli.pick import PICK_FLAGS
 from smetric.cli.serve import SERVE_FLAGS, resolved
@@ -30,10 +30,6 @@ from smetric.serve.config import (
 
 COMMANDS = {"serve": ServeConfig, "pick": PickConfig}
 FLAGS = {"serve": SERVE_FLAGS, "pick": PICK_FLAGS, "engine": ENGINE_FLAGS}
-
-
-def command(name: str) -> Any:
-    return typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
 
 
 def file_keys(cls: type) -> set[str]:

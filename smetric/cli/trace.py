@@ -13,15 +13,18 @@ from smetric.cli.app import (
     TableFormatOpt,
     TraceArg,
     TraceFormatOpt,
+    app,
     console,
     load_with_progress,
     out_console,
-    trace_app,
     user_errors,
 )
 from smetric.core.errors import UserError
 from smetric.report.tables import Column, Table, check_format, emit
 from smetric.trace.load import DEFAULT_SAMPLE, write_parquet
+
+trace_app = typer.Typer(help="Inspect and convert request traces.", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
 
 
 @trace_app.command("info")

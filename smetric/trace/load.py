@@ -13,9 +13,9 @@ from pathlib import Path
 import polars as pl
 
 from smetric.trace import azure, bailian, mooncake, recording, weka
+from smetric.trace.formats import FORMATS
 from smetric.trace.schema import SCHEMA, Trace, TraceError
 
-FORMATS = ("weka", "mooncake", "bailian", "azure", "parquet", "recording")
 SAMPLES = {
     "weka": "weka-claude-code",
     "mooncake": "mooncake/conversation_trace_head.jsonl",
