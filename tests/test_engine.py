@@ -89,8 +89,10 @@ def test_non_streaming_shapes_and_exact_token_counts() -> None:
         assert len(reply["choices"][0]["text"].split()) == 5
         assert reply["usage"]["prompt_tokens"] == len("hello there")
 
+        # Filler has no end of its own: with no bound set, the reply ends by itself.
         reply = await post(client, "/v1/completions", {"prompt": "no max_tokens"})
         assert reply["usage"]["completion_tokens"] == FAST.default_max_tokens
+        assert reply["choices"][0]["finish_reason"] == "stop"
 
     serve(FAST, scenario)
 
@@ -198,7 +200,7 @@ def test_tokenize_counts_match_usage() -> None:
         counted = await post(client, "/tokenize", {"model": "m", "messages": messages})
         reply = await post(client, "/v1/chat/completions", chat(messages))
         assert counted["count"] == len(counted["tokens"]) == reply["usage"]["prompt_tokens"]
-        assert counted["max_model_len"] == FAST.max_model_len
+        assert counted["max_model_len"] == FAST.context_len
 
         counted = await post(client, "/tokenize", {"model": "m", "prompt": "plain text"})
         reply = await post(client, "/v1/completions", {"prompt": "plain text"})

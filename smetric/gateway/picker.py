@@ -18,14 +18,18 @@ from urllib.parse import urlsplit
 
 from smetric.core.conversation import Api, RequestError, RequestFacts
 from smetric.core.parsing import decode_body
+from smetric.core.responses_api import response_not_found
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES
 from smetric.serve.app import ROUTES, Router
+from smetric.serve.auth import MISSING_KEY
+from smetric.serve.backends import without_client_transfer
 from smetric.serve.engines import Engine, QueuedPrefill
 from smetric.serve.errors import error_body
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
 from smetric.serve.identity import identity_of
 from smetric.serve.limits import BodyError, decoded_body
+from smetric.serve.stored import holder, previous_id, stored_id
 from smetric.serve.upstream import EngineFault
 
 
@@ -47,10 +51,10 @@ def endpoint_of(url: str) -> str:
 class Refusal(Exception):
     """The picker answers the client itself: ``status`` with an OpenAI-shaped error."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, body: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.body = error_body(status, message)
+        self.body = error_body(status, message) if body is None else body
 
 
 class Reservation:
@@ -106,6 +110,11 @@ class Pick:
     started: float = field(default_factory=time.perf_counter)
     usage: UsageTap = field(default_factory=UsageTap)
     ok: bool = False
+    # Whether the engine caches the request's blocks once it served it: not when it
+    # continues a stored response, whose blocks the picker never saw.
+    remember: bool = True
+    # The body Envoy forwards instead of the client's, inflated (None: the client's own).
+    body: bytes | None = None
 
 
 class Picker:
@@ -144,34 +153,75 @@ class Picker:
     def body_limit(self) -> int:
         return self.router.analyzer.body_limit()
 
+    def authorize(self, headers: Mapping[str, str]) -> None:
+        """A 401 unless ``headers`` carry an accepted key (when the router has keys)."""
+        if not self.router.keys.admits(headers):
+            raise Refusal(401, MISSING_KEY)
+
     async def pick(
         self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
     ) -> Pick:
         """The engine for one request; raises ``Refusal`` for a request the engines
-        should not see (malformed, too large, nothing healthy, shed)."""
+        should not see (no key, malformed, too large, nothing healthy, shed)."""
+        self.authorize(headers)
         api = ROUTES.get(path.split("?")[0])
         engines = self.candidates(subset)
-        if api is None or headers.get(":method", "POST") != "POST":
+        method = headers.get(":method", "POST")
+        response_id = stored_id(path)
+        if response_id is not None and method in ("GET", "DELETE"):
+            engine = await self._holder(engines, response_id, headers, None)
+            return Pick(
+                engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
+            )
+        if api is None or method != "POST":
             # Not a generation (/v1/models, /tokenize, ...): nothing to analyse.
             engine = min(engines, key=lambda e: e.inflight)
             return Pick(
                 engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
             )
         body, facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
+        replaced = None
+        if not self.router.settings.allow_client_kv_transfer_params:
+            kept, body = without_client_transfer(raw, body)
+            replaced = kept if kept is not raw else None
         engines = self.candidates(subset)  # health may have changed meanwhile
         identity = identity_of(headers, body)
         self.router.metrics.agent_requests.labels(
             identity.harness or "none", identity.role, identity.call(facts.turn)
         ).inc()
-        decision = self.router.wiring.decide(facts, engines, identity=identity)
-        engine, predicted = decision.engine, decision.predicted_hit_tokens
-        load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
         completion = Completion(api, path, is_stream(body), facts, identity)
         completion.trigger = body_trigger(body)
-        completion.branch = decision.branch
+        previous = previous_id(body) if api == "responses" else None
+        if previous is not None:
+            holding = await self._holder(engines, previous, headers, "previous_response_id")
+            engine, predicted = self.router.wiring.pin(completion, holding)
+        else:
+            decision = self.router.wiring.decide(facts, engines, identity=identity)
+            engine, predicted = decision.engine, decision.predicted_hit_tokens
+            completion.branch = decision.branch
+        load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
         completion.predicted_hit_tokens = predicted
         completion.engine = engine.url
-        return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
+        pick = Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
+        pick.remember = previous is None
+        pick.body = replaced
+        return pick
+
+    async def _holder(
+        self,
+        engines: list[Engine],
+        response_id: str,
+        headers: Mapping[str, str],
+        param: str | None,
+    ) -> Engine:
+        """The engine holding a stored response (``serve.stored``); 404 if none does."""
+        keys = {name: headers[name] for name in ("authorization", "x-api-key") if name in headers}
+        timeout = self.router.settings.stream_headers_timeout_s
+        engine = await holder(self.router.pool, engines, response_id, keys, timeout)
+        if engine is None:
+            body = response_not_found(response_id, param)
+            raise Refusal(404, body["error"]["message"], body)
+        return engine
 
     async def _analyze(self, raw: bytes, encoding: str, api: Api) -> tuple[dict, RequestFacts]:
         try:
@@ -210,7 +260,8 @@ class Picker:
         router.pool.succeeded(pick.engine)
         if status < 400 and pick.facts is not None:
             pick.ok = True
-            router.wiring.record_served(pick.engine, pick.facts, pick.predicted)
+            if pick.remember:
+                router.wiring.record_served(pick.engine, pick.facts, pick.predicted)
 
     def streamed(self, pick: Pick, chunk: bytes) -> None:
         """A piece of the response passed: the prompt is prefilled by now."""

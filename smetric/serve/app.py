@@ -10,6 +10,8 @@ This module is wiring only. The parts, each behind a small interface:
 - ``serve.forwarding.Forwarder``: attempts, retries, relay, usage, and the completion
   observers (``Router.observers``);
 - ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``;
+- ``serve.stored``: the engine holding a stored Responses API response, which a
+  ``previous_response_id`` follow-up and ``GET``/``DELETE /v1/responses/{id}`` go to;
 - ``record.Recorder``, where one is given: a completion observer writing a trace of the
   requests served (``serve --record``).
 
@@ -28,6 +30,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
@@ -38,7 +41,8 @@ from smetric.core.settings import check_settings, setting
 from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
-from smetric.serve.auth import require_key
+from smetric.serve.auth import KeyCheck
+from smetric.serve.backends import without_client_transfer
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
@@ -54,6 +58,7 @@ from smetric.serve.outliers import OutlierDetector
 from smetric.serve.pool import EnginePool
 from smetric.serve.prices import PriceFeed
 from smetric.serve.routing import RoutingCore
+from smetric.serve.stored import STORED_PATH, forward, holder, not_found, previous_id
 from smetric.serve.upstream import Timeouts
 
 __all__ = ["ROUTES", "Router", "RouterSettings"]
@@ -62,6 +67,7 @@ ROUTES: dict[str, Api] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 
 
@@ -83,8 +89,19 @@ class RouterSettings:
         nonempty_items=True,
     )
     open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
+    allow_client_kv_transfer_params: bool = setting(
+        False,
+        "Pass clients' kv_transfer_params on to engines; else they are dropped, since "
+        "they name the address an engine reads or sends KV to.",
+    )
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
     max_body_bytes: int = setting(32 << 20, "Largest request body, in bytes.", ge=1)
+    body_timeout_s: float = setting(
+        60.0,
+        "Seconds a client has to send a request's whole body; then it gets a 408 and the "
+        "connection closes, so a body trickled a byte at a time holds nothing for long.",
+        gt=0,
+    )
     max_prompt_tokens: int = setting(
         0,
         "Longest prompt analysed, in tokens; longer ones get a 400 before they are "
@@ -258,6 +275,7 @@ class Router:
             settings.idle_timeout_s,
             settings.stream_headers_timeout_s,
         )
+        self.keys = KeyCheck(settings.api_keys)
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
@@ -279,15 +297,22 @@ class Router:
 
     # -- application --------------------------------------------------------------------
 
-    def app(self) -> web.Application:
+    def key_check(self) -> Middleware:
+        """Any app fronting this router asks for a key on every path but its health
+        checks (and ``/metrics`` with ``open_metrics``)."""
         open_paths = {"/health", "/live"} | ({"/metrics"} if self.settings.open_metrics else set())
+        return self.keys.middleware(open_paths)
+
+    def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[errors_as_json, require_key(self.settings.api_keys, open_paths)],
+            middlewares=[errors_as_json, self.key_check()],
             handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
         for path, api in ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
+        app.router.add_get(STORED_PATH, self.stored_response)
+        app.router.add_delete(STORED_PATH, self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", alive)
@@ -309,7 +334,8 @@ class Router:
             self.recorder.start()  # here, so that each forked worker runs its own writer
         async with contextlib.AsyncExitStack() as stack:
             if self.discovery is not None:
-                await stack.enter_async_context(self.discovery.kept(self.pool))
+                failed = self.metrics.discovery_errors.inc
+                await stack.enter_async_context(self.discovery.kept(self.pool, failed))
             yield
         await self.pool.close()
         if self.recorder is not None:
@@ -328,13 +354,22 @@ class Router:
         try:
             raw = await self._read_body(request)
         except BodyError as exc:
-            return error_response(exc.status, str(exc))
+            refusal = error_response(exc.status, str(exc))
+            if exc.status == 408 and request.transport is not None:
+                # Nor is the rest of so slow a body waited for (aiohttp would linger,
+                # reading it, 10 s more): the answer goes, and the connection with it.
+                await refusal.prepare(request)
+                await refusal.write_eof()
+                request.transport.close()
+            return refusal
         try:
             body = decode_body(raw)
         except RequestError as exc:
             return error_response(400, str(exc))
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
+        if not self.settings.allow_client_kv_transfer_params:
+            raw, body = without_client_transfer(raw, body)
         try:
             facts = await self.analyzer.analyze(body, api, large=len(raw) > OFF_LOOP_BYTES)
         except RequestError as exc:
@@ -345,11 +380,17 @@ class Router:
         self.metrics.agent_requests.labels(
             identity.harness or "none", identity.role, identity.call(facts.turn)
         ).inc()
+        pinned, dispatcher = None, self.dispatcher
+        if api == "responses" and (previous := previous_id(body)) is not None:
+            pinned = await self._holder(request, previous)
+            if pinned is None:
+                return not_found(previous, "previous_response_id")
+            dispatcher = Colocated(self.wiring)
         completion = Completion(api, path, is_stream(body), facts, identity)
         completion.trigger = body_trigger(body)
-        call = Call(request, path, raw, body, facts, completion)
+        call = Call(request, path, raw, body, facts, completion, pinned)
         try:
-            response = await self.dispatcher.dispatch(call)
+            response = await dispatcher.dispatch(call)
             if completion.status == 0:  # answered before any engine did (none could)
                 completion.status = response.status
             return response
@@ -360,14 +401,35 @@ class Router:
             self.metrics.latency.labels(api).observe(time.perf_counter() - completion.started)
             self.forwarder.completed(completion)
 
+    async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
+        headers = self.forwarder.upstream_headers(request)
+        timeout = self.settings.stream_headers_timeout_s
+        return await holder(self.pool, self.pool.healthy(), response_id, headers, timeout)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET`` or ``DELETE /v1/responses/{id}``, on the engine that holds it."""
+        response_id = request.match_info["id"]
+        engine = await self._holder(request, response_id)
+        if engine is None:
+            return not_found(response_id)
+        headers = self.forwarder.upstream_headers(request)
+        return await forward(self.pool, engine, request, headers, self.settings.idle_timeout_s)
+
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, inflated; one over the analyzer's ``body_limit()`` is refused unread
-        when its Content-Length says so, so it costs nothing."""
+        when its Content-Length says so, so it costs nothing, and one that takes longer
+        than ``body_timeout_s`` to arrive is cut off."""
         limit = self.analyzer.body_limit()
         if (request.content_length or 0) > limit:
             raise BodyError(413, f"request body too large: over {limit} bytes")
         encoding = request.headers.get("Content-Encoding", "")
-        return decoded_body(await request.read(), encoding, limit)
+        deadline = self.settings.body_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                raw = await request.read()
+        except TimeoutError:
+            raise BodyError(408, f"request body not received within {deadline:g} s") from None
+        return decoded_body(raw, encoding, limit)
 
     def record(self, completion: Completion) -> None:
         """Queue a request an engine served (the client hanging up included) for the

@@ -7,7 +7,8 @@ each says about itself.
 - **Scrapes.** ``/metrics`` through the engine's backend (``serve.backends``): load,
   KV pool size, start time (a restart drops the engine's view), progress counters.
 - **Stalls.** An engine with requests in flight whose responses bring no byte and whose
-  progress counters do not move for ``stall_timeout_s`` is ejected as stalled, and its
+  progress counters do not move for ``stall_timeout_s`` is ejected as stalled (a request
+  whose client is slow to read its stream is not waiting on the engine), and its
   attempts are cut short (``Attempt.cut``), so those that sent nothing to their clients
   are retried elsewhere. A prefill is silent by nature: it sends no byte until its first
   token, and vLLM counts a prompt's tokens only then (``IterationStats``), so the engine
@@ -197,10 +198,14 @@ class EnginePool:
     # -- stall detection -----------------------------------------------------------------------
 
     def stalled(self, engine: Engine, now: float) -> bool:
-        """Requests in flight, no byte from any of them and no counter moved for
-        ``stall_timeout_s`` plus the time its unprefilled tokens may take; never for an
-        engine whose scrapes answer without counters."""
-        if not engine.attempts or now - engine.progressed_at < self.stall_timeout_s:
+        """Requests in flight that wait on the engine, no byte from any of them and no
+        counter moved for ``stall_timeout_s`` plus the time its unprefilled tokens may
+        take; never for an engine whose scrapes answer without counters. A request
+        whose client is slow to read waits on its client, not on the engine: whatever
+        the engine holds back meanwhile is the client's doing (``Attempt.deliver``)."""
+        if not any(a.waits_on_engine for a in engine.attempts):
+            return False
+        if now - engine.progressed_at < self.stall_timeout_s:
             return False
         if now - engine.progressed_at < self.silence_allowed(engine):
             return False
