@@ -20,7 +20,7 @@ from typing import Any, TypedDict
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from test_serve import CHAT, FAST, conversation, eventually, run
+from test_serve import CHAT, FAST, conversation
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.engine import EngineConfig, create_app
@@ -29,7 +29,7 @@ from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 from smetric.testing.faulty import Fault, FaultyEngine
 
-from conftest import router_client
+from conftest import eventually, router_client, run
 
 pytestmark = pytest.mark.server
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_serve import conversation, run
+from test_serve import conversation
 
 from smetric.core.headers import PREDICTED_HIT_HEADER, PREFILL_HEADER
 from smetric.serve.app import Router, RouterSettings
@@ -21,7 +21,7 @@ from smetric.serve.forwarding import Completion
 from smetric.serve.identity import ANONYMOUS, AgentIdentity, identity_of
 from smetric.testing.engines import metric
 
-from conftest import router_client
+from conftest import router_client, run
 
 pytestmark = pytest.mark.server
 

@@ -12,7 +12,7 @@ from typing import Literal, TypedDict
 import aiohttp
 import pytest
 from aiohttp import web
-from test_serve import conversation, eventually
+from test_serve import conversation
 from test_serve_faults import Timeouts, reset
 from test_serve_pd import DECODE_HEADER, PREFILL_HEADER, Cluster, fake_engine, with_pd
 
@@ -20,6 +20,8 @@ from smetric.serve.app import Router
 from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import Fault
+
+from conftest import eventually
 
 pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
