@@ -181,7 +181,7 @@ def test_simulate_disaggregated_by_flags_equals_yaml_and_reports_the_pd_section(
     lonely = runner.invoke(app, ["simulate", "--decode-instances", "2", "-o", str(tmp_path)])
     assert lonely.exit_code == 2 and "need prefill instances" in lonely.output
     rule = runner.invoke(app, ["simulate", *pd[:4], "--decode-policy", "x", "-o", str(tmp_path)])
-    assert rule.exit_code == 2 and "decode policy" in rule.output
+    assert rule.exit_code == 2 and "--decode-policy 'x': use one of" in rule.output
 
 
 def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path) -> None:
