@@ -29,7 +29,7 @@ class PriceFeed:
 
     def __init__(self, policy: RoutingPolicy, spec: str, gauge: Gauge) -> None:
         self.policy = policy
-        # None: the policy learns nothing (or the spec gave all it would learn).
+        # None: the policy learns nothing.
         self.learning: Learning | None = policy.learning(spec_params(spec)[1])
         self.gauge = gauge
         if self.learning is not None:

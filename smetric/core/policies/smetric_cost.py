@@ -81,10 +81,10 @@ class SMetricCost(RoutingPolicy):
     ours = True
     branches = ("first_turn_balance", "sticky", "move_fetch", "move_recompute", "evicted")
 
-    # What the hardware sets (``source="hardware"``, each naming the rate it is): the
-    # simulator derives these from the cluster it simulates (``model.calibrate``); the
-    # router takes them from the policy spec. Those and the ``learned`` one are what
-    # ``learner`` learns.
+    # What the hardware sets (``source="hardware"``, each naming the calibrated rate it
+    # takes): the simulator derives these from the cluster it simulates
+    # (``model.calibrate``); the router takes them from the policy spec. Those and the
+    # ``learned`` one are what its learner learns.
     prefill_tps: float = setting(
         14_200.0, "Prefill rate with no context before the chunk, tokens/s.",
         gt=0, lt=math.inf, source="hardware", rate="prefill_tokens_per_s",
