@@ -299,8 +299,6 @@ def simulate_disaggregated(
     progress: Callable[[float], None] | None = None,
 ):
     """One disaggregated run: ``run.simulate``'s result for a PD cluster."""
-    if config.cluster.decode_instances < 0:
-        raise ValueError("decode_instances must not be negative")
     workload = build_workload(trace, config.workload)
     router, params = cluster_policy(policy, config.cluster)
     learning = policy_learning(router, policy)
