@@ -436,9 +436,11 @@ def policies_page() -> str:
                 bounds = meta.range() if meta.bounded else "—"
                 if meta.choices:
                     bounds = ", ".join(meta.choices)
+                source = sources[meta.source]
+                if meta.rate is not None:
+                    source += f" (`{meta.rate}`)"
                 out.append(
-                    f"| `{key}` | `{f.default}` | {cell(bounds)} | {sources[meta.source]} "
-                    f"| {cell(meta.help)} |"
+                    f"| `{key}` | `{f.default}` | {cell(bounds)} | {source} | {cell(meta.help)} |"
                 )
     return "\n".join(out) + "\n"
 

@@ -16,7 +16,8 @@ from typing import Any, Literal
 from smetric.core.errors import ConfigError
 
 # Where a policy parameter's value comes from: set by hand (the default), derived from the
-# hardware a driver knows (``model.calibrate``), or fitted to measurements.
+# hardware a driver knows (``model.calibrate``; the setting names the ``rate`` it takes),
+# or fitted to measurements. A policy's learner may set those of the last two.
 Source = Literal["tuned", "hardware", "learned"]
 
 
@@ -31,6 +32,8 @@ class Meta:
     lt: float | None = None
     choices: tuple[str, ...] | None = None
     source: Source = "tuned"
+    # The hardware rate a ``source="hardware"`` setting takes where a driver knows it.
+    rate: str | None = None
     # For a collection of strings: every item must hold more than whitespace.
     nonempty_items: bool = False
 
@@ -55,6 +58,11 @@ class Meta:
         if not inside or (self.bounded and math.isnan(value)):
             raise ConfigError(f"{name} must lie in {self.range()}, got {value}")
         return value
+
+    @property
+    def learnable(self) -> bool:
+        """Whether a policy's learner may set it: its value belongs to the engines."""
+        return self.source != "tuned"
 
     @property
     def bounded(self) -> bool:
@@ -91,9 +99,12 @@ def setting(
     lt: float | None = None,
     choices: tuple[str, ...] | None = None,
     source: Source = "tuned",
+    rate: str | None = None,
     nonempty_items: bool = False,
 ) -> Any:
     """A dataclass field declaring one setting: its default, help text and bounds."""
+    if (source == "hardware") != (rate is not None):
+        raise TypeError("a setting takes a hardware rate exactly when its source is hardware")
     meta = Meta(
         help,
         ge=ge,
@@ -102,6 +113,7 @@ def setting(
         lt=lt,
         choices=choices,
         source=source,
+        rate=rate,
         nonempty_items=nonempty_items,
     )
     return field(default=default, metadata={"setting": meta})

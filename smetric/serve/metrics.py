@@ -64,9 +64,9 @@ class RouterMetrics:
         self._own_collectors: list[Collector] = []
         self.learned_price = Gauge(
             "smetric_learned_price",
-            "The routing policy's price constants as learned online from the engines' "
-            "replies (smetric_cost with learn=1): prefill_tps, attn_tokens, fetch_tps, "
-            "kv_read_s, output_tokens.",
+            "Each parameter the routing policy learns online from the engines' replies "
+            "(smetric_cost with learn=1: its prices), as it routes with it now; one the "
+            "policy spec gave stays as given.",
             ["constant"],
             multiprocess_mode="mostrecent",
             registry=self.registry,
