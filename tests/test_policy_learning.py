@@ -135,6 +135,7 @@ async def route_behind_router(prompts: list[int]) -> tuple[RoutingPolicy, Learni
     return router.core.policy, router.prices.learning, metrics
 
 
+@pytest.mark.server
 def test_the_live_router_feeds_it_every_completed_request() -> None:
     """A long prompt, then a short one, twice: once the long one has completed the short
     one is below the mean and goes to the other engine, so what it learned routed."""
