@@ -11,8 +11,6 @@ they arrive, so streaming tokens are not held back.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,9 +19,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 
 from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.gateway import protocol
-from smetric.gateway.picker import Pick, Picker, Refusal
-
-log = logging.getLogger("smetric.pick")
+from smetric.gateway.picker import Pick, Picker
+from smetric.serve.refusals import Refusal
 
 Replies = list[ext_proc.ProcessingResponse]
 
@@ -67,9 +64,10 @@ class Exchange:
             return protocol.body_chunks("request", [body.body], body.end_of_stream)
         self.body.append(body.body)
         self.size += len(body.body)
-        limit = self.picker.body_limit()
-        if self.size > limit:
-            return self._refuse(Refusal(413, f"request body too large: over {limit} bytes"))
+        try:
+            self.picker.check_size(self.size)
+        except Refusal as refusal:
+            return self._refuse(refusal)
         if body.end_of_stream:
             return await self._decide(self.body, end_of_stream=True)
         return []
@@ -93,8 +91,8 @@ class Exchange:
 
     def _refuse(self, refusal: Refusal) -> Replies:
         self.refused = True
-        log.info(json.dumps({"event": "refuse", "status": refusal.status, "reason": str(refusal)}))
-        return [protocol.immediate(refusal.status, refusal.body)]
+        body = self.picker.refused(self.headers.get(":path", "/"), refusal)
+        return [protocol.immediate(refusal.status, body)]
 
     def _response_headers(self, message: ext_proc.ProcessingRequest) -> Replies:
         headers = protocol.header_map(message.response_headers.headers)

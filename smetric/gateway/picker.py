@@ -16,16 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from smetric.core.conversation import Api, RequestError, RequestFacts
-from smetric.core.parsing import decode_body
+from smetric.core.conversation import RequestFacts
 from smetric.record.trigger import body_trigger
-from smetric.serve.analysis import OFF_LOOP_BYTES
-from smetric.serve.app import ROUTES, Router
+from smetric.serve.app import Router
 from smetric.serve.engines import Engine, QueuedPrefill
-from smetric.serve.errors import error_body
+from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
-from smetric.serve.identity import identity_of
-from smetric.serve.limits import BodyError, decoded_body
+from smetric.serve.intake import ROUTES
+from smetric.serve.refusals import Refusal
 from smetric.serve.upstream import EngineFault
 
 
@@ -42,15 +40,6 @@ def endpoint_of(url: str) -> str:
         ) from None
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
-
-
-class Refusal(Exception):
-    """The picker answers the client itself: ``status`` with an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = error_body(status, message)
 
 
 class Reservation:
@@ -136,13 +125,20 @@ class Picker:
         ]
         if not engines:
             within = "" if subset is None else f" among {', '.join(sorted(subset)) or 'none'}"
-            raise Refusal(503, f"no healthy engine to serve the request{within}")
+            message = f"no healthy engine to serve the request{within}"
+            raise Refusal(503, "no_healthy_engine", message)
         if self.max_inflight and all(e.inflight >= self.max_inflight for e in engines):
-            raise Refusal(429, f"every engine has {self.max_inflight} requests in flight")
+            message = f"every engine has {self.max_inflight} requests in flight"
+            raise Refusal(429, "shed", message)
         return engines
 
-    def body_limit(self) -> int:
-        return self.router.analyzer.body_limit()
+    def check_size(self, size: int) -> None:
+        self.router.intake.check_size(size)
+
+    def refused(self, path: str, refusal: Refusal) -> dict:
+        """The client's answer to ``refusal`` in its API's shape, the refusal noted."""
+        self.router.refusals.note(path, refusal)
+        return dialect_for(path).body(refusal.status, refusal.message)
 
     async def pick(
         self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
@@ -157,38 +153,20 @@ class Picker:
             return Pick(
                 engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
             )
-        body, facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
+        admitted = await self.router.intake.admit(path, headers, raw)
+        body, facts, identity = admitted.body, admitted.facts, admitted.identity
         engines = self.candidates(subset)  # health may have changed meanwhile
-        identity = identity_of(headers, body)
-        self.router.metrics.agent_requests.labels(
-            identity.harness or "none", identity.role, identity.call(facts.turn)
-        ).inc()
         decision = self.router.wiring.decide(facts, engines, identity=identity)
         engine, predicted = decision.engine, decision.predicted_hit_tokens
         load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
-        completion = Completion(api, path, is_stream(body), facts, identity)
+        completion = Completion(admitted.api, path, is_stream(body), facts, identity)
         completion.trigger = body_trigger(body)
         completion.branch = decision.branch
         completion.predicted_hit_tokens = predicted
         completion.engine = engine.url
-        return Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
-
-    async def _analyze(self, raw: bytes, encoding: str, api: Api) -> tuple[dict, RequestFacts]:
-        try:
-            body = decode_body(decoded_body(raw, encoding, self.body_limit()))
-        except BodyError as exc:
-            raise Refusal(exc.status, str(exc)) from None
-        except RequestError as exc:
-            raise Refusal(400, str(exc)) from None
-        if not isinstance(body, dict):
-            raise Refusal(400, "body must be a JSON object")
-        try:
-            large = len(raw) > OFF_LOOP_BYTES
-            return body, await self.router.analyzer.analyze(body, api, large=large)
-        except RequestError as exc:
-            raise Refusal(400, str(exc)) from None
-        except (TimeoutError, OSError, ValueError) as exc:
-            raise Refusal(502, f"tokenising with the engine failed: {exc}") from None
+        return Pick(
+            engine, endpoint_of(engine.url), admitted.api, predicted, facts, load, completion
+        )
 
     def served(self, pick: Pick, endpoint: str | None, status: int) -> None:
         """The response's headers: charge the request to the engine that served it, and

@@ -16,7 +16,7 @@ from collections.abc import Collection
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from smetric.serve.errors import error_response
+from smetric.serve.refusals import Refusal
 
 
 def presented_keys(request: web.Request) -> list[str]:
@@ -49,7 +49,7 @@ def require_key(accepted: Collection[str], open_paths: Collection[str]) -> Middl
                 for good in wanted
             ]
             if not any(matches):
-                return error_response(401, "missing or invalid API key")
+                raise Refusal(401, "bad_key", "missing or invalid API key")
         return await handler(request)
 
     return check

@@ -21,11 +21,11 @@ from smetric.core.kv_events import EventIndex
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.core.settings import setting
 from smetric.core.settings_load import load, read_yaml, with_values
-from smetric.serve.app import RouterSettings
 from smetric.serve.backends import BACKENDS, backend_named
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.settings import RouterSettings
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

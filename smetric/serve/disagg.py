@@ -57,7 +57,7 @@ from smetric.core.policies.decode import (
 )
 from smetric.serve.dispatch import Call, Wiring
 from smetric.serve.engines import Engine
-from smetric.serve.errors import engine_error
+from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Delivery, UsageTap, is_stream
 from smetric.serve.upstream import Attempt, EngineFault
 
@@ -199,7 +199,7 @@ class Disaggregation:
         status = attempt.response.status
         if status >= 400:
             call.completion.status = status
-            return engine_error(status, raw)
+            return dialect_for(call.path).engine_error(status, raw)
         try:
             answer = json.loads(raw)
         except (ValueError, RecursionError):
