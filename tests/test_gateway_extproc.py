@@ -250,3 +250,30 @@ def test_the_served_endpoint_is_read_from_the_protocol_metadata_before_the_heade
         "10.0.0.8:8000"
     )
     assert protocol.served_endpoint(base_pb2.Metadata(), {}) is None
+
+
+def test_the_picker_counts_its_refusals_and_answers_in_the_route_s_shape() -> None:
+    async def go() -> None:
+        chooser = picker()
+        exchange = Exchange(chooser)
+        await exchange.on(headers({**POST, ":path": "/v1/messages"}))
+        reply = await exchange.on(body(b"[1]", True))
+        answer = json.loads(reply[-1].immediate_response.body)
+        assert reply[-1].immediate_response.status.code == 400
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+        big = Exchange(chooser)
+        await big.on(headers(POST))
+        limit = chooser.router.settings.max_body_bytes
+        reply = await big.on(body(b" " * (limit + 1), False))
+        assert reply[-1].immediate_response.status.code == 413
+        message = json.loads(reply[-1].immediate_response.body)["error"]["message"]
+        assert f"--max-body-bytes ({limit} bytes)" in message
+        registry = chooser.router.metrics.registry
+        for route, status, reason in [
+            ("/v1/messages", "400", "not_an_object"),
+            ("/v1/chat/completions", "413", "body_too_large"),
+        ]:
+            labels = {"route": route, "status": status, "reason": reason}
+            assert registry.get_sample_value("smetric_refused_requests_total", labels) == 1
+
+    run(go())
