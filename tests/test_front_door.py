@@ -48,7 +48,7 @@ def test_every_refusal_is_counted_by_route_status_and_reason() -> None:
     ]
 
     async def body(client, url, router, fakes) -> None:
-        for path, data, headers, status, reason in cases:
+        for path, data, headers, status, _ in cases:
             headers = {"Content-Type": "application/json", **headers}
             async with client.post(url + path, data=data, headers=headers) as response:
                 assert response.status == status, (path, data[:40], await response.text())
