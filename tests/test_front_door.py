@@ -11,14 +11,32 @@ import logging
 import anthropic
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from openai.types.responses import ResponseErrorEvent
-from test_serve import CHAT, run
+from test_serve import eventually, run
 from test_serve_faults import with_mixed
 
+from smetric.serve.app import Router, RouterSettings
+from smetric.serve.engines import Engine
 from smetric.serve.errors import ANTHROPIC, OPENAI, RESPONSES, dialect_for
 from smetric.serve.refusals import Refusal, RefusalLog
 
+from conftest import router_client
+
 MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}
+
+
+def ask_anthropic(sdk: anthropic.AsyncAnthropic, content: str = "hello", stream: bool = False):
+    messages: list[anthropic.types.MessageParam] = [{"role": "user", "content": content}]
+    return sdk.messages.create(model="m", max_tokens=4, messages=messages, stream=stream)
+
+
+def ask_openai(sdk: openai.AsyncOpenAI, stream: bool = False):
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "user", "content": "hello"}
+    ]
+    return sdk.chat.completions.create(model="m", max_tokens=4, messages=messages, stream=stream)
 
 
 def refused_count(router, route: str, status: int, reason: str) -> float:
@@ -117,9 +135,7 @@ def test_refusals_are_logged_at_most_once_per_reason_a_second(caplog) -> None:
 def test_a_stream_cut_mid_way_raises_in_the_openai_sdk() -> None:
     async def body(client, url, router, fakes) -> None:
         sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        stream = await sdk.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-        )
+        stream = await ask_openai(sdk, stream=True)
         with pytest.raises(openai.APIError, match="stream broke off"):
             async for _ in stream:
                 pass
@@ -131,7 +147,7 @@ def test_a_stream_cut_mid_way_raises_in_the_openai_sdk() -> None:
 def test_a_stream_cut_mid_way_raises_in_the_anthropic_sdk() -> None:
     async def body(client, url, router, fakes) -> None:
         sdk = anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0)
-        stream = await sdk.messages.create(**MESSAGES, stream=True)
+        stream = await ask_anthropic(sdk, stream=True)
         with pytest.raises(anthropic.APIStatusError, match="stream broke off") as raised:
             async for _ in stream:
                 pass
@@ -145,18 +161,16 @@ def test_refusals_raise_each_sdk_s_own_exception_types() -> None:
     async def body(client, url, router, fakes) -> None:
         oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            await oai.chat.completions.create(**CHAT)
+            await ask_openai(oai)
         ant = anthropic.AsyncAnthropic(base_url=url, api_key="wrong", max_retries=0)
         with pytest.raises(anthropic.AuthenticationError) as raised:
-            await ant.messages.create(**MESSAGES)
+            await ask_anthropic(ant)
         assert raised.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
         good = anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
         with pytest.raises(anthropic.BadRequestError):
             await good.messages.create(model="m", max_tokens=4, messages=[])
         with pytest.raises(anthropic.RequestTooLargeError):
-            await good.messages.create(
-                model="m", max_tokens=4, messages=[{"role": "user", "content": "x" * 4096}]
-            )
+            await ask_anthropic(good, "x" * 4096)
         with pytest.raises(anthropic.NotFoundError):
             await good.post("/v1/nowhere", cast_to=object, body={})
         good_oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
@@ -165,10 +179,10 @@ def test_refusals_raise_each_sdk_s_own_exception_types() -> None:
         for engine in router.engines:
             engine.healthy = False
         with pytest.raises(anthropic.InternalServerError) as overloaded:
-            await good.messages.create(**MESSAGES)
+            await ask_anthropic(good)
         assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
         with pytest.raises(openai.InternalServerError):
-            await good_oai.chat.completions.create(**CHAT)
+            await ask_openai(good_oai)
         for sdk in (oai, ant, good, good_oai):
             await sdk.close()
 
@@ -193,3 +207,104 @@ def test_each_route_has_its_dialect_and_the_responses_event_parses_in_the_sdk() 
     assert name == "event: error"
     parsed = ResponseErrorEvent.model_validate(json.loads(data.removeprefix("data: ")))
     assert parsed.sequence_number == 42 and parsed.message == "broke off"
+
+
+# -- headers to engines -------------------------------------------------------------------
+
+
+async def with_header_engine(body, key: str = "", **settings) -> None:
+    """A router before one engine that answers every generation with the headers it got
+    (and remembers those of its /v1/models reads)."""
+    seen: dict[str, dict[str, str]] = {}
+
+    async def echo(request: web.Request) -> web.Response:
+        seen[request.path] = dict(request.headers)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "m"}]})
+        return web.json_response({"headers": dict(request.headers)})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", echo)
+    app.router.add_post("/v1/messages", echo)
+    engine = TestServer(app, host="127.0.0.1")
+    await engine.start_server()
+    router = Router(
+        [Engine(f"http://127.0.0.1:{engine.port}", 1000, api_key=key)],
+        RouterSettings(health_interval_s=0.05, **settings),
+    )
+    try:
+        async with router_client(router.app(), True, 30) as (client, url):
+            await body(client, url, seen)
+    finally:
+        await engine.close()
+
+
+ANTHROPIC_HEADERS = {
+    "anthropic-version": "2023-06-01",
+    "anthropic-beta": "mid-conversation-system-2026-04-07",
+    "x-claude-code-session-id": "s-1",
+}
+
+
+async def engine_headers(client, url: str, **headers: str) -> dict[str, str]:
+    async with client.post(
+        url + "/v1/messages", json=MESSAGES, headers={**ANTHROPIC_HEADERS, **headers}
+    ) as response:
+        assert response.status == 200, await response.text()
+        got = (await response.json())["headers"]
+    return {name.lower(): value for name, value in got.items()}
+
+
+def test_anthropic_and_harness_headers_reach_engines_whatever_the_router_s_key() -> None:
+    async def keyed(client, url, seen) -> None:
+        got = await engine_headers(client, url, **{"x-api-key": "router-key"})
+        for name, value in ANTHROPIC_HEADERS.items():
+            assert got[name] == value
+        assert "x-api-key" not in got and "authorization" not in got  # the client's key stays
+
+    async def keyed_with_engine_key(client, url, seen) -> None:
+        await eventually(lambda: "/v1/models" in seen)
+        assert seen["/v1/models"]["Authorization"] == "Bearer engine-key"
+        got = await engine_headers(client, url, Authorization="Bearer router-key")
+        assert got["authorization"] == "Bearer engine-key"
+        assert got["anthropic-beta"] == ANTHROPIC_HEADERS["anthropic-beta"]
+
+    async def open_router(client, url, seen) -> None:
+        got = await engine_headers(client, url, **{"x-api-key": "client-key"})
+        assert got["x-api-key"] == "client-key"  # no router keys: the engine judges it
+
+    async def own_engine_key(client, url, seen) -> None:
+        got = await engine_headers(client, url, **{"x-api-key": "client-key"})
+        assert got["authorization"] == "Bearer its-own" and "x-api-key" not in got
+
+    keys = frozenset({"router-key"})
+    run(lambda: with_header_engine(keyed, api_keys=keys))
+    run(
+        lambda: with_header_engine(
+            keyed_with_engine_key, api_keys=keys, engine_api_key="engine-key"
+        )
+    )
+    run(lambda: with_header_engine(open_router))
+    run(lambda: with_header_engine(own_engine_key, key="its-own", engine_api_key="default"))
+
+
+def test_engines_take_their_key_from_the_config(tmp_path) -> None:
+    from smetric.serve.config import ServeConfig, engines_from, load_config
+
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "engines:\n"
+        "  - url: http://127.0.0.1:8001\n"
+        "    api_key: first\n"
+        "  - http://127.0.0.1:8002\n"
+        "router:\n"
+        "  engine_api_key: shared\n"
+    )
+    loaded = load_config(ServeConfig, config)
+    engines, _ = engines_from(loaded.engines, 100, 16)
+    assert [e.api_key for e in engines] == ["first", ""]
+    assert loaded.router.engine_api_key == "shared"

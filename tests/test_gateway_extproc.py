@@ -277,3 +277,16 @@ def test_the_picker_counts_its_refusals_and_answers_in_the_route_s_shape() -> No
             assert registry.get_sample_value("smetric_refused_requests_total", labels) == 1
 
     run(go())
+
+
+def test_an_engine_that_requires_a_key_gets_its_own_through_the_picker() -> None:
+    async def go() -> None:
+        router = Router(
+            [Engine(URLS[0], 1000, api_key="engine-key")], RouterSettings(api_keys=frozenset({"k"}))
+        )
+        exchange = Exchange(Picker(router))
+        replies = await send_request(exchange, chat_body())
+        assert set_headers(replies[0], "request")["authorization"] == "Bearer engine-key"
+        exchange.close(complete=False)
+
+    run(go())

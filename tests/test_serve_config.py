@@ -140,7 +140,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ),
         (
             "engines: [{url: 'http://127.0.0.1:1', kv_blcks: 8}]",
-            "url, kv_blocks, backend, kv_events",
+            "url, kv_blocks, api_key, backend, kv_events",
         ),
         ("engines: [{url: 'http://127.0.0.1:1', backend: tgi}]", "'tgi': use one of vllm"),
         ("engines: [{kv_blocks: 8}]", "engines[0].url is required"),

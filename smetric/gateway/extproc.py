@@ -84,6 +84,9 @@ class Exchange:
         self.pick = pick
         self.body = []
         headers = {protocol.DESTINATION: pick.endpoint}
+        # An engine that requires a key gets its own, in place of the client's.
+        auth = self.picker.router.pool.auth(pick.engine)
+        headers |= {name.lower(): value for name, value in auth.items()}
         replies = [protocol.continue_headers("request", headers, destination=pick.endpoint)]
         if with_body and (pieces or end_of_stream):
             replies += protocol.body_chunks("request", pieces, end_of_stream)

@@ -106,6 +106,7 @@ class Router:
                 settings.eject_after, settings.eject_backoff_s, settings.eject_backoff_max_s
             ),
             subscribers=self.subscribers,
+            engine_api_key=settings.engine_api_key,
         )
         # The pool's own list, so engines added at runtime are the router's too.
         self.engines = self.pool.engines

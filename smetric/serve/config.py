@@ -62,6 +62,9 @@ class EngineEntry:
     kv_blocks: int | None = setting(
         None, "KV blocks of this engine for the prefix index; none: the router's kv_blocks.", ge=1
     )
+    api_key: str | None = setting(
+        None, "Key sent to this engine as 'Authorization: Bearer KEY'; none: engine_api_key."
+    )
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,8 @@ def engines_from(
             spec = dataclasses.asdict(entry.kv_events)
             subscribers[url] = backend.kv_event_subscriber(index, spec, url)
         blocks = kv_blocks if entry.kv_blocks is None else entry.kv_blocks
-        engines.append(Engine(url, blocks, events=index, backend=backend))
+        key = entry.api_key or ""
+        engines.append(Engine(url, blocks, events=index, backend=backend, api_key=key))
     if not engines:
         raise ValueError("give at least one --engine URL (or engines: in --config)")
     return engines, subscribers
@@ -256,7 +260,11 @@ def disaggregation_from(config: ServeConfig) -> tuple[list[Engine], Disaggregati
 
     def engines(entries: tuple[str | EngineEntry, ...]) -> list[Engine]:
         return [
-            Engine(engine_url(e.url), kv_blocks if e.kv_blocks is None else e.kv_blocks)
+            Engine(
+                engine_url(e.url),
+                kv_blocks if e.kv_blocks is None else e.kv_blocks,
+                api_key=e.api_key or "",
+            )
             for e in (EngineEntry(x) if isinstance(x, str) else x for x in entries)
         ]
 

@@ -142,6 +142,9 @@ class Engine:
     # The engine's own account of its cache, from its KV events; the view then.
     events: EventIndex | None = None
     backend: EngineBackend = VLLM
+    # Sent as ``Authorization: Bearer`` to an engine that requires a key ("": none, or the
+    # router's --engine-api-key).
+    api_key: str = field(default="", repr=False)
     # Its number in the cluster, stable while others come and go (``serve.pool``).
     number: int = 0
     # Called with the blocks of every prompt ``remember`` records (other workers learn them).

@@ -41,9 +41,18 @@ log = logging.getLogger("smetric.serve")
 
 # What a try's ``send`` hands back: the client's response, or a disaggregated leg's result.
 Sent = TypeVar("Sent")
-# Request headers passed on to engines as they are (the auth ones only without router keys).
-_AUTH_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta")
-_PASSED_HEADERS = ("x-request-id", "traceparent", "tracestate", *IDENTITY_HEADERS)
+# Request headers passed on to engines as they are: the API's version and betas, tracing,
+# and who sent it. The client's key only when the router has no keys of its own and the
+# engine none either (``Attempt.send``).
+_CLIENT_KEYS = ("Authorization", "x-api-key")
+_PASSED_HEADERS = (
+    "anthropic-version",
+    "anthropic-beta",
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+    *IDENTITY_HEADERS,
+)
 
 
 @dataclass
@@ -119,7 +128,7 @@ class Forwarder:
     def upstream_headers(self, request: web.Request) -> dict[str, str]:
         # Uncompressed replies: the router reads them (errors, usage) and passes them on.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-        names = (*_AUTH_HEADERS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
+        names = (*_CLIENT_KEYS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
         for name in names:
             value = request.headers.get(name)
             if value is not None:
@@ -157,7 +166,12 @@ class Forwarder:
             completion.attempts += 1
             unprefilled = prompt_tokens - predicted
             async with Attempt(
-                engine, self.pool.client(), self.timeouts, prompt_tokens, unprefilled
+                engine,
+                self.pool.client(),
+                self.timeouts,
+                prompt_tokens,
+                unprefilled,
+                auth=self.pool.auth(engine),
             ) as attempt:
                 try:
                     return await send(attempt, predicted)

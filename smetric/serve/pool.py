@@ -57,8 +57,10 @@ class EnginePool:
         stall_prefill_tps: float = 1000.0,
         outliers: OutlierDetector | None = None,
         subscribers: dict[str, KVEventSubscriber] | None = None,
+        engine_api_key: str | None = None,
     ) -> None:
         self.metrics = metrics
+        self.engine_api_key = engine_api_key
         self.block_size = block_size
         self.health_interval_s = health_interval_s
         self.connect_timeout_s = connect_timeout_s
@@ -154,6 +156,11 @@ class EnginePool:
     def client(self) -> aiohttp.ClientSession:
         assert self._client is not None, "the pool is not started"
         return self._client
+
+    def auth(self, engine: Engine) -> dict[str, str]:
+        """The header that gives ``engine`` its key, if it needs one."""
+        key = engine.api_key or self.engine_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def max_context(self) -> int:
         """The longest context an engine reported (0: none yet)."""
@@ -315,7 +322,9 @@ class EnginePool:
         the longest context among them, which caps prompts."""
         try:
             timeout = aiohttp.ClientTimeout(total=self.connect_timeout_s)
-            async with self.client().get(engine.url + "/v1/models", timeout=timeout) as response:
+            async with self.client().get(
+                engine.url + "/v1/models", timeout=timeout, headers=self.auth(engine)
+            ) as response:
                 data = await response.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
             return []

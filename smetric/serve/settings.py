@@ -31,6 +31,12 @@ class RouterSettings:
         # An empty key (``--api-key "$KEY"`` with KEY unset) would admit an empty header.
         nonempty_items=True,
     )
+    engine_api_key: str | None = setting(
+        None,
+        "Key sent to every engine as 'Authorization: Bearer KEY', for engines that require "
+        "one (an engine's own api_key in the config wins); the client's key then never "
+        "reaches an engine. None: engines get the client's key, unless api_key is set.",
+    )
     open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
     max_body_bytes: int = setting(32 << 20, "Largest request body, in bytes.", ge=1)

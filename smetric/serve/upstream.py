@@ -91,8 +91,11 @@ class Attempt:
         timeouts: Timeouts,
         prompt_tokens: int,
         unprefilled_tokens: int,
+        auth: dict[str, str] | None = None,
     ) -> None:
         self.engine = engine
+        # The engine's own key header, which replaces any key the client sent.
+        self.auth = auth or {}
         self.client = client
         self.timeouts = timeouts
         self.prompt_tokens = prompt_tokens
@@ -149,6 +152,9 @@ class Attempt:
         """POST and wait for the response headers, at most ``first_byte_s`` (a streaming
         request: ``stream_headers_s``)."""
         wait = self.timeouts.stream_headers_s if stream else self.timeouts.first_byte_s
+        if self.auth:
+            keys = ("authorization", "x-api-key")
+            headers = {k: v for k, v in headers.items() if k.lower() not in keys} | self.auth
         try:
             async with self._timeout(wait):
                 self.response = await self.client.post(
