@@ -113,7 +113,10 @@ def shown_default(flag: SettingFlag) -> str | None:
 def test_help_describes_every_option_and_shows_its_declared_default(name: str) -> None:
     text = help_text(name)
     flags = FLAGS[name]
-    positions = [text.index(f" {flag.flag} ") for flag in flags]
+    # A name is followed by a space, or by ", -x" where it has a short form.
+    found = [re.search(rf" {re.escape(flag.flag)}[ ,]", text) for flag in flags]
+    assert all(found), [flag.flag for flag, at in zip(flags, found, strict=True) if not at]
+    positions = [at.start() for at in found if at is not None]
     ends = sorted([*positions, len(text)])
     for flag, start in zip(flags, positions, strict=True):
         passage = text[start : next(e for e in ends if e > start)]

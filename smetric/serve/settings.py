@@ -35,15 +35,22 @@ class RouterSettings:
         None,
         "Key sent to every engine as 'Authorization: Bearer KEY', for engines that require "
         "one (an engine's own api_key in the config wins); the client's key then never "
-        "reaches an engine. None: engines get the client's key, unless api_key is set.",
+        "reaches an engine. None: engines get the client's key, unless the router has "
+        "api_keys.",
     )
     open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
-    max_body_bytes: int = setting(32 << 20, "Largest request body, in bytes.", ge=1)
+    max_body_bytes: int = setting(
+        32 << 20,
+        "Largest request body, in bytes once inflated; a larger one gets a 413 before it "
+        "is parsed.",
+        ge=1,
+    )
     max_prompt_tokens: int = setting(
         0,
-        "Longest prompt analysed, in tokens; longer ones get a 400 before they are "
-        "tokenised (0: the largest max_model_len the engines' /v1/models report).",
+        "Longest prompt routed, in tokens: a longer one gets a 400, once tokenised (a "
+        "single text over 16 characters a token of it, before); images count as their "
+        "placeholders (0: the largest max_model_len the engines' /v1/models report).",
         ge=0,
     )
     analysis_threads: int = setting(
