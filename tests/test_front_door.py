@@ -308,3 +308,35 @@ def test_engines_take_their_key_from_the_config(tmp_path) -> None:
     engines, _ = engines_from(loaded.engines, 100, 16)
     assert [e.api_key for e in engines] == ["first", ""]
     assert loaded.router.engine_api_key == "shared"
+
+
+# -- count_tokens -------------------------------------------------------------------------
+
+
+def test_count_tokens_is_the_engine_s_where_it_serves_it_else_the_router_s() -> None:
+    async def through_sdk(client, url, router, fakes) -> None:
+        sdk = anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0)
+        messages: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hello"}]
+        counted = await sdk.messages.with_raw_response.count_tokens(model="m", messages=messages)
+        assert counted.headers["x-smetric-token-count"] == "engine"
+        tokens = (await counted.parse()).input_tokens
+        assert tokens > 0
+        # Without an engine to ask, the router counts with its own tokenizer: the same
+        # byte tokenizer and generic template as the mock engine's here.
+        for engine in router.engines:
+            engine.healthy = False
+        counted = await sdk.messages.with_raw_response.count_tokens(model="m", messages=messages)
+        assert counted.headers["x-smetric-token-count"] == "router"
+        assert (await counted.parse()).input_tokens == tokens
+        with pytest.raises(anthropic.BadRequestError):
+            await sdk.messages.count_tokens(model="m", messages=[])
+        await sdk.close()
+
+    async def not_served(client, url, seen) -> None:
+        async with client.post(url + "/v1/messages/count_tokens", json=MESSAGES) as response:
+            assert response.status == 200
+            assert response.headers["x-smetric-token-count"] == "router"
+            assert (await response.json())["input_tokens"] > 0
+
+    run(lambda: with_mixed([], 1, through_sdk, health_interval_s=60))
+    run(lambda: with_header_engine(not_served))  # it answers 404 on the route

@@ -52,6 +52,7 @@ from smetric.serve.prices import PriceFeed
 from smetric.serve.refusals import Refusal, RefusalLog
 from smetric.serve.routing import RoutingCore
 from smetric.serve.settings import RouterSettings
+from smetric.serve.token_count import COUNT_TOKENS_PATH, TokenCounter
 from smetric.serve.upstream import Timeouts
 
 __all__ = ["ROUTES", "Router", "RouterSettings"]
@@ -133,6 +134,7 @@ class Router:
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
+        self.token_counter = TokenCounter(self.intake, self.forwarder)
         # A policy that prices work learns its prices from the engines' replies.
         self.prices = PriceFeed(self.core.policy, settings.policy, self.metrics.learned_price)
         if self.prices.learning:
@@ -161,6 +163,7 @@ class Router:
         )
         for path, api in ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
+        app.router.add_post(COUNT_TOKENS_PATH, self.token_counter.handle)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", alive)
