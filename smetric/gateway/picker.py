@@ -4,8 +4,9 @@ A request is analysed from its body and routed by the same policy, view and deci
 as ``smetric serve``; only the forwarding is Envoy's. Its load is counted from the pick to
 the end of its response, on every exit path, and charged to the engine that actually served
 it (Envoy's retries or a fallback may send it elsewhere than picked): when the response
-names another engine, the reservation moves there. What the engine cached is read from the
-response body as it streams past (``UsageTap``).
+names another engine, its lease moves there (``serve.engines.Lease``, which ``serve``'s
+attempts hold too). What the engine cached is read from the response body as it streams
+past (``UsageTap``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from urllib.parse import urlsplit
 from smetric.core.conversation import RequestFacts
 from smetric.record.trigger import body_trigger
 from smetric.serve.app import Router
-from smetric.serve.engines import Engine, QueuedPrefill
+from smetric.serve.engines import Engine, Lease
 from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
 from smetric.serve.intake import ROUTES
@@ -42,43 +43,6 @@ def endpoint_of(url: str) -> str:
     return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
 
 
-class Reservation:
-    """One request's load on the engine it is charged to: in flight, its prompt tokens,
-    and its unprefilled tokens until the first byte of the response (as ``Attempt``
-    counts a request ``serve`` forwards). Moves with the request; released once."""
-
-    def __init__(self, engine: Engine, prompt_tokens: int, unprefilled: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.released = False
-        self._charge(engine, unprefilled)
-
-    def _charge(self, engine: Engine, unprefilled: int) -> None:
-        self.engine = engine
-        engine.inflight += 1
-        engine.inflight_tokens += self.prompt_tokens
-        self.prefill = QueuedPrefill(engine, unprefilled)
-
-    def _discharge(self) -> int:
-        """Take the load off its engine; the unprefilled tokens it still held."""
-        self.engine.inflight -= 1
-        self.engine.inflight_tokens -= self.prompt_tokens
-        unprefilled = self.prefill.tokens
-        self.prefill.done()
-        return unprefilled
-
-    def move_to(self, engine: Engine) -> None:
-        if not self.released and engine is not self.engine:
-            self._charge(engine, self._discharge())
-
-    def prefilled(self) -> None:
-        self.prefill.done()
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._discharge()
-
-
 @dataclass
 class Pick:
     """One routed request, from the pick to the end of its response."""
@@ -88,7 +52,7 @@ class Pick:
     api: str
     predicted: int
     facts: RequestFacts | None
-    load: Reservation
+    load: Lease
     # What the completion observers (metrics, the recorder) learn once it ends; None for
     # requests that are not generations.
     completion: Completion | None = None
@@ -150,15 +114,13 @@ class Picker:
         if api is None or headers.get(":method", "POST") != "POST":
             # Not a generation (/v1/models, /tokenize, ...): nothing to analyse.
             engine = min(engines, key=lambda e: e.inflight)
-            return Pick(
-                engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
-            )
+            return Pick(engine, endpoint_of(engine.url), "other", 0, None, Lease(engine, 0, 0))
         admitted = await self.router.intake.admit(path, headers, raw)
         body, facts, identity = admitted.body, admitted.facts, admitted.identity
         engines = self.candidates(subset)  # health may have changed meanwhile
         decision = self.router.wiring.decide(facts, engines, identity=identity)
         engine, predicted = decision.engine, decision.predicted_hit_tokens
-        load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
+        load = Lease(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
         completion = Completion(admitted.api, path, is_stream(body), facts, identity)
         completion.trigger = body_trigger(body)
         completion.branch = decision.branch

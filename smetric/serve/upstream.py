@@ -3,10 +3,11 @@
 Load must come down on every exit path: the engine answered, broke, stalled or sent
 garbage, or the client gave up while the router waited (which cancels the handler, often
 before the engine's headers: vLLM sends a non-streaming reply's headers only at its end).
-``Attempt`` raises ``engine.inflight``, its in-flight prompt tokens and its unprefilled
-tokens when entered, gives the unprefilled tokens back at the first chunk of the body (the
-prompt is prefilled by then), and lowers the rest when left, however it is left; it closes
-the engine's response with it, so a stream nobody reads stops on the engine.
+``Attempt`` takes a ``Lease`` on the engine when entered (``engine.inflight``, its
+in-flight prompt tokens and its unprefilled tokens), gives the unprefilled tokens back at
+the first chunk of the body (the prompt is prefilled by then), and releases the rest when
+left, however it is left; it closes the engine's response with it, so a stream nobody
+reads stops on the engine.
 
 Reads from the engine raise ``EngineFault`` and nothing else, and nothing here writes to
 the client, so a caller can tell an engine that failed from a client that hung up (both
@@ -22,7 +23,7 @@ from types import TracebackType
 
 import aiohttp
 
-from smetric.serve.engines import Engine, QueuedPrefill
+from smetric.serve.engines import Engine, Lease
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Attempt:
         self.prompt_tokens = prompt_tokens
         self.unprefilled_tokens = unprefilled_tokens
         self.response: aiohttp.ClientResponse | None = None
-        self.prefill: QueuedPrefill | None = None
+        self.lease: Lease | None = None
         # The wait in progress, which ``cut`` ends at once; why it was cut.
         self._wait: asyncio.Timeout | None = None
         self._cut: str | None = None
@@ -111,9 +112,7 @@ class Attempt:
         if not engine.attempts:  # idle until now: its silence starts here
             engine.progressed_at = time.monotonic()
         engine.attempts.add(self)
-        self.engine.inflight += 1
-        self.engine.inflight_tokens += self.prompt_tokens
-        self.prefill = QueuedPrefill(self.engine, self.unprefilled_tokens)
+        self.lease = Lease(engine, self.prompt_tokens, self.unprefilled_tokens)
         return self
 
     async def __aexit__(
@@ -123,10 +122,8 @@ class Attempt:
         tb: TracebackType | None,
     ) -> None:
         self.engine.attempts.discard(self)
-        self.engine.inflight -= 1
-        self.engine.inflight_tokens -= self.prompt_tokens
-        assert self.prefill is not None
-        self.prefill.done()
+        assert self.lease is not None
+        self.lease.release()
         if self.response is not None:
             # Back to the pool if fully read; otherwise the connection closes, which is how
             # an engine learns that nobody wants the rest (vLLM then aborts the request).
@@ -189,8 +186,8 @@ class Attempt:
             raise EngineFault("response cut short", lost=True, detail=repr(exc)) from None
         if chunk:
             self.engine.progressed_at = time.monotonic()
-            if self.prefill is not None:
-                self.prefill.done()
+            if self.lease is not None:
+                self.lease.prefilled()
         return chunk
 
     async def read_all(self) -> bytes:
