@@ -290,3 +290,31 @@ def test_an_engine_that_requires_a_key_gets_its_own_through_the_picker() -> None
         exchange.close(complete=False)
 
     run(go())
+
+
+def test_a_token_count_the_engine_does_not_serve_is_the_router_s() -> None:
+    count = {":method": "POST", ":path": "/v1/messages/count_tokens"}
+    request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+    async def go() -> None:
+        chooser = picker()
+        counts = {}
+        for status in (200, 404):
+            exchange = Exchange(chooser)
+            await exchange.on(headers(count))
+            await exchange.on(body(request.encode(), True))
+            replies = await exchange.on(response_headers(status))
+            if status == 200:  # the engine counted: its answer passes, tagged
+                assert set_headers(replies[0], "response")["x-smetric-token-count"] == "engine"
+                assert not exchange.answered
+                exchange.close(complete=True)
+            else:
+                answer = replies[-1].immediate_response
+                assert answer.status.code == 200 and exchange.answered
+                tagged = {h.header.key: h.header.raw_value for h in answer.headers.set_headers}
+                assert tagged["x-smetric-token-count"] == b"router"
+                counts[status] = json.loads(answer.body)["input_tokens"]
+        assert counts[404] > 0
+        assert all(e.inflight == 0 for e in chooser.router.engines)
+
+    run(go())

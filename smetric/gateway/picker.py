@@ -25,6 +25,7 @@ from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
 from smetric.serve.intake import ROUTES
 from smetric.serve.refusals import Refusal
+from smetric.serve.token_count import COUNT_TOKENS_PATH
 from smetric.serve.upstream import EngineFault
 
 
@@ -59,6 +60,9 @@ class Pick:
     started: float = field(default_factory=time.perf_counter)
     usage: UsageTap = field(default_factory=UsageTap)
     ok: bool = False
+    # A token count's body, kept in case the engine does not serve the route and the
+    # router counts instead.
+    count_body: bytes | None = None
 
 
 class Picker:
@@ -114,7 +118,9 @@ class Picker:
         if api is None or headers.get(":method", "POST") != "POST":
             # Not a generation (/v1/models, /tokenize, ...): nothing to analyse.
             engine = min(engines, key=lambda e: e.inflight)
-            return Pick(engine, endpoint_of(engine.url), "other", 0, None, Lease(engine, 0, 0))
+            count = raw if path.split("?")[0] == COUNT_TOKENS_PATH else None
+            lease = Lease(engine, 0, 0)
+            return Pick(engine, endpoint_of(engine.url), "other", 0, None, lease, count_body=count)
         admitted = await self.router.intake.admit(path, headers, raw)
         body, facts, identity = admitted.body, admitted.facts, admitted.identity
         engines = self.candidates(subset)  # health may have changed meanwhile

@@ -11,6 +11,7 @@ the count to the router, whose tokenizer and template may differ from the model'
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -25,6 +26,11 @@ TOKEN_COUNT_HEADER = "x-smetric-token-count"
 _NOT_SERVED = (404, 405, 501)
 
 
+def declined(status: int) -> bool:
+    """An engine's status that leaves the count to the router."""
+    return status in _NOT_SERVED or status >= 500
+
+
 class TokenCounter:
     def __init__(self, intake: Intake, forwarder: Forwarder) -> None:
         self.intake = intake
@@ -32,14 +38,19 @@ class TokenCounter:
 
     async def handle(self, request: web.Request) -> web.Response:
         self.intake.check_size(request.content_length or 0)
-        decoded, body = self.intake.body_of(request.headers, await request.read())
+        raw = await request.read()
+        decoded, _ = self.intake.body_of(request.headers, raw)
         answer = await self._ask_engine(request, decoded)
         if answer is not None:
             return answer
+        count = await self.count(request.headers, raw)
+        return web.json_response(count, headers={TOKEN_COUNT_HEADER: "router"})
+
+    async def count(self, headers: Mapping[str, str], raw: bytes) -> dict[str, int]:
+        """The router's own count of a request's prompt; raises ``Refusal``."""
+        _, body = self.intake.body_of(headers, raw)
         facts = await self.intake.facts_of(body, "messages", large=False)
-        return web.json_response(
-            {"input_tokens": facts.prompt_tokens}, headers={TOKEN_COUNT_HEADER: "router"}
-        )
+        return {"input_tokens": facts.prompt_tokens}
 
     async def _ask_engine(self, request: web.Request, body: bytes) -> web.Response | None:
         """The least loaded healthy engine's answer: its count, or its verdict on a bad
@@ -57,7 +68,7 @@ class TokenCounter:
                 reply = await attempt.read_all()
             except EngineFault:
                 return None
-        if upstream.status in _NOT_SERVED or upstream.status >= 500:
+        if declined(upstream.status):
             return None
         if upstream.status >= 400:
             return ANTHROPIC.engine_error(upstream.status, reply)
