@@ -22,7 +22,7 @@ here. The decode engine is chosen by ``decode_policy``, the simulator's decode p
 
 Failures are handled as for colocated engines, each leg on the forwarder's ``try_engines``
 (``serve.upstream.Attempt``: the leg's load, the ``first_byte_timeout_s`` and
-``idle_timeout_s`` timeouts; passive ejection; OpenAI-style errors). A prefill engine
+``idle_timeout_s`` timeouts; passive ejection; errors in the API's own shape). A prefill engine
 that is unreachable, answers 5xx or garbage, or stalls is left out and the prefill tried
 on another; a decode engine that fails before the client got a byte gets the same
 parameters sent to another decode engine: the prefill engine still holds the blocks (vLLM
