@@ -196,6 +196,36 @@ def test_messages_api_turn_and_history_with_tool_blocks() -> None:
     assert analyze({"messages": [user("hi")]}, "messages").turn == 0
 
 
+def test_messages_api_renders_any_role_in_place() -> None:
+    # Claude Code sends system entries inside messages; other roles and a message without
+    # content render as messages of their own rather than being refused.
+    body = {
+        "system": "S",
+        "messages": [
+            user("hi"),
+            assistant("hello"),
+            {"role": "system", "content": [{"type": "text", "text": "mid"}]},
+            {"role": "developer", "content": "dev"},
+            {"role": "tool"},
+            {"role": "future", "content": [{"type": "hologram", "data": "x"}]},
+            user("go"),
+        ],
+    }
+    facts = analyze(body, "messages")
+    history = "<|system|>\nS\n<|user|>\nhi\n<|assistant|>\nhello\n"
+    assert re.fullmatch(
+        re.escape(history + "<|system|>\nmid\n<|developer|>\ndev\n<|tool|>\n\n<|future|>\n")
+        + r"<\|hologram:[0-9a-f]{16}\|>"
+        + re.escape("\n<|user|>\ngo\n<|assistant|>\n"),
+        text_of(facts),
+    )
+    assert facts.turn == 1
+    assert facts.est_hit_tokens == len(history)
+    # The same opening as without the mid-conversation entries: one session either way.
+    plain = {"system": "S", "messages": [user("hi"), assistant("hello"), user("go")]}
+    assert facts.session_key == analyze(plain, "messages").session_key
+
+
 def test_completions_have_no_structure() -> None:
     facts = analyze({"prompt": "hello world"}, "completions")
     assert (facts.turn, facts.est_hit_tokens, facts.prompt_tokens) == (0, 0, 11)
@@ -327,9 +357,9 @@ def test_session_key_is_the_opening_of_the_conversation() -> None:
             "chat",
             "chat_template_kwargs must be an object",
         ),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages", "'user' or 'assistant'"),
-        ({"messages": [{"role": "user"}]}, "messages", "has no content"),
+        ({"messages": [{"content": "x"}]}, "messages", r"messages\[0\] has no role"),
         ({"messages": [user("hi")], "system": 5}, "messages", "system must be a string"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages", "string or a list of blocks"),
         ({}, "completions", "no 'prompt'"),
         ({"prompt": []}, "completions", "non-empty list"),
         ({"prompt": [1, -2]}, "completions", r"\[0, 2\*\*32\)"),
@@ -347,7 +377,7 @@ def test_bad_bodies_raise_request_error(body: Any, api: str, message: str) -> No
 
 def test_an_unknown_api_is_a_programming_error_not_a_bad_request() -> None:
     with pytest.raises(ValueError, match="unknown api") as caught:
-        analyze({"messages": [user("hi")]}, "responses")
+        analyze({"messages": [user("hi")]}, "embeddings")
     assert not isinstance(caught.value, RequestError)
 
 

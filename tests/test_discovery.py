@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import dns.rcode
 import pytest
 
 from smetric.serve.discovery import DnsDiscovery, DnsTarget, LookupFailed, resolve, resolver_for
@@ -114,3 +115,50 @@ async def until(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+def test_discovery_survives_any_answer_and_keeps_listed_engines() -> None:
+    """YXDOMAIN, REFUSED and a join that fails are each a failed lookup, counted; the
+    lookups go on and see the next change. An engine listed beside discovery never
+    leaves, even when DNS says the name has no records."""
+
+    async def go(server: LoopbackDNS) -> None:
+        pool = {"http://127.0.0.50:8000"}
+        counted: list[int] = []
+        broken = {"join": True}
+
+        async def join(url: str) -> None:
+            if broken.pop("join", False):
+                raise RuntimeError("the pool refused it")
+            pool.add(url)
+
+        async def leave(url: str) -> None:
+            pool.discard(url)
+
+        discovery = DnsDiscovery(
+            DnsTarget(NAME, 8000),
+            resolver_for(server.address, timeout_s=0.3),
+            lambda: set(pool),
+            join,
+            leave,
+            interval_s=0.05,
+            listed=frozenset({"http://127.0.0.50:8000"}),
+            failed=lambda: counted.append(1),
+        )
+        discovery.start()
+        for rcode in (dns.rcode.YXDOMAIN, dns.rcode.REFUSED, dns.rcode.FORMERR):
+            server.rcode = rcode
+            before = discovery.failures
+            await until(lambda b=before: discovery.failures >= b + 2)
+        server.rcode = None
+        server.set(NAME, "A", ["127.0.0.11"])  # the first join fails; the next succeeds
+        await until(lambda: "http://127.0.0.11:8000" in pool)
+        assert len(counted) == discovery.failures >= 7
+        server.set(NAME, "A", [])  # NXDOMAIN: the discovered engine leaves, the listed stays
+        await until(lambda: pool == {"http://127.0.0.50:8000"})
+        await asyncio.sleep(0.2)
+        assert pool == {"http://127.0.0.50:8000"}
+        await discovery.close()
+
+    with LoopbackDNS() as server:
+        asyncio.run(go(server))

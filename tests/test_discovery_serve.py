@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import aiohttp
+from dns.rcode import YXDOMAIN
 
 from smetric.testing.dns import LoopbackDNS
-from smetric.testing.engines import http_get
+from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.gateway import run_picker
 
@@ -137,3 +138,53 @@ async def _joins_and_leaves(
         async with client.get(url + "/metrics") as response:
             text = await response.text()
         assert f'engine="{urls[b]}"' in text
+
+
+def test_listed_engines_stay_beside_discovered_ones_and_odd_answers_are_survived(
+    tmp_path: Path,
+) -> None:
+    """``serve -e A --discover NAME``: A and what DNS lists serve together. A YXDOMAIN
+    answer is counted and changes nothing; later changes are still seen; NXDOMAIN takes
+    the discovered engine out, never A."""
+    a, b = "127.0.0.21", "127.0.0.22"
+    engines = {
+        address: SmetricProcess(tmp_path, args=("engine", "--host", address, "--speed", "0.001"))
+        for address in (a, b)
+    }
+    engines[a].start()
+    try:
+        engines[a].wait_listening()
+    except BaseException:
+        engines[a].stop()
+        raise
+    port = engines[b].port = engines[a].port
+    urls = {address: f"http://{address}:{port}" for address in engines}
+    with LoopbackDNS() as dns:
+        dns.set(NAME, "A", [b])
+        router = SmetricProcess(
+            tmp_path,
+            args=(
+                *("serve", "-e", urls[a], "--discover", f"dns://{NAME}:{port}"),
+                *("--dns-server", dns.address, "--discover-interval", "0.2"),
+            ),
+        )
+        try:
+            engines[b].start()
+            for address in engines:
+                wait_until(lambda u=urls[address]: http_get(u + "/health")[0] == 200, 90)
+            router.start()
+            router.wait_ready(90)
+            assert engines_in(router.metrics()) == {urls[a], urls[b]}
+            dns.rcode = YXDOMAIN
+            wait_until(lambda: metric(router.metrics(), "smetric_discovery_errors_total") >= 3)
+            assert engines_in(router.metrics()) == {urls[a], urls[b]}
+            dns.rcode = None
+            dns.set(NAME, "A", [])
+            wait_until(lambda: engines_in(router.metrics()) == {urls[a]})
+            dns.set(NAME, "A", [b])
+            wait_until(lambda: engines_in(router.metrics()) == {urls[a], urls[b]})
+            assert router.process is not None and router.process.poll() is None
+        finally:
+            router.stop()
+            for engine in engines.values():
+                engine.stop()

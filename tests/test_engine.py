@@ -195,7 +195,7 @@ def test_tokenize_counts_match_usage() -> None:
         counted = await post(client, "/tokenize", {"model": "m", "messages": messages})
         reply = await post(client, "/v1/chat/completions", chat(messages))
         assert counted["count"] == len(counted["tokens"]) == reply["usage"]["prompt_tokens"]
-        assert counted["max_model_len"] == FAST.max_model_len
+        assert counted["max_model_len"] == FAST.context_len
 
         counted = await post(client, "/tokenize", {"model": "m", "prompt": "plain text"})
         reply = await post(client, "/v1/completions", {"prompt": "plain text"})

@@ -4,10 +4,12 @@ and back, streaming and not, on loopback: Envoy runs the configuration the docs 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,6 +18,7 @@ import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from test_serve_hostile import Listener, steering
 
 from smetric.gateway.picker import endpoint_of
 from smetric.testing.engines import http_get, metric
@@ -345,3 +348,94 @@ async def _count_without_the_engine(url: str) -> None:
         assert response.status == 200, await response.text()
         assert response.headers["x-smetric-token-count"] == "router"
         assert (await response.json())["input_tokens"] > 0
+
+
+def test_the_picker_enforces_its_api_key_through_envoy(scratch: Path) -> None:
+    """With --api-key, a request without the key or with a wrong one is answered 401 by
+    the picker and reaches no engine; either header with the key gets through; the
+    picker's /metrics needs the key too, its health checks do not."""
+    (mock,) = engines(scratch, 1, speed="0.0001")
+    try:
+        args = ["-e", mock.url, "--api-key", "sk-good", "--health-interval", "0.2"]
+        with run_picker(args) as picker:
+            mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            assert http_get(picker.metrics_url + "/live")[0] == 200
+            assert http_get(picker.metrics_url + "/metrics")[0] == 401
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                statuses = asyncio.run(_keyed(envoy.url))
+            served = metric(mock.metrics(), "vllm:request_success_total")
+            with_key = urllib.request.Request(
+                picker.metrics_url + "/metrics", headers={"x-api-key": "sk-good"}
+            )
+            with urllib.request.urlopen(with_key, timeout=5) as reply:
+                assert reply.status == 200
+        assert statuses == {
+            "none": 401,
+            "wrong bearer": 401,
+            "wrong x-api-key": 401,
+            "bearer": 200,
+            "x-api-key": 200,
+        }
+        assert served == 2  # only the two with the key reached the engine
+    finally:
+        mock.stop()
+
+
+async def _keyed(url: str) -> dict[str, int]:
+    tries = {
+        "none": {},
+        "wrong bearer": {"Authorization": "Bearer sk-bad"},
+        "wrong x-api-key": {"x-api-key": "sk-bad"},
+        "bearer": {"Authorization": "Bearer sk-good"},
+        "x-api-key": {"x-api-key": "sk-good"},
+    }
+    payload = {"model": "m", "messages": conversation(7, 0), "max_tokens": 4}
+    statuses = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+        for name, headers in tries.items():
+            async with client.post(
+                url + "/v1/chat/completions", json=payload, headers=headers
+            ) as response:
+                body = await response.json(content_type=None)
+                if response.status == 401:
+                    assert body["error"]["type"] == "authentication_error"
+                statuses[name] = response.status
+    return statuses
+
+
+def test_a_client_s_kv_transfer_params_never_reach_an_engine_through_envoy(scratch: Path) -> None:
+    """The picker drops them from the body Envoy forwards (plain or gzipped), so the
+    engine never reads KV from the address the client named."""
+    (mock,) = engines(scratch, 1, speed="0.0001")
+    try:
+        with run_picker(["-e", mock.url, "--health-interval", "0.2"]) as picker:
+            mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                pulls = asyncio.run(_steer(envoy.url))
+        assert pulls == 0
+        assert metric(mock.metrics(), "vllm:request_success_total") == 3
+    finally:
+        mock.stop()
+
+
+async def _steer(url: str) -> int:
+    listener = Listener()
+    port = await listener.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+            for stream in (False, True):
+                payload = {**steering(port), "stream": stream}
+                async with client.post(url + "/v1/chat/completions", json=payload) as response:
+                    assert response.status == 200, await response.text()
+                    await response.read()
+            gzipped = gzip.compress(json.dumps(steering(port)).encode())
+            headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+            async with client.post(
+                url + "/v1/chat/completions", data=gzipped, headers=headers
+            ) as response:
+                assert response.status == 200, await response.text()
+        return listener.pulls
+    finally:
+        await listener.close()

@@ -285,8 +285,11 @@ def test_an_engine_that_requires_a_key_gets_its_own_through_the_picker() -> None
             [Engine(URLS[0], 1000, api_key="engine-key")], RouterSettings(api_keys=frozenset({"k"}))
         )
         exchange = Exchange(Picker(router))
-        replies = await send_request(exchange, chat_body())
+        await exchange.on(headers({**POST, "authorization": "Bearer k", "x-api-key": "k"}))
+        replies = await exchange.on(body(chat_body(), True))
         assert set_headers(replies[0], "request")["authorization"] == "Bearer engine-key"
+        mutation = replies[0].request_headers.response.header_mutation
+        assert "x-api-key" in mutation.remove_headers  # the client's key stays here
         exchange.close(complete=False)
 
     run(go())

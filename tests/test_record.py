@@ -197,6 +197,12 @@ def test_the_body_says_whether_a_user_or_the_agent_loop_sent_it() -> None:
     assert body_trigger({"messages": [result]}) == Trigger.AGENT
     assert body_trigger({"messages": [{"role": "user", "content": "hi"}]}) == Trigger.USER
     assert body_trigger({"prompt": "x"}) == Trigger.UNKNOWN
+    # The Responses API's input: text, a user's message, a tool's output.
+    assert body_trigger({"input": "hi"}) == Trigger.USER
+    assert body_trigger({"input": [{"role": "user", "content": "hi"}]}) == Trigger.USER
+    output = {"type": "function_call_output", "call_id": "c", "output": "ok"}
+    assert body_trigger({"input": [output]}) == Trigger.AGENT
+    assert body_trigger({"input": [{"type": "reasoning"}]}) == Trigger.UNKNOWN
 
 
 def test_a_sub_agent_continues_the_request_that_spawned_it(tmp_path: Path) -> None:

@@ -4,8 +4,10 @@ load and routed prefixes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from aiohttp import web
 
 from smetric.core.headers import ENGINE_HEADER
 from smetric.serve.engines import LOAD_COLUMNS, Engine
+from smetric.serve.workers import CrashLoop
 from smetric.testing.ports import read_startup_port
 
 COMPLETION = {
@@ -169,3 +172,80 @@ async def scenario() -> None:
 
 def test_two_workers_share_one_port_their_load_and_their_view() -> None:
     asyncio.run(scenario())
+
+
+async def killed_worker() -> str:
+    """``serve --workers 2``: SIGKILL one worker, and every request after it succeeds;
+    the supervisor forks a new one in its place and says why the old one went."""
+    engine = HoldingEngine()
+    engine.release.set()  # answer at once
+    runner, engine_url = await engine.start()
+    args = [sys.executable, "-m", "smetric", "serve", "--port", "0", "--workers", "2"]
+    args += ["--log-level", "warning", "--health-interval", "0.2", "-e", engine_url]
+    router = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert router.stdout is not None
+        port = await asyncio.to_thread(read_startup_port, router.stdout, router)
+        url = f"http://127.0.0.1:{port}"
+        messages = [{"role": "user", "content": "hello"}]
+        await until(lambda: len(children_of(router.pid)) == 2)
+        for _ in range(20):  # both workers up and serving
+            assert (await post(url, messages)).status == 200
+        workers = children_of(router.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        # Fresh connections land on either worker's socket; those on the dead one's wait
+        # for its successor.
+        replies = await asyncio.gather(*(post(url, messages) for _ in range(40)))
+        assert [r.status for r in replies] == [200] * 40
+        await until(lambda: len(children_of(router.pid)) == 2)
+        assert workers[0] not in children_of(router.pid) and workers[1] in children_of(router.pid)
+        assert router.poll() is None
+    finally:
+        router.terminate()
+        _, stderr = router.communicate(timeout=20)
+        await runner.cleanup()
+    assert router.returncode == 0, stderr
+    return stderr.decode()
+
+
+def test_a_killed_worker_is_restarted_and_requests_keep_succeeding() -> None:
+    log = asyncio.run(killed_worker())
+    died = [json.loads(line) for line in log.splitlines() if '"worker_died"' in line]
+    assert len(died) == 1 and died[0]["cause"] == "killed by SIGKILL", log
+
+
+def test_a_crash_loop_backs_off_then_gives_up() -> None:
+    crashes = CrashLoop(steady_s=30.0, first_backoff_s=0.5, give_up_after=3)
+    assert crashes.died(0, lived_s=100.0) == 0.0  # after a steady life: at once
+    assert [crashes.died(0, lived_s=1.0) for _ in range(4)] == [0.5, 1.0, 2.0, None]
+    assert crashes.died(1, lived_s=1.0) == 0.5  # each worker has its own count
+    assert crashes.died(0, lived_s=31.0) == 0.0  # a steady life starts the count over
+    assert crashes.died(0, lived_s=1.0) == 0.5
+
+
+CRASHING = """
+import logging, os, sys
+from smetric.serve.logs import log_to_stderr
+from smetric.serve.workers import CrashLoop, _supervise
+
+def start(worker):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)  # a worker that dies as it starts, every time
+    return pid
+
+log_to_stderr(logging.INFO)
+_supervise(start, 2, CrashLoop(first_backoff_s=0.01, give_up_after=2))
+"""
+
+
+def test_the_supervisor_gives_up_loudly_on_a_worker_that_keeps_dying() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", CRASHING], capture_output=True, timeout=60, text=True
+    )
+    assert done.returncode == 1, done.stderr
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    died = [e for e in events if e["event"] == "worker_died"]
+    assert died and all(e["cause"] == "exit code 3" for e in died)
+    assert [e["event"] for e in events].count("worker_gave_up") == 1
+    assert [e["restart_in_s"] for e in died if e["worker"] == died[0]["worker"]] == [0.01, 0.02]

@@ -15,9 +15,14 @@ from smetric.engine.server import KV_EVENTS
 from smetric.model.perf import load_hardware, load_model
 from smetric.serve.listen import bound_port, listen
 
-# A bind flag that also says "connect", against the endpoint's own choice.
+# A bind flag that also says "connect", against the endpoint's own choice; agent mode on
+# or off.
 ENGINE_FLAGS = setting_flags(
-    EngineConfig, names={"kv_events_bind": ("--kv-events-bind/--no-kv-events-bind",)}
+    EngineConfig,
+    names={
+        "kv_events_bind": ("--kv-events-bind/--no-kv-events-bind",),
+        "agent": ("--agent/--no-agent",),
+    },
 )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ from smetric.cli.settings_options import Given, with_setting_flags
 from smetric.gateway.options import PickConfig, PickOptions
 from smetric.serve.app import Router
 from smetric.serve.config import engines_from, router_settings
+from smetric.serve.logs import log_to_stderr
 from smetric.serve.tokenizers import make_tokenizer
 
 PICK_FLAGS = router_flags(PickConfig, PickOptions)
@@ -52,7 +52,7 @@ def pick(given: Given, config: ConfigOpt = None) -> None:
     with user_errors():
         file = resolved(PickConfig, config, given)
         options = file.router
-        found, discovery = discovered(options)
+        found, discovery = discovered(options, file.engines)
         engines, subscribers = engines_from(
             (*file.engines, *found), options.kv_blocks, options.block_size
         )
@@ -69,7 +69,7 @@ def pick(given: Given, config: ConfigOpt = None) -> None:
             recorder=recorder_from(options),
         )
         picker = Picker(router, max_inflight=options.max_inflight)
-    logging.basicConfig(level=log_level(options), format="%(message)s")
+    log_to_stderr(log_level(options))
     server = PickerServer(picker, options.host, options.port, options.metrics_port)
     with user_errors():
         asyncio.run(_serve(server, options.drain_timeout_s, options.policy, len(engines)))

@@ -14,11 +14,13 @@ from smetric.cli.settings_options import Given, SettingFlag, setting_flags, with
 from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import (
+    ColocatedEngine,
     FrontDoor,
     Recording,
     ServeConfig,
     ServeOptions,
     disaggregation_from,
+    engine_url,
     engines_from,
     load_config,
     router_settings,
@@ -26,6 +28,7 @@ from smetric.serve.config import (
 )
 from smetric.serve.discovery import Discovery
 from smetric.serve.listen import bound_port, listen
+from smetric.serve.logs import log_to_stderr
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
 from smetric.serve.workers import serve as serve_router
@@ -61,6 +64,9 @@ def router_flags(top: type, router: type) -> tuple[SettingFlag, ...]:
         "policy": ("--policy", "-p"),
         "api_keys": ("--api-key",),
         "open_metrics": ("--open-metrics/--no-open-metrics",),
+        "allow_client_kv_transfer_params": (
+            "--allow-client-kv-transfer-params/--no-allow-client-kv-transfer-params",
+        ),
     }
     panels = {f.name: "Routing" for f in dataclasses.fields(RouterSettings)}
     panels |= {f.name: "Recording" for f in dataclasses.fields(Recording)}
@@ -93,13 +99,20 @@ def recorder_from(options: FrontDoor) -> Recorder | None:
     )
 
 
-def discovered(options: FrontDoor) -> tuple[tuple[str, ...], Discovery | None]:
-    """The engines DNS lists now (waiting up to a minute for one to appear), and the
-    discovery that keeps them current."""
+def discovered(
+    options: FrontDoor, listed: tuple[str | ColocatedEngine, ...]
+) -> tuple[tuple[str, ...], Discovery | None]:
+    """The engines DNS lists now beside those ``listed`` (with none listed, waiting up to
+    a minute for one to appear), and the discovery that keeps them current."""
     if options.discover is None:
         return (), None
+    urls = frozenset(engine_url(e if isinstance(e, str) else e.url) for e in listed)
     discovery = Discovery.parse(
-        options.discover, options.discover_interval_s, options.dns_server, options.kv_blocks
+        options.discover,
+        options.discover_interval_s,
+        options.dns_server,
+        options.kv_blocks,
+        listed=urls,
     )
     return tuple(discovery.first()), discovery
 
@@ -135,7 +148,7 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
         if options.discover is not None and (disaggregated is not None or workers > 1):
             raise ValueError("--discover serves colocated engines with one worker")
         if disaggregated is None:
-            found, discovery = discovered(options)
+            found, discovery = discovered(options, file.engines)
             engines, subscribers = engines_from(
                 (*file.engines, *found), options.kv_blocks, settings.block_size
             )
@@ -163,7 +176,7 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
         # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
         host, port = options.host, options.port
         sockets = listen(host, port, workers)
-    logging.basicConfig(level=log_level(options), format="%(message)s")
+    log_to_stderr(log_level(options))
     shape = f"{len(engines)} engines"
     if disagg is not None:
         shape = f"{len(disagg.prefill_urls)} prefill + {len(disagg.decode_urls)} decode engines"

@@ -1,4 +1,10 @@
-"""Anthropic Messages: a top-level ``system`` and user/assistant ``messages`` of blocks."""
+"""Anthropic Messages: a top-level ``system`` and ``messages`` of blocks.
+
+Roles other than user and assistant (Claude Code puts ``system`` entries inside ``messages``;
+other clients may send anything) render in place as messages of their own, and a message
+without content renders empty: the engine, not the router, judges what it can serve, and
+prefix matching only needs every turn to render its history the same way.
+"""
 
 from __future__ import annotations
 
@@ -18,32 +24,26 @@ from smetric.core.parsing import (
 
 def anthropic_system(system: object) -> str | None:
     """The top-level prompt as text; an empty one counts as none."""
-    text = anthropic_content(system, "system", nested=False) if system is not None else ""
-    return text or None
+    return anthropic_content(system, "system", nested=False) or None
 
 
 def anthropic_messages(body: dict[str, Any]) -> list[Message]:
     messages: list[Message] = []
     for i, message in enumerate(message_list(body)):
-        where = f"messages[{i}]"
-        if message["role"] not in ("user", "assistant"):
-            raise RequestError(
-                f"{where}.role must be 'user' or 'assistant', got {message['role']!r}"
-            )
-        if "content" not in message:
-            raise RequestError(f"{where} has no content")
-        content = anthropic_content(message["content"], f"{where}.content", nested=False)
+        content = anthropic_content(message.get("content"), f"messages[{i}].content", nested=False)
         messages.append({"role": message["role"], "content": content})
     return messages
 
 
 def anthropic_content(content: object, where: str, *, nested: bool) -> str:
     """Blocks as text: text and thinking verbatim, a tool call as its JSON, a tool result as
-    its own content; anything else (images, documents) as a placeholder.
+    its own content, no content as none; anything else (images, documents) as a placeholder.
 
     ``nested`` is set inside a tool result, whose content holds only leaf blocks, so that no
     body can recurse deeper than one level.
     """
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):

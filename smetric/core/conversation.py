@@ -19,13 +19,15 @@ needs must come from the body of each request:
 - **blocks**: the chained block ids of the rendered prompt (``core/blocks``), to look the
   request up in per-engine prefix indexes.
 
-Three request shapes are understood, each parsed in its own module: OpenAI chat
+Four request shapes are understood, each parsed in its own module: OpenAI chat
 (``core/openai_api``: ``messages`` with roles, string or part-list content, ``tool_calls``,
-``role: tool``), Anthropic Messages (``core/anthropic_api``: ``system`` plus user/assistant
-``messages`` whose content may hold ``text``, ``tool_use``, ``tool_result`` and other
-blocks) and OpenAI completions (``prompt`` as text or token ids; no structure, so turn 0
-and no expected hit). Any malformed body raises ``RequestError`` (``core/parsing``) and
-nothing else, so the router can answer 400 without guarding against surprises.
+``role: tool``), Anthropic Messages (``core/anthropic_api``: ``system`` plus ``messages`` of
+any role whose content may hold ``text``, ``tool_use``, ``tool_result`` and other
+blocks), OpenAI Responses (``core/responses_api``: ``instructions`` plus ``input`` items,
+one response's items counting as one assistant message) and OpenAI completions
+(``prompt`` as text or token ids; no structure, so turn 0 and no expected hit). Any
+malformed body raises ``RequestError`` (``core/parsing``) and nothing else, so the router
+can answer 400 without guarding against surprises.
 
 Rendering matters because blocks are only comparable when every turn of a session renders
 its shared prefix identically. The default ``render_chat`` template is generic, but it has
@@ -55,10 +57,11 @@ from smetric.core.blocks import Tokenizer, chain_hashes
 from smetric.core.openai_api import chat_messages, completion_prompt
 from smetric.core.parsing import Message, RequestError, digest, kind, to_json
 from smetric.core.policies import RoutingRequest
+from smetric.core.responses_api import responses_instructions, responses_messages
 
 __all__ = ["Api", "ChatTemplate", "RequestError", "RequestFacts", "analyze_request"]
 
-Api = Literal["chat", "messages", "completions"]
+Api = Literal["chat", "messages", "responses", "completions"]
 
 _GENERATION_PROMPT = "<|assistant|>\n"
 # How far past a message's content ``ChatTemplate`` looks for the next one: template markup
@@ -144,8 +147,12 @@ def analyze_request(
         messages, system = chat_messages(body), None
     elif api == "messages":
         messages, system = anthropic_messages(body), anthropic_system(body.get("system"))
+    elif api == "responses":
+        messages, system = responses_messages(body), responses_instructions(body)
     else:
-        raise ValueError(f"unknown api {api!r}; expected 'chat', 'messages' or 'completions'")
+        raise ValueError(
+            f"unknown api {api!r}; expected 'chat', 'messages', 'responses' or 'completions'"
+        )
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError(f"tools must be a list, got {kind(tools)}")
@@ -177,7 +184,8 @@ def render_chat(
     ``<|system|>\\n{system}\\n`` when given, and followed by the generation prompt
     ``<|assistant|>\\n``. The generation prompt equals the opening of the assistant message
     that answers it, which is what makes each prompt a prefix of the next turn's history.
-    ``system`` is the Anthropic top-level prompt; OpenAI system messages sit in ``messages``.
+    ``system`` is the Anthropic top-level prompt or the Responses ``instructions``; OpenAI
+    system messages sit in ``messages``.
     """
     segments: list[str] = []
     if tools:

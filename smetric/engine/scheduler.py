@@ -96,7 +96,21 @@ class EngineConfig:
     default_max_tokens: int = setting(
         16, "Tokens generated for a request that does not set max_tokens.", ge=1
     )
+    max_model_len: int | None = setting(
+        None,
+        "Longest prompt plus max_tokens a request may have; none: what the KV pool holds "
+        "(kv_blocks x block_size), the most it may be.",
+        ge=1,
+    )
     speed: float = setting(1.0, "Multiplier on every step's modelled duration (1: real).", ge=0)
+    # Agent mode (engine/agent.py): replies a harness can run several turns on.
+    agent: bool = setting(
+        False,
+        "Reply as an agent's model: a short reply that ends its turn, or a call to a "
+        "read-only tool the request offers; seeded by the request's content. Off: every "
+        "reply runs to max_tokens.",
+    )
+    agent_seed: int = setting(0, "Seed of the agent mode's replies.", ge=0, lt=2**64)
     # Disaggregated serving (engine/disagg.py): what the engine may do for a proxy, the link
     # a decode engine pulls prompt blocks over (one 200 Gbps RDMA NIC by default), and how
     # long a prefill engine keeps finished prompts' blocks for a decode to pull.
@@ -144,11 +158,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.max_model_len is not None and self.max_model_len > self.pool_tokens:
+            # As vLLM refuses to start when one longest request would not fit its cache:
+            # here it would wait for room forever.
+            raise ValueError(
+                f"max_model_len {self.max_model_len} is more than the KV pool holds "
+                f"({self.kv_blocks} blocks x {self.block_size} = {self.pool_tokens} tokens); "
+                "raise kv_blocks"
+            )
 
     @property
-    def max_model_len(self) -> int:
-        """Longest prompt plus output one request may have: what the whole pool holds."""
+    def pool_tokens(self) -> int:
         return self.kv_blocks * self.block_size
+
+    @property
+    def context_len(self) -> int:
+        """Longest prompt plus output one request may have: ``max_model_len`` or the pool."""
+        return self.pool_tokens if self.max_model_len is None else self.max_model_len
 
 
 @dataclass(eq=False)
@@ -221,7 +247,7 @@ class MockEngine:
         return used / self.pool.capacity
 
     def submit(self, request: EngineRequest) -> None:
-        """Queue a request; the caller has checked it fits ``max_model_len``."""
+        """Queue a request; the caller has checked it fits ``context_len``."""
         self.waiting.append(request)
         self._wake.set()
 

@@ -2,11 +2,16 @@
 
 Only what routers and load generators touch is modelled: the OpenAI chat and completions
 endpoints (streamed or not, with ``usage.prompt_tokens_details.cached_tokens`` as vLLM
-reports it with ``--enable-prompt-tokens-details``), ``/tokenize``, ``/v1/models``,
-``/health`` and ``/metrics`` under vLLM's metric names. Prompts are parsed by
-``core.conversation.analyze_request``, the router's own parser, so router and engine agree
-on every prompt's tokens and blocks, and its ``RequestError`` becomes a 400. Any model name
-is accepted in requests, so a router configured with another name still gets answers.
+reports it with ``--enable-prompt-tokens-details``), Anthropic Messages
+(``engine/anthropic``), the OpenAI Responses API with its store (``engine/responses``),
+``/tokenize``, ``/v1/models``, ``/health`` and ``/metrics`` under vLLM's metric names.
+Prompts are parsed by ``core.conversation.analyze_request``, the router's own parser, so
+router and engine agree on every prompt's tokens and blocks, and its ``RequestError``
+becomes a 400. Any model name is accepted in requests, so a router configured with another
+name still gets answers. What a reply holds is planned before it is generated: filler text
+up to ``max_tokens``, or in agent mode (``engine.agent``) a short reply or a read-only tool
+call, which each API renders in its own shapes; the plan's token count is what the
+scheduler generates.
 
 With ``kv_events_endpoint`` set, the engine's KV events go out over ZMQ exactly as vLLM's
 ``ZmqEventPublisher`` sends them: multipart ``[topic, seq (8-byte big-endian), payload]``
@@ -37,12 +42,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import Api, RequestError, analyze_request
 from smetric.core.kv_events import REPLAY_END
+from smetric.core.responses_api import response_not_found
+from smetric.engine.agent import ReplyPlan, plan_reply
 from smetric.engine.anthropic import MessagesReply, messages_usage
 from smetric.engine.disagg import KV_TRANSFER_PARAMS, PULL_PATH, TRANSFERS, KVTransfers, handle_pull
+from smetric.engine.responses import (
+    ResponsesReply,
+    ResponseStore,
+    Stored,
+    input_items,
+    responses_usage,
+)
 from smetric.engine.scheduler import END, EngineConfig, EngineRequest, MockEngine, filler_token
 
 ENGINE = web.AppKey("engine", MockEngine)
+# vLLM reads any body; an agent's request carries its whole conversation, images included.
+MAX_BODY_BYTES = 1 << 30
 REGISTRY = web.AppKey("registry", CollectorRegistry)
+RESPONSES = web.AppKey("responses", ResponseStore)
 _TOKENIZER = ByteTokenizer()
 
 
@@ -56,9 +73,10 @@ def create_app(config: EngineConfig) -> web.Application:
     engine = MockEngine(config, None if publisher is None else publisher.publish)
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[REGISTRY] = registry
+    app[RESPONSES] = ResponseStore()
     if publisher is not None:
         app[KV_EVENTS] = publisher
         app.cleanup_ctx.append(publisher.serve)
@@ -70,6 +88,9 @@ def create_app(config: EngineConfig) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/messages", _messages)
     app.router.add_post("/v1/messages/count_tokens", _count_tokens)
+    app.router.add_post("/v1/responses", _responses)
+    app.router.add_get("/v1/responses/{id}", _get_response)
+    app.router.add_delete("/v1/responses/{id}", _delete_response)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
@@ -207,13 +228,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         params = body.get(KV_TRANSFER_PARAMS)
         transfers = request.app[TRANSFERS]
         transfers.check(params)
-        if facts.prompt_tokens == 0:
-            raise RequestError("the prompt must not be empty")
-        if facts.prompt_tokens + max_tokens > config.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {config.max_model_len} tokens; the "
-                f"request has {facts.prompt_tokens} prompt tokens and max_tokens {max_tokens}"
-            )
+        _check_context(facts.prompt_tokens, max_tokens, config.context_len)
     except RequestError as error:
         return _error(str(error))
     # A remote prefill's blocks are read before the request is scheduled, as vLLM's
@@ -221,18 +236,30 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     pulled = (
         await transfers.pull(facts, params) if params and params.get("do_remote_prefill") else None
     )
-    job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
+    plan = (
+        plan_reply(
+            body,
+            facts.token_ids.tobytes(),
+            max_tokens,
+            config.agent_seed,
+            may_call=api != "completions",
+        )
+        if config.agent
+        else ReplyPlan.filler(max_tokens)
+    )
+    job = EngineRequest(facts.token_ids, facts.blocks, plan.tokens)
     engine.submit(job)
-    reply = _Reply(api, config.served_model_name)
     try:
         if api == "messages":
-            return await _anthropic(request, job, config.served_model_name, stream)
+            return await _anthropic(
+                request, job, MessagesReply(config.served_model_name, plan), stream
+            )
+        reply = _Reply(api, config.served_model_name, plan)
         if stream:
             return await _stream(request, job, reply, include_usage)
-        count = 0
         while await job.tokens.get() is not END:
-            count += 1
-        answer = reply.full(count, _usage(job))
+            pass
+        answer = reply.full(_usage(job))
         if params and params.get("do_remote_decode"):
             host, port = request.url.host, request.url.port
             # A served request's URL is absolute: a host, and a port given or the scheme's.
@@ -276,7 +303,7 @@ async def _stream(
 
 
 async def _anthropic(
-    request: web.Request, job: EngineRequest, model: str, stream: bool
+    request: web.Request, job: EngineRequest, reply: MessagesReply, stream: bool
 ) -> web.StreamResponse:
     """The Messages API's shapes: one JSON message, or its named server-sent events.
 
@@ -284,13 +311,10 @@ async def _anthropic(
     ``AnthropicServingMessages.message_stream_converter`` opens the message on the chat
     stream's first chunk.
     """
-    reply = MessagesReply(model)
     if not stream:
-        count = 0
         while await job.tokens.get() is not END:
-            count += 1
-        text = "".join(filler_token(i) for i in range(count))
-        return web.json_response(reply.full(text, _anthropic_usage(job)))
+            pass
+        return web.json_response(reply.full(_anthropic_usage(job)))
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -300,7 +324,7 @@ async def _anthropic(
         for data in reply.opening(_anthropic_usage(job)):
             await response.write(data)
         while index is not END:
-            await response.write(reply.token(filler_token(index)))
+            await response.write(reply.token(index))
             index = await job.tokens.get()
         for data in reply.closing(_anthropic_usage(job)):
             await response.write(data)
@@ -314,19 +338,135 @@ def _anthropic_usage(job: EngineRequest) -> dict[str, int]:
     return messages_usage(job.prompt_tokens, job.cached_tokens, job.generated)
 
 
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """The Responses API: the prompt is the stored conversation a ``previous_response_id``
+    names (404 if this engine holds none by that id) followed by ``input``."""
+    engine = request.app[ENGINE]
+    config = engine.config
+    store = request.app[RESPONSES]
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        previous = body.get("previous_response_id")
+        history: list[Any] = []
+        if previous is not None:
+            stored = store.get(previous) if isinstance(previous, str) else None
+            if stored is None:
+                return web.json_response(
+                    response_not_found(str(previous), "previous_response_id"), status=404
+                )
+            history = stored.conversation
+        conversation = [*history, *input_items(body)]
+        facts = analyze_request(
+            {**body, "input": conversation}, "responses", _TOKENIZER, config.block_size
+        )
+        max_tokens, complete = responses_length(body, config.default_max_tokens)
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise RequestError(f"stream must be a boolean, got {stream!r}")
+        _check_context(facts.prompt_tokens, max_tokens, config.context_len)
+    except RequestError as error:
+        return _error(str(error))
+    job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
+    engine.submit(job)
+    reply = ResponsesReply(config.served_model_name, body, complete=complete)
+
+    def finished(text: str) -> dict[str, Any]:
+        """The whole response, stored (before the client can see its end and follow up)."""
+        answer = reply.response(reply.final_status, text, _responses_usage(job))
+        if body.get("store", True) is not False:
+            store.put(Stored(answer, [*conversation, *answer["output"]]))
+        return answer
+
+    try:
+        if stream:
+            return await _stream_response(request, job, reply, finished)
+        count = 0
+        while await job.tokens.get() is not END:
+            count += 1
+        return web.json_response(finished("".join(filler_token(i) for i in range(count))))
+    finally:
+        engine.cancel(job)
+
+
+async def _stream_response(
+    request: web.Request,
+    job: EngineRequest,
+    reply: ResponsesReply,
+    finished: Callable[[str], dict[str, Any]],
+) -> web.StreamResponse:
+    """The response's events, opened with the first token as the chat stream is."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    texts = []
+    try:
+        index = await job.tokens.get()
+        for data in reply.opening():
+            await response.write(data)
+        while index is not END:
+            texts.append(filler_token(index))
+            await response.write(reply.delta(texts[-1]))
+            index = await job.tokens.get()
+        for data in reply.closing(finished("".join(texts))):
+            await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the caller's finally cancels the request and frees its blocks
+    return response
+
+
+def _responses_usage(job: EngineRequest) -> dict[str, Any]:
+    return responses_usage(job.prompt_tokens, job.cached_tokens, job.generated)
+
+
+def responses_length(body: dict[str, Any], default_max_tokens: int) -> tuple[int, bool]:
+    """How many tokens a response generates, and whether it ends by itself (status
+    ``completed``) rather than at ``max_output_tokens`` (``incomplete``).
+
+    Filler text has no end of its own, so a request that bounds its output runs to the
+    bound; one that does not (Codex sends none) gets a short reply, ``default_max_tokens``
+    long, that ends naturally, so a harness that waits for a completed response finishes.
+    """
+    bound = body.get("max_output_tokens")
+    if bound is None:
+        return default_max_tokens, True
+    if type(bound) is not int or bound < 1:
+        raise RequestError(f"max_output_tokens must be a positive integer, got {bound!r}")
+    return bound, False
+
+
+async def _get_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    stored = request.app[RESPONSES].get(response_id)
+    if stored is None:
+        return web.json_response(response_not_found(response_id), status=404)
+    return web.json_response(stored.response)
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    if request.app[RESPONSES].pop(response_id) is None:
+        return web.json_response(response_not_found(response_id), status=404)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
     await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
 
 class _Reply:
-    """The OpenAI response and chunk shapes of one request, for either endpoint."""
+    """The OpenAI response and chunk shapes of one request's plan, for either endpoint."""
 
-    def __init__(self, api: Api, model: str) -> None:
+    def __init__(self, api: Api, model: str, plan: ReplyPlan) -> None:
         self.chat = api == "chat"
         prefix = "chatcmpl" if self.chat else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.plan = plan
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -337,13 +477,19 @@ class _Reply:
             "choices": choices,
         }
 
-    def full(self, count: int, usage: dict[str, Any]) -> dict[str, Any]:
-        text = "".join(filler_token(i) for i in range(count))
+    def full(self, usage: dict[str, Any]) -> dict[str, Any]:
+        plan = self.plan
+        text = "".join(filler_token(i) for i in range(plan.text_tokens))
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            body = self._envelope("chat.completion", [{**choice, "finish_reason": "length"}])
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if plan.call is not None:
+                function = {"name": plan.call.name, "arguments": plan.call.arguments_json}
+                call = {"id": f"call_{plan.call.id}", "type": "function", "function": function}
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            choice = {"index": 0, "message": message, "finish_reason": plan.finish}
+            body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": plan.finish}
             body = self._envelope("text_completion", [choice])
         return {**body, "usage": usage}
 
@@ -355,7 +501,20 @@ class _Reply:
             yield self._chunk({"index": 0, "delta": delta, "finish_reason": None})
 
     def token(self, index: int, *, last: bool) -> dict[str, Any]:
-        reason = "length" if last else None
+        """Token ``index``'s chunk: a word of text, or a piece of the call's arguments (the
+        first piece with the call's id and name)."""
+        reason = self.plan.finish if last else None
+        call = self.plan.call
+        if call is not None:
+            function: dict[str, Any] = {"arguments": call.pieces[index]}
+            opening: dict[str, Any] = {}
+            if index == 0:
+                function = {"name": call.name, **function}
+                opening = {"id": f"call_{call.id}", "type": "function"}
+            calls = [{"index": 0, **opening, "function": function}]
+            return self._chunk(
+                {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": reason}
+            )
         if self.chat:
             delta = {"content": filler_token(index)}
             return self._chunk({"index": 0, "delta": delta, "finish_reason": reason})
@@ -382,8 +541,8 @@ def _usage(job: EngineRequest) -> dict[str, Any]:
 def _sampling(body: dict[str, Any], api: Api, default_max_tokens: int) -> tuple[int, bool, bool]:
     """``max_tokens``, ``stream`` and ``stream_options.include_usage``, type-checked.
 
-    Output always stops at ``max_tokens``: filler text has no end-of-sequence token, so
-    ``ignore_eos`` changes nothing and is not read.
+    Outside agent mode output always stops at ``max_tokens``: filler text has no
+    end-of-sequence token, so ``ignore_eos`` changes nothing there (agent mode reads it).
     """
     keys = ("max_completion_tokens", "max_tokens") if api == "chat" else ("max_tokens",)
     max_tokens = next((body[k] for k in keys if body.get(k) is not None), default_max_tokens)
@@ -418,7 +577,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "count": facts.prompt_tokens,
-            "max_model_len": config.max_model_len,
+            "max_model_len": config.context_len,
             "tokens": facts.token_ids.tolist(),
             "token_strs": None,
         }
@@ -445,7 +604,7 @@ async def _models(request: web.Request) -> web.Response:
         "created": 0,
         "owned_by": "smetric",
         "root": config.served_model_name,
-        "max_model_len": config.max_model_len,
+        "max_model_len": config.context_len,
     }
     return web.json_response({"object": "list", "data": [model]})
 
@@ -463,7 +622,7 @@ async def _model_info(request: web.Request) -> web.Response:
 async def _server_info(request: web.Request) -> web.Response:
     """SGLang's ``/server_info``: the engine's configuration, which routers read at startup."""
     config = request.app[ENGINE].config
-    return web.json_response({**asdict(config), "max_model_len": config.max_model_len})
+    return web.json_response({**asdict(config), "max_model_len": config.context_len})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -527,6 +686,16 @@ class _EngineCollector:
 
 
 # --- Helpers -------------------------------------------------------------------------------
+
+
+def _check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if prompt_tokens == 0:
+        raise RequestError("the prompt must not be empty")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens; the "
+            f"request has {prompt_tokens} prompt tokens and max_tokens {max_tokens}"
+        )
 
 
 async def _json_body(request: web.Request) -> object:

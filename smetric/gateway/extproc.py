@@ -46,6 +46,10 @@ class Exchange:
         if kind == "request_headers":
             self.headers = protocol.header_map(message.request_headers.headers)
             self.subset = protocol.subset_hint(message.metadata_context)
+            try:  # before the body is held: a client without a key costs no buffering
+                self.picker.authorize(self.headers)
+            except Refusal as refusal:
+                return self._refuse(refusal)
             if message.request_headers.end_of_stream:
                 return await self._decide([], end_of_stream=True, with_body=False)
             return []
@@ -88,10 +92,17 @@ class Exchange:
         self.pick = pick
         self.body = []
         headers = {protocol.DESTINATION: pick.endpoint}
+        removed: tuple[str, ...] = ()
+        if pick.body is not None:  # rewritten: it goes as plain JSON of its new length
+            pieces = [pick.body]
+            headers["content-length"] = str(len(pick.body))
+            removed = ("content-encoding",)
         # An engine that requires a key gets its own, in place of the client's.
         auth = self.picker.router.pool.auth(pick.engine)
-        headers |= {name.lower(): value for name, value in auth.items()}
-        replies = [protocol.continue_headers("request", headers, destination=pick.endpoint)]
+        if auth:
+            headers |= {name.lower(): value for name, value in auth.items()}
+            removed += ("x-api-key",)
+        replies = [protocol.continue_headers("request", headers, pick.endpoint, removed)]
         if with_body and (pieces or end_of_stream):
             replies += protocol.body_chunks("request", pieces, end_of_stream)
         return replies

@@ -18,13 +18,16 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from smetric.core.conversation import RequestFacts
+from smetric.core.responses_api import response_not_found
 from smetric.record.trigger import body_trigger
 from smetric.serve.app import Router
+from smetric.serve.auth import MISSING_KEY
 from smetric.serve.engines import Engine, Lease
 from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
 from smetric.serve.intake import ROUTES
 from smetric.serve.refusals import Refusal
+from smetric.serve.stored import holder, previous_id, stored_id
 from smetric.serve.token_count import COUNT_TOKENS_PATH
 from smetric.serve.upstream import EngineFault
 
@@ -60,6 +63,11 @@ class Pick:
     started: float = field(default_factory=time.perf_counter)
     usage: UsageTap = field(default_factory=UsageTap)
     ok: bool = False
+    # Whether the engine caches the request's blocks once it served it: not when it
+    # continues a stored response, whose blocks the picker never saw.
+    remember: bool = True
+    # The body Envoy forwards instead of the client's, inflated (None: the client's own).
+    body: bytes | None = None
     # A token count's body, kept in case the engine does not serve the route and the
     # router counts instead.
     count_body: bytes | None = None
@@ -106,16 +114,29 @@ class Picker:
     def refused(self, path: str, refusal: Refusal) -> dict:
         """The client's answer to ``refusal`` in its API's shape, the refusal noted."""
         self.router.refusals.note(path, refusal)
+        if refusal.body is not None:
+            return refusal.body
         return dialect_for(path).body(refusal.status, refusal.message)
+
+    def authorize(self, headers: Mapping[str, str]) -> None:
+        """A 401 unless ``headers`` carry an accepted key (when the router has keys)."""
+        if not self.router.keys.admits(headers):
+            raise Refusal(401, "bad_key", MISSING_KEY)
 
     async def pick(
         self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
     ) -> Pick:
         """The engine for one request; raises ``Refusal`` for a request the engines
-        should not see (malformed, too large, nothing healthy, shed)."""
+        should not see (no key, malformed, too large, nothing healthy, shed)."""
+        self.authorize(headers)
         api = ROUTES.get(path.split("?")[0])
         engines = self.candidates(subset)
-        if api is None or headers.get(":method", "POST") != "POST":
+        method = headers.get(":method", "POST")
+        response_id = stored_id(path)
+        if response_id is not None and method in ("GET", "DELETE"):
+            engine = await self._holder(engines, response_id, headers, None)
+            return Pick(engine, endpoint_of(engine.url), "other", 0, None, Lease(engine, 0, 0))
+        if api is None or method != "POST":
             # Not a generation (/v1/models, /tokenize, ...): nothing to analyse.
             engine = min(engines, key=lambda e: e.inflight)
             count = raw if path.split("?")[0] == COUNT_TOKENS_PATH else None
@@ -124,17 +145,41 @@ class Picker:
         admitted = await self.router.intake.admit(path, headers, raw)
         body, facts, identity = admitted.body, admitted.facts, admitted.identity
         engines = self.candidates(subset)  # health may have changed meanwhile
-        decision = self.router.wiring.decide(facts, engines, identity=identity)
-        engine, predicted = decision.engine, decision.predicted_hit_tokens
-        load = Lease(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
         completion = Completion(admitted.api, path, is_stream(body), facts, identity)
         completion.trigger = body_trigger(body)
-        completion.branch = decision.branch
+        previous = previous_id(body) if admitted.api == "responses" else None
+        if previous is not None:
+            holding = await self._holder(engines, previous, headers, "previous_response_id")
+            engine, predicted = self.router.wiring.pin(completion, holding)
+        else:
+            decision = self.router.wiring.decide(facts, engines, identity=identity)
+            engine, predicted = decision.engine, decision.predicted_hit_tokens
+            completion.branch = decision.branch
+        load = Lease(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
         completion.predicted_hit_tokens = predicted
         completion.engine = engine.url
-        return Pick(
+        pick = Pick(
             engine, endpoint_of(engine.url), admitted.api, predicted, facts, load, completion
         )
+        pick.remember = previous is None
+        pick.body = admitted.raw if admitted.rewritten else None
+        return pick
+
+    async def _holder(
+        self,
+        engines: list[Engine],
+        response_id: str,
+        headers: Mapping[str, str],
+        param: str | None,
+    ) -> Engine:
+        """The engine holding a stored response (``serve.stored``); 404 if none does."""
+        keys = {name: headers[name] for name in ("authorization", "x-api-key") if name in headers}
+        timeout = self.router.settings.stream_headers_timeout_s
+        engine = await holder(self.router.pool, engines, response_id, keys, timeout)
+        if engine is None:
+            body = response_not_found(response_id, param)
+            raise Refusal(404, "unknown_response", body["error"]["message"], body)
+        return engine
 
     def served(self, pick: Pick, endpoint: str | None, status: int) -> None:
         """The response's headers: charge the request to the engine that served it, and
@@ -156,7 +201,8 @@ class Picker:
         router.pool.succeeded(pick.engine)
         if status < 400 and pick.facts is not None:
             pick.ok = True
-            router.wiring.record_served(pick.engine, pick.facts, pick.predicted)
+            if pick.remember:
+                router.wiring.record_served(pick.engine, pick.facts, pick.predicted)
 
     def streamed(self, pick: Pick, chunk: bytes) -> None:
         """A piece of the response passed: the prompt is prefilled by now."""

@@ -74,24 +74,30 @@ def served_endpoint(metadata: base_pb2.Metadata, headers: Mapping[str, str]) -> 
     return text.split(",")[0].strip() or None
 
 
-def _header_mutation(headers: Mapping[str, str]) -> ext_proc.HeaderMutation:
+def _header_mutation(
+    headers: Mapping[str, str], removed: Iterable[str] = ()
+) -> ext_proc.HeaderMutation:
     return ext_proc.HeaderMutation(
+        remove_headers=list(removed),
         set_headers=[
             base_pb2.HeaderValueOption(
                 header=base_pb2.HeaderValue(key=key, raw_value=value.encode("latin-1")),
                 append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
             )
             for key, value in headers.items()
-        ]
+        ],
     )
 
 
 def continue_headers(
-    phase: Phase, headers: Mapping[str, str], destination: str | None = None
+    phase: Phase,
+    headers: Mapping[str, str],
+    destination: str | None = None,
+    removed: Iterable[str] = (),
 ) -> ext_proc.ProcessingResponse:
-    """Let the headers through with ``headers`` set on them; on the request, name the
-    ``destination`` in the header and the ``envoy.lb`` metadata alike."""
-    common = ext_proc.CommonResponse(header_mutation=_header_mutation(headers))
+    """Let the headers through with ``headers`` set on them and ``removed`` gone; on the
+    request, name the ``destination`` in the header and the ``envoy.lb`` metadata alike."""
+    common = ext_proc.CommonResponse(header_mutation=_header_mutation(headers, removed))
     reply = ext_proc.ProcessingResponse(
         **{f"{phase}_headers": ext_proc.HeadersResponse(response=common)}
     )

@@ -7,7 +7,10 @@ drains the queue a few times a second, salts the ids, and every ``rotate_s`` sec
 ``rotate_requests`` rows) writes the rows as one zstd-compressed Parquet segment, renamed
 into place whole so a reader never sees half a file. After each segment it deletes the
 oldest ones until the folder is within ``max_bytes``. When the writer falls behind by
-``max_pending`` observations, new ones are dropped and counted, never waited for.
+``max_pending`` observations, new ones are dropped and counted, never waited for. A
+segment that cannot be written (the disk full, the folder gone and not to be made again)
+is dropped and counted the same way, its partial file removed; a folder deleted while
+recording is made again, manifest and all, at the next segment.
 
 What is written is exactly the trace's columns (``trace.recording_format``): no text, no header
 value, no key. Block ids are the router's own chained hashes passed through a keyed
@@ -184,6 +187,9 @@ class Recorder:
     # -- the writer ------------------------------------------------------------------------
 
     def _prepare_folder(self) -> None:
+        """The folder and its manifest, made if missing (at start, and again before each
+        segment: someone may have deleted it meanwhile); ValueError if that fails or the
+        folder holds a recording these ids would not compare with."""
         folder = self.settings.folder
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -226,6 +232,7 @@ class Recorder:
                     self._write_segment()
             except Exception:  # the recording must never take the router down
                 log.exception("recording writer failed; requests since the last segment lost")
+                self.dropped += len(self._segment)
                 self._segment = _Segment()
 
     def _drain(self) -> None:
@@ -276,10 +283,19 @@ class Recorder:
         meta = {"salt_id": self.salter.salt_id, "dropped": self.dropped}
         frame = segment.frame()
         temporary = folder / f".{name}.tmp"
-        frame.write_parquet(
-            temporary, compression="zstd", metadata={METADATA_KEY: json.dumps(meta)}
-        )
-        os.replace(temporary, folder / name)
+        try:
+            self._prepare_folder()
+            frame.write_parquet(
+                temporary, compression="zstd", metadata={METADATA_KEY: json.dumps(meta)}
+            )
+            os.replace(temporary, folder / name)
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            self.dropped += len(segment)
+            event = {"event": "recording_segment_lost", "rows": len(segment), "reason": str(exc)}
+            log.warning(json.dumps(event))
+            return
         self.written += len(segment)
         self._enforce_bound()
 

@@ -16,7 +16,10 @@ from smetric.trace.schema import Trigger
 
 def body_trigger(body: Mapping[str, Any]) -> Trigger:
     """User or agent, from the last message: a tool result (OpenAI ``role: tool``,
-    Anthropic ``tool_result`` blocks) means the agent loop sent it."""
+    Anthropic ``tool_result`` blocks, a Responses ``*_call_output`` item) means the agent
+    loop sent it."""
+    if "messages" not in body and "input" in body:
+        return _input_trigger(body["input"])
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
         return Trigger.UNKNOWN
@@ -29,3 +32,16 @@ def body_trigger(body: Mapping[str, Any]) -> Trigger:
     ):
         return Trigger.AGENT
     return Trigger.USER if last.get("role") == "user" else Trigger.UNKNOWN
+
+
+def _input_trigger(items: object) -> Trigger:
+    """The Responses API's ``input``: text is a user's, else its last item says."""
+    if isinstance(items, str):
+        return Trigger.USER
+    if not isinstance(items, list) or not items or not isinstance(items[-1], dict):
+        return Trigger.UNKNOWN
+    last = items[-1]
+    kind = last.get("type", "message")
+    if isinstance(kind, str) and kind.endswith("_call_output"):
+        return Trigger.AGENT
+    return Trigger.USER if kind == "message" and last.get("role") == "user" else Trigger.UNKNOWN

@@ -10,6 +10,8 @@ This module is wiring only. The parts, each behind a small interface:
 - ``serve.forwarding.Forwarder``: attempts, retries, relay, usage, and the completion
   observers (``Router.observers``);
 - ``serve.dispatch.Dispatcher``: ``Colocated``, or ``serve.disagg.Disaggregation``;
+- ``serve.stored``: the engine holding a stored Responses API response, which a
+  ``previous_response_id`` follow-up and ``GET``/``DELETE /v1/responses/{id}`` go to;
 - ``record.Recorder``, where one is given: a completion observer writing a trace of the
   requests served (``serve --record``).
 
@@ -28,6 +30,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
@@ -35,7 +38,7 @@ from smetric.core.conversation import Api, ChatTemplate
 from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import Analyzer
-from smetric.serve.auth import require_key
+from smetric.serve.auth import KeyCheck
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
@@ -52,6 +55,7 @@ from smetric.serve.prices import PriceFeed
 from smetric.serve.refusals import Refusal, RefusalLog
 from smetric.serve.routing import RoutingCore
 from smetric.serve.settings import RouterSettings
+from smetric.serve.stored import STORED_PATH, forward, holder, not_found, previous_id
 from smetric.serve.token_count import COUNT_TOKENS_PATH, TokenCounter
 from smetric.serve.upstream import Timeouts
 
@@ -123,7 +127,12 @@ class Router:
             max_prompt_tokens=settings.max_prompt_tokens,
             engine_tokenizer=self.engine_tokenizer,
         )
-        self.intake = Intake(self.analyzer, self.metrics, settings.max_body_bytes)
+        self.intake = Intake(
+            self.analyzer,
+            self.metrics,
+            settings.max_body_bytes,
+            allow_client_transfer=settings.allow_client_kv_transfer_params,
+        )
         self.refusals = RefusalLog(self.metrics.refused)
         timeouts = Timeouts(
             settings.connect_timeout_s,
@@ -131,6 +140,7 @@ class Router:
             settings.idle_timeout_s,
             settings.stream_headers_timeout_s,
         )
+        self.keys = KeyCheck(settings.api_keys)
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
@@ -153,17 +163,24 @@ class Router:
 
     # -- application --------------------------------------------------------------------
 
-    def app(self) -> web.Application:
+    def key_check(self) -> Middleware:
+        """Any app fronting this router asks for a key on every path but its health
+        checks (and ``/metrics`` with ``open_metrics``)."""
         open_paths = {"/health", "/live"} | ({"/metrics"} if self.settings.open_metrics else set())
+        return self.keys.middleware(open_paths)
+
+    def app(self) -> web.Application:
         errors = answer_errors(self.refusals, self.settings.max_body_bytes)
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[errors, require_key(self.settings.api_keys, open_paths)],
+            middlewares=[errors, self.key_check()],
             handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
         for path, api in ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
-        app.router.add_post(COUNT_TOKENS_PATH, self.token_counter.handle)
+        app.router.add_post(COUNT_TOKENS_PATH, self.count_tokens)
+        app.router.add_get(STORED_PATH, self.stored_response)
+        app.router.add_delete(STORED_PATH, self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", alive)
@@ -185,7 +202,8 @@ class Router:
             self.recorder.start()  # here, so that each forked worker runs its own writer
         async with contextlib.AsyncExitStack() as stack:
             if self.discovery is not None:
-                await stack.enter_async_context(self.discovery.kept(self.pool))
+                failed = self.metrics.discovery_errors.inc
+                await stack.enter_async_context(self.discovery.kept(self.pool, failed))
             yield
         await self.pool.close()
         if self.recorder is not None:
@@ -203,15 +221,19 @@ class Router:
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
         """One generation request, from its bytes to its response's end; a ``Refusal``
         on the way in is answered by the ``answer_errors`` middleware."""
-        # A body over the limit is refused unread when its Content-Length says so.
-        self.intake.check_size(request.content_length or 0)
-        admitted = await self.intake.admit(path, request.headers, await request.read())
+        admitted = await self.intake.admit(path, request.headers, await self._read(request))
         body, facts = admitted.body, admitted.facts
+        pinned, dispatcher = None, self.dispatcher
+        if api == "responses" and (previous := previous_id(body)) is not None:
+            pinned = await self._holder(request, previous)
+            if pinned is None:
+                return not_found(previous, "previous_response_id")
+            dispatcher = Colocated(self.wiring)
         completion = Completion(api, path, is_stream(body), facts, admitted.identity)
         completion.trigger = body_trigger(body)
-        call = Call(request, path, admitted.raw, body, facts, completion)
+        call = Call(request, path, admitted.raw, body, facts, completion, pinned)
         try:
-            response = await self.dispatcher.dispatch(call)
+            response = await dispatcher.dispatch(call)
             if completion.status == 0:  # answered before any engine did (none could)
                 completion.status = response.status
             return response
@@ -224,6 +246,36 @@ class Router:
         finally:
             self.metrics.latency.labels(api).observe(time.perf_counter() - completion.started)
             self.forwarder.completed(completion)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body as sent: one over the limit is refused unread when its
+        Content-Length says so, so it costs nothing, and one that takes longer than
+        ``body_timeout_s`` to arrive is cut off."""
+        self.intake.check_size(request.content_length or 0)
+        deadline = self.settings.body_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                return await request.read()
+        except TimeoutError:
+            message = f"request body not received within {deadline:g} s"
+            raise Refusal(408, "body_timeout", message) from None
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        return await self.token_counter.answer(request, await self._read(request))
+
+    async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
+        headers = self.forwarder.upstream_headers(request)
+        timeout = self.settings.stream_headers_timeout_s
+        return await holder(self.pool, self.pool.healthy(), response_id, headers, timeout)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET`` or ``DELETE /v1/responses/{id}``, on the engine that holds it."""
+        response_id = request.match_info["id"]
+        engine = await self._holder(request, response_id)
+        if engine is None:
+            return not_found(response_id)
+        headers = self.forwarder.upstream_headers(request)
+        return await forward(self.pool, engine, request, headers, self.settings.idle_timeout_s)
 
     def record(self, completion: Completion) -> None:
         """Queue a request an engine served (the client hanging up included) for the

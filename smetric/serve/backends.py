@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from smetric.core.kv_events import EventIndex
@@ -29,6 +30,19 @@ from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.scrape import EngineReport
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+
+def without_client_transfer(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """The request as engines may see it: without the client's ``kv_transfer_params``.
+
+    They tell an engine where to read or keep KV (``remote_host``, ``remote_port``, block
+    ids), so a client's own would steer the engine to any address it chose; only the
+    router's, on the legs it sends a disaggregated request as, reach engines. A body
+    without them stays the bytes it came as; one with them is re-encoded without."""
+    if KV_TRANSFER_PARAMS not in body:
+        return raw, body
+    kept = {key: value for key, value in body.items() if key != KV_TRANSFER_PARAMS}
+    return msgspec.json.encode(kept), kept
 
 
 class EngineBackend(Protocol):
@@ -124,7 +138,8 @@ class VLLMBackend:
 
     def prefill_request(self, body: dict[str, Any]) -> dict[str, Any]:
         """One token, not streamed, asking the engine to keep the KV for a remote decode;
-        a client's own ``kv_transfer_params`` keys are kept beside those."""
+        a client's own ``kv_transfer_params`` keys (where the operator lets clients send
+        them) are kept beside those."""
         out = {k: v for k, v in body.items() if k != "stream_options"}
         out["max_tokens"] = 1
         if "max_completion_tokens" in out:

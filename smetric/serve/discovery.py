@@ -8,9 +8,12 @@ host is resolved in turn unless the answer carries its address).
 
 The name is resolved again every ``interval_s``: engines that appear join the router's
 pool, engines that disappear leave it (requests already there run to their end), and the
-engines that stay are untouched, views and load included. A lookup that fails (timeout,
-SERVFAIL, no server) changes nothing, so a DNS outage does not empty the pool; an answer
-that the name has no records (NXDOMAIN or no answer: no ready pod) empties it.
+engines that stay are untouched, views and load included. Engines the operator listed
+stay beside the discovered ones whatever DNS says. A lookup that fails (timeout,
+SERVFAIL, no server, an answer no resolver expects) changes nothing, so a DNS outage
+does not empty the pool; an answer that the name has no records (NXDOMAIN or no answer:
+no ready pod) takes every discovered engine out. Each failure is logged and counted
+(``smetric_discovery_errors_total``), and the lookups go on, whatever the answer was.
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ def resolver_for(server: str | None, timeout_s: float = 2.0) -> dns.asyncresolve
 
 
 class LookupFailed(Exception):
-    """The DNS server could not be asked or did not answer: the engines are unknown."""
+    """The DNS server could not be asked, did not answer, or answered what says nothing
+    of the name's records (YXDOMAIN, REFUSED, a malformed message): the engines are
+    unknown."""
 
 
 def _url(scheme: str, address: str, port: int) -> str:
@@ -100,8 +105,8 @@ async def _addresses(resolver: dns.asyncresolver.Resolver, name: str) -> list[st
             answer = await resolver.resolve(name, rdtype, search=False)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             continue
-        except (dns.exception.Timeout, dns.resolver.NoNameservers, OSError) as exc:
-            raise LookupFailed(f"{name} {rdtype}: {exc}") from None
+        except (dns.exception.DNSException, OSError) as exc:
+            raise LookupFailed(f"{name} {rdtype}: {type(exc).__name__}: {exc}") from None
         found += [record.address for record in answer]
     return found
 
@@ -117,8 +122,8 @@ async def resolve(target: DnsTarget, resolver: dns.asyncresolver.Resolver) -> se
         answer = await resolver.resolve(target.name, "SRV", search=False)
     except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
         return set()
-    except (dns.exception.Timeout, dns.resolver.NoNameservers, OSError) as exc:
-        raise LookupFailed(f"{target.name} SRV: {exc}") from None
+    except (dns.exception.DNSException, OSError) as exc:
+        raise LookupFailed(f"{target.name} SRV: {type(exc).__name__}: {exc}") from None
     # Addresses the answer already carries (Kubernetes adds them as additional records).
     glue: dict[str, list[str]] = {}
     for rrset in answer.response.additional:
@@ -134,7 +139,8 @@ async def resolve(target: DnsTarget, resolver: dns.asyncresolver.Resolver) -> se
 
 class DnsDiscovery:
     """Keeps a pool's engines in step with a DNS name: ``join(url)`` and ``leave(url)`` are
-    awaited for each change, ``known`` is what the pool has now."""
+    awaited for each change, ``known`` is what the pool has now; ``listed`` engines never
+    leave; ``failed`` is called once per failed refresh."""
 
     def __init__(
         self,
@@ -144,6 +150,8 @@ class DnsDiscovery:
         join: Callable[[str], Awaitable[None]],
         leave: Callable[[str], Awaitable[None]],
         interval_s: float = 5.0,
+        listed: frozenset[str] = frozenset(),
+        failed: Callable[[], None] = lambda: None,
     ) -> None:
         self.target = target
         self.resolver = resolver
@@ -151,25 +159,38 @@ class DnsDiscovery:
         self.join = join
         self.leave = leave
         self.interval_s = interval_s
+        self.listed = listed
+        self.failed = failed
         self.failures = 0
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> bool:
-        """One lookup and the changes it brings; False if the lookup failed."""
+        """One lookup and the changes it brings; False if it failed, however it failed
+        (logged and counted): the lookups that follow must run whatever this one met."""
         try:
-            found = await resolve(self.target, self.resolver)
+            await self._apply(await resolve(self.target, self.resolver))
         except LookupFailed as exc:
-            self.failures += 1
-            log.warning(json.dumps({"event": "discovery_failed", "reason": str(exc)}))
+            self._failure(str(exc))
             return False
+        except Exception as exc:
+            log.exception("engine discovery failed")
+            self._failure(f"{type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _failure(self, reason: str) -> None:
+        self.failures += 1
+        self.failed()
+        log.warning(json.dumps({"event": "discovery_failed", "reason": reason}))
+
+    async def _apply(self, found: set[str]) -> None:
         known = self.known()
         for url in sorted(found - known):
             log.info(json.dumps({"event": "engine_joined", "engine": url}))
             await self.join(url)
-        for url in sorted(known - found):
+        for url in sorted(known - found - self.listed):
             log.info(json.dumps({"event": "engine_left", "engine": url}))
             await self.leave(url)
-        return True
 
     async def _forever(self) -> None:
         while True:
@@ -188,15 +209,22 @@ class DnsDiscovery:
 
 
 async def first_engines(
-    target: DnsTarget, resolver: dns.asyncresolver.Resolver, wait_s: float, interval_s: float
+    target: DnsTarget,
+    resolver: dns.asyncresolver.Resolver,
+    wait_s: float,
+    interval_s: float,
+    required: bool = True,
 ) -> set[str]:
-    """The engines to start with: looked up until some appear, at most ``wait_s``."""
+    """The engines to start with: looked up until some appear, at most ``wait_s``; when
+    not ``required`` (other engines are listed), what one lookup finds, maybe none."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while True:
         with contextlib.suppress(LookupFailed):
-            if found := await resolve(target, resolver):
+            if (found := await resolve(target, resolver)) or not required:
                 return found
+        if not required:
+            return set()
         if loop.time() >= deadline:
             raise ValueError(f"no engine found at {target.name} within {wait_s:g} s")
         await asyncio.sleep(interval_s)
@@ -215,31 +243,44 @@ class Membership(Protocol):
 @dataclass(frozen=True)
 class Discovery:
     """``--discover``, ``--discover-interval`` and ``--dns-server``, checked; engines found
-    get ``kv_blocks`` for their prefix index, as ``--kv-blocks`` gives listed ones."""
+    get ``kv_blocks`` for their prefix index, as ``--kv-blocks`` gives listed ones.
+    ``listed``: the engines given beside discovery, which stay whatever DNS says."""
 
     target: DnsTarget
     interval_s: float = 5.0
     server: str | None = None
     kv_blocks: int = 16384
-    # How long to look for the first engines before giving up.
+    # How long to look for the first engines before giving up (none listed).
     wait_s: float = 60.0
+    listed: frozenset[str] = frozenset()
 
     @classmethod
-    def parse(cls, spec: str, interval_s: float, server: str | None, kv_blocks: int) -> Discovery:
+    def parse(
+        cls,
+        spec: str,
+        interval_s: float,
+        server: str | None,
+        kv_blocks: int,
+        listed: frozenset[str] = frozenset(),
+    ) -> Discovery:
         resolver_for(server)  # a bad server address fails here, before anything starts
-        return cls(DnsTarget.parse(spec), interval_s, server, kv_blocks)
+        return cls(DnsTarget.parse(spec), interval_s, server, kv_blocks, listed=listed)
 
     def resolver(self) -> dns.asyncresolver.Resolver:
         return resolver_for(self.server, timeout_s=min(2.0, max(0.2, self.interval_s)))
 
     def first(self) -> list[str]:
         """The engines to start with (blocking: called before the server starts)."""
-        found = asyncio.run(first_engines(self.target, self.resolver(), self.wait_s, 1.0))
-        return sorted(found)
+        required = not self.listed
+        lookup = first_engines(self.target, self.resolver(), self.wait_s, 1.0, required)
+        return sorted(asyncio.run(lookup) - self.listed)
 
     @contextlib.asynccontextmanager
-    async def kept(self, pool: Membership) -> AsyncIterator[None]:
-        """Keep ``pool`` in step with DNS while the block runs."""
+    async def kept(
+        self, pool: Membership, failed: Callable[[], None] = lambda: None
+    ) -> AsyncIterator[None]:
+        """Keep ``pool`` in step with DNS while the block runs; ``failed`` counts each
+        failed lookup."""
 
         async def join(url: str) -> None:
             await pool.add(Engine(url, self.kv_blocks))
@@ -254,6 +295,8 @@ class Discovery:
             join,
             leave,
             self.interval_s,
+            self.listed,
+            failed,
         )
         await discovery.refresh()
         discovery.start()

@@ -40,6 +40,13 @@ class Call:
     body: dict[str, Any]
     facts: RequestFacts
     completion: Completion
+    # The only engine that can serve it (it holds the stored response a Responses request
+    # continues: ``serve.stored``), which the policy then does not choose.
+    pinned: Engine | None = None
+
+
+# The branch of a request sent where its stored response is, not where the policy says.
+STORED_BRANCH = "stored_response"
 
 
 class Dispatcher(Protocol):
@@ -83,6 +90,18 @@ class Wiring:
         completion.queued_tokens = decision.view.unprefilled_tokens[chosen]
         return decision
 
+    def pin(self, completion: Completion, engine: Engine) -> tuple[Engine, int]:
+        """The engine holding a request's stored response as its decision, counted and
+        logged as decisions are. Nothing is predicted: the router sees only the request's
+        new input, not the stored conversation before it."""
+        completion.branch = STORED_BRANCH
+        self.metrics.decisions.labels(STORED_BRANCH).inc()
+        if log.isEnabledFor(logging.INFO):
+            labels = completion.identity.labels(completion.facts.turn)
+            record = {"event": "route", "engine": engine.url, "branch": STORED_BRANCH}
+            log.info(json.dumps({**record, **labels}))
+        return engine, 0
+
     def record_served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
         """The engine took the request and prefilled it: it now caches the prompt."""
         self.core.served(engine, facts.blocks)
@@ -107,16 +126,26 @@ class Colocated:
         headers = forwarder.upstream_headers(call.request)
         stream = is_stream(call.body)
 
+        pinned = call.pinned
+
+        def candidates() -> list[Engine]:
+            healthy = wiring.pool.healthy()
+            return healthy if pinned is None else [e for e in healthy if e is pinned]
+
         def choose(engines: list[Engine]) -> tuple[Engine, int]:
+            if pinned is not None:
+                return wiring.pin(call.completion, pinned)
             decision = wiring.decide_call(call, engines)
             return decision.engine, decision.predicted_hit_tokens
 
         async def send(attempt: Attempt, predicted: int) -> web.StreamResponse:
             await attempt.send(call.path, call.raw, headers, stream=stream)
             tags = {ENGINE_HEADER: attempt.engine.url, PREDICTED_HIT_HEADER: str(predicted)}
-            delivery = Delivery(tags, wiring.served(call, predicted))
+            # A pinned request's blocks are of its new input alone: not what the engine cached.
+            served = wiring.served(call, predicted) if pinned is None else None
+            delivery = Delivery(tags, served)
             return await forwarder.answer(call.request, attempt, delivery, call.completion)
 
         return await forwarder.try_engines(
-            "engine", wiring.pool.healthy, choose, call.facts.prompt_tokens, send, call.completion
+            "engine", candidates, choose, call.facts.prompt_tokens, send, call.completion
         )

@@ -145,7 +145,14 @@ def answer_errors(refusals: RefusalLog, max_body_bytes: int) -> Middleware:
         try:
             return await handler(request)
         except Refusal as refusal:
-            return refused(request.path, refusal, refusals)
+            response = refused(request.path, refusal, refusals)
+            if refusal.status == 408 and request.transport is not None:
+                # Nor is the rest of so slow a body waited for (aiohttp would linger,
+                # reading it, 10 s more): the answer goes, and the connection with it.
+                await response.prepare(request)
+                await response.write_eof()
+                request.transport.close()
+            return response
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -165,4 +172,6 @@ def answer_errors(refusals: RefusalLog, max_body_bytes: int) -> Middleware:
 def refused(path: str, refusal: Refusal, refusals: RefusalLog) -> web.Response:
     """The client's answer to ``refusal``, noted."""
     refusals.note(path, refusal)
+    if refusal.body is not None:
+        return web.json_response(refusal.body, status=refusal.status)
     return dialect_for(path).response(refusal.status, refusal.message)

@@ -265,7 +265,7 @@ class Forwarder:
             await response.prepare(request)
             while chunk:
                 usage.feed(chunk)
-                await response.write(chunk)
+                await attempt.deliver(response.write(chunk))
                 chunk = await attempt.read()
                 now = time.perf_counter()
                 gaps.append(now - last)
@@ -315,7 +315,9 @@ def is_stream(body: dict) -> bool:
 
 class UsageTap:
     """Finds the cached prompt tokens an engine reports in a passing response: OpenAI's
-    ``usage.prompt_tokens_details.cached_tokens`` or Anthropic's ``cache_read_input_tokens``.
+    ``usage.prompt_tokens_details.cached_tokens``, the Responses API's
+    ``usage.input_tokens_details.cached_tokens`` (a stream's under its final event's
+    ``response``) or Anthropic's ``cache_read_input_tokens``.
 
     Only the last chunks are kept (at least ``KEEP`` bytes of them, since usage comes in
     the last JSON body or the last SSE chunks) and joined once at the end, so the work per
@@ -345,7 +347,7 @@ class UsageTap:
 
     def cached_tokens(self) -> int | None:
         for usage in self._usages():
-            details = usage.get("prompt_tokens_details") or {}
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
             cached = details.get("cached_tokens", usage.get("cache_read_input_tokens"))
             if isinstance(cached, int):
                 return cached
@@ -368,7 +370,8 @@ class UsageTap:
                 if b'"usage"' not in piece:
                     continue
                 try:
-                    usage = json.loads(piece).get("usage")
+                    data = json.loads(piece)
+                    usage = data.get("usage") or (data.get("response") or {}).get("usage")
                 except (ValueError, AttributeError):
                     continue
                 if isinstance(usage, dict):

@@ -19,6 +19,7 @@ import aiohttp
 from smetric.core.conversation import Api, RequestError, RequestFacts
 from smetric.core.parsing import decode_body
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
+from smetric.serve.backends import without_client_transfer
 from smetric.serve.identity import AgentIdentity, identity_of
 from smetric.serve.limits import BodyError, PromptTooLong, body_too_large_message, decoded_body
 from smetric.serve.metrics import RouterMetrics
@@ -29,6 +30,7 @@ ROUTES: dict[str, Api] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 
 _BODY_REASONS = {400: "bad_encoding", 413: "body_too_large", 415: "unsupported_encoding"}
@@ -37,7 +39,8 @@ _BODY_REASONS = {400: "bad_encoding", 413: "body_too_large", 415: "unsupported_e
 @dataclass(frozen=True)
 class Admitted:
     """A request the router will route: its API, the body to forward (decompressed),
-    its parsed body, the facts the policy routes on, and who sent it."""
+    its parsed body, the facts the policy routes on, and who sent it. ``rewritten``: the
+    body to forward is not the client's bytes (its ``kv_transfer_params`` dropped)."""
 
     api: Api
     path: str
@@ -45,13 +48,24 @@ class Admitted:
     body: dict[str, Any]
     facts: RequestFacts
     identity: AgentIdentity
+    rewritten: bool = False
 
 
 class Intake:
-    def __init__(self, analyzer: Analyzer, metrics: RouterMetrics, max_body_bytes: int) -> None:
+    """``allow_client_transfer``: forward clients' ``kv_transfer_params``, which name the
+    address an engine reads or sends KV to; else they are dropped (``serve.backends``)."""
+
+    def __init__(
+        self,
+        analyzer: Analyzer,
+        metrics: RouterMetrics,
+        max_body_bytes: int,
+        allow_client_transfer: bool = False,
+    ) -> None:
         self.analyzer = analyzer
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.allow_client_transfer = allow_client_transfer
 
     def check_size(self, size: int) -> None:
         """Refuse a body of ``size`` bytes before reading the rest of it."""
@@ -65,12 +79,15 @@ class Intake:
         if api is None:
             raise Refusal(404, "unknown_route", f"no route {path[:200]!r}")
         decoded, body = self.body_of(headers, raw)
+        forwarded = decoded
+        if not self.allow_client_transfer:
+            forwarded, body = without_client_transfer(decoded, body)
         facts = await self.facts_of(body, api, large=len(raw) > OFF_LOOP_BYTES)
         identity = identity_of(headers, body)
         self.metrics.agent_requests.labels(
             identity.harness or "none", identity.role, identity.call(facts.turn)
         ).inc()
-        return Admitted(api, path, decoded, body, facts, identity)
+        return Admitted(api, path, forwarded, body, facts, identity, forwarded is not decoded)
 
     def body_of(self, headers: Mapping[str, str], raw: bytes) -> tuple[bytes, dict[str, Any]]:
         """The body inflated per its ``Content-Encoding``, and its JSON object."""

@@ -27,7 +27,7 @@ _GZIP_OR_ZLIB = 32 + zlib.MAX_WBITS
 
 
 class BodyError(ValueError):
-    """A body the router will not read; ``status`` says why (400, 413 or 415)."""
+    """A body the router will not read; ``status`` says why (400, 408, 413 or 415)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

@@ -51,6 +51,12 @@ def share_metrics_between_processes() -> Path:
     return _shared_dir
 
 
+def forget_process(pid: int) -> None:
+    """A worker ended: its live gauges stop counting (its counters still do)."""
+    if _shared_dir is not None:
+        multiprocess.mark_process_dead(pid, str(_shared_dir))
+
+
 class RouterMetrics:
     def __init__(self, policy: str, engines: list[str]) -> None:
         self.registry = CollectorRegistry()
@@ -136,6 +142,12 @@ class RouterMetrics:
             "Times the engine was ejected as stalled: requests in flight, no byte from them "
             "and no progress counter moved for --stall-timeout.",
             ["engine"],
+            registry=self.registry,
+        )
+        self.discovery_errors = Counter(
+            "smetric_discovery_errors",
+            "Failed DNS lookups of --discover (no answer, an error answer, anything "
+            "unexpected): each changes no engine, and the lookups go on.",
             registry=self.registry,
         )
         self.ejections = Counter(

@@ -7,7 +7,8 @@ each says about itself.
 - **Scrapes.** ``/metrics`` through the engine's backend (``serve.backends``): load,
   KV pool size, start time (a restart drops the engine's view), progress counters.
 - **Stalls.** An engine with requests in flight whose responses bring no byte and whose
-  progress counters do not move for ``stall_timeout_s`` is ejected as stalled, and its
+  progress counters do not move for ``stall_timeout_s`` is ejected as stalled (a request
+  whose client is slow to read its stream is not waiting on the engine), and its
   attempts are cut short (``Attempt.cut``), so those that sent nothing to their clients
   are retried elsewhere. A prefill is silent by nature: it sends no byte until its first
   token, and vLLM counts a prompt's tokens only then (``IterationStats``), so the engine
@@ -27,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import aiohttp
 
@@ -35,7 +36,7 @@ from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.outliers import OutlierDetector
-from smetric.serve.upstream import EngineFault
+from smetric.serve.upstream import EngineFault, with_key
 
 log = logging.getLogger("smetric.serve")
 
@@ -162,6 +163,11 @@ class EnginePool:
         key = engine.api_key or self.engine_api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
+    def for_engine(self, engine: Engine, headers: Mapping[str, str]) -> dict[str, str]:
+        """``headers`` as ``engine`` gets them: with its own key, if it needs one, in
+        place of any the client sent."""
+        return with_key(headers, self.auth(engine))
+
     def max_context(self) -> int:
         """The longest context an engine reported (0: none yet)."""
         return max(self.context_lengths.values(), default=0)
@@ -204,10 +210,14 @@ class EnginePool:
     # -- stall detection -----------------------------------------------------------------------
 
     def stalled(self, engine: Engine, now: float) -> bool:
-        """Requests in flight, no byte from any of them and no counter moved for
-        ``stall_timeout_s`` plus the time its unprefilled tokens may take; never for an
-        engine whose scrapes answer without counters."""
-        if not engine.attempts or now - engine.progressed_at < self.stall_timeout_s:
+        """Requests in flight that wait on the engine, no byte from any of them and no
+        counter moved for ``stall_timeout_s`` plus the time its unprefilled tokens may
+        take; never for an engine whose scrapes answer without counters. A request
+        whose client is slow to read waits on its client, not on the engine: whatever
+        the engine holds back meanwhile is the client's doing (``Attempt.deliver``)."""
+        if not any(a.waits_on_engine for a in engine.attempts):
+            return False
+        if now - engine.progressed_at < self.stall_timeout_s:
             return False
         if now - engine.progressed_at < self.silence_allowed(engine):
             return False

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import Counter
 
@@ -44,13 +45,17 @@ def route_label(path: str) -> str:
 
 class Refusal(Exception):
     """The router answers ``status`` itself; ``reason`` is a short label for the counter
-    and the log, ``message`` the sentence the client reads."""
+    and the log, ``message`` the sentence the client reads (in the route's error shape,
+    unless ``body`` is the answer already)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self, status: int, reason: str, message: str, body: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
+        self.body = body
 
 
 @dataclass

@@ -39,12 +39,23 @@ class RouterSettings:
         "api_keys.",
     )
     open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
+    allow_client_kv_transfer_params: bool = setting(
+        False,
+        "Pass clients' kv_transfer_params on to engines; else they are dropped, since "
+        "they name the address an engine reads or sends KV to.",
+    )
     health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
     max_body_bytes: int = setting(
         32 << 20,
         "Largest request body, in bytes once inflated; a larger one gets a 413 before it "
         "is parsed.",
         ge=1,
+    )
+    body_timeout_s: float = setting(
+        60.0,
+        "Seconds a client has to send a request's whole body; then it gets a 408 and the "
+        "connection closes, so a body trickled a byte at a time holds nothing for long.",
+        gt=0,
     )
     max_prompt_tokens: int = setting(
         0,

@@ -36,9 +36,8 @@ class TokenCounter:
         self.intake = intake
         self.forwarder = forwarder
 
-    async def handle(self, request: web.Request) -> web.Response:
-        self.intake.check_size(request.content_length or 0)
-        raw = await request.read()
+    async def answer(self, request: web.Request, raw: bytes) -> web.Response:
+        """The count of ``request``, whose body ``raw`` the caller read."""
         decoded, _ = self.intake.body_of(request.headers, raw)
         answer = await self._ask_engine(request, decoded)
         if answer is not None:

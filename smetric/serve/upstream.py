@@ -17,7 +17,9 @@ surface as connection errors in aiohttp) by which call raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -37,6 +39,15 @@ class Timeouts:
     # Until a streaming reply's headers arrive: vLLM sends them as soon as it has taken
     # the request (before the prefill), so a stream without headers by then is stalled.
     stream_headers_s: float = 10.0
+
+
+def with_key(headers: Mapping[str, str], auth: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` with an engine's own key header (``auth``, if any) in place of any key
+    the client sent."""
+    if not auth:
+        return dict(headers)
+    keys = ("authorization", "x-api-key")
+    return {k: v for k, v in headers.items() if k.lower() not in keys} | dict(auth)
 
 
 class EngineFault(Exception):
@@ -81,6 +92,12 @@ class EngineFault(Exception):
         return "protocol" if self.status is None else "status"
 
 
+def described(exc: aiohttp.ClientError) -> str:
+    """What the HTTP client said, for the log: not its ``repr``, which names the request
+    it failed with all its headers, the client's keys among them."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 class Attempt:
     """Sends one request to ``engine`` and reads its reply, counted as in flight there
     from ``async with`` to its end."""
@@ -106,11 +123,14 @@ class Attempt:
         # The wait in progress, which ``cut`` ends at once; why it was cut.
         self._wait: asyncio.Timeout | None = None
         self._cut: str | None = None
+        # Handing the engine's bytes to the client: the engine waits on the client now,
+        # not the client on the engine, so its silence is not a stall.
+        self.delivering = False
 
     async def __aenter__(self) -> Attempt:
         engine = self.engine
-        if not engine.attempts:  # idle until now: its silence starts here
-            engine.progressed_at = time.monotonic()
+        if not any(a.waits_on_engine for a in engine.attempts):
+            engine.progressed_at = time.monotonic()  # owed nothing until now: silence starts
         engine.attempts.add(self)
         self.lease = Lease(engine, self.prompt_tokens, self.unprefilled_tokens)
         return self
@@ -135,10 +155,36 @@ class Attempt:
         if self._wait is not None and not self._wait.expired():
             self._wait.reschedule(asyncio.get_running_loop().time())
 
-    def _timeout(self, seconds: float) -> asyncio.Timeout:
+    @contextlib.asynccontextmanager
+    async def _timeout(self, seconds: float) -> AsyncIterator[None]:
+        """A wait on the engine of at most ``seconds``, which ``cut`` can end early
+        while it lasts (none when the attempt was cut already)."""
         loop = asyncio.get_running_loop()
-        self._wait = asyncio.timeout_at(loop.time() if self._cut else loop.time() + seconds)
-        return self._wait
+        async with asyncio.timeout_at(loop.time() if self._cut else loop.time() + seconds) as wait:
+            self._wait = wait
+            try:
+                yield
+            finally:
+                self._wait = None
+
+    async def deliver(self, write: Awaitable[None]) -> None:
+        """Await ``write``, a write of the engine's bytes to the client. However long a
+        client takes to read, the engine is not silent meanwhile: it waits for the
+        router to read, and the pool's stall watch leaves it be (``waits_on_engine``).
+        Unless another attempt waits on it, its silence starts again once the client
+        took the bytes, as an idle engine's does at a new attempt."""
+        self.delivering = True
+        try:
+            await write
+        finally:
+            self.delivering = False
+            others = (a for a in self.engine.attempts if a is not self)
+            if not any(a.waits_on_engine for a in others):
+                self.engine.progressed_at = time.monotonic()
+
+    @property
+    def waits_on_engine(self) -> bool:
+        return not self.delivering
 
     def _stalled(self) -> EngineFault | None:
         return None if self._cut is None else EngineFault(self._cut, stalled=True)
@@ -149,9 +195,7 @@ class Attempt:
         """POST and wait for the response headers, at most ``first_byte_s`` (a streaming
         request: ``stream_headers_s``)."""
         wait = self.timeouts.stream_headers_s if stream else self.timeouts.first_byte_s
-        if self.auth:
-            keys = ("authorization", "x-api-key")
-            headers = {k: v for k, v in headers.items() if k.lower() not in keys} | self.auth
+        headers = with_key(headers, self.auth)
         try:
             async with self._timeout(wait):
                 self.response = await self.client.post(
@@ -166,9 +210,9 @@ class Attempt:
             what = "response headers of a stream" if stream else "response"
             raise EngineFault(f"no {what} within {wait:g} s", timeout=True) from None
         except aiohttp.ClientConnectionError as exc:
-            raise EngineFault("connection lost", lost=True, detail=repr(exc)) from None
+            raise EngineFault("connection lost", lost=True, detail=described(exc)) from None
         except aiohttp.ClientError as exc:  # not HTTP, or not HTTP we can parse
-            raise EngineFault("not a valid HTTP response", detail=repr(exc)) from None
+            raise EngineFault("not a valid HTTP response", detail=described(exc)) from None
         self.engine.progressed_at = time.monotonic()
         return self.response
 
@@ -183,7 +227,7 @@ class Attempt:
         except TimeoutError:
             raise self._stalled() or EngineFault(f"silent for {wait:g} s", timeout=True) from None
         except aiohttp.ClientError as exc:
-            raise EngineFault("response cut short", lost=True, detail=repr(exc)) from None
+            raise EngineFault("response cut short", lost=True, detail=described(exc)) from None
         if chunk:
             self.engine.progressed_at = time.monotonic()
             if self.lease is not None:

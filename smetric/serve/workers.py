@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import mmap
 import os
@@ -32,6 +33,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 from aiohttp import web
@@ -39,6 +41,7 @@ from aiohttp import web
 from smetric.serve.app import Router
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 from smetric.serve.global_tier import ServedPrompts
+from smetric.serve.metrics import forget_process
 
 log = logging.getLogger("smetric.serve")
 
@@ -153,9 +156,32 @@ class PeerViews:
                 engines[number].view.learn(blocks, now)
 
 
+@dataclass
+class CrashLoop:
+    """When the supervisor forks a dead worker again: at once after a life of
+    ``steady_s`` or more; after a quicker death, after a backoff that doubles with each
+    quick death in a row; after ``give_up_after`` of those, never: a worker that cannot
+    stay up would only hide its error behind restarts, so the service stops and says so."""
+
+    steady_s: float = 30.0
+    first_backoff_s: float = 0.5
+    give_up_after: int = 5
+    quick: dict[int, int] = field(default_factory=dict)
+
+    def died(self, worker: int, lived_s: float) -> float | None:
+        """Seconds to wait before forking ``worker`` again; None: give up."""
+        if lived_s >= self.steady_s:
+            self.quick[worker] = 0
+            return 0.0
+        deaths = self.quick[worker] = self.quick.get(worker, 0) + 1
+        if deaths > self.give_up_after:
+            return None
+        return self.first_backoff_s * 2 ** (deaths - 1)
+
+
 def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
-    """Fork a copy of ``router`` onto each of ``sockets``; stop them all on SIGINT or
-    SIGTERM, or when any of them exits."""
+    """Fork a copy of ``router`` onto each of ``sockets`` and keep them running
+    (``_supervise``) until SIGINT or SIGTERM."""
     workers = len(sockets)
     if any(s.bind for s in router.subscribers.values()):
         raise ValueError(
@@ -166,12 +192,17 @@ def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
     shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * workers * len(engines))  # MAP_SHARED: survives fork
     load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), LOAD_COLUMNS)
     peers = PeerViews(workers)
-    children = []
-    for worker in range(workers):
+
+    def start(worker: int) -> int:
+        """Fork worker ``worker`` on its socket, which this process keeps open for the
+        next one should it die (connections the kernel gives it meanwhile wait there)."""
+        load[worker] = 0  # a dead worker's requests died with it
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the child
             code = 0
             try:
+                for signum in (signal.SIGTERM, signal.SIGINT):  # not the supervisor's
+                    signal.signal(signum, signal.SIG_DFL)
                 for number, engine in enumerate(engines):
                     engine.share_load(load[:, number], worker)
                 app = router.app()
@@ -188,28 +219,67 @@ def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
             finally:
                 sys.stdout.flush()
                 os._exit(code)
-        children.append(pid)
-    for sock in sockets:
-        sock.close()  # the workers hold them now
-    _supervise(children)
+        return pid
+
+    def close_sockets() -> None:
+        for sock in sockets:
+            sock.close()
+
+    _supervise(start, workers, CrashLoop(), close_sockets)
 
 
-def _supervise(children: list[int]) -> None:
-    """Wait for the workers; a signal or the first to exit stops the others."""
+def _supervise(
+    start: Callable[[int], int],
+    workers: int,
+    crashes: CrashLoop,
+    stopped: Callable[[], None] = lambda: None,
+) -> None:
+    """Start the workers and wait on them. One that dies (whatever killed it) is logged
+    with its exit code or signal and started again, as ``crashes`` says; a signal to this
+    process stops them all, and ``stopped`` lets go of what this process held for them
+    (the listening sockets, so that new connections are refused at once). Exits 1 when
+    it gave up on a worker."""
+    children = {start(worker): worker for worker in range(workers)}
+    born = dict.fromkeys(range(workers), time.monotonic())
+    stopping = False
+    gave_up = False
 
     def stop(signum: int, frame: object) -> None:
-        for pid in children:
+        nonlocal stopping
+        if not stopping:
+            stopped()
+        stopping = True
+        for pid in list(children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    status = 0
-    pid, status = os.wait()
-    stop(signal.SIGTERM, None)
-    for other in children:
-        if other != pid:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(other, 0)
-    if os.waitstatus_to_exitcode(status) not in (0, -signal.SIGTERM):
+    while children:
+        pid, status = os.wait()
+        worker = children.pop(pid, None)
+        forget_process(pid)
+        if worker is None or stopping:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        cause = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        wait_s = crashes.died(worker, time.monotonic() - born[worker])
+        event: dict[str, object] = {
+            "event": "worker_died",
+            "worker": worker,
+            "pid": pid,
+            "cause": cause,
+        }
+        if wait_s is None:
+            event |= {"event": "worker_gave_up", "deaths": crashes.give_up_after + 1}
+            log.error(json.dumps(event))
+            gave_up = True
+            stop(signal.SIGTERM, None)
+            continue
+        log.error(json.dumps({**event, "restart_in_s": wait_s}))
+        time.sleep(wait_s)
+        if not stopping:
+            children[start(worker)] = worker
+            born[worker] = time.monotonic()
+    if gave_up:
         raise SystemExit(1)

