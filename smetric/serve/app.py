@@ -163,17 +163,18 @@ class Router:
 
     # -- application --------------------------------------------------------------------
 
-    def key_check(self) -> Middleware:
-        """Any app fronting this router asks for a key on every path but its health
-        checks (and ``/metrics`` with ``open_metrics``)."""
+    def middlewares(self) -> list[Middleware]:
+        """Any app fronting this router answers its refusals in the route's shape, counted
+        and logged, and asks for a key on every path but its health checks (and
+        ``/metrics`` with ``open_metrics``)."""
         open_paths = {"/health", "/live"} | ({"/metrics"} if self.settings.open_metrics else set())
-        return self.keys.middleware(open_paths)
+        errors = answer_errors(self.refusals, self.settings.max_body_bytes)
+        return [errors, self.keys.middleware(open_paths)]
 
     def app(self) -> web.Application:
-        errors = answer_errors(self.refusals, self.settings.max_body_bytes)
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[errors, self.key_check()],
+            middlewares=self.middlewares(),
             handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
         for path, api in ROUTES.items():
