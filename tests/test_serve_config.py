@@ -94,7 +94,9 @@ def test_a_flag_and_its_key_set_the_same_setting(name: str, tmp_path: Path) -> N
 
 
 def help_text(name: str) -> str:
-    result = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+    # Wide enough that no row wraps: a flag's second name (--no-...) sits below its
+    # first, and would land inside a wrapped help text once the lines are joined.
+    result = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "1000"})
     assert result.exit_code == 0, result.output
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
 

@@ -22,6 +22,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from rich.columns import Columns
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -65,6 +66,11 @@ class WholeNamesTable(Table):
             negations = [n for n in no_long.split(",") if n.plain]
             first = Text(", ").join([*longs[:1], *shorts])
             names = Text("\n").join([first, *longs[1:], *negations])
+            parts = text.renderables if isinstance(text, Columns) else []
+            texts = [part for part in parts if isinstance(part, Text)]
+            if parts and len(texts) == len(parts):
+                # One text, so a long word (a default) folds rather than being cut.
+                text = Text(" ").join(texts)
             renderables = (*mark, names, kind, text)
         super().add_row(*renderables, **kwargs)
         for column in self.columns[:-1]:
