@@ -340,3 +340,18 @@ def test_count_tokens_is_the_engine_s_where_it_serves_it_else_the_router_s() -> 
 
     run(lambda: with_mixed([], 1, through_sdk, health_interval_s=60))
     run(lambda: with_header_engine(not_served))  # it answers 404 on the route
+
+
+def test_an_unknown_stored_response_is_a_counted_refusal_in_the_responses_shape() -> None:
+    async def body(client, url, router, fakes) -> None:
+        follow_up = {"model": "m", "input": "and then?", "previous_response_id": "resp_nowhere"}
+        async with client.post(url + "/v1/responses", json=follow_up) as response:
+            assert response.status == 404
+            error = (await response.json())["error"]
+        assert "resp_nowhere" in error["message"] and error["param"] == "previous_response_id"
+        assert refused_count(router, "/v1/responses", 404, "unknown_response") == 1
+        async with client.get(url + "/v1/responses/resp_nowhere") as response:
+            assert response.status == 404
+        assert refused_count(router, "other", 404, "unknown_response") == 1
+
+    run(lambda: with_mixed([], 1, body))

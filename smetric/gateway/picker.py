@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from smetric.core.conversation import RequestFacts
-from smetric.core.responses_api import response_not_found
 from smetric.record.trigger import body_trigger
 from smetric.serve.app import Router
 from smetric.serve.auth import MISSING_KEY
@@ -27,7 +26,7 @@ from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
 from smetric.serve.intake import ROUTES
 from smetric.serve.refusals import Refusal
-from smetric.serve.stored import holder, previous_id, stored_id
+from smetric.serve.stored import holder, not_found, previous_id, stored_id
 from smetric.serve.token_count import COUNT_TOKENS_PATH
 from smetric.serve.upstream import EngineFault
 
@@ -177,8 +176,7 @@ class Picker:
         timeout = self.router.settings.stream_headers_timeout_s
         engine = await holder(self.router.pool, engines, response_id, keys, timeout)
         if engine is None:
-            body = response_not_found(response_id, param)
-            raise Refusal(404, "unknown_response", body["error"]["message"], body)
+            raise not_found(response_id, param)
         return engine
 
     def served(self, pick: Pick, endpoint: str | None, status: int) -> None:

@@ -228,7 +228,7 @@ class Router:
         if api == "responses" and (previous := previous_id(body)) is not None:
             pinned = await self._holder(request, previous)
             if pinned is None:
-                return not_found(previous, "previous_response_id")
+                raise not_found(previous, "previous_response_id")
             dispatcher = Colocated(self.wiring)
         completion = Completion(api, path, is_stream(body), facts, admitted.identity)
         completion.trigger = body_trigger(body)
@@ -274,7 +274,7 @@ class Router:
         response_id = request.match_info["id"]
         engine = await self._holder(request, response_id)
         if engine is None:
-            return not_found(response_id)
+            raise not_found(response_id)
         headers = self.forwarder.upstream_headers(request)
         return await forward(self.pool, engine, request, headers, self.settings.idle_timeout_s)
 

@@ -82,7 +82,7 @@ class Intake:
         forwarded = decoded
         if not self.allow_client_transfer:
             forwarded, body = without_client_transfer(decoded, body)
-        facts = await self.facts_of(body, api, large=len(raw) > OFF_LOOP_BYTES)
+        facts = await self.facts_of(body, api, large=len(decoded) > OFF_LOOP_BYTES)
         identity = identity_of(headers, body)
         self.metrics.agent_requests.labels(
             identity.harness or "none", identity.role, identity.call(facts.turn)

@@ -30,6 +30,7 @@ from smetric.core.responses_api import response_not_found
 from smetric.serve.engines import Engine
 from smetric.serve.errors import RESPONSES
 from smetric.serve.pool import EnginePool
+from smetric.serve.refusals import Refusal
 
 STORED_PATH = "/v1/responses/{id}"
 _STORED_PATH = re.compile(r"^/v1/responses/([^/]+)$")
@@ -100,5 +101,7 @@ def _url(engine: Engine, response_id: str) -> str:
     return f"{engine.url}/v1/responses/{quote(response_id, safe='')}"
 
 
-def not_found(response_id: str, param: str | None = None) -> web.Response:
-    return web.json_response(response_not_found(response_id, param), status=404)
+def not_found(response_id: str, param: str | None = None) -> Refusal:
+    """No engine holds the response: a 404 in the Responses API's own words."""
+    body = response_not_found(response_id, param)
+    return Refusal(404, "unknown_response", body["error"]["message"], body)
