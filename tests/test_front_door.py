@@ -355,3 +355,15 @@ def test_an_unknown_stored_response_is_a_counted_refusal_in_the_responses_shape(
         assert refused_count(router, "other", 404, "unknown_response") == 1
 
     run(lambda: with_mixed([], 1, body))
+
+
+def test_a_responses_stream_cut_mid_way_ends_with_the_sdk_s_error_event() -> None:
+    async def body(client, url, router, fakes) -> None:
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = await sdk.responses.create(model="m", input="hi", stream=True)
+        events = [event async for event in stream]
+        assert isinstance(events[-1], ResponseErrorEvent)
+        assert "stream broke off" in events[-1].message
+        await sdk.close()
+
+    run(lambda: with_mixed(["broken_stream"], 0, body))
