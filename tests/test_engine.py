@@ -86,8 +86,10 @@ def test_non_streaming_shapes_and_exact_token_counts() -> None:
         assert len(reply["choices"][0]["text"].split()) == 5
         assert reply["usage"]["prompt_tokens"] == len("hello there")
 
+        # Filler has no end of its own: with no bound set, the reply ends by itself.
         reply = await post(client, "/v1/completions", {"prompt": "no max_tokens"})
         assert reply["usage"]["completion_tokens"] == FAST.default_max_tokens
+        assert reply["choices"][0]["finish_reason"] == "stop"
 
     serve(FAST, scenario)
 

@@ -13,8 +13,10 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from smetric.core.blocks import ByteTokenizer
+from smetric.core.conversation import analyze_request
 from smetric.engine import EngineConfig, create_app
-from smetric.engine.agent import LONGEST_REPLY, READ_ONLY_TOOLS, ReplyPlan, plan_reply
+from smetric.engine.agent import LONGEST_REPLY, READ_ONLY_TOOLS, ReplyPlan, draw_reply, plan_reply
 
 AGENT = EngineConfig(speed=0.001, agent=True)
 
@@ -33,6 +35,13 @@ ANTHROPIC_TOOLS: Any = [
     {"name": "Glob", "input_schema": GLOB_SCHEMA},
 ]
 WRITERS = [{"name": "Write", "input_schema": {"type": "object"}}, {"name": "Bash"}]
+# As Codex declares its tools: functions at the top level, and tools of other types.
+IMAGE_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+RESPONSES_TOOLS: Any = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+    {"type": "function", "name": "view_image", "parameters": IMAGE_SCHEMA},
+    {"type": "web_search", "external_web_access": False},
+]
 
 
 def user(text: str) -> Any:
@@ -40,7 +49,7 @@ def user(text: str) -> Any:
 
 
 def plans(bodies: list[dict[str, Any]], max_tokens: int = 1000, seed: int = 0) -> list[ReplyPlan]:
-    return [plan_reply(b, json.dumps(b).encode(), max_tokens, seed) for b in bodies]
+    return [draw_reply(b, json.dumps(b).encode(), max_tokens, seed) for b in bodies]
 
 
 PROMPTS = [{"messages": [user(f"task {i}")], "tools": ANTHROPIC_TOOLS} for i in range(40)]
@@ -95,6 +104,23 @@ def test_a_short_max_tokens_cuts_the_reply_and_ignore_eos_runs_to_it() -> None:
     assert all(p == ReplyPlan.filler(1000) for p in plans(ignoring))
 
 
+def test_one_plan_decides_every_reply_length() -> None:
+    """Outside agent mode filler runs to the client's bound, or without one ends by itself
+    after ``default_max_tokens``; in agent mode only the context cuts an unbounded reply."""
+    off = EngineConfig(default_max_tokens=8)
+    body: Any = {"input": "hi"}
+    facts = analyze_request(body, "responses", ByteTokenizer(), off.block_size)
+    assert plan_reply(off, body, facts, None, may_call=True) == ReplyPlan(8, natural_stop=True)
+    assert plan_reply(off, body, facts, 5, may_call=True) == ReplyPlan.filler(5)
+    on = EngineConfig(default_max_tokens=8, agent=True)
+    drawn = [
+        plan_reply(on, b, analyze_request(b, "messages", ByteTokenizer(), 16), None, may_call=True)
+        for b in PROMPTS
+    ]
+    assert all(p.finish != "length" for p in drawn)
+    assert max(p.tokens for p in drawn) > on.default_max_tokens
+
+
 def test_the_allow_list_holds_only_reading_tools() -> None:
     assert {name.lower() for name in READ_ONLY_TOOLS} == {
         "ls",
@@ -103,6 +129,10 @@ def test_the_allow_list_holds_only_reading_tools() -> None:
         "read",
         "view",
         "grep",
+        "list_dir",
+        "read_file",
+        "grep_files",
+        "view_image",
     }
 
 
@@ -220,6 +250,70 @@ def test_anthropic_sdk_sees_end_turn_and_tool_use() -> None:
             )
             assert after.stop_reason == "end_turn"
         assert reasons == {"end_turn", "tool_use"}
+
+    serving(scenario)
+
+
+def test_openai_sdk_sees_completed_responses_and_function_calls() -> None:
+    async def scenario(base: str) -> None:
+        client = openai_client(base)
+        statuses = set()
+        for i in range(12):
+            items: Any = [
+                {"type": "message", "role": "developer", "content": "You are a coding agent."},
+                {"type": "message", "role": "user", "content": f"list the files, take {i}"},
+            ]
+            reply = await client.responses.create(model="m", input=items, tools=RESPONSES_TOOLS)
+            assert reply.status == "completed" and reply.incomplete_details is None
+            assert reply.usage is not None and reply.usage.output_tokens <= LONGEST_REPLY
+            (item,) = reply.output
+            stored = await client.responses.retrieve(reply.id)
+            assert stored.output[0].model_dump() == item.model_dump()
+            statuses.add(item.type)
+            if item.type == "message":
+                assert reply.output_text
+                continue
+            assert item.type == "function_call" and item.status == "completed"
+            assert item.name == "view_image" and json.loads(item.arguments) == {"path": "."}
+            # The stream opens the same call, sends its arguments in pieces and closes it.
+            async with client.responses.stream(
+                model="m", input=items, tools=RESPONSES_TOOLS
+            ) as stream:
+                events = [event async for event in stream]
+                streamed = await stream.get_final_response()
+            kinds = [event.type for event in events]
+            assert kinds[:3] == [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+            ]
+            assert kinds[-3:] == [
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+            added = events[2]
+            assert added.type == "response.output_item.added"
+            assert added.item.type == "function_call" and added.item.name == "view_image"
+            pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+            assert len(pieces) > 1 and "".join(pieces) == item.arguments
+            assert "response.output_text.delta" not in kinds
+            (call,) = streamed.output
+            assert call.type == "function_call" and call.status == "completed"
+            assert (call.name, call.arguments) == (item.name, item.arguments)
+            # Handing back the call's output, after the stored response, ends the turn.
+            output: Any = [{"type": "function_call_output", "call_id": item.call_id, "output": "x"}]
+            after = await client.responses.create(
+                model="m", input=output, tools=RESPONSES_TOOLS, previous_response_id=reply.id
+            )
+            assert after.status == "completed" and after.output[0].type == "message"
+            assert after.usage is not None
+            assert after.usage.input_tokens_details.cached_tokens > 0
+        assert statuses == {"message", "function_call"}
+        # A bound the reply does not fit cuts it, as max_tokens does.
+        cut = await client.responses.create(model="m", input="hi", max_output_tokens=2)
+        assert cut.status == "incomplete" and cut.usage is not None
+        assert cut.usage.output_tokens == 2
 
     serving(scenario)
 

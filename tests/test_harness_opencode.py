@@ -12,13 +12,11 @@ from harnesses import (
     agent_engines,
     base_env,
     check_routing,
+    front_door,
     harness_binary,
     recording,
     run_harness,
-    serving,
 )
-
-from smetric.testing.engines import http_get
 
 SESSION_HEADER = "x-session-id"
 
@@ -65,10 +63,9 @@ async def two_turns(front: str, workdir: Path) -> Recording:
 
 def test_opencode_through_serve(tmp_path: Path) -> None:
     harness_binary("opencode")
-    with agent_engines(tmp_path) as engines, serving(engines, tmp_path) as router:
-        record = asyncio.run(two_turns(router.url, tmp_path / "run"))
-        status, metrics = http_get(router.url + "/metrics")
-        assert status == 200
+    with agent_engines(tmp_path) as engines, front_door("serve", engines, tmp_path) as door:
+        record = asyncio.run(two_turns(door.url, tmp_path / "run"))
+        metrics = door.metrics()
     check_routing(record, metrics, "opencode", SESSION_HEADER)
     for exchange in record.routed():
         assert exchange.path == "/v1/chat/completions"

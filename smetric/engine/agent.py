@@ -1,12 +1,13 @@
-"""What the mock engine answers in agent mode: a short reply that ends its turn, or one call
-to a read-only tool the request offers.
+"""What the mock engine's replies hold, in every API: filler text, or in agent mode a short
+reply that ends its turn or one call to a read-only tool the request offers.
 
 A harness such as Claude Code treats a reply cut at ``max_tokens`` as a failure, and one
 that never calls a tool exercises only half of an agent's loop. So in agent mode each
 request gets a plan drawn from its content and a seed: the same request always gets the
 same reply, in any process. The plan only says what to generate; each API's endpoint
 renders it in its own shapes, and its token count is what the scheduler generates, so
-timing and KV stay modelled.
+timing and KV stay modelled. ``plan_reply`` is the one place a reply's length and end are
+decided, for every API and either mode.
 
 Two rules keep any harness terminating and harmless: a call is only ever to a tool on the
 read-only allow-list (never one that writes, runs commands or reaches the network), and
@@ -22,9 +23,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Read-only tools, by name as Claude Code, OpenCode and others offer them, most preferred
-# first: listing and globbing succeed in any directory, reading needs a file to exist.
-READ_ONLY_TOOLS = ("LS", "list", "Glob", "glob", "Read", "read", "view", "Grep", "grep")
+from smetric.core.conversation import RequestFacts
+from smetric.engine.scheduler import EngineConfig
+
+# Read-only tools, by name as Claude Code, OpenCode, Codex (``view_image``; some versions
+# ``list_dir``, ``read_file``, ``grep_files``) and others offer them, most preferred first:
+# listing and globbing succeed in any directory, reading needs a file to exist
+# (``view_image`` an image: where there is none, the harness hands back an error, which
+# ends the turn as any result does).
+READ_ONLY_TOOLS = (
+    "LS",
+    "list",
+    "list_dir",
+    "Glob",
+    "glob",
+    "Read",
+    "read",
+    "read_file",
+    "view",
+    "Grep",
+    "grep",
+    "grep_files",
+    "view_image",
+)
 
 # Values for required arguments by name, then by JSON type: a listing of the working
 # directory, a README, a pattern that is a valid glob and a valid regex alike.
@@ -84,7 +105,7 @@ class ReplyPlan:
 
     @classmethod
     def filler(cls, max_tokens: int) -> ReplyPlan:
-        """The reply outside agent mode: text up to ``max_tokens``, as a benchmark wants."""
+        """Text cut at ``max_tokens``, as a benchmark wants."""
         return cls(max_tokens)
 
     @property
@@ -100,6 +121,33 @@ class ReplyPlan:
 
 
 def plan_reply(
+    config: EngineConfig,
+    body: Mapping[str, Any],
+    facts: RequestFacts,
+    bound: int | None,
+    *,
+    may_call: bool,
+) -> ReplyPlan:
+    """The reply to a request ``body`` (chat, completions, messages or responses shape, its
+    conversation whole) whose prompt is ``facts``; ``bound`` is the client's limit on output
+    tokens (``max_tokens``, ``max_output_tokens``), None where it set none.
+
+    Outside agent mode the text is filler, which has no end of its own: a bound is run to,
+    as a benchmark wants; without one the reply is ``default_max_tokens`` long and ends by
+    itself, so a harness that waits for a finished reply (Codex sets no bound) finishes.
+    In agent mode the drawn reply is cut at the bound, or without one where the context
+    is full, as a model's would be.
+    """
+    if not config.agent:
+        if bound is None:
+            return ReplyPlan(config.default_max_tokens, natural_stop=True)
+        return ReplyPlan.filler(bound)
+    limit = config.context_len - facts.prompt_tokens if bound is None else bound
+    content = facts.token_ids.tobytes()
+    return draw_reply(body, content, limit, config.agent_seed, may_call=may_call)
+
+
+def draw_reply(
     body: Mapping[str, Any], content: bytes, max_tokens: int, seed: int, *, may_call: bool = True
 ) -> ReplyPlan:
     """The agent-mode reply to a request ``body`` (chat, messages or responses shape).

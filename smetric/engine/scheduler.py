@@ -108,7 +108,7 @@ class EngineConfig:
         False,
         "Reply as an agent's model: a short reply that ends its turn, or a call to a "
         "read-only tool the request offers; seeded by the request's content. Off: every "
-        "reply runs to max_tokens.",
+        "reply runs to max_tokens (without one, default_max_tokens, ending there).",
     )
     agent_seed: int = setting(0, "Seed of the agent mode's replies.", ge=0, lt=2**64)
     # Disaggregated serving (engine/disagg.py): what the engine may do for a proxy, the link

@@ -8,10 +8,10 @@ reports it with ``--enable-prompt-tokens-details``), Anthropic Messages
 Prompts are parsed by ``core.conversation.analyze_request``, the router's own parser, so
 router and engine agree on every prompt's tokens and blocks, and its ``RequestError``
 becomes a 400. Any model name is accepted in requests, so a router configured with another
-name still gets answers. What a reply holds is planned before it is generated: filler text
-up to ``max_tokens``, or in agent mode (``engine.agent``) a short reply or a read-only tool
-call, which each API renders in its own shapes; the plan's token count is what the
-scheduler generates.
+name still gets answers. What a reply holds is planned before it is generated, the same
+way for every API (``engine/agent``): filler text up to ``max_tokens``, or in agent mode
+(``engine.agent``) a short reply or a read-only tool call, which each API renders in its
+own shapes; the plan's token count is what the scheduler generates.
 
 With ``kv_events_endpoint`` set, the engine's KV events go out over ZMQ exactly as vLLM's
 ``ZmqEventPublisher`` sends them: multipart ``[topic, seq (8-byte big-endian), payload]``
@@ -224,11 +224,11 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         body = await _json_body(request)
         facts = analyze_request(body, api, _TOKENIZER, config.block_size)
         assert isinstance(body, dict)  # analyze_request accepts nothing but an object
-        max_tokens, stream, include_usage = _sampling(body, api, config.default_max_tokens)
+        bound, stream, include_usage = _sampling(body, api)
         params = body.get(KV_TRANSFER_PARAMS)
         transfers = request.app[TRANSFERS]
         transfers.check(params)
-        _check_context(facts.prompt_tokens, max_tokens, config.context_len)
+        _check_context(facts.prompt_tokens, bound, config)
     except RequestError as error:
         return _error(str(error))
     # A remote prefill's blocks are read before the request is scheduled, as vLLM's
@@ -236,17 +236,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     pulled = (
         await transfers.pull(facts, params) if params and params.get("do_remote_prefill") else None
     )
-    plan = (
-        plan_reply(
-            body,
-            facts.token_ids.tobytes(),
-            max_tokens,
-            config.agent_seed,
-            may_call=api != "completions",
-        )
-        if config.agent
-        else ReplyPlan.filler(max_tokens)
-    )
+    plan = plan_reply(config, body, facts, bound, may_call=api != "completions")
     job = EngineRequest(facts.token_ids, facts.blocks, plan.tokens)
     engine.submit(job)
     try:
@@ -358,23 +348,20 @@ async def _responses(request: web.Request) -> web.StreamResponse:
                 )
             history = stored.conversation
         conversation = [*history, *input_items(body)]
-        facts = analyze_request(
-            {**body, "input": conversation}, "responses", _TOKENIZER, config.block_size
-        )
-        max_tokens, complete = responses_length(body, config.default_max_tokens)
-        stream = body.get("stream") or False
-        if not isinstance(stream, bool):
-            raise RequestError(f"stream must be a boolean, got {stream!r}")
-        _check_context(facts.prompt_tokens, max_tokens, config.context_len)
+        whole = {**body, "input": conversation}
+        facts = analyze_request(whole, "responses", _TOKENIZER, config.block_size)
+        bound, stream, _ = _sampling(body, "responses")
+        _check_context(facts.prompt_tokens, bound, config)
     except RequestError as error:
         return _error(str(error))
-    job = EngineRequest(facts.token_ids, facts.blocks, max_tokens)
+    plan = plan_reply(config, whole, facts, bound, may_call=True)
+    job = EngineRequest(facts.token_ids, facts.blocks, plan.tokens)
     engine.submit(job)
-    reply = ResponsesReply(config.served_model_name, body, complete=complete)
+    reply = ResponsesReply(config.served_model_name, body, plan)
 
-    def finished(text: str) -> dict[str, Any]:
+    def finished() -> dict[str, Any]:
         """The whole response, stored (before the client can see its end and follow up)."""
-        answer = reply.response(reply.final_status, text, _responses_usage(job))
+        answer = reply.response(_responses_usage(job))
         if body.get("store", True) is not False:
             store.put(Stored(answer, [*conversation, *answer["output"]]))
         return answer
@@ -382,10 +369,9 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     try:
         if stream:
             return await _stream_response(request, job, reply, finished)
-        count = 0
         while await job.tokens.get() is not END:
-            count += 1
-        return web.json_response(finished("".join(filler_token(i) for i in range(count))))
+            pass
+        return web.json_response(finished())
     finally:
         engine.cancel(job)
 
@@ -394,23 +380,21 @@ async def _stream_response(
     request: web.Request,
     job: EngineRequest,
     reply: ResponsesReply,
-    finished: Callable[[str], dict[str, Any]],
+    finished: Callable[[], dict[str, Any]],
 ) -> web.StreamResponse:
     """The response's events, opened with the first token as the chat stream is."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    texts = []
     try:
         index = await job.tokens.get()
         for data in reply.opening():
             await response.write(data)
         while index is not END:
-            texts.append(filler_token(index))
-            await response.write(reply.delta(texts[-1]))
+            await response.write(reply.token(index))
             index = await job.tokens.get()
-        for data in reply.closing(finished("".join(texts))):
+        for data in reply.closing(finished()):
             await response.write(data)
         await response.write_eof()
     except ConnectionResetError:
@@ -420,22 +404,6 @@ async def _stream_response(
 
 def _responses_usage(job: EngineRequest) -> dict[str, Any]:
     return responses_usage(job.prompt_tokens, job.cached_tokens, job.generated)
-
-
-def responses_length(body: dict[str, Any], default_max_tokens: int) -> tuple[int, bool]:
-    """How many tokens a response generates, and whether it ends by itself (status
-    ``completed``) rather than at ``max_output_tokens`` (``incomplete``).
-
-    Filler text has no end of its own, so a request that bounds its output runs to the
-    bound; one that does not (Codex sends none) gets a short reply, ``default_max_tokens``
-    long, that ends naturally, so a harness that waits for a completed response finishes.
-    """
-    bound = body.get("max_output_tokens")
-    if bound is None:
-        return default_max_tokens, True
-    if type(bound) is not int or bound < 1:
-        raise RequestError(f"max_output_tokens must be a positive integer, got {bound!r}")
-    return bound, False
 
 
 async def _get_response(request: web.Request) -> web.Response:
@@ -538,16 +506,22 @@ def _usage(job: EngineRequest) -> dict[str, Any]:
     }
 
 
-def _sampling(body: dict[str, Any], api: Api, default_max_tokens: int) -> tuple[int, bool, bool]:
-    """``max_tokens``, ``stream`` and ``stream_options.include_usage``, type-checked.
+# Where each API puts its limit on output tokens, the first one set applying.
+_BOUNDS: dict[Api, tuple[str, ...]] = {
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+    "messages": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+}
 
-    Outside agent mode output always stops at ``max_tokens``: filler text has no
-    end-of-sequence token, so ``ignore_eos`` changes nothing there (agent mode reads it).
-    """
-    keys = ("max_completion_tokens", "max_tokens") if api == "chat" else ("max_tokens",)
-    max_tokens = next((body[k] for k in keys if body.get(k) is not None), default_max_tokens)
-    if type(max_tokens) is not int or max_tokens < 1:
-        raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+
+def _sampling(body: dict[str, Any], api: Api) -> tuple[int | None, bool, bool]:
+    """The output bound (None where the request sets none), ``stream`` and
+    ``stream_options.include_usage``, type-checked."""
+    bound = next((body[k] for k in _BOUNDS[api] if body.get(k) is not None), None)
+    if bound is not None and (type(bound) is not int or bound < 1):
+        name = _BOUNDS[api][-1]
+        raise RequestError(f"{name} must be a positive integer, got {bound!r}")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -559,7 +533,7 @@ def _sampling(body: dict[str, Any], api: Api, default_max_tokens: int) -> tuple[
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("stream_options.include_usage must be a boolean")
-    return max_tokens, stream, include_usage
+    return bound, stream, include_usage
 
 
 # --- Everything else -----------------------------------------------------------------------
@@ -688,12 +662,15 @@ class _EngineCollector:
 # --- Helpers -------------------------------------------------------------------------------
 
 
-def _check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+def _check_context(prompt_tokens: int, bound: int | None, config: EngineConfig) -> None:
+    """The prompt and the most the reply may be fit the context (with no bound set,
+    ``default_max_tokens``, the least any reply has room for)."""
     if prompt_tokens == 0:
         raise RequestError("the prompt must not be empty")
-    if prompt_tokens + max_tokens > max_model_len:
+    max_tokens = config.default_max_tokens if bound is None else bound
+    if prompt_tokens + max_tokens > config.context_len:
         raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens; the "
+            f"This model's maximum context length is {config.context_len} tokens; the "
             f"request has {prompt_tokens} prompt tokens and max_tokens {max_tokens}"
         )
 
