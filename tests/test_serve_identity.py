@@ -108,7 +108,10 @@ async def with_recorders(body: Any, roles: int = 1, first_observer: Any = None) 
     urls = [f"http://127.0.0.1:{s.port}" for s in servers]
     disagg = None if roles == 1 else Disaggregation(frozenset(urls[:1]), frozenset(urls[1:]))
     router = Router(
-        [Engine(u, 1000) for u in urls], RouterSettings(health_interval_s=60), disagg=disagg
+        [Engine(u, 1000) for u in urls],
+        # The hints include the client's own kv_transfer_params, for trusted clients only.
+        RouterSettings(health_interval_s=60, allow_client_kv_transfer_params=True),
+        disagg=disagg,
     )
     completions: list[Completion] = []
     router.observers.extend([first_observer] if first_observer else [])

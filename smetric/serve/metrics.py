@@ -163,6 +163,15 @@ class RouterMetrics:
             ["leg", "engine"],
             registry=self.registry,
         )
+        self.refused = Counter(
+            "smetric_refused_requests",
+            "Requests the router answered itself, without an engine, by route (other: a "
+            "path it does not serve), status and reason (bad_json, not_an_object, "
+            "bad_request, body_too_large, prompt_too_long, bad_key, unknown_route, "
+            "no_healthy_engine, ...).",
+            ["route", "status", "reason"],
+            registry=self.registry,
+        )
         self.agent_requests = Counter(
             "smetric_agent_requests",
             "Requests by the agent harness that sent them (none: no harness header), the "
