@@ -271,7 +271,7 @@ def test_the_picker_counts_its_refusals_and_answers_in_the_route_s_shape() -> No
             labels = {"route": route, "status": status, "reason": reason}
             assert registry.get_sample_value("smetric_refused_requests_total", labels) == 1
 
-    run(go())
+    run(go)
 
 
 def test_an_engine_that_requires_a_key_gets_its_own_through_the_picker() -> None:
@@ -287,7 +287,7 @@ def test_an_engine_that_requires_a_key_gets_its_own_through_the_picker() -> None
         assert "x-api-key" in mutation.remove_headers  # the client's key stays here
         exchange.close(complete=False)
 
-    run(go())
+    run(go)
 
 
 def test_a_token_count_the_engine_does_not_serve_is_the_router_s() -> None:
@@ -315,4 +315,4 @@ def test_a_token_count_the_engine_does_not_serve_is_the_router_s() -> None:
         assert counts[404] > 0
         assert all(e.inflight == 0 for e in chooser.router.engines)
 
-    run(go())
+    run(go)

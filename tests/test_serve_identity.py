@@ -109,8 +109,7 @@ async def with_recorders(body: Any, roles: int = 1, first_observer: Any = None) 
     disagg = None if roles == 1 else Disaggregation(frozenset(urls[:1]), frozenset(urls[1:]))
     router = Router(
         [Engine(u, 1000) for u in urls],
-        # The hints include the client's own kv_transfer_params, for trusted clients only.
-        RouterSettings(health_interval_s=60, allow_client_kv_transfer_params=True),
+        RouterSettings(health_interval_s=60),
         disagg=disagg,
     )
     completions: list[Completion] = []
