@@ -14,7 +14,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai.types.responses import ResponseErrorEvent
-from test_serve import eventually, run
 from test_serve_faults import with_mixed
 
 from smetric.serve.app import Router, RouterSettings
@@ -22,7 +21,7 @@ from smetric.serve.engines import Engine
 from smetric.serve.errors import ANTHROPIC, OPENAI, RESPONSES, dialect_for
 from smetric.serve.refusals import Refusal, RefusalLog
 
-from conftest import router_client
+from conftest import eventually, router_client, run
 
 MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}
 
@@ -46,6 +45,7 @@ def refused_count(router, route: str, status: int, reason: str) -> float:
     return value or 0.0
 
 
+@pytest.mark.server
 def test_every_refusal_is_counted_by_route_status_and_reason() -> None:
     over = b'{"messages": [{"role": "user", "content": "' + b"x" * 2048 + b'"}]}'
     cases = [
@@ -84,6 +84,7 @@ def test_every_refusal_is_counted_by_route_status_and_reason() -> None:
     run(lambda: with_mixed([], 1, body, max_body_bytes=1024))
 
 
+@pytest.mark.server
 def test_bad_keys_and_no_healthy_engine_are_counted_too() -> None:
     async def keyed(client, url, router, fakes) -> None:
         async with client.post(url + "/v1/messages", json=MESSAGES) as response:
@@ -132,6 +133,8 @@ def test_refusals_are_logged_at_most_once_per_reason_a_second(caplog) -> None:
 # -- error shapes, through the SDKs ---------------------------------------------------------
 
 
+@pytest.mark.server
+@pytest.mark.subprocess
 def test_a_stream_cut_mid_way_raises_in_the_openai_sdk() -> None:
     async def body(client, url, router, fakes) -> None:
         sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -144,6 +147,7 @@ def test_a_stream_cut_mid_way_raises_in_the_openai_sdk() -> None:
     run(lambda: with_mixed(["broken_stream"], 0, body))
 
 
+@pytest.mark.server
 def test_a_stream_cut_mid_way_raises_in_the_anthropic_sdk() -> None:
     async def body(client, url, router, fakes) -> None:
         sdk = anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0)
@@ -157,6 +161,7 @@ def test_a_stream_cut_mid_way_raises_in_the_anthropic_sdk() -> None:
     run(lambda: with_mixed(["broken_stream"], 0, body))
 
 
+@pytest.mark.server
 def test_refusals_raise_each_sdk_s_own_exception_types() -> None:
     async def body(client, url, router, fakes) -> None:
         oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
@@ -259,6 +264,7 @@ async def engine_headers(client, url: str, **headers: str) -> dict[str, str]:
     return {name.lower(): value for name, value in got.items()}
 
 
+@pytest.mark.server
 def test_anthropic_and_harness_headers_reach_engines_whatever_the_router_s_key() -> None:
     async def keyed(client, url, seen) -> None:
         got = await engine_headers(client, url, **{"x-api-key": "router-key"})
@@ -313,6 +319,7 @@ def test_engines_take_their_key_from_the_config(tmp_path) -> None:
 # -- count_tokens -------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_count_tokens_is_the_engine_s_where_it_serves_it_else_the_router_s() -> None:
     async def through_sdk(client, url, router, fakes) -> None:
         sdk = anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0)
@@ -342,6 +349,7 @@ def test_count_tokens_is_the_engine_s_where_it_serves_it_else_the_router_s() -> 
     run(lambda: with_header_engine(not_served))  # it answers 404 on the route
 
 
+@pytest.mark.server
 def test_an_unknown_stored_response_is_a_counted_refusal_in_the_responses_shape() -> None:
     async def body(client, url, router, fakes) -> None:
         follow_up = {"model": "m", "input": "and then?", "previous_response_id": "resp_nowhere"}
@@ -357,6 +365,7 @@ def test_an_unknown_stored_response_is_a_counted_refusal_in_the_responses_shape(
     run(lambda: with_mixed([], 1, body))
 
 
+@pytest.mark.server
 def test_a_responses_stream_cut_mid_way_ends_with_the_sdk_s_error_event() -> None:
     async def body(client, url, router, fakes) -> None:
         sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
