@@ -14,7 +14,6 @@ from smetric.core.policies.base import (
     RoutingPolicy,
     RoutingRequest,
 )
-from smetric.core.policies.prices import PriceLearner
 from smetric.core.policies.ties import TieBreaker, best_hit
 from smetric.core.settings import setting
 
@@ -139,7 +138,12 @@ class SMetricCost(RoutingPolicy):
     def learner(self, given: Collection[str] = ()) -> Learner | None:
         """A ``PriceLearner`` started from its constants, never learning those ``given``;
         none with ``learn=0``."""
-        return PriceLearner(self.learnable(), given) if self.learn else None
+        if not self.learn:
+            return None
+        # Here, not at the top: the learner's numpy would load with every command's --help.
+        from smetric.core.policies.prices import PriceLearner
+
+        return PriceLearner(self.learnable(), given)
 
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill a prompt's first ``tokens`` tokens from nothing."""
