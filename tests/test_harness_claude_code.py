@@ -19,22 +19,29 @@ from harnesses import (
     run_harness,
 )
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 SESSION_HEADER = "x-claude-code-session-id"
 
 
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "agents.md"
+
+
 def claude_env(home: Path, base_url: str) -> dict[str, str]:
-    """The configuration the guide gives: the front door's root as the base URL, a key,
-    and everything that would reach past the router turned off."""
-    return {
-        **base_env(home),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "sk-smetric-test",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_BUG_COMMAND": "1",
-    }
+    """The environment the guide gives, read from the guide itself so the two cannot drift
+    apart: the front door's root as the base URL, a key, and everything that would reach
+    past the router turned off."""
+    section = GUIDE.read_text().split("## Claude Code", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    env = {}
+    for line in block.splitlines():
+        if line.startswith("export "):
+            for pair in line.split("#", 1)[0].split()[1:]:
+                name, value = pair.split("=", 1)
+                env[name] = value
+    env["ANTHROPIC_BASE_URL"] = env["ANTHROPIC_BASE_URL"].replace("http://ROUTER:8000", base_url)
+    env["ANTHROPIC_API_KEY"] = "sk-smetric-test"
+    return {**base_env(home), **env}
 
 
 async def two_turns(front: str, workdir: Path) -> Recording:

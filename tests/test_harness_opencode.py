@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from harnesses import (
     Recording,
     agent_engines,
@@ -18,27 +19,21 @@ from harnesses import (
     run_harness,
 )
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 SESSION_HEADER = "x-session-id"
 
 
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "agents.md"
+
+
 def opencode_config(base_url: str) -> dict[str, object]:
-    """The ``opencode.json`` the guide gives: an OpenAI-compatible provider on the front
-    door's ``/v1``, its one model the default."""
-    return {
-        "$schema": "https://opencode.ai/config.json",
-        "provider": {
-            "smetric": {
-                "npm": "@ai-sdk/openai-compatible",
-                "name": "SMetric",
-                "options": {"baseURL": f"{base_url}/v1", "apiKey": "sk-smetric-test"},
-                "models": {"qwen3": {"name": "Qwen3 via SMetric"}},
-            }
-        },
-        "model": "smetric/qwen3",
-        "small_model": "smetric/qwen3",
-        "autoupdate": False,
-        "share": "disabled",
-    }
+    """The ``opencode.json`` the guide gives, read from the guide itself so the two cannot
+    drift apart: an OpenAI-compatible provider on the front door's ``/v1``."""
+    section = GUIDE.read_text().split("## OpenCode", 1)[1]
+    block = section.split("```json\n", 1)[1].split("```", 1)[0]
+    text = block.replace("http://ROUTER:8000", base_url).replace('"KEY"', '"sk-smetric-test"')
+    return json.loads(text)
 
 
 async def two_turns(front: str, workdir: Path) -> Recording:

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import numpy as np
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
@@ -31,6 +32,8 @@ from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.ports import startup_events_ports
 
 from conftest import block_stored, events_engine, until_heard
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 BS = 16
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}

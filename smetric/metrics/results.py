@@ -24,6 +24,8 @@ from typing import Any, Literal, Self
 
 import msgspec
 
+from smetric.core.errors import UserError
+
 SCHEMA_VERSION = 1
 
 Number = int | float
@@ -306,23 +308,23 @@ def write_summaries(path: Path, meta: Mapping[str, Any], runs: Mapping[str, RunS
 
 
 def read_summaries(path: Path) -> dict[str, RunSummary]:
-    """Each run's summary in a ``summary.json``; ``ValueError`` naming the file when it is
+    """Each run's summary in a ``summary.json``; ``UserError`` naming the file when it is
     missing, unreadable or not results of this schema version."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise ValueError(
+        raise UserError(
             f"{path.parent}: no summary.json (not a `smetric simulate` or `replay` result)"
         ) from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from exc
+        raise UserError(f"{path}: cannot read: {exc}") from exc
     runs = data.get("policies") if isinstance(data, dict) else None
     if not isinstance(runs, dict) or not runs:
-        raise ValueError(f"{path}: no 'policies' with run summaries")
+        raise UserError(f"{path}: no 'policies' with run summaries")
     try:
         return {name: RunSummary.from_builtins(run) for name, run in runs.items()}
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+        raise UserError(f"{path}: {exc}") from exc
 
 
 class Knee(Record, frozen=True):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import polars as pl
 
+from smetric.core.errors import UserError
 from smetric.metrics.results import RunSummary, read_summaries
 
 
@@ -28,7 +29,7 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, RunSummary], dict[str, pl.
     """Summaries and per-request tables of every run in ``folders``, in order.
 
     Runs are named by their policy alone when one folder is given, else ``FOLDER/policy``,
-    so that two folders' ``smetric`` rows stay apart. Raises ``ValueError`` naming the
+    so that two folders' ``smetric`` rows stay apart. Raises ``UserError`` naming the
     folder when something is missing or not a result.
     """
     summaries: dict[str, RunSummary] = {}
@@ -37,11 +38,11 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, RunSummary], dict[str, pl.
         for name, summary in read_summaries(folder / "summary.json").items():
             label = name if len(folders) == 1 else f"{folder.name}/{name}"
             if label in summaries:
-                raise ValueError(f"two runs are both named {label!r}; rename one folder")
+                raise UserError(f"two runs are both named {label!r}; rename one folder")
             table_path = folder / run_file_name(name)
             try:
                 tables[label] = pl.read_parquet(table_path)
             except (OSError, pl.exceptions.PolarsError) as exc:
-                raise ValueError(f"{table_path}: cannot read the run's requests: {exc}") from exc
+                raise UserError(f"{table_path}: cannot read the run's requests: {exc}") from exc
             summaries[label] = summary
     return summaries, tables

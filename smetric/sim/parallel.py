@@ -19,6 +19,7 @@ from typing import Any
 
 import polars as pl
 
+from smetric.core.errors import UserError
 from smetric.metrics.results import RunSummary
 from smetric.sim.config import dump_yaml
 from smetric.sim.jobs import (
@@ -121,13 +122,13 @@ class RunStore:
         try:
             return RunSummary.from_json(path.read_bytes())
         except ValueError as exc:
-            raise ValueError(f"{path}: {exc}; remove the folder to run it again") from exc
+            raise UserError(f"{path}: {exc}; remove the folder to run it again") from exc
 
     def stored(self, job: Job, *, with_requests: bool = False) -> RunSummary:
         """The summary of a run that must be stored already (one a knee search probed)."""
         summary = self.get(job, with_requests=with_requests)
         if summary is None:
-            raise ValueError(f"{self.folder}: run {job.run_id} is missing")
+            raise UserError(f"{self.folder}: run {job.run_id} is missing")
         return summary
 
     def requests(self, job: Job) -> pl.DataFrame:

@@ -9,7 +9,7 @@ from smetric.metrics.summary import summarize, with_latencies
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
 from smetric.sim.pd import simulate_disaggregated
-from smetric.sim.policy import cluster_policy, policy_learner
+from smetric.sim.policy import cluster_policy, policy_learning
 from smetric.sim.result import RunResult, with_simulated
 from smetric.sim.workload import build_workload
 from smetric.trace.schema import Trace
@@ -25,12 +25,12 @@ def simulate(
         return simulate_disaggregated(trace, config, policy, progress)
     workload = build_workload(trace, config.workload)
     router, params = cluster_policy(policy, config.cluster)
-    learner = policy_learner(router, policy)
-    sim = Simulation(config.cluster, router, workload, progress, learner)
+    learning = policy_learning(router, policy)
+    sim = Simulation(config.cluster, router, workload, progress, learning)
     horizon = workload.horizon_s
     table = with_latencies(sim.run(), config.slo, horizon)
     summary = summarize(
         table, config.slo, horizon, config.cluster.instances, config.window_s, config.warmup_s
     )
-    summary = with_simulated(summary, sim.instances, sim.instances, learner)
+    summary = with_simulated(summary, sim.instances, sim.instances, learning)
     return RunResult(policy, table, summary, sim.shape, params)
