@@ -384,7 +384,7 @@ def test_a_failing_subscriber_is_restarted_and_its_view_resynced(caplog) -> None
         async with publishing_to(index, resync_backoff_s=0.0) as (publisher, sub):
 
             async def warm_up(attempt: int) -> None:
-                publisher.publish([])
+                publisher.publish([{"type": "AllBlocksCleared"}])
 
             await until_heard(warm_up, lambda: sub.counters.failures > 0)
             assert not sub.exact and exported(sub, "failures") == 1
@@ -610,5 +610,49 @@ def test_blocks_of_another_size_degrade_the_view_and_are_exported() -> None:
             await sub.receive(_frames(0, [block_stored([1], None, list(range(2 * BS)), 2 * BS)]))
             assert not sub.exact and index.size() == 0
             assert exported(sub, "mismatched") == 1
+
+    asyncio.run(main())
+
+
+def _chain(count: int, size: int = 16) -> list[list[dict[str, Any]]]:
+    """``count`` batches storing ``size`` blocks each, every block the child of the one
+    before, so that a view missing any batch orphans every later one."""
+    tokens = [t % 251 for t in range(size * BS)]
+    return [
+        [block_stored(list(range(i * size + 1, (i + 1) * size + 1)), i * size or None, tokens, BS)]
+        for i in range(count)
+    ]
+
+
+def test_a_long_replay_history_is_applied_whole_within_a_per_message_deadline() -> None:
+    """6,000 batches in the engine's replay buffer (vLLM keeps up to 10,000): the replay
+    that fills a lost batch's hole, and the resync of a view that lost an event, take far
+    longer in all than the replay deadline, which bounds each message, not the whole
+    answer; the view is exact again within seconds."""
+    config = dataclasses.replace(replay_only(), kv_events_buffer_steps=10_000)
+    batches = _chain(6_002)
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            for events in batches[:6_000]:
+                publisher.publish(events)
+            index = EventIndex(BS)
+            replay = publisher.replay_endpoint
+            options = {"replay_timeout_s": 0.5, "resync_backoff_s": 0.0}
+            async with subscriber(index, ANY, "kv", replay, **options) as sub:
+                began = time.monotonic()
+                await sub.receive(_frames(5_999, batches[5_999]))  # batches 0..5998 lost
+                assert sub.exact and index.size() == 6_000 * 16, sub.counters
+                assert sub.counters.replayed == 5_999 and sub.counters.unrecovered == 0
+                # A batch that cannot be read is lost for good: the resync replays all
+                # 6,001 batches into a fresh view.
+                publisher.publish(batches[6_000])
+                await sub.receive([b"kv", (6_000).to_bytes(8, "big"), b"\xc1"])
+                assert sub.exact and sub.counters.resyncs == 1, sub.counters
+                assert index.size() == 6_001 * 16
+                publisher.publish(batches[6_001])
+                await sub.receive(_frames(6_001, batches[6_001]))
+                assert sub.exact and index.size() == 6_002 * 16
+                assert time.monotonic() - began < 15
 
     asyncio.run(main())

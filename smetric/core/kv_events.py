@@ -36,7 +36,7 @@ offloaded block covers. The newest releases can instead send full, self-describi
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
@@ -202,6 +202,45 @@ def _decode_event(raw: Any) -> Event | None:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
+
+
+def in_slices(events: Sequence[Event], blocks: int) -> Iterator[list[Event]]:
+    """``events`` in order, in slices of at most ``blocks`` blocks each (at least one
+    event per slice), a larger event cut in pieces: a ``BlockStored`` piece continues the
+    chain of the piece before it, so applying the slices in order is applying the events.
+    Whoever applies them can then pause between slices however large an event is."""
+    part: list[Event] = []
+    size = 0
+    for event in events:
+        for piece in _pieces(event, blocks):
+            count = 0 if isinstance(piece, AllBlocksCleared) else len(piece.block_hashes)
+            if part and size + count > blocks:
+                yield part
+                part, size = [], 0
+            part.append(piece)
+            size += count
+    if part:
+        yield part
+
+
+def _pieces(event: Event, blocks: int) -> Iterator[Event]:
+    if isinstance(event, AllBlocksCleared) or len(event.block_hashes) <= blocks:
+        yield event
+        return
+    hashes = event.block_hashes
+    if isinstance(event, BlockRemoved):
+        for start in range(0, len(hashes), blocks):
+            yield BlockRemoved(hashes[start : start + blocks], event.medium)
+        return
+    tokens, size = event.token_ids, event.block_size
+    for start in range(0, len(hashes), blocks):
+        yield BlockStored(
+            hashes[start : start + blocks],
+            event.parent_block_hash if start == 0 else hashes[start - 1],
+            tokens[start * size : (start + blocks) * size] if tokens else (),
+            size,
+            event.medium,
+        )
 
 
 def _is_int(value: Any) -> TypeGuard[int]:

@@ -38,12 +38,17 @@ from smetric.core.kv_events import (
     KVEventError,
     SequenceTracker,
     decode_batch,
+    in_slices,
     parse_sequence,
 )
 
 log = logging.getLogger("smetric.serve")
 # Longest wait between resyncs, or between restarts of a failing subscriber.
 _MAX_BACKOFF_S = 60.0
+# Blocks applied between two turns of the event loop.
+_SLICE_BLOCKS = 1024
+# Replayed batches queued at most (vLLM's replay buffer holds 10,000 by default).
+_REPLAY_QUEUE = 100_000
 
 
 class _HistoryGone(Exception):
@@ -234,7 +239,7 @@ class KVEventSubscriber:
         if missing and not await self._replay(missing, self.index):
             self.counters.unrecovered += 1
             self._degrade(f"batches {missing.start}..{missing.stop - 1} missed, replay failed")
-        self._apply(frames[2], self.index)
+        await self._apply(frames[2], self.index)
 
     def _restarted(self, last_seq: int | None, seq: int | None) -> None:
         """A new engine process starts with an empty cache: the view is exact again once
@@ -247,8 +252,13 @@ class KVEventSubscriber:
         self._resync_wait_s = self.resync_backoff_s
         self._log("kv_events_restart", last_seq=last_seq, seq=seq)
 
-    def _apply(self, payload: bytes, index: EventIndex) -> bool:
-        """Apply one batch to ``index``; True when no event of it was lost."""
+    async def _apply(self, payload: bytes, index: EventIndex) -> bool:
+        """Apply one batch to ``index``; True when no event of it was lost.
+
+        The batch is applied in slices of at most ``_SLICE_BLOCKS`` blocks with the event
+        loop served between them, so that neither a long replay nor a flood of events
+        delays the router's HTTP work by more than one slice.
+        """
         try:
             batch = decode_batch(payload)
         except KVEventError as exc:
@@ -256,7 +266,9 @@ class KVEventSubscriber:
             self._degrade(f"undecodable batch: {exc}")
             return False
         orphaned, mismatched, unresolved = index.orphaned, index.mismatched, index.unresolved
-        index.apply(batch.events)
+        for part in in_slices(batch.events, _SLICE_BLOCKS):
+            index.apply(part)
+            await asyncio.sleep(0)
         counters = self.counters
         counters.batches += 1
         counters.events += len(batch.events)
@@ -323,31 +335,36 @@ class KVEventSubscriber:
             return False
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # The engine's ROUTER drops what its queue to this socket cannot take, and batches
+        # are applied slower than they arrive: ZMQ's own thread queues the whole answer.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_QUEUE)
         expected = missing.start
         complete = True
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", missing.start.to_bytes(8, "big")])
-            async with asyncio.timeout(self.replay_timeout_s):
-                while True:
+            while True:
+                # Each message has its deadline, not the whole answer: an engine's buffer
+                # holds up to 10,000 batches, which take seconds to apply.
+                async with asyncio.timeout(self.replay_timeout_s):
                     frames = await dealer.recv_multipart()
-                    if len(frames) < 2:
-                        raise KVEventError(f"replay frame has {len(frames)} parts")
-                    seq = parse_sequence(frames[-2])
-                    if seq == REPLAY_END:
-                        break
-                    if seq < expected or seq >= missing.stop:
-                        self.counters.duplicates += 1
-                        continue
-                    if seq > expected:
-                        if whole and expected == missing.start:
-                            raise _HistoryGone(seq)
-                        if whole:
-                            return False
-                        complete = False
-                    complete = self._apply(frames[-1], index) and complete
-                    self.counters.replayed += 1
-                    expected = seq + 1
+                if len(frames) < 2:
+                    raise KVEventError(f"replay frame has {len(frames)} parts")
+                seq = parse_sequence(frames[-2])
+                if seq == REPLAY_END:
+                    break
+                if seq < expected or seq >= missing.stop:
+                    self.counters.duplicates += 1
+                    continue
+                if seq > expected:
+                    if whole and expected == missing.start:
+                        raise _HistoryGone(seq)
+                    if whole:
+                        return False
+                    complete = False
+                complete = await self._apply(frames[-1], index) and complete
+                self.counters.replayed += 1
+                expected = seq + 1
         except (TimeoutError, KVEventError, zmq.ZMQError):
             return False
         finally:
