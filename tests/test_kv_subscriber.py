@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -30,7 +32,7 @@ from smetric.serve.metrics import SubscriberCollector
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.ports import startup_events_ports
 
-from conftest import block_stored, events_engine, until_heard
+from conftest import block_stored, closed_port, events_engine, until_heard
 
 BS = 16
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}
@@ -654,5 +656,70 @@ def test_a_long_replay_history_is_applied_whole_within_a_per_message_deadline() 
                 await sub.receive(_frames(6_001, batches[6_001]))
                 assert sub.exact and index.size() == 6_002 * 16
                 assert time.monotonic() - began < 15
+
+    asyncio.run(main())
+
+
+# Another process, as an engine is: a publisher that waits for the router's subscription
+# (XPUB hears it), then sends one event of BIG blocks and SMALL batches of 32 blocks, all
+# stored and never removed, as fast as it can, queueing what the network cannot take yet.
+_FLOOD = """
+import sys, msgspec, zmq
+endpoint, big, small = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+context = zmq.Context()
+pub = context.socket(zmq.XPUB)
+pub.setsockopt(zmq.SNDHWM, 0)
+pub.connect(endpoint)
+pub.recv()
+def stored(hashes):
+    tokens = [t % 50_000 for t in range(16 * len(hashes))]
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": tokens, "block_size": 16}
+def send(seq, events):
+    payload = msgspec.msgpack.encode([0.0, events, 0])
+    pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+send(0, [stored(list(range(10**9, 10**9 + big)))])
+for seq in range(1, small + 1):
+    send(seq, [stored([seq * 32 + i]) for i in range(32)])
+context.destroy(linger=30_000)
+"""
+
+
+def test_an_event_flood_leaves_http_served_and_the_view_within_its_cap() -> None:
+    """One event of 100,000 blocks, then 3,000 batches of 32, never removed, sent by
+    another process as fast as it can to a router that binds its KV-event endpoint, while
+    ``/health`` is asked again and again: each answer comes within 0.5 s (the events are
+    applied in slices, the big one decoded beside the event loop), and the engine's view
+    never holds more than its cap of 20,000 blocks, the oldest forgotten first."""
+    cap, big, small = 20_000, 100_000, 3_000
+
+    async def main() -> None:
+        index = EventIndex(BS, max_blocks=cap)
+        sub = KVEventSubscriber(index, ANY, "kv")
+        engine = Engine(f"http://127.0.0.1:{closed_port()}", 1000, events=index)
+        settings = RouterSettings(health_interval_s=60)
+        router = Router([engine], settings, subscribers={engine.url: sub})
+        async with TestClient(TestServer(router.app())) as client:
+            args = (sub.endpoint, str(big), str(small))
+            flood = subprocess.Popen([sys.executable, "-c", _FLOOD, *args])
+            slowest = 0.0
+            try:
+                deadline = time.monotonic() + 60
+                while sub.counters.batches < 1 + small:
+                    assert time.monotonic() < deadline, sub.counters
+                    # A client that asks now waits for the loop's turn as well: the
+                    # time past the pause is what the loop kept to itself.
+                    began = time.monotonic()
+                    await asyncio.sleep(0.02)
+                    response = await client.get("/health")
+                    await response.read()
+                    slowest = max(slowest, time.monotonic() - began - 0.02)
+                    assert index.blocks <= cap
+            finally:
+                flood.kill()
+                flood.wait()
+            assert slowest < 0.5, f"/health took {slowest:.2f} s during the flood"
+            assert index.blocks == cap and not sub.exact
+            assert sub.counters.evicted == big + 32 * small - cap == exported(sub, "evicted")
 
     asyncio.run(main())

@@ -47,6 +47,8 @@ log = logging.getLogger("smetric.serve")
 _MAX_BACKOFF_S = 60.0
 # Blocks applied between two turns of the event loop.
 _SLICE_BLOCKS = 1024
+# Payloads larger than this are decoded in a thread, beside the event loop.
+_DECODE_ELSEWHERE_BYTES = 256 * 1024
 # Replayed batches queued at most (vLLM's replay buffer holds 10,000 by default).
 _REPLAY_QUEUE = 100_000
 
@@ -86,6 +88,8 @@ class SubscriberCounters:
     unresolved_hashes: int = 0
     """Hashes of hash-only offload ``BlockStored`` events the view could not key (their GPU
     block was gone before the offload was announced); a limit of the format, not a loss."""
+    evicted: int = 0
+    """Blocks the view forgot, oldest first, to stay within its cap (``max_blocks``)."""
     resyncs: int = 0
     """Degraded views rebuilt whole from the engine's replay buffer."""
     failures: int = 0
@@ -260,12 +264,18 @@ class KVEventSubscriber:
         delays the router's HTTP work by more than one slice.
         """
         try:
-            batch = decode_batch(payload)
+            if len(payload) > _DECODE_ELSEWHERE_BYTES:
+                batch = await asyncio.to_thread(decode_batch, payload)
+            else:
+                batch = decode_batch(payload)
         except KVEventError as exc:
             self.counters.decode_errors += 1
             self._degrade(f"undecodable batch: {exc}")
             return False
         orphaned, mismatched, unresolved = index.orphaned, index.mismatched, index.unresolved
+        evicted = index.evicted
+        # A turn of the loop per batch too: a ready message is received without one.
+        await asyncio.sleep(0)
         for part in in_slices(batch.events, _SLICE_BLOCKS):
             index.apply(part)
             await asyncio.sleep(0)
@@ -277,12 +287,15 @@ class KVEventSubscriber:
         counters.orphaned += index.orphaned - orphaned
         counters.mismatched += index.mismatched - mismatched
         counters.unresolved_hashes += index.unresolved - unresolved
+        counters.evicted += index.evicted - evicted
         if batch.invalid:
             self._degrade(f"malformed event left out: {batch.invalid[0]}")
         elif index.orphaned > orphaned:
             self._degrade("a stored block's parent is missing: events were lost")
         elif index.mismatched > mismatched:
             self._degrade(f"blocks of another size than {index.block_size} left out")
+        elif index.evicted > evicted:
+            self._degrade(f"more blocks than the view's cap of {index.max_blocks}")
         else:
             return True
         return False
