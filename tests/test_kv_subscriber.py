@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import numpy as np
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
@@ -723,3 +724,26 @@ def test_an_event_flood_leaves_http_served_and_the_view_within_its_cap() -> None
             assert sub.counters.evicted == big + 32 * small - cap == exported(sub, "evicted")
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "exposed"),
+    [("tcp://*:*", True), ("tcp://0.0.0.0:*", True), (ANY, False), ("ipc://@smetric-kv", False)],
+)
+def test_a_kv_event_endpoint_bound_beyond_loopback_is_warned_about(
+    endpoint: str, exposed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any host that reaches a bound endpoint can publish: ZMQ has no authentication. The
+    router says so at start-up when it binds one beyond loopback."""
+
+    async def main() -> None:
+        async with subscriber(EventIndex(BS), endpoint, "kv", None, bind=True):
+            pass
+
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        asyncio.run(main())
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    warned = [x for x in lines if x["event"] == "kv_events_endpoint_exposed"]
+    assert len(warned) == exposed
+    if exposed:
+        assert "no authentication" in warned[0]["warning"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import math
@@ -51,6 +52,18 @@ _SLICE_BLOCKS = 1024
 _DECODE_ELSEWHERE_BYTES = 256 * 1024
 # Replayed batches queued at most (vLLM's replay buffer holds 10,000 by default).
 _REPLAY_QUEUE = 100_000
+
+
+def _local(endpoint: str) -> bool:
+    """Whether a bound ZMQ endpoint is reachable from this host alone: ``ipc://`` and
+    ``inproc://``, or ``tcp://`` on a loopback address (``*`` reads back as ``0.0.0.0``)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _HistoryGone(Exception):
@@ -159,6 +172,14 @@ class KVEventSubscriber:
             sub.bind(self.endpoint)
             # The address it got: ``tcp://host:*`` binds a port the OS picks.
             self.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if not _local(self.endpoint):
+                self._log(
+                    "kv_events_endpoint_exposed",
+                    endpoint=self.endpoint,
+                    warning="ZMQ has no authentication: whoever reaches this address can "
+                    "publish events this engine's view takes as true; bind loopback or a "
+                    "private interface and firewall the port",
+                )
         else:
             sub.connect(self.endpoint)
         self._sub = sub
