@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs docs-serve setup clean pd-figures reproduce reproduce-large grid fidelity
+.PHONY: run test check lint docs docs-serve setup clean pd-figures reproduce reproduce-large grid fidelity
 
 setup: $(STAMP)
 
@@ -55,6 +55,13 @@ docs-serve: $(STAMP)
 
 test: lint docs
 	$(BIN)/pytest
+
+# The fast tier, for every change: lint, types and the tests that start no process,
+# server, engine or browser (about a minute on two cores).
+FAST := not subprocess and not server and not real_engine and not browser
+
+check: lint
+	$(BIN)/pytest -m "$(FAST)"
 
 clean:
 	rm -rf $(VENV) smetric-out site .pytest_cache .ruff_cache

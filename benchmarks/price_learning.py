@@ -5,7 +5,7 @@
    completed requests each estimate is within 10 % of the truth for good.
 2. The simulator: a small H20 cluster with a full global tier, in the configured world
    and in worlds the policy is not told about; the constants learned from its requests
-   beside those the performance model implies (``sim/calibrate.py``), and what they
+   beside those the performance model implies (``model/calibrate.py``), and what they
    price a 30 k-token prefill and a 30 k-token fetch at.
 
     python benchmarks/price_learning.py [--requests 3000] [--seeds 3] [--instances 4]
@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import itertools
 
+from smetric.core.policies import make_policy
+from smetric.core.policies.prices import LEARNABLE, PriceLearner
 from smetric.core.policies.smetric_cost import SMetricCost
-from smetric.core.prices import LEARNABLE, PriceLearner
 from smetric.sim.config import SimConfig
-from smetric.sim.policy import policy_constants
+from smetric.sim.policy import cluster_rates
 from smetric.sim.run import simulate
 from smetric.testing.prices import H20_PRICES, model_engines, requests_to_converge
 from smetric.trace.load import load_trace
@@ -42,7 +43,7 @@ def convergence(requests: int, seeds: int) -> None:
             refits = (
                 (learner.observed, values)
                 for done in itertools.islice(model_engines(H20_PRICES, seed), requests)
-                if (values := learner.observe(done)) is not None
+                if (values := learner.on_complete(done)) is not None
             )
             per_seed.append(requests_to_converge(refits, H20_PRICES))
         cells = []
@@ -60,15 +61,15 @@ def simulated(instances: int) -> None:
         .override("cluster", instances=instances, global_capacity="full")
         .override("workload", session_rate=0.0125 * instances, duration_s=1200.0)
     )
-    model = policy_constants(base.cluster)
+    priced = make_policy("smetric_cost", cluster_rates(base.cluster))
+    assert isinstance(priced, SMetricCost)
     print(f"\n## Learned in the simulator ({instances} H20s, full tier, 20 min, seed 0)\n")
     print("| world | requests | prefill_tps | attn_tokens | fetch_tps | kv_read_s | "
           "30 k prefill s | 30 k fetch s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    priced = SMetricCost(**model)
     print(
-        f"| model's constants | - | {model['prefill_tps']:,.0f} | {model['attn_tokens']:,.0f} "
-        f"| {model['fetch_tps']:,.0f} | {model['kv_read_s']:.2g} | "
+        f"| model's constants | - | {priced.prefill_tps:,.0f} | {priced.attn_tokens:,.0f} "
+        f"| {priced.fetch_tps:,.0f} | {priced.kv_read_s:.2g} | "
         f"{priced.prefill_s(30_000):.2f} | {30_000 / priced.fetch_tps:.2f} |"
     )
     for name, world in WORLDS.items():

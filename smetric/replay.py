@@ -29,6 +29,7 @@ import polars as pl
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import Tokenizer
 from smetric.core.conversation import ChatTemplate, analyze_request
+from smetric.core.errors import UserError
 from smetric.core.headers import (
     DECODE_HEADER,
     ENGINE_HEADER,
@@ -177,7 +178,7 @@ REQUEST_SCHEMA: dict[str, pl.DataType] = {
 }
 
 
-class ReplayError(ValueError):
+class ReplayError(UserError):
     """The endpoint cannot be replayed against; reported as a user error."""
 
 
@@ -243,15 +244,15 @@ class Replayer:
 
     def __init__(self, trace: Trace, options: ReplayOptions) -> None:
         if options.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {options.concurrency}")
+            raise UserError(f"concurrency must be at least 1, got {options.concurrency}")
         if not (options.time_scale > 0 and options.token_scale > 0):
-            raise ValueError("time and token scales must be > 0")
+            raise UserError("time and token scales must be > 0")
         self.options = options
         self.base = options.url.rstrip("/")
         if options.arrivals not in ("closed-loop", "recorded"):
-            raise ValueError(f"arrivals must be 'closed-loop' or 'recorded': {options.arrivals!r}")
+            raise UserError(f"arrivals must be 'closed-loop' or 'recorded': {options.arrivals!r}")
         if options.arrivals == "closed-loop" and options.sample != 1.0:
-            raise ValueError(
+            raise UserError(
                 "--sample scales recorded arrivals (--arrivals recorded); "
                 "closed-loop load is set by --rate"
             )

@@ -1,14 +1,18 @@
-"""Shared test helpers: where the real public traces live, and small trace builders."""
+"""Shared test helpers: where the real public traces live, small trace builders, and the
+marks that sort tests into tiers (checked: see ``_tier_marks_are_honest``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing.process
 import socket
+import subprocess
 import textwrap
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import polars as pl
@@ -18,7 +22,55 @@ from hypothesis import strategies as st
 
 from smetric.trace.schema import Trace, finalize
 
+T = TypeVar("T")
+
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+@pytest.fixture(autouse=True)
+def _tier_marks_are_honest(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Fail a test that starts a process or listens on a socket without the mark that says
+    so (``subprocess``, ``server``), so that the fast tier stays fast as tests are added.
+
+    The calls are recorded, not refused: a server thread that cannot start would leave
+    its test waiting rather than failing.
+    """
+    found: set[str] = set()
+
+    def watch(mark: str, cls: Any, name: str, what: str) -> None:
+        # The real-engine and browser tiers start what they need and never run fast.
+        if any(request.node.get_closest_marker(m) for m in (mark, "real_engine", "browser")):
+            return
+        original = getattr(cls, name)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            found.add(f"{what}: mark it (or its module) pytest.mark.{mark}")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, recorded)
+
+    watch("subprocess", subprocess.Popen, "__init__", "it starts a process")
+    watch("subprocess", multiprocessing.process.BaseProcess, "start", "it starts a process")
+    watch("server", socket.socket, "listen", "it listens on a socket")
+    yield
+    if found:
+        pytest.fail(f"{request.node.nodeid}: {'; '.join(sorted(found))}", pytrace=False)
+
+
+def run(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run the coroutine ``make()`` returns to completion in a fresh event loop."""
+    return asyncio.run(make())
+
+
+async def eventually(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
+    """Poll rather than sleep a fixed time: servers and health checks run late on a busy
+    machine."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout_s:g} s"
+        await asyncio.sleep(0.02)
 
 
 def real_trace(relative: str) -> Path:

@@ -35,6 +35,7 @@ def test_known_value_pins_the_algorithm() -> None:
     assert chain_hashes(list(range(16)), 16)[0] == 8773583392624668237
 
 
+@pytest.mark.subprocess
 def test_same_ids_in_a_fresh_process_with_another_hash_seed() -> None:
     code = (
         "from smetric.core.blocks import chain_hashes;"

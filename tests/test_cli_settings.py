@@ -16,6 +16,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from smetric.cli import app
+from smetric.cli.app import command as cli_command
 from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
 from smetric.cli.sim_options import EXCLUDED, NOT_FLAGS, SIM_FLAGS, command_config
 from smetric.core.settings import setting, settings_of
@@ -37,8 +38,7 @@ def yaml_keys() -> set[str]:
 
 
 def command_params(command: str) -> dict[str, Any]:
-    click_command = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
-    return {p.name: p for p in click_command.params}
+    return {p.name: p for p in cli_command(command).params}
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -23,6 +23,8 @@ from smetric.testing.prometheus import prometheus_binary, run_prometheus
 
 from conftest import events_engine
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "smetric.json"
 
 

@@ -11,11 +11,9 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev dependencies
 import kubernetes_validate  # type: ignore[import-untyped]  # ships no types, has no stubs
 import pytest
-import typer
 import yaml
-from typer.core import TyperGroup
 
-from smetric.cli import app
+from smetric.cli.app import command as cli_command
 from smetric.gateway.options import PickConfig
 from smetric.serve.config import ServeConfig, load_config
 
@@ -107,10 +105,8 @@ def test_containers_run_real_commands_with_separate_readiness_and_liveness(
     ready, live = container["readinessProbe"], container["livenessProbe"]
     assert ready != live
     command, *args = container["args"]
-    group = typer.main.get_command(app)
-    assert isinstance(group, TyperGroup)  # the CLI has subcommands
     # The arguments parse as the real CLI parses them (unknown flags and bad values fail).
-    group.commands[command].make_context(command, list(args))
+    cli_command(command).make_context(command, list(args))
     # The config the container mounts loads as the command loads it.
     config = next(a.split("=", 1)[1] for a in args if a.startswith("--config="))
     maps = {d["metadata"]["name"]: d for _, d in documents() if d["kind"] == "ConfigMap"}

@@ -12,6 +12,8 @@ import pytest
 from smetric.serve.discovery import DnsDiscovery, DnsTarget, LookupFailed, resolve, resolver_for
 from smetric.testing.dns import LoopbackDNS
 
+from conftest import eventually
+
 NAME = "vllm.llm.svc.cluster.local"
 SRV = "_http._tcp." + NAME
 
@@ -75,16 +77,16 @@ def test_engines_join_and_leave_as_the_records_change_and_outages_change_nothing
         stays = pool["http://127.0.0.11:8000"]
         discovery.start()
         server.set(NAME, "A", ["127.0.0.11", "127.0.0.13"])
-        await until(lambda: "http://127.0.0.13:8000" in pool)
+        await eventually(lambda: "http://127.0.0.13:8000" in pool)
         assert set(pool) == {"http://127.0.0.11:8000", "http://127.0.0.13:8000"}
         assert pool["http://127.0.0.11:8000"] is stays  # the engine that stayed is untouched
         server.silent = True  # DNS down: lookups time out, the pool stays as it is
         before = discovery.failures
-        await until(lambda: discovery.failures >= before + 2)
+        await eventually(lambda: discovery.failures >= before + 2)
         assert set(pool) == {"http://127.0.0.11:8000", "http://127.0.0.13:8000"}
         server.silent = False
         server.set(NAME, "A", [])  # no ready pod: NXDOMAIN, every engine leaves
-        await until(lambda: not pool)
+        await eventually(lambda: not pool)
         await discovery.close()
         assert changes == [
             "+http://127.0.0.11:8000",
@@ -107,14 +109,6 @@ def test_a_dns_server_that_does_not_answer_is_a_failed_lookup() -> None:
 
     with LoopbackDNS() as server:
         asyncio.run(go(server))
-
-
-async def until(condition, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def test_discovery_survives_any_answer_and_keeps_listed_engines() -> None:
@@ -149,13 +143,14 @@ def test_discovery_survives_any_answer_and_keeps_listed_engines() -> None:
         for rcode in (dns.rcode.YXDOMAIN, dns.rcode.REFUSED, dns.rcode.FORMERR):
             server.rcode = rcode
             before = discovery.failures
-            await until(lambda b=before: discovery.failures >= b + 2)
+            # Awaited within the iteration, so the loop variable is the one meant.
+            await eventually(lambda: discovery.failures >= before + 2)  # noqa: B023
         server.rcode = None
         server.set(NAME, "A", ["127.0.0.11"])  # the first join fails; the next succeeds
-        await until(lambda: "http://127.0.0.11:8000" in pool)
+        await eventually(lambda: "http://127.0.0.11:8000" in pool)
         assert len(counted) == discovery.failures >= 7
         server.set(NAME, "A", [])  # NXDOMAIN: the discovered engine leaves, the listed stays
-        await until(lambda: pool == {"http://127.0.0.50:8000"})
+        await eventually(lambda: pool == {"http://127.0.0.50:8000"})
         await asyncio.sleep(0.2)
         assert pool == {"http://127.0.0.50:8000"}
         await discovery.close()

@@ -9,12 +9,15 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from dns.rcode import YXDOMAIN
 
 from smetric.testing.dns import LoopbackDNS
 from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.gateway import run_picker
+
+pytestmark = pytest.mark.subprocess
 
 NAME = "vllm-engines.llm.svc.cluster.local"
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.browser
+
 ROOT = Path(__file__).resolve().parents[1]
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 # Headless and quiet: no sandbox (CI runs as root), no GPU, and no traffic of its own
@@ -135,16 +137,13 @@ def test_home_page_and_a_guide_render_in_chromium(
 
 
 def test_the_references_are_generated_from_the_code(site: Path) -> None:
-    import typer.main
-
-    from smetric.cli import app
+    from smetric.cli.app import COMMANDS, command
     from smetric.core.policies.registry import POLICY_NAMES
     from smetric.serve.metrics import RouterMetrics
 
     cli = (site / "reference" / "cli" / "index.html").read_text()
-    root = typer.main.get_command(app)
-    for name, command in root.commands.items():  # type: ignore[attr-defined]
-        for sub in getattr(command, "commands", {None: command}):
+    for name in COMMANDS:
+        for sub in getattr(command(name), "commands", {None: None}):
             full = f"smetric {name}" + (f" {sub}" if sub else "")
             assert f'id="{full.replace(" ", "-")}"' in cli, full
     assert "--trace-format" in cli and "--format" in cli

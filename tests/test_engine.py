@@ -7,11 +7,14 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.scheduler import filler_token
+
+pytestmark = pytest.mark.server
 
 BS = 16
 FAST = EngineConfig(speed=0.001)

@@ -18,6 +18,8 @@ from smetric.core.conversation import analyze_request
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.agent import LONGEST_REPLY, READ_ONLY_TOOLS, ReplyPlan, draw_reply, plan_reply
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 AGENT = EngineConfig(speed=0.001, agent=True)
 
 # Tools as each API declares them: a read-only one among others, and none read-only.

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from smetric.testing.fault_suite import Scale, run_suite, table
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 
 def test_the_router_keeps_its_promises_under_faults() -> None:

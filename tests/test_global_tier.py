@@ -41,6 +41,8 @@ from smetric.serve.workers import PeerViews
 
 from conftest import until_heard
 
+pytestmark = pytest.mark.server
+
 BS = 16
 
 

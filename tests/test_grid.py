@@ -225,6 +225,7 @@ def grid(preset: Path, out: Path, policies: str, *extra: str) -> str:
     return result.output
 
 
+@pytest.mark.subprocess
 def test_tiny_grid_and_a_policy_added_later_runs_only_its_probes(tmp_path: Path) -> None:
     preset, out = tmp_path / "tiny.yaml", tmp_path / "out"
     preset.write_text(TINY)
@@ -299,6 +300,7 @@ def test_bad_preset_is_a_clear_error(tmp_path: Path, change: tuple[str, str], me
     assert "Traceback" not in result.output
 
 
+@pytest.mark.subprocess
 def test_a_results_page_is_headed_by_the_preset_title_else_by_what_it_measures(
     tmp_path: Path,
 ) -> None:

@@ -19,6 +19,8 @@ from harnesses import (
     run_harness,
 )
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 SESSION_HEADER = "x-claude-code-session-id"
 
 

@@ -29,6 +29,8 @@ from harnesses import (
     run_harness,
 )
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 SESSION_HEADER = "session-id"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "serving-layer.md"
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from harnesses import (
     Recording,
     agent_engines,
@@ -17,6 +18,8 @@ from harnesses import (
     recording,
     run_harness,
 )
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 SESSION_HEADER = "x-session-id"
 

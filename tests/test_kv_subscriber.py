@@ -35,6 +35,8 @@ from smetric.testing.ports import startup_events_ports
 
 from conftest import block_stored, closed_port, events_engine, until_heard
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
+
 BS = 16
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}
 _TOKENIZER = ByteTokenizer()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from smetric.cli import app
@@ -85,6 +86,7 @@ def test_unknown_names_fail_with_the_choices() -> None:
         assert "presets:" in result.output
 
 
+@pytest.mark.subprocess
 def test_fidelity_writes_a_stamped_page_with_every_row(tmp_path: Path) -> None:
     page = tmp_path / "fidelity.md"
     result = runner.invoke(app, ["fidelity", "--page", str(page)])

@@ -10,14 +10,8 @@ import numpy as np
 import pytest
 
 from smetric.core import ClusterView, RoutingRequest, make_policy
-from smetric.core.policies import spec_params
-from smetric.core.prices import (
-    LEARNABLE,
-    Completion,
-    PriceLearner,
-    nonnegative_quadratic,
-    price_learner,
-)
+from smetric.core.policies import Observation, spec_params
+from smetric.core.policies.prices import LEARNABLE, PriceLearner, nonnegative_quadratic
 from smetric.sim.config import SimConfig
 from smetric.sim.run import simulate
 from smetric.testing.prices import H20_PRICES, model_engines, requests_to_converge
@@ -26,10 +20,10 @@ from smetric.trace.load import load_trace
 TRUE = H20_PRICES
 
 
-def estimates(learner: PriceLearner, stream: Iterator[Completion], requests: int):
+def estimates(learner: PriceLearner, stream: Iterator[Observation], requests: int):
     """``(requests seen, estimates)`` after each refit over ``requests`` completions."""
     for done in itertools.islice(stream, requests):
-        values = learner.observe(done)
+        values = learner.on_complete(done)
         if values is not None:
             yield learner.observed, values
 
@@ -48,7 +42,7 @@ def test_what_the_spec_gives_is_never_learned() -> None:
         {k: v * 2 for k, v in TRUE.items()}, fixed=("fetch_tps", "output_tokens")
     )
     for done in itertools.islice(model_engines(TRUE, 0), 2_000):
-        learner.observe(done)
+        learner.on_complete(done)
     assert learner.estimates["fetch_tps"] == 2 * TRUE["fetch_tps"]
     assert learner.estimates["output_tokens"] == 2 * TRUE["output_tokens"]
     assert set(learner.learned()) == set(LEARNABLE) - {"fetch_tps", "output_tokens"}
@@ -59,14 +53,14 @@ def test_a_constant_without_evidence_keeps_its_start() -> None:
     """No global tier: nothing is ever fetched, so the fetch rate stays as it started."""
     learner = PriceLearner({k: v * 2 for k, v in TRUE.items()})
     for done in itertools.islice(model_engines(TRUE, 0, fetches=False), 1_000):
-        learner.observe(done)
+        learner.on_complete(done)
     assert learner.estimates["fetch_tps"] == pytest.approx(2 * TRUE["fetch_tps"])
     assert abs(learner.estimates["prefill_tps"] / TRUE["prefill_tps"] - 1) < 0.1
 
 
 def test_requests_without_a_first_token_are_not_observed() -> None:
     learner = PriceLearner(TRUE, refit_every=1)
-    assert learner.observe(Completion(1000, 0, 0, 0.0, float("nan"), 0)) is None
+    assert learner.on_complete(Observation(1000, 0, 0, 0.0, float("nan"), 0)) is None
     assert learner.observed == 0
 
 
@@ -111,18 +105,18 @@ def test_retuned_prices_change_the_decision() -> None:
     )
     request = RoutingRequest(turn=1, prompt_tokens=1100, est_hit_tokens=1000)
     assert policy.route(request, view) == (1, "move_recompute")
-    policy.retune(attn_tokens=100.0)  # type: ignore[attr-defined]
+    policy.retune(attn_tokens=100.0)
     assert policy.route(request, view) == (0, "sticky")
     with pytest.raises(ValueError, match="not one of its learned"):
-        policy.retune(work_weight=3.0)  # type: ignore[attr-defined]
+        policy.retune(work_weight=3.0)
 
 
 def test_learn_0_and_policies_without_prices_have_no_learner() -> None:
-    assert price_learner(make_policy("smetric_cost:learn=0"), ()) is None
-    assert price_learner(make_policy("least_load"), ()) is None
+    assert make_policy("smetric_cost:learn=0").learner() is None
+    assert make_policy("least_load").learner() is None
     spec = "smetric_cost:fetch_tps=5000"
-    learner = price_learner(make_policy(spec), spec_params(spec)[1])
-    assert learner is not None
+    learner = make_policy(spec).learner(spec_params(spec)[1])
+    assert isinstance(learner, PriceLearner)
     assert learner.fixed == {"fetch_tps"}
     assert learner.prior["fetch_tps"] == 5000.0
 

@@ -27,6 +27,7 @@ def test_an_address_nothing_answers_at_fails_fast() -> None:
         assert time.monotonic() - started < 5.0
 
 
+@pytest.mark.server
 def test_auto_follows_the_address_ray_start_left(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as server:

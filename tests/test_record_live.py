@@ -32,6 +32,8 @@ from smetric.trace.load import load_trace
 from smetric.trace.recording import read_segments
 from smetric.trace.schema import SCHEMA, Trace, finalize
 
+pytestmark = pytest.mark.server
+
 # The recording's ideal reuse ratio, and each share of its breakdown, may differ from the
 # replayed requests' by this much (absolute): the router cuts the synthesised text into
 # 16-byte blocks where the sample has its own blocks of real content, so block boundaries,

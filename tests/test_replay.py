@@ -24,6 +24,8 @@ from smetric.trace.load import load_trace
 
 from conftest import closed_port
 
+pytestmark = pytest.mark.server
+
 
 async def replay_through_router(
     out: Path, trace: str = "sample:weka", roles: tuple[str, ...] = ("both", "both"), **options: Any

@@ -175,6 +175,7 @@ def test_the_same_inputs_from_scratch_give_the_same_numbers(
         assert (again / name).read_text() == (out / name).read_text()
 
 
+@pytest.mark.subprocess
 def test_page_option_writes_validation_as_a_stamped_results_page(
     tiny: tuple[Path, Path, str], tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -23,15 +24,11 @@ from smetric.sim.config import ClusterConfig, WorkloadConfig
 from smetric.sim.instance import SimRequest
 from smetric.sim.workload import build_workload
 
-from conftest import closed_port, make_trace
+from conftest import closed_port, eventually, make_trace
+
+pytestmark = pytest.mark.server
 
 BS = 16
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 class HeldEngine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -17,7 +17,7 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.fault_suite import SmetricProcess
 
-from conftest import closed_port, events_engine, until_heard, zmq_port
+from conftest import closed_port, events_engine, eventually, run, until_heard, zmq_port
 
 # A ZMQ socket bound here takes a loopback port the OS picks, read back once bound.
 ANY_PORT = "tcp://127.0.0.1:*"
@@ -29,17 +29,6 @@ def events_engine_of(server: TestServer, topic: str) -> str:
     assert server.port is not None and publisher.replay_endpoint is not None
     ports = zmq_port(publisher.endpoint), zmq_port(publisher.replay_endpoint)
     return events_engine(server.port, *ports, topic, bind="false")
-
-
-def run(coro: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    return asyncio.run(coro())
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll rather than sleep a fixed time: health checks run late on a busy machine."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.02)
 
 
 async def with_router(
@@ -116,6 +105,8 @@ def test_unreachable_engine_is_ejected_and_health_says_so() -> None:
 # -- with real mock engines ------------------------------------------------------------------
 
 from smetric.engine import EngineConfig, create_app  # noqa: E402
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 FAST = EngineConfig(speed=0.0001, kv_blocks=4096, default_max_tokens=8)
 

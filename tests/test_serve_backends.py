@@ -16,6 +16,8 @@ from smetric.serve.engines import Engine
 from smetric.serve.identity import AgentIdentity
 from smetric.serve.routing import RoutingCore, explain
 
+pytestmark = pytest.mark.subprocess
+
 METRICS = """\
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0"} 2

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import typer.main
 import yaml
 from typer.testing import CliRunner
 
 from smetric.cli import app
+from smetric.cli.app import command
 from smetric.cli.engine import ENGINE_FLAGS
 from smetric.cli.pick import PICK_FLAGS
 from smetric.cli.serve import SERVE_FLAGS, resolved
@@ -30,10 +30,6 @@ from smetric.serve.config import (
 
 COMMANDS = {"serve": ServeConfig, "pick": PickConfig}
 FLAGS = {"serve": SERVE_FLAGS, "pick": PICK_FLAGS, "engine": ENGINE_FLAGS}
-
-
-def command(name: str) -> Any:
-    return typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
 
 
 def file_keys(cls: type) -> set[str]:
@@ -94,7 +90,9 @@ def test_a_flag_and_its_key_set_the_same_setting(name: str, tmp_path: Path) -> N
 
 
 def help_text(name: str) -> str:
-    result = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+    # Wide enough that no row wraps: a flag's second name (--no-...) sits below its
+    # first, and would land inside a wrapped help text once the lines are joined.
+    result = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "1000"})
     assert result.exit_code == 0, result.output
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
 
@@ -113,7 +111,10 @@ def shown_default(flag: SettingFlag) -> str | None:
 def test_help_describes_every_option_and_shows_its_declared_default(name: str) -> None:
     text = help_text(name)
     flags = FLAGS[name]
-    positions = [text.index(f" {flag.flag} ") for flag in flags]
+    # A name is followed by a space, or by ", -x" where it has a short form.
+    found = [re.search(rf" {re.escape(flag.flag)}[ ,]", text) for flag in flags]
+    assert all(found), [flag.flag for flag, at in zip(flags, found, strict=True) if not at]
+    positions = [at.start() for at in found if at is not None]
     ends = sorted([*positions, len(text)])
     for flag, start in zip(flags, positions, strict=True):
         passage = text[start : next(e for e in ends if e > start)]
@@ -140,7 +141,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ),
         (
             "engines: [{url: 'http://127.0.0.1:1', kv_blcks: 8}]",
-            "url, kv_blocks, backend, kv_events",
+            "url, kv_blocks, api_key, backend, kv_events",
         ),
         ("engines: [{url: 'http://127.0.0.1:1', backend: tgi}]", "'tgi': use one of vllm"),
         ("engines: [{kv_blocks: 8}]", "engines[0].url is required"),

@@ -12,7 +12,7 @@ import sys
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from test_serve import FAST, conversation, run
+from test_serve import FAST, conversation
 from typer.testing import CliRunner
 
 from smetric.cli import app
@@ -24,7 +24,9 @@ from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 
-from conftest import closed_port, router_client
+from conftest import closed_port, router_client, run
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 
 def test_health_says_503_when_a_role_has_no_healthy_engine() -> None:

@@ -13,8 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from smetric.testing.fault_suite import SmetricProcess
+
+pytestmark = pytest.mark.subprocess
 
 
 def refuses(port: int) -> bool:

@@ -5,9 +5,11 @@ clients that time out, reset or send what no SDK would."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import gzip
 import json
+import os
 import re
 import socket
 import struct
@@ -20,7 +22,7 @@ from typing import Any, TypedDict
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from test_serve import CHAT, FAST, conversation, eventually, run
+from test_serve import CHAT, FAST, conversation
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.engine import EngineConfig, create_app
@@ -29,7 +31,9 @@ from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 from smetric.testing.faulty import Fault, FaultyEngine
 
-from conftest import router_client
+from conftest import eventually, router_client, run
+
+pytestmark = pytest.mark.server
 
 
 class Timeouts(TypedDict, total=False):
@@ -84,6 +88,15 @@ async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> 
     error = (await response.json())["error"]
     assert error["code"] == status and error["message"] and error["type"]
     return error
+
+
+async def assert_anthropic_error(response: aiohttp.ClientResponse, status: int, kind: str) -> dict:
+    assert response.status == status, await response.text()
+    assert response.content_type == "application/json"
+    answer = await response.json()
+    assert answer["type"] == "error" and answer["error"]["type"] == kind
+    assert answer["error"]["message"]
+    return answer["error"]
 
 
 async def first_turn(
@@ -359,9 +372,11 @@ def test_a_stream_cut_by_the_engine_ends_with_an_error_event_and_no_done() -> No
 
 def test_every_route_but_health_needs_the_key() -> None:
     async def body(client, url, router, fakes) -> None:
-        for method, path in [("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/messages")]:
+        for method, path in [("GET", "/metrics"), ("GET", "/v1/models")]:
             async with client.request(method, url + path, json=CHAT) as response:
                 await assert_openai_error(response, 401)
+        async with client.post(url + "/v1/messages", json=CHAT) as response:
+            await assert_anthropic_error(response, 401, "authentication_error")
         async with client.get(url + "/health") as response:
             assert response.status == 200
         accepted = [
@@ -401,23 +416,29 @@ def test_metrics_can_be_opened_to_a_scraper() -> None:
 # -- finding 6: prompt size ---------------------------------------------------------------
 
 
-def test_prompts_longer_than_the_engines_take_are_refused_before_tokenising() -> None:
+def test_prompts_longer_than_the_engines_take_are_refused_by_their_token_count() -> None:
     small = EngineConfig(speed=0.0001, kv_blocks=64, default_max_tokens=4)  # 1,024 tokens
 
     async def body(client, url, router, fakes) -> None:
         await eventually(lambda: router.analyzer.max_prompt_tokens() == 1024)
         # Over 16 characters a token: refused before it is tokenised...
-        long = {"messages": [{"role": "user", "content": "many words " * 2_000}]}
-        async with client.post(url + "/v1/chat/completions", json=long) as response:
+        for words in (2_000, 200_000):  # 22 kB and 2.2 MB, both under the body limit
+            long = {"messages": [{"role": "user", "content": "many words " * words}]}
+            async with client.post(url + "/v1/chat/completions", json=long) as response:
+                error = await assert_openai_error(response, 400)
+            assert "1024 tokens" in error["message"] and "--max-prompt-tokens" in error["message"]
+        # ...and a prompt within that but over 1,024 tokens once tokenised, after.
+        split = {"messages": [{"role": "user", "content": "x" * 700} for _ in range(3)]}
+        async with client.post(url + "/v1/chat/completions", json=split) as response:
             error = await assert_openai_error(response, 400)
-        assert "1024" in error["message"]
-        # ...and over 64 bytes a token, before it is even parsed.
-        huge = {"messages": [{"role": "user", "content": "many words " * 200_000}]}
-        async with client.post(url + "/v1/chat/completions", json=huge) as response:
-            error = await assert_openai_error(response, 413)
-        assert str(1024 * 64) in error["message"]
+        assert "tokens, over the engines' longest context (1024 tokens" in error["message"]
         async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
             assert response.status == 200
+        text = router.metrics.exposition(router.engines).decode()
+        assert (
+            'smetric_refused_requests_total{reason="prompt_too_long",'
+            'route="/v1/chat/completions",status="400"} 3.0'
+        ) in text
 
     run(lambda: with_mixed([], 1, body, engine_config=small))
 
@@ -426,9 +447,33 @@ def test_a_configured_prompt_cap_wins() -> None:
     async def body(client, url, router, fakes) -> None:
         long = {"prompt": "x" * 40_000}
         async with client.post(url + "/v1/completions", json=long) as response:
-            await assert_openai_error(response, 400)
+            error = await assert_openai_error(response, 400)
+        assert "--max-prompt-tokens (1000 tokens)" in error["message"]
 
     run(lambda: with_mixed([], 1, body, max_prompt_tokens=1000))
+
+
+def test_the_body_limit_is_the_flag_s_whatever_the_prompt_limit() -> None:
+    """A 900 kB screenshot with a few words fits an 8 k-token prompt limit: an image
+    counts as its placeholder, not its base64; only --max-body-bytes limits the bytes."""
+    screenshot = base64.b64encode(os.urandom(700 << 10)).decode()
+    content = [
+        {"type": "text", "text": "what is on screen?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{screenshot}"}},
+    ]
+    request = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+    async def body(client, url, router, fakes) -> None:
+        async with client.post(url + "/v1/chat/completions", json=request) as response:
+            assert response.status == 200, await response.text()
+        over = {"messages": [{"role": "user", "content": "x" * (6 << 20)}]}
+        async with client.post(url + "/v1/chat/completions", json=over) as response:
+            error = await assert_openai_error(response, 413)
+        assert error["message"] == (
+            f"request body too large: over --max-body-bytes ({5 << 20} bytes)"
+        )
+
+    run(lambda: with_mixed([], 1, body, max_prompt_tokens=8192, max_body_bytes=5 << 20))
 
 
 # -- configuration ------------------------------------------------------------------------

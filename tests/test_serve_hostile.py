@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_serve import CHAT, FAST, conversation, eventually, run
+from test_serve import CHAT, FAST, conversation
 from test_serve_faults import no_load_left, with_mixed
 
 from smetric.engine import EngineConfig, create_app
@@ -30,6 +31,10 @@ from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import FaultyEngine
 from smetric.trace.recording import read_segments
 from smetric.trace.recording_format import MANIFEST, SEGMENT_GLOB
+
+from conftest import eventually, run
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 
 class Listener:

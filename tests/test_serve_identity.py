@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_serve import conversation, run
+from test_serve import conversation
 
 from smetric.core.headers import PREDICTED_HIT_HEADER, PREFILL_HEADER
 from smetric.serve.app import Router, RouterSettings
@@ -21,7 +21,9 @@ from smetric.serve.forwarding import Completion
 from smetric.serve.identity import ANONYMOUS, AgentIdentity, identity_of
 from smetric.testing.engines import metric
 
-from conftest import router_client
+from conftest import router_client, run
+
+pytestmark = pytest.mark.server
 
 CLAUDE_SUBAGENT = {
     "x-claude-code-session-id": "s-1",
@@ -33,7 +35,6 @@ CLAUDE_SUBAGENT = {
 HINTS = {
     "priority": -5,
     "cache_salt": "tenant-42",
-    "kv_transfer_params": {"lmcache.tag": "x"},
     "chat_template_kwargs": {"enable_thinking": False},
     "vllm_xargs": {"custom": 1},
     "top_k": 20,
@@ -107,7 +108,9 @@ async def with_recorders(body: Any, roles: int = 1, first_observer: Any = None) 
     urls = [f"http://127.0.0.1:{s.port}" for s in servers]
     disagg = None if roles == 1 else Disaggregation(frozenset(urls[:1]), frozenset(urls[1:]))
     router = Router(
-        [Engine(u, 1000) for u in urls], RouterSettings(health_interval_s=60), disagg=disagg
+        [Engine(u, 1000) for u in urls],
+        RouterSettings(health_interval_s=60),
+        disagg=disagg,
     )
     completions: list[Completion] = []
     router.observers.extend([first_observer] if first_observer else [])
@@ -126,13 +129,19 @@ def test_harness_headers_label_decisions_metrics_and_records_and_hints_reach_the
     async def body(client, url, recorders, completions) -> None:
         (engine,) = recorders
         for turns in (0, 1):
-            payload = {"model": "m", "messages": conversation(0, turns), **HINTS}
+            payload = {
+                "model": "m",
+                "messages": conversation(0, turns),
+                **HINTS,
+                "kv_transfer_params": {"remote_host": "203.0.113.9", "remote_port": 1},
+            }
             async with client.post(
                 url + "/v1/chat/completions", json=payload, headers=CLAUDE_SUBAGENT
             ) as response:
                 assert response.status == 200, await response.text()
         for received in engine.bodies:  # each hint as the client sent it
             assert {k: received[k] for k in HINTS} == HINTS
+            assert "kv_transfer_params" not in received  # the router's alone
         assert engine.headers[0]["x-claude-code-parent-agent-id"] == "a-1"  # passed on too
         first, follow_up = completions
         for record in completions:
@@ -160,17 +169,25 @@ def test_harness_headers_label_decisions_metrics_and_records_and_hints_reach_the
 def test_hints_reach_both_legs_of_a_disaggregated_request_with_the_predicted_hit() -> None:
     async def body(client, url, recorders, completions) -> None:
         prefill, decode = recorders
-        payload = {"model": "m", "messages": conversation(1, 0), "stream": False, **HINTS}
+        client_params = {"lmcache.tag": "x", "remote_host": "203.0.113.9"}
+        payload = {
+            "model": "m",
+            "messages": conversation(1, 0),
+            "stream": False,
+            **HINTS,
+            "kv_transfer_params": client_params,
+        }
         async with client.post(url + "/v1/chat/completions", json=payload) as response:
             assert response.status == 200, await response.text()
             assert int(response.headers[PREDICTED_HIT_HEADER]) >= 0
             assert response.headers[PREFILL_HEADER]
         (leg1,), (leg2,) = prefill.bodies, decode.bodies
-        plain = {k: v for k, v in HINTS.items() if k != "kv_transfer_params"}
-        assert {k: leg1[k] for k in plain} == plain == {k: leg2[k] for k in plain}
-        # The client's own connector keys travel with the prefill's request for the KV...
-        assert leg1["kv_transfer_params"]["lmcache.tag"] == "x"
+        assert {k: leg1[k] for k in HINTS} == HINTS == {k: leg2[k] for k in HINTS}
+        # The client's own transfer keys never reach an engine: the prefill leg carries the
+        # router's alone...
         assert leg1["kv_transfer_params"]["do_remote_decode"] is True
+        assert leg1["kv_transfer_params"].get("remote_host") != "203.0.113.9"
+        assert "lmcache.tag" not in leg1["kv_transfer_params"]
         # ...and the decode leg gets what the prefill engine handed over.
         assert leg2["kv_transfer_params"] == {"remote_engine_id": "p-1", "remote_block_ids": [1]}
         (record,) = completions

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import conversation, wait_healthy
@@ -25,6 +26,8 @@ from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import Fault, FaultyEngine
 
 from conftest import closed_port, router_client
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 FAST = {"speed": 0.001, "kv_blocks": 2048}
 

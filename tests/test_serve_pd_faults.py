@@ -12,7 +12,7 @@ from typing import Literal, TypedDict
 import aiohttp
 import pytest
 from aiohttp import web
-from test_serve import conversation, eventually
+from test_serve import conversation
 from test_serve_faults import Timeouts, reset
 from test_serve_pd import DECODE_HEADER, PREFILL_HEADER, Cluster, fake_engine, with_pd
 
@@ -20,6 +20,10 @@ from smetric.serve.app import Router
 from smetric.testing.engines import metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.faulty import Fault
+
+from conftest import eventually
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 # Patient enough for a mock engine on a busy machine, quick to give up on a silent one.
 QUICK: Timeouts = {"first_byte_timeout_s": 1.0, "idle_timeout_s": 1.0, "connect_timeout_s": 1.0}

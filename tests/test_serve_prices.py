@@ -6,12 +6,16 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from smetric.core.policies import make_policy
+from smetric.core.policies.prices import PriceLearner
 from smetric.core.policies.smetric_cost import SMetricCost
 from smetric.serve.prices import PriceFeed
 from smetric.testing.prices import H20_PRICES, model_engines
+
+pytestmark = pytest.mark.server
 
 if TYPE_CHECKING:
     from smetric.serve.app import Router
@@ -44,7 +48,7 @@ def test_learn_0_feeds_nothing() -> None:
     policy = make_policy("smetric_cost:learn=0")
     assert isinstance(policy, SMetricCost)
     feed = PriceFeed(policy, "smetric_cost:learn=0", gauge()[0])
-    assert not feed.learning
+    assert feed.learning is None
     before = policy.prefill_tps
     for done in itertools.islice(model_engines(H20_PRICES, 0), 100):
         feed.observe(done)
@@ -109,8 +113,10 @@ def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
     slow, _ = asyncio.run(learn_behind_router(2.0, requests))
     policies = []
     for router in (fast, slow):
-        learner = router.prices.learner
-        assert learner is not None and learner.observed == requests
+        learning = router.prices.learning
+        assert learning is not None
+        learner = learning.learner
+        assert isinstance(learner, PriceLearner) and learner.observed == requests
         policy = router.core.policy
         assert isinstance(policy, SMetricCost)  # the default policy
         assert policy.prefill_tps == learner.estimates["prefill_tps"]

@@ -18,6 +18,8 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 
+pytestmark = pytest.mark.server
+
 FAST = EngineConfig(speed=0.0001, kv_blocks=4096, default_max_tokens=8)
 INSTRUCTIONS = "You are a coding agent. " * 20
 

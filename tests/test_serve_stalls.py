@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from aiohttp.test_utils import TestServer
-from test_serve import CHAT, FAST, conversation, eventually, run
+from test_serve import CHAT, FAST, conversation
 from test_serve_faults import Timeouts, no_load_left, with_mixed
 
 from smetric.engine import EngineConfig, create_app
@@ -16,7 +17,9 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 
-from conftest import router_client
+from conftest import eventually, router_client, run
+
+pytestmark = pytest.mark.server
 
 # As a user who sets no timeouts gets them: a first byte may take 300 s.
 PATIENT: Timeouts = {"first_byte_timeout_s": 300, "idle_timeout_s": 60}

@@ -201,5 +201,5 @@ def test_decode_rules_spread_a_burst_over_the_decode_instances() -> None:
         sim, _ = run_to_completion(trace, config, "least_load")
         used = sorted(h.decode_instance for h in sim.handoffs.values())
         assert used == [0, 0, 1, 1, 2, 2], rule
-    with pytest.raises(ValueError, match="decode policy"):
+    with pytest.raises(ValueError, match="decode_policy 'nope': use one of least_kv"):
         run_to_completion(trace, pd_config(1, 1, decode_policy="nope"), "smetric")

@@ -10,6 +10,8 @@ import pytest
 
 from smetric.testing.ports import read_startup_port
 
+pytestmark = pytest.mark.subprocess
+
 
 def _child(code: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)

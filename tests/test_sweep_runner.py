@@ -20,6 +20,8 @@ from smetric.sim.jobs import Job
 from smetric.sim.parallel import RunStore
 from smetric.sim.seeds import mean_summary
 
+pytestmark = pytest.mark.subprocess
+
 runner = CliRunner()
 
 SWEEP = [

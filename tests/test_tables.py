@@ -97,6 +97,7 @@ def test_a_narrow_table_prints_blocks_of_whole_values() -> None:
     assert "38,123,456" in text and "0.52/5.00/151.80" in text and "…" not in text
 
 
+@pytest.mark.subprocess
 def test_simulate_piped_at_80_columns_prints_its_numbers_whole(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [

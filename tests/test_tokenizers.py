@@ -25,6 +25,8 @@ from smetric.serve.tokenizers import (
     make_tokenizer,
 )
 
+pytestmark = pytest.mark.server
+
 BS = 4
 QWEN_TEMPLATE = (
     "{%- for message in messages %}"

@@ -15,12 +15,17 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
 from aiohttp import web
 
 from smetric.core.headers import ENGINE_HEADER
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 from smetric.serve.workers import CrashLoop
 from smetric.testing.ports import read_startup_port
+
+from conftest import eventually
+
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 COMPLETION = {
     "object": "chat.completion",
@@ -102,13 +107,6 @@ async def post(url: str, messages: list[dict]) -> aiohttp.ClientResponse:
         return reply
 
 
-async def until(condition: object, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def scenario() -> None:
     engines = [HoldingEngine(), HoldingEngine()]
     started = [await e.start() for e in engines]
@@ -141,9 +139,9 @@ async def scenario() -> None:
         # others routed do the engines stay level.
         sessions = [[{"role": "user", "content": f"task {i} " + "x" * 200}] for i in range(6)]
         pending = []
-        for i, messages in enumerate(sessions):
+        for messages in sessions:
             pending.append(asyncio.create_task(post(url, messages)))
-            await until(lambda i=i: sum(e.received for e in engines) == i + 1)
+            await eventually(lambda: sum(e.received for e in engines) == len(pending), 20.0)
             assert abs(engines[0].received - engines[1].received) <= 1
         for engine in engines:
             engine.release.set()
@@ -188,7 +186,7 @@ async def killed_worker() -> str:
         port = await asyncio.to_thread(read_startup_port, router.stdout, router)
         url = f"http://127.0.0.1:{port}"
         messages = [{"role": "user", "content": "hello"}]
-        await until(lambda: len(children_of(router.pid)) == 2)
+        await eventually(lambda: len(children_of(router.pid)) == 2, 20.0)
         for _ in range(20):  # both workers up and serving
             assert (await post(url, messages)).status == 200
         workers = children_of(router.pid)
@@ -197,7 +195,7 @@ async def killed_worker() -> str:
         # for its successor.
         replies = await asyncio.gather(*(post(url, messages) for _ in range(40)))
         assert [r.status for r in replies] == [200] * 40
-        await until(lambda: len(children_of(router.pid)) == 2)
+        await eventually(lambda: len(children_of(router.pid)) == 2, 20.0)
         assert workers[0] not in children_of(router.pid) and workers[1] in children_of(router.pid)
         assert router.poll() is None
     finally:

@@ -70,8 +70,12 @@ def _name(param: Any) -> str:
 
 
 def _commands(group: Any, path: str) -> Iterator[tuple[str, Any]]:
-    for name in sorted(group.commands):
-        command = group.commands[name]
+    import typer
+
+    # Asked through the group, which imports each command's module when it is asked for.
+    ctx = typer.Context(group)
+    for name in sorted(group.list_commands(ctx)):
+        command = group.get_command(ctx, name)
         if command.hidden:
             continue
         full = f"{path} {name}"
@@ -95,6 +99,11 @@ def cli_page() -> str:
         "each build of this site (the same text `smetric COMMAND --help` prints).",
         "",
         plain(root.help),
+        "",
+        "A command ends with exit code 0 when done, 2 on bad input (a flag, file, setting or",
+        "trace it cannot use, said in one line that names it), and 1 on an internal error,",
+        "which is a bug: `smetric --debug COMMAND ...` (or `SMETRIC_DEBUG=1`) shows its",
+        "traceback for the report.",
         "",
     ]
     commands = list(_commands(root, "smetric"))
@@ -185,14 +194,9 @@ def _declared_help(f: dataclasses.Field) -> str:
 def flag_help(command: str) -> dict[str, str]:
     """Per setting: the help of the ``smetric COMMAND`` flag that sets it, where one does:
     the flag of its own name, or of its name less ``_s`` (seconds) or ``s`` (a list)."""
-    import typer.main
-    from typer.core import TyperGroup
+    from smetric.cli.app import command as cli_command
 
-    from smetric.cli import app
-
-    root = typer.main.get_command(app)
-    assert isinstance(root, TyperGroup)  # the app has subcommands
-    params = root.commands[command].params
+    params = cli_command(command).params
     out: dict[str, str] = {}
     for param in params:
         text = plain(getattr(param, "help", None))
@@ -432,9 +436,11 @@ def policies_page() -> str:
                 bounds = meta.range() if meta.bounded else "—"
                 if meta.choices:
                     bounds = ", ".join(meta.choices)
+                source = sources[meta.source]
+                if meta.rate is not None:
+                    source += f" (`{meta.rate}`)"
                 out.append(
-                    f"| `{key}` | `{f.default}` | {cell(bounds)} | {sources[meta.source]} "
-                    f"| {cell(meta.help)} |"
+                    f"| `{key}` | `{f.default}` | {cell(bounds)} | {source} | {cell(meta.help)} |"
                 )
     return "\n".join(out) + "\n"
 

@@ -1,37 +1,9 @@
-"""The ``smetric`` command line: a thin shell over the trace layer, simulator and reports."""
+"""The ``smetric`` command line: a thin shell over the trace layer, simulator and reports.
 
-from smetric.cli import (
-    analyze,
-    demo,
-    engine,
-    grid,
-    knee,
-    model,
-    pick,
-    plan,
-    replay,
-    report,
-    reproduce,
-    serve,
-    simulate,
-    trace,
-)
+Each command lives in a module of its own, imported only when the command is used
+(``app.COMMANDS``), so that the command line starts fast.
+"""
+
 from smetric.cli.app import app
 
-__all__ = [
-    "analyze",
-    "app",
-    "demo",
-    "engine",
-    "grid",
-    "knee",
-    "model",
-    "pick",
-    "plan",
-    "replay",
-    "report",
-    "reproduce",
-    "serve",
-    "simulate",
-    "trace",
-]
+__all__ = ["app"]

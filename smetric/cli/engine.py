@@ -46,7 +46,8 @@ def engine(
     /tokenize, /health and /metrics with vLLM's metric names; cached tokens are reported in
     usage.prompt_tokens_details.cached_tokens.
     """
-    with user_errors():
+    # The serving layer checks what it is given as it is built and says so with ValueError.
+    with user_errors(also=(ValueError,)):
         config = with_values(EngineConfig(), given.section(""), "flags")
         load_model(config.model)
         load_hardware(config.hardware, gpus=config.gpus)

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from smetric.core.errors import UserError
 from smetric.core.policies import make_policy, split_policies
 
 PolicyListOpt = Annotated[
@@ -46,7 +47,7 @@ def page_option(report: str) -> Any:
 def check_page(page: Path | None) -> None:
     """A results page's folder must exist: checked before a long run, not after."""
     if page is not None and not page.parent.is_dir():
-        raise ValueError(f"--page {page}: folder {page.parent} does not exist")
+        raise UserError(f"--page {page}: folder {page.parent} does not exist")
 
 
 def checked_policies(text: str) -> tuple[str, ...]:
@@ -54,7 +55,7 @@ def checked_policies(text: str) -> tuple[str, ...]:
     minutes into the runs."""
     specs = split_policies(text)
     if not specs:
-        raise ValueError("--policies: name at least one policy")
+        raise UserError("--policies: name at least one policy")
     for spec in specs:
         make_policy(spec)
     return specs

@@ -13,6 +13,7 @@ import typer
 from smetric.cli.app import app, console, user_errors
 from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
 from smetric.cli.sim_options import NAMES
+from smetric.core.errors import UserError
 from smetric.core.settings_load import load
 from smetric.model import fidelity
 from smetric.model.fidelity import decode_step, prefill_seconds
@@ -50,18 +51,18 @@ def with_overrides(
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read TOML: {exc}") from exc
+        raise UserError(f"{path}: cannot read TOML: {exc}") from exc
     unknown_tables = sorted(set(data) - {"hardware", "model"})
     if unknown_tables:
-        raise ValueError(f"{path}: unknown tables {unknown_tables}; use [hardware] and [model]")
+        raise UserError(f"{path}: unknown tables {unknown_tables}; use [hardware] and [model]")
     out: list[Any] = []
     for table, preset in (("hardware", hardware), ("model", model)):
         given = data.get(table, {})
         if not isinstance(given, dict):
-            raise ValueError(f"{path}: [{table}] must be a table of fields")
+            raise UserError(f"{path}: [{table}] must be a table of fields")
         for f in dataclasses.fields(preset):
             if f.name in given and "chosen_by" in f.metadata:
-                raise ValueError(
+                raise UserError(
                     f"{path}: [{table}] cannot set {f.name}; {f.metadata['chosen_by']} sets it"
                 )
         out.append(load(type(preset), {**dataclasses.asdict(preset), **given}, str(path), table))

@@ -18,6 +18,7 @@ from smetric.cli.serve import (
     router_flags,
 )
 from smetric.cli.settings_options import Given, with_setting_flags
+from smetric.core.errors import UserError
 from smetric.gateway.options import PickConfig, PickOptions
 from smetric.serve.app import Router
 from smetric.serve.config import engines_from, router_settings
@@ -49,7 +50,8 @@ def pick(given: Given, config: ConfigOpt = None) -> None:
             "pip install 'smetric[gateway]'"
         )
         raise typer.Exit(2) from exc
-    with user_errors():
+    # The serving layer checks what it is given as it is built and says so with ValueError.
+    with user_errors(also=(ValueError,)):
         file = resolved(PickConfig, config, given)
         options = file.router
         found, discovery = discovered(options, file.engines)
@@ -83,7 +85,7 @@ async def _serve(server: PickerServer, drain_s: float, policy: str, engines: int
     try:
         await server.start()
     except OSError as exc:
-        raise ValueError(f"cannot listen on {server.host}: {exc}") from None
+        raise UserError(f"cannot listen on {server.host}: {exc}") from None
     # One line, flushed: scripts read the ports from it.
     console.print(
         f"smetric pick: {policy} over {engines} engines; ext_proc on "

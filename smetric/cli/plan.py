@@ -21,6 +21,7 @@ from smetric.cli.app import (
 )
 from smetric.cli.settings_options import Given, with_setting_flags
 from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
+from smetric.core.errors import UserError
 from smetric.core.settings_load import read_yaml
 from smetric.eval.plan import PlanSettings, plan_summary, search_plan
 from smetric.report.results import write_plan
@@ -97,7 +98,7 @@ def plan(
             span = float(last or 0.0) / base.workload.speed
             base = base.override("workload", duration_s=float(max(math.ceil(span) + 1, 2)))
         if base.warmup_s >= base.workload.duration_s:
-            raise ValueError(f"--warmup {base.warmup_s:g} must be shorter than the duration")
+            raise UserError(f"--warmup {base.warmup_s:g} must be shorter than the duration")
         settings = PlanSettings(
             globals=tuple(global_levels(provisionings)),
             min_instances=min_instances,

@@ -11,6 +11,7 @@ import typer
 
 from smetric.cli.app import app, console, user_errors
 from smetric.cli.settings_options import Given, SettingFlag, setting_flags, with_setting_flags
+from smetric.core.errors import UserError
 from smetric.record.recorder import Recorder, RecordSettings, read_salt
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.config import (
@@ -138,7 +139,8 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
     level, the rest in its 'router:' section, under the names the configuration reference
     lists.
     """
-    with user_errors():
+    # The serving layer checks what it is given as it is built and says so with ValueError.
+    with user_errors(also=(ValueError,)):
         file = resolved(ServeConfig, config, given)
         options = file.router
         settings = router_settings(options)
@@ -146,14 +148,14 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
         disagg = None
         workers = options.workers
         if options.discover is not None and (disaggregated is not None or workers > 1):
-            raise ValueError("--discover serves colocated engines with one worker")
+            raise UserError("--discover serves colocated engines with one worker")
         if disaggregated is None:
             found, discovery = discovered(options, file.engines)
             engines, subscribers = engines_from(
                 (*file.engines, *found), options.kv_blocks, settings.block_size
             )
         elif file.engines:
-            raise ValueError("give --engine for a colocated cluster, or prefill and decode engines")
+            raise UserError("give --engine for a colocated cluster, or prefill and decode engines")
         else:
             (engines, disagg), subscribers, discovery = disaggregated, {}, None
         # Before the router's metrics exist: with several workers they live in files that

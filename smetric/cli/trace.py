@@ -13,14 +13,18 @@ from smetric.cli.app import (
     TableFormatOpt,
     TraceArg,
     TraceFormatOpt,
+    app,
     console,
     load_with_progress,
     out_console,
-    trace_app,
     user_errors,
 )
+from smetric.core.errors import UserError
 from smetric.report.tables import Column, Table, check_format, emit
 from smetric.trace.load import DEFAULT_SAMPLE, write_parquet
+
+trace_app = typer.Typer(help="Inspect and convert request traces.", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
 
 
 @trace_app.command("info")
@@ -51,6 +55,7 @@ def trace_info(
             f"{row['trigger']} {row['count']:,}"
             for row in frame["trigger"].value_counts(sort=True).iter_rows(named=True)
         ),
+        "skipped records": trace.skipped_text(),
         "loaded in": f"{elapsed:.2f} s",
     }
     columns = (Column("fact", "left"), Column("value", "left", wrap=True))
@@ -75,7 +80,7 @@ def trace_convert(
     """Convert any supported trace to SMetric's normalised Parquet request table."""
     with user_errors():
         if out.suffix != ".parquet":
-            raise ValueError(f"{out}: the output must be a .parquet file")
+            raise UserError(f"{out}: the output must be a .parquet file")
         trace = load_with_progress(source, fmt)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_parquet(trace, out)

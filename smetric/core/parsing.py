@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from smetric.core.errors import UserError
+
 # A message as the renderers take it: OpenAI-shaped, ``role`` and ``content`` strings (parts
 # already flattened to text), optionally ``tool_calls`` and whatever other keys the client
 # sent, which chat templates may read.
@@ -23,7 +25,7 @@ Message = Mapping[str, Any]
 _ENCODERS = {False: msgspec.json.Encoder(), True: msgspec.json.Encoder(order="sorted")}
 
 
-class RequestError(ValueError):
+class RequestError(UserError):
     """A request body the router cannot analyse; the message says why, for a 400 reply."""
 
 

@@ -13,8 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from smetric.core.errors import ConfigError
+
 # Where a policy parameter's value comes from: set by hand (the default), derived from the
-# hardware a driver knows (``model.calibrate``), or fitted to measurements.
+# hardware a driver knows (``model.calibrate``; the setting names the ``rate`` it takes),
+# or fitted to measurements. A policy's learner may set those of the last two.
 Source = Literal["tuned", "hardware", "learned"]
 
 
@@ -29,6 +32,8 @@ class Meta:
     lt: float | None = None
     choices: tuple[str, ...] | None = None
     source: Source = "tuned"
+    # The hardware rate a ``source="hardware"`` setting takes where a driver knows it.
+    rate: str | None = None
     # For a collection of strings: every item must hold more than whitespace.
     nonempty_items: bool = False
 
@@ -38,9 +43,9 @@ class Meta:
         if value is None:
             return value
         if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{name} {value!r}: use one of {', '.join(self.choices)}")
+            raise ConfigError(f"{name} {value!r}: use one of {', '.join(self.choices)}")
         if self.nonempty_items and any(not str(item).strip() for item in value):
-            raise ValueError(f"{name}: an item must not be empty")
+            raise ConfigError(f"{name}: an item must not be empty")
         if isinstance(value, bool) or not isinstance(value, int | float):
             return value
         # Written so that NaN fails every bound.
@@ -51,8 +56,13 @@ class Meta:
             and (self.lt is None or value < self.lt)
         )
         if not inside or (self.bounded and math.isnan(value)):
-            raise ValueError(f"{name} must lie in {self.range()}, got {value}")
+            raise ConfigError(f"{name} must lie in {self.range()}, got {value}")
         return value
+
+    @property
+    def learnable(self) -> bool:
+        """Whether a policy's learner may set it: its value belongs to the engines."""
+        return self.source != "tuned"
 
     @property
     def bounded(self) -> bool:
@@ -89,9 +99,12 @@ def setting(
     lt: float | None = None,
     choices: tuple[str, ...] | None = None,
     source: Source = "tuned",
+    rate: str | None = None,
     nonempty_items: bool = False,
 ) -> Any:
     """A dataclass field declaring one setting: its default, help text and bounds."""
+    if (source == "hardware") != (rate is not None):
+        raise TypeError("a setting takes a hardware rate exactly when its source is hardware")
     meta = Meta(
         help,
         ge=ge,
@@ -100,6 +113,7 @@ def setting(
         lt=lt,
         choices=choices,
         source=source,
+        rate=rate,
         nonempty_items=nonempty_items,
     )
     return field(default=default, metadata={"setting": meta})

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get
 
 import yaml
 
+from smetric.core.errors import ConfigError
 from smetric.core.settings import Meta
 
 if TYPE_CHECKING:
@@ -45,9 +46,9 @@ def read_yaml(path: Path) -> Any:
         with path.open(encoding="utf-8") as stream:  # so a syntax error names the file
             return yaml.safe_load(stream)
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read the file: {exc.strerror}") from None
+        raise ConfigError(f"{path}: cannot read the file: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
 
 
 def load(cls: type[T], data: Any, where: str, key: str = "") -> T:
@@ -58,13 +59,13 @@ def load(cls: type[T], data: Any, where: str, key: str = "") -> T:
         data = {}
     if not isinstance(data, Mapping):
         place = key or "the top level"
-        raise ValueError(f"{where}: {place} must map keys to values, got {_shown(data)}")
+        raise ConfigError(f"{where}: {place} must map keys to values, got {_shown(data)}")
     hints = hints_of(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     for name in data:
         if name not in known:
             owner = key or "the top level"
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: unknown key {_join(key, str(name))!r}; {owner} takes {', '.join(known)}"
             )
     values = {
@@ -74,7 +75,7 @@ def load(cls: type[T], data: Any, where: str, key: str = "") -> T:
     }
     for f in dataclasses.fields(cls):
         if f.name not in values and _required(f):
-            raise ValueError(f"{where}: {_join(key, f.name)} is required")
+            raise ConfigError(f"{where}: {_join(key, f.name)} is required")
     return _build(cls, values, where, key)
 
 
@@ -99,7 +100,7 @@ def _build(cls: type[T], values: dict[str, Any], where: str, key: str) -> T:
     try:
         return cls(**values)
     except ValueError as exc:  # the dataclass's own checks across fields
-        raise ValueError(f"{where}: {key + ': ' if key else ''}{exc}") from None
+        raise ConfigError(f"{where}: {key + ': ' if key else ''}{exc}") from None
 
 
 def _meta(f: dataclasses.Field[Any]) -> Meta | None:
@@ -125,7 +126,7 @@ def _convert(hint: Any, value: Any, where: str, key: str, meta: Meta | None) -> 
         try:
             meta.check(key, out)
         except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+            raise ConfigError(f"{where}: {exc}") from None
     return out
 
 
@@ -148,7 +149,7 @@ def _typed(hint: Any, value: Any, where: str, key: str) -> Any:
             return load(hint, value, where, key)
     elif _fits(hint, value):
         return Path(value) if hint is Path else float(value) if hint is float else value
-    raise ValueError(f"{where}: {key} must be {describe(hint)}, got {_shown(value)}")
+    raise ConfigError(f"{where}: {key} must be {describe(hint)}, got {_shown(value)}")
 
 
 def _fits(hint: Any, value: Any) -> bool:

@@ -87,6 +87,7 @@ def create_app(config: EngineConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/messages", _messages)
+    app.router.add_post("/v1/messages/count_tokens", _count_tokens)
     app.router.add_post("/v1/responses", _responses)
     app.router.add_get("/v1/responses/{id}", _get_response)
     app.router.add_delete("/v1/responses/{id}", _delete_response)
@@ -560,6 +561,18 @@ async def _tokenize(request: web.Request) -> web.Response:
             "token_strs": None,
         }
     )
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's token count: the prompt's tokens as ``/v1/messages`` would prefill it."""
+    config = request.app[ENGINE].config
+    try:
+        facts = analyze_request(
+            await _json_body(request), "messages", _TOKENIZER, config.block_size
+        )
+    except RequestError as error:
+        return _error(str(error))
+    return web.json_response({"input_tokens": facts.prompt_tokens})
 
 
 async def _models(request: web.Request) -> web.Response:

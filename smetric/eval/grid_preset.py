@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from smetric.core.errors import ConfigError
 from smetric.eval.preset import check_keys, flag, positive, read_preset
 from smetric.metrics.slo import SLOConfig
 from smetric.sim.config import (
@@ -83,14 +84,14 @@ def load_grid_preset(spec: str) -> GridPreset:
     data = check_keys(raw, where, KEYS, OPTIONAL_KEYS)
     kv_loads = data["kv_loads"]
     if not isinstance(kv_loads, list) or not kv_loads:
-        raise ValueError(f"{where}: kv_loads must be a non-empty list of sync, async")
+        raise ConfigError(f"{where}: kv_loads must be a non-empty list of sync, async")
     loose = _mapping(data["loose_slo"], f"{where}: loose_slo")
     try:
         loose_slo = SLOConfig(
             **{k: positive(v, f"{where}: loose_slo.{k}") for k, v in loose.items()}
         )
     except TypeError as exc:
-        raise ValueError(f"{where}: loose_slo: {exc}") from exc
+        raise ConfigError(f"{where}: loose_slo: {exc}") from exc
     hardware = {
         str(h): _room(v, f"{where}: hardware.{h}")
         for h, v in _mapping(data["hardware"], f"{where}: hardware").items()
@@ -118,7 +119,7 @@ def _title(value: Any, where: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{where}: expected a non-empty heading")
+        raise ConfigError(f"{where}: expected a non-empty heading")
     return value.strip()
 
 
@@ -129,10 +130,10 @@ def _worlds(value: Any, where: str) -> dict[str, dict[str, float]]:
     for name, factors in _mapping(value, where).items():
         factors = factors or {}
         if not isinstance(factors, dict):
-            raise ValueError(f"{where}.{name}: expected a mapping of perturbations")
+            raise ConfigError(f"{where}.{name}: expected a mapping of perturbations")
         unknown = sorted(set(factors) - set(PERTURBATIONS))
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}.{name}: unknown perturbations {unknown}; known: {list(PERTURBATIONS)}"
             )
         worlds[str(name)] = {k: positive(v, f"{where}.{name}.{k}") for k, v in factors.items()}
@@ -141,23 +142,23 @@ def _worlds(value: Any, where: str) -> dict[str, dict[str, float]]:
 
 def _mapping(value: Any, where: str) -> dict:
     if not isinstance(value, dict) or not value:
-        raise ValueError(f"{where}: expected a non-empty mapping")
+        raise ConfigError(f"{where}: expected a non-empty mapping")
     return value
 
 
 def _trace(value: Any, where: str, hardware: dict[str, KvRoom]) -> GridTrace:
     data = _mapping(value, where)
     if not {"config", "tiers"} <= set(data) <= {"config", "tiers", "scale"}:
-        raise ValueError(f"{where}: expected the keys config, tiers and (optional) scale")
+        raise ConfigError(f"{where}: expected the keys config, tiers and (optional) scale")
     tiers = _mapping(data["tiers"], f"{where}.tiers")
     for tier in tiers:
         parse_global_capacity(str(tier))
     scale = data.get("scale") or {}
     if not isinstance(scale, dict):
-        raise ValueError(f"{where}.scale: expected a mapping of hardware to factors")
+        raise ConfigError(f"{where}.scale: expected a mapping of hardware to factors")
     unknown = sorted(set(map(str, scale)) - set(hardware))
     if unknown:
-        raise ValueError(f"{where}.scale: {unknown} not among hardware {sorted(hardware)}")
+        raise ConfigError(f"{where}.scale: {unknown} not among hardware {sorted(hardware)}")
     return GridTrace(
         config=from_dict(data["config"] or {}, f"{where}.config"),
         tiers={str(t): positive(v, f"{where}.tiers.{t}") for t, v in tiers.items()},
@@ -168,5 +169,5 @@ def _trace(value: Any, where: str, hardware: dict[str, KvRoom]) -> GridTrace:
 def _room(value: Any, where: str) -> KvRoom:
     data = _mapping(value, where)
     if set(data) != {"hardware", "kv_dtype"}:
-        raise ValueError(f"{where}: expected the keys hardware and kv_dtype")
+        raise ConfigError(f"{where}: expected the keys hardware and kv_dtype")
     return KvRoom(str(data["hardware"]), str(data["kv_dtype"]))

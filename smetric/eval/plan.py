@@ -24,6 +24,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from smetric.core.errors import ConfigError
 from smetric.sim.cluster import resolve_shape
 from smetric.sim.config import SimConfig
 from smetric.sim.knee import Knee, KneeSettings, probe_job, search_knees
@@ -50,11 +51,11 @@ class PlanSettings:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_instances <= self.max_instances:
-            raise ValueError("instances: need 1 <= --min-instances <= --max-instances")
+            raise ConfigError("instances: need 1 <= --min-instances <= --max-instances")
         if not 0 < self.attainment <= 1:
-            raise ValueError("attainment must lie in (0, 1]")
+            raise ConfigError("attainment must lie in (0, 1]")
         if not self.globals or not self.seeds:
-            raise ValueError("plan needs at least one global tier and one seed")
+            raise ConfigError("plan needs at least one global tier and one seed")
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def search_plan(
 ) -> dict[tuple[str, str], list[Point]]:
     """Every probed instance count per (policy, global tier), in increasing count."""
     if base.cluster.prefill_instances or base.cluster.decode_instances:
-        raise ValueError("plan sizes colocated clusters; drop the prefill/decode instances")
+        raise ConfigError("plan sizes colocated clusters; drop the prefill/decode instances")
     load = trace_load(base)
     knee_settings = KneeSettings(
         start=load, precision=settings.precision, max_probes=settings.max_probes

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from smetric.core.errors import ConfigError
 from smetric.sim.config import SimConfig, from_dict, parse_global_capacity
 
 PRESETS = ("quick", "full", "large")
@@ -73,37 +74,37 @@ def _read(spec: str, names: Sequence[str], seen: tuple[str, ...]) -> tuple[Any, 
     else:
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(f"--preset {spec!r}: use {' or '.join(names)}, or a YAML file")
+            raise ConfigError(f"--preset {spec!r}: use {' or '.join(names)}, or a YAML file")
         try:
             text = path.read_text()
         except OSError as exc:
-            raise ValueError(f"{path}: cannot read: {exc}") from exc
+            raise ConfigError(f"{path}: cannot read: {exc}") from exc
         where = str(path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"{where}: not YAML: {exc}") from exc
+        raise ConfigError(f"{where}: not YAML: {exc}") from exc
     name = Path(spec).stem
     if not isinstance(data, dict) or "extends" not in data:
         return data, where, name
     base_spec = data.pop("extends")
     if not isinstance(base_spec, str) or not base_spec:
-        raise ValueError(f"{where}: extends must name a preset ({', '.join(names)}) or a file")
+        raise ConfigError(f"{where}: extends must name a preset ({', '.join(names)}) or a file")
     if base_spec not in names:
         if spec in names:
             # A packaged preset has no folder of its own to resolve a path against.
-            raise ValueError(f"{where}: extends {base_spec}: not a preset ({', '.join(names)})")
+            raise ConfigError(f"{where}: extends {base_spec}: not a preset ({', '.join(names)})")
         base_spec = str(Path(spec).parent / base_spec)
     if base_spec not in names and not Path(base_spec).is_file():
-        raise ValueError(
+        raise ConfigError(
             f"{where}: extends {base_spec}: no such preset ({', '.join(names)}) or file"
         )
     chain = (*seen, _identity(spec, names))
     if _identity(base_spec, names) in chain:
-        raise ValueError(f"{where}: extends loops back to {base_spec}")
+        raise ConfigError(f"{where}: extends loops back to {base_spec}")
     base, base_where, _ = _read(base_spec, names, chain)
     if not isinstance(base, dict):
-        raise ValueError(f"{where}: extends {base_where}, whose top level is not a mapping")
+        raise ConfigError(f"{where}: extends {base_where}, whose top level is not a mapping")
     return _overlay(base, data), where, name
 
 
@@ -131,14 +132,14 @@ def check_keys(data: Any, where: str, keys: Sequence[str], optional: Sequence[st
     rather than silently defaulted."""
     known = [*keys, *optional]
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: the top level must map keys to values ({', '.join(known)})")
+        raise ConfigError(f"{where}: the top level must map keys to values ({', '.join(known)})")
     for key in data:
         if key not in known:
             takes = ", ".join(known)
-            raise ValueError(f"{where}: unknown key {key!r}; the top level takes {takes}")
+            raise ConfigError(f"{where}: unknown key {key!r}; the top level takes {takes}")
     for key in keys:
         if key not in data:
-            raise ValueError(f"{where}: {key} is required")
+            raise ConfigError(f"{where}: {key} is required")
     return data
 
 
@@ -146,7 +147,7 @@ def _parse(data: Any, where: str, name: str) -> Preset:
     data = check_keys(data, where, KEYS, OPTIONAL_KEYS)
     tiers = data["tiers"]
     if not isinstance(tiers, dict) or REFERENCE_TIER not in tiers:
-        raise ValueError(f"{where}: tiers must map global tiers to loads and include 'full'")
+        raise ConfigError(f"{where}: tiers must map global tiers to loads and include 'full'")
     for tier in tiers:
         parse_global_capacity(str(tier))
     return Preset(
@@ -164,19 +165,19 @@ def _parse(data: Any, where: str, name: str) -> Preset:
 
 def flag(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
     return value
 
 
 def positive(value: Any, where: str, zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise ValueError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
     if value < 0 or (value == 0 and not zero):
-        raise ValueError(f"{where}: expected a {'non-negative' if zero else 'positive'} number")
+        raise ConfigError(f"{where}: expected a {'non-negative' if zero else 'positive'} number")
     return float(value)
 
 
 def _values(values: Any, where: str, zero: bool = False) -> tuple[float, ...]:
     if not isinstance(values, list) or not values:
-        raise ValueError(f"{where}: expected a non-empty list of numbers")
+        raise ConfigError(f"{where}: expected a non-empty list of numbers")
     return tuple(positive(v, where, zero) for v in values)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
+from smetric.core.errors import UserError
 from smetric.core.policies import policy_params
 from smetric.eval.grid import FREE_GLOBAL_TIER, FREE_TIER
 from smetric.eval.preset import REFERENCE_TIER, Preset
@@ -186,7 +187,7 @@ def paper_load_runs(
     jobs = {p: at_load(full, p, rate, 0, ("paper", p, 0)) for p in policies}
     summaries = {p: store.get(job) for p, job in jobs.items()}
     if any(summary is None for summary in summaries.values()):
-        raise ValueError(f"{store.folder}: runs at {PAPER_LOAD:g}x load are missing")
+        raise UserError(f"{store.folder}: runs at {PAPER_LOAD:g}x load are missing")
     return (
         {p: s for p, s in summaries.items() if s is not None},
         {p: store.requests(job) for p, job in jobs.items()},

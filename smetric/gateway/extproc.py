@@ -11,8 +11,6 @@ they arrive, so streaming tokens are not held back.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,9 +19,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 
 from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.gateway import protocol
-from smetric.gateway.picker import Pick, Picker, Refusal
-
-log = logging.getLogger("smetric.pick")
+from smetric.gateway.picker import Pick, Picker
+from smetric.serve.refusals import Refusal
+from smetric.serve.token_count import TOKEN_COUNT_HEADER, declined
 
 Replies = list[ext_proc.ProcessingResponse]
 
@@ -39,6 +37,9 @@ class Exchange:
         self.size = 0
         self.pick: Pick | None = None
         self.refused = False
+        # The picker answered the client itself (a refusal, a token count): the stream
+        # is over.
+        self.answered = False
 
     async def on(self, message: ext_proc.ProcessingRequest) -> Replies:
         kind = message.WhichOneof("request")
@@ -58,7 +59,7 @@ class Exchange:
             replies = [] if self.pick else await self._decide(self.body, end_of_stream=False)
             return [*replies, protocol.continue_trailers("request")]
         if kind == "response_headers":
-            return self._response_headers(message)
+            return await self._response_headers(message)
         if kind == "response_body":
             return self._response_body(message.response_body)
         if kind == "response_trailers":
@@ -71,9 +72,10 @@ class Exchange:
             return protocol.body_chunks("request", [body.body], body.end_of_stream)
         self.body.append(body.body)
         self.size += len(body.body)
-        limit = self.picker.body_limit()
-        if self.size > limit:
-            return self._refuse(Refusal(413, f"request body too large: over {limit} bytes"))
+        try:
+            self.picker.check_size(self.size)
+        except Refusal as refusal:
+            return self._refuse(refusal)
         if body.end_of_stream:
             return await self._decide(self.body, end_of_stream=True)
         return []
@@ -95,29 +97,48 @@ class Exchange:
             pieces = [pick.body]
             headers["content-length"] = str(len(pick.body))
             removed = ("content-encoding",)
+        # An engine that requires a key gets its own, in place of the client's.
+        auth = self.picker.router.pool.auth(pick.engine)
+        if auth:
+            headers |= {name.lower(): value for name, value in auth.items()}
+            removed += ("x-api-key",)
         replies = [protocol.continue_headers("request", headers, pick.endpoint, removed)]
         if with_body and (pieces or end_of_stream):
             replies += protocol.body_chunks("request", pieces, end_of_stream)
         return replies
 
     def _refuse(self, refusal: Refusal) -> Replies:
-        self.refused = True
-        log.info(json.dumps({"event": "refuse", "status": refusal.status, "reason": str(refusal)}))
-        return [protocol.immediate(refusal.status, refusal.body)]
+        self.refused = self.answered = True
+        body = self.picker.refused(self.headers.get(":path", "/"), refusal)
+        return [protocol.immediate(refusal.status, body)]
 
-    def _response_headers(self, message: ext_proc.ProcessingRequest) -> Replies:
+    async def _response_headers(self, message: ext_proc.ProcessingRequest) -> Replies:
         headers = protocol.header_map(message.response_headers.headers)
         tags: dict[str, str] = {}
         if self.pick is not None:
             served = protocol.served_endpoint(message.metadata_context, headers)
             status = int(headers.get(":status", "0") or 0)
             self.picker.served(self.pick, served, status)
-            tags = {ENGINE_HEADER: self.pick.engine.url}
+            if self.pick.count_body is not None:
+                if declined(status):
+                    return await self._count_here(self.pick.count_body)
+                tags[TOKEN_COUNT_HEADER] = "engine"
+            tags[ENGINE_HEADER] = self.pick.engine.url
             if self.pick.facts is not None:
                 tags[PREDICTED_HIT_HEADER] = str(self.pick.predicted)
             if message.response_headers.end_of_stream:
                 self.close(complete=True)
         return [protocol.continue_headers("response", tags)]
+
+    async def _count_here(self, raw: bytes) -> Replies:
+        """The engine does not serve token counts: the router counts, in its place."""
+        self.close(complete=True)
+        try:
+            count = await self.picker.router.token_counter.count(self.headers, raw)
+        except Refusal as refusal:
+            return self._refuse(refusal)
+        self.answered = True
+        return [protocol.immediate(200, count, {TOKEN_COUNT_HEADER: "router"})]
 
     def _response_body(self, body: ext_proc.HttpBody) -> Replies:
         if self.pick is not None:
@@ -149,7 +170,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             async for message in request_iterator:
                 for reply in await exchange.on(message):
                     yield reply
-                if exchange.refused:
+                if exchange.answered:
                     return
         finally:
             exchange.close(complete=False)

@@ -4,8 +4,9 @@ A request is analysed from its body and routed by the same policy, view and deci
 as ``smetric serve``; only the forwarding is Envoy's. Its load is counted from the pick to
 the end of its response, on every exit path, and charged to the engine that actually served
 it (Envoy's retries or a fallback may send it elsewhere than picked): when the response
-names another engine, the reservation moves there. What the engine cached is read from the
-response body as it streams past (``UsageTap``).
+names another engine, its lease moves there (``serve.engines.Lease``, which ``serve``'s
+attempts hold too). What the engine cached is read from the response body as it streams
+past (``UsageTap``).
 """
 
 from __future__ import annotations
@@ -16,20 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from smetric.core.conversation import Api, RequestError, RequestFacts
-from smetric.core.parsing import decode_body
-from smetric.core.responses_api import response_not_found
+from smetric.core.conversation import RequestFacts
 from smetric.record.trigger import body_trigger
-from smetric.serve.analysis import OFF_LOOP_BYTES
-from smetric.serve.app import ROUTES, Router
+from smetric.serve.app import Router
 from smetric.serve.auth import MISSING_KEY
-from smetric.serve.backends import without_client_transfer
-from smetric.serve.engines import Engine, QueuedPrefill
-from smetric.serve.errors import error_body
+from smetric.serve.engines import Engine, Lease
+from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Completion, UsageTap, is_stream
-from smetric.serve.identity import identity_of
-from smetric.serve.limits import BodyError, decoded_body
-from smetric.serve.stored import holder, previous_id, stored_id
+from smetric.serve.intake import ROUTES
+from smetric.serve.refusals import Refusal
+from smetric.serve.stored import holder, not_found, previous_id, stored_id
+from smetric.serve.token_count import COUNT_TOKENS_PATH
 from smetric.serve.upstream import EngineFault
 
 
@@ -48,52 +46,6 @@ def endpoint_of(url: str) -> str:
     return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
 
 
-class Refusal(Exception):
-    """The picker answers the client itself: ``status`` with an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, body: dict | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = error_body(status, message) if body is None else body
-
-
-class Reservation:
-    """One request's load on the engine it is charged to: in flight, its prompt tokens,
-    and its unprefilled tokens until the first byte of the response (as ``Attempt``
-    counts a request ``serve`` forwards). Moves with the request; released once."""
-
-    def __init__(self, engine: Engine, prompt_tokens: int, unprefilled: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.released = False
-        self._charge(engine, unprefilled)
-
-    def _charge(self, engine: Engine, unprefilled: int) -> None:
-        self.engine = engine
-        engine.inflight += 1
-        engine.inflight_tokens += self.prompt_tokens
-        self.prefill = QueuedPrefill(engine, unprefilled)
-
-    def _discharge(self) -> int:
-        """Take the load off its engine; the unprefilled tokens it still held."""
-        self.engine.inflight -= 1
-        self.engine.inflight_tokens -= self.prompt_tokens
-        unprefilled = self.prefill.tokens
-        self.prefill.done()
-        return unprefilled
-
-    def move_to(self, engine: Engine) -> None:
-        if not self.released and engine is not self.engine:
-            self._charge(engine, self._discharge())
-
-    def prefilled(self) -> None:
-        self.prefill.done()
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._discharge()
-
-
 @dataclass
 class Pick:
     """One routed request, from the pick to the end of its response."""
@@ -103,7 +55,7 @@ class Pick:
     api: str
     predicted: int
     facts: RequestFacts | None
-    load: Reservation
+    load: Lease
     # What the completion observers (metrics, the recorder) learn once it ends; None for
     # requests that are not generations.
     completion: Completion | None = None
@@ -115,6 +67,9 @@ class Pick:
     remember: bool = True
     # The body Envoy forwards instead of the client's, inflated (None: the client's own).
     body: bytes | None = None
+    # A token count's body, kept in case the engine does not serve the route and the
+    # router counts instead.
+    count_body: bytes | None = None
 
 
 class Picker:
@@ -145,18 +100,27 @@ class Picker:
         ]
         if not engines:
             within = "" if subset is None else f" among {', '.join(sorted(subset)) or 'none'}"
-            raise Refusal(503, f"no healthy engine to serve the request{within}")
+            message = f"no healthy engine to serve the request{within}"
+            raise Refusal(503, "no_healthy_engine", message)
         if self.max_inflight and all(e.inflight >= self.max_inflight for e in engines):
-            raise Refusal(429, f"every engine has {self.max_inflight} requests in flight")
+            message = f"every engine has {self.max_inflight} requests in flight"
+            raise Refusal(429, "shed", message)
         return engines
 
-    def body_limit(self) -> int:
-        return self.router.analyzer.body_limit()
+    def check_size(self, size: int) -> None:
+        self.router.intake.check_size(size)
+
+    def refused(self, path: str, refusal: Refusal) -> dict:
+        """The client's answer to ``refusal`` in its API's shape, the refusal noted."""
+        self.router.refusals.note(path, refusal)
+        if refusal.body is not None:
+            return refusal.body
+        return dialect_for(path).body(refusal.status, refusal.message)
 
     def authorize(self, headers: Mapping[str, str]) -> None:
         """A 401 unless ``headers`` carry an accepted key (when the router has keys)."""
         if not self.router.keys.admits(headers):
-            raise Refusal(401, MISSING_KEY)
+            raise Refusal(401, "bad_key", MISSING_KEY)
 
     async def pick(
         self, path: str, headers: Mapping[str, str], raw: bytes, subset: frozenset[str] | None
@@ -170,28 +134,19 @@ class Picker:
         response_id = stored_id(path)
         if response_id is not None and method in ("GET", "DELETE"):
             engine = await self._holder(engines, response_id, headers, None)
-            return Pick(
-                engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
-            )
+            return Pick(engine, endpoint_of(engine.url), "other", 0, None, Lease(engine, 0, 0))
         if api is None or method != "POST":
             # Not a generation (/v1/models, /tokenize, ...): nothing to analyse.
             engine = min(engines, key=lambda e: e.inflight)
-            return Pick(
-                engine, endpoint_of(engine.url), "other", 0, None, Reservation(engine, 0, 0)
-            )
-        body, facts = await self._analyze(raw, headers.get("content-encoding", ""), api)
-        replaced = None
-        if not self.router.settings.allow_client_kv_transfer_params:
-            kept, body = without_client_transfer(raw, body)
-            replaced = kept if kept is not raw else None
+            count = raw if path.split("?")[0] == COUNT_TOKENS_PATH else None
+            lease = Lease(engine, 0, 0)
+            return Pick(engine, endpoint_of(engine.url), "other", 0, None, lease, count_body=count)
+        admitted = await self.router.intake.admit(path, headers, raw)
+        body, facts, identity = admitted.body, admitted.facts, admitted.identity
         engines = self.candidates(subset)  # health may have changed meanwhile
-        identity = identity_of(headers, body)
-        self.router.metrics.agent_requests.labels(
-            identity.harness or "none", identity.role, identity.call(facts.turn)
-        ).inc()
-        completion = Completion(api, path, is_stream(body), facts, identity)
+        completion = Completion(admitted.api, path, is_stream(body), facts, identity)
         completion.trigger = body_trigger(body)
-        previous = previous_id(body) if api == "responses" else None
+        previous = previous_id(body) if admitted.api == "responses" else None
         if previous is not None:
             holding = await self._holder(engines, previous, headers, "previous_response_id")
             engine, predicted = self.router.wiring.pin(completion, holding)
@@ -199,12 +154,14 @@ class Picker:
             decision = self.router.wiring.decide(facts, engines, identity=identity)
             engine, predicted = decision.engine, decision.predicted_hit_tokens
             completion.branch = decision.branch
-        load = Reservation(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
+        load = Lease(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
         completion.predicted_hit_tokens = predicted
         completion.engine = engine.url
-        pick = Pick(engine, endpoint_of(engine.url), api, predicted, facts, load, completion)
+        pick = Pick(
+            engine, endpoint_of(engine.url), admitted.api, predicted, facts, load, completion
+        )
         pick.remember = previous is None
-        pick.body = replaced
+        pick.body = admitted.raw if admitted.rewritten else None
         return pick
 
     async def _holder(
@@ -219,26 +176,8 @@ class Picker:
         timeout = self.router.settings.stream_headers_timeout_s
         engine = await holder(self.router.pool, engines, response_id, keys, timeout)
         if engine is None:
-            body = response_not_found(response_id, param)
-            raise Refusal(404, body["error"]["message"], body)
+            raise not_found(response_id, param)
         return engine
-
-    async def _analyze(self, raw: bytes, encoding: str, api: Api) -> tuple[dict, RequestFacts]:
-        try:
-            body = decode_body(decoded_body(raw, encoding, self.body_limit()))
-        except BodyError as exc:
-            raise Refusal(exc.status, str(exc)) from None
-        except RequestError as exc:
-            raise Refusal(400, str(exc)) from None
-        if not isinstance(body, dict):
-            raise Refusal(400, "body must be a JSON object")
-        try:
-            large = len(raw) > OFF_LOOP_BYTES
-            return body, await self.router.analyzer.analyze(body, api, large=large)
-        except RequestError as exc:
-            raise Refusal(400, str(exc)) from None
-        except (TimeoutError, OSError, ValueError) as exc:
-            raise Refusal(502, f"tokenising with the engine failed: {exc}") from None
 
     def served(self, pick: Pick, endpoint: str | None, status: int) -> None:
         """The response's headers: charge the request to the engine that served it, and

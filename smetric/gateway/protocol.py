@@ -134,12 +134,15 @@ def continue_trailers(phase: Phase) -> ext_proc.ProcessingResponse:
     return ext_proc.ProcessingResponse(**{f"{phase}_trailers": ext_proc.TrailersResponse()})
 
 
-def immediate(status: int, body: dict) -> ext_proc.ProcessingResponse:
-    """Answer the client directly, the engines never asked: a JSON error body."""
+def immediate(
+    status: int, body: dict, headers: Mapping[str, str] | None = None
+) -> ext_proc.ProcessingResponse:
+    """Answer the client directly with a JSON body (an error, or an answer the picker
+    has itself), with ``headers`` besides its content type."""
     return ext_proc.ProcessingResponse(
         immediate_response=ext_proc.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=_header_mutation({"content-type": "application/json"}),
+            headers=_header_mutation({"content-type": "application/json", **(headers or {})}),
             body=json.dumps(body).encode(),
             details=f"smetric_pick_{status}",
         )

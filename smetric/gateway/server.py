@@ -42,7 +42,7 @@ class PickerServer:
 
     async def start(self) -> None:
         router = self.picker.router
-        app = web.Application(middlewares=[router.key_check()])
+        app = web.Application(middlewares=router.middlewares())
         app.router.add_get("/metrics", router.prometheus)
         app.router.add_get("/health", router.health)
         app.router.add_get("/live", alive)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import polars as pl
 
+from smetric.core.errors import UserError
+
 
 def safe_name(name: str, fallback: str) -> str:
     """``name`` made safe for a file or folder name."""
@@ -37,22 +39,22 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, dict], dict[str, pl.DataFr
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError as exc:
-            raise ValueError(
+            raise UserError(
                 f"{folder}: no summary.json (not a `smetric simulate` or `replay` result)"
             ) from exc
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read: {exc}") from exc
+            raise UserError(f"{path}: cannot read: {exc}") from exc
         runs = data.get("policies") if isinstance(data, dict) else None
         if not isinstance(runs, dict) or not runs:
-            raise ValueError(f"{path}: no 'policies' with run summaries")
+            raise UserError(f"{path}: no 'policies' with run summaries")
         for name, summary in runs.items():
             label = name if len(folders) == 1 else f"{folder.name}/{name}"
             if label in summaries:
-                raise ValueError(f"two runs are both named {label!r}; rename one folder")
+                raise UserError(f"two runs are both named {label!r}; rename one folder")
             table_path = folder / run_file_name(name)
             try:
                 tables[label] = pl.read_parquet(table_path)
             except (OSError, pl.exceptions.PolarsError) as exc:
-                raise ValueError(f"{table_path}: cannot read the run's requests: {exc}") from exc
+                raise UserError(f"{table_path}: cannot read the run's requests: {exc}") from exc
             summaries[label] = summary
     return summaries, tables

@@ -16,6 +16,7 @@ import math
 import numpy as np
 import polars as pl
 
+from smetric.core.errors import ConfigError
 from smetric.metrics.slo import SLOConfig
 from smetric.trace.analysis.balance import window_loads
 
@@ -151,7 +152,7 @@ def summarize(
     warmup_s: float = 0.0,
 ) -> dict:
     if not 0 <= warmup_s < horizon_s:
-        raise ValueError(f"warm-up {warmup_s:g} s must lie in [0, horizon {horizon_s:g} s)")
+        raise ConfigError(f"warm-up {warmup_s:g} s must lie in [0, horizon {horizon_s:g} s)")
     measured = horizon_s - warmup_s
     done = table.filter(pl.col("completed") & (pl.col("arrival_s") >= warmup_s))
     met = done.filter(pl.col("met_slo"))

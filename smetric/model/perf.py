@@ -21,6 +21,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from smetric.core.errors import ConfigError
+
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 # What an FP8 checkpoint keeps in BF16 (embedding, lm_head, routers) is stored at this width;
 # a checkpoint served at a wider dtype (float32 on a CPU) keeps them at its own.
@@ -52,7 +54,7 @@ def _dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
         ) from None
 
@@ -190,23 +192,25 @@ class Medium:
 def load_medium(name: str) -> Medium:
     presets = _presets("tiers.toml")
     if name not in presets:
-        raise ValueError(f"unknown global-tier medium {name!r}; presets: {', '.join(MEDIUM_NAMES)}")
+        raise ConfigError(
+            f"unknown global-tier medium {name!r}; presets: {', '.join(MEDIUM_NAMES)}"
+        )
     return Medium(name=name, **presets[name])
 
 
 def load_hardware(name: str, gpus: int = 1) -> Hardware:
     presets = _presets("hardware.toml")
     if name not in presets:
-        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE_NAMES)}")
+        raise ConfigError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE_NAMES)}")
     if gpus < 1:
-        raise ValueError(f"an instance needs at least one GPU, got {gpus}")
+        raise ConfigError(f"an instance needs at least one GPU, got {gpus}")
     return Hardware(name=name, gpus=gpus, **presets[name])
 
 
 def load_model(name: str) -> ModelSpec:
     presets = _presets("models.toml")
     if name not in presets:
-        raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODEL_NAMES)}")
+        raise ConfigError(f"unknown model {name!r}; presets: {', '.join(MODEL_NAMES)}")
     spec = ModelSpec(name=name, **presets[name])
     for published, derived in (
         (spec.total_params, spec.shape_total_params),

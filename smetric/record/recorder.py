@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from smetric.core.errors import UserError
 from smetric.record.salt import Salter
 from smetric.trace.jsonl import list_column
 from smetric.trace.recording_format import (
@@ -92,9 +93,9 @@ class RecordSettings:
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.rotate_s <= 0 or self.rotate_requests <= 0:
-            raise ValueError("recording limits must be positive")
+            raise UserError("recording limits must be positive")
         if self.salt is not None and len(self.salt) < 16:
-            raise ValueError("a recording salt needs at least 16 bytes")
+            raise UserError("a recording salt needs at least 16 bytes")
 
 
 def read_salt(path: Path) -> bytes:
@@ -102,9 +103,9 @@ def read_salt(path: Path) -> bytes:
     try:
         salt = path.read_bytes()
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read the recording salt: {exc}") from exc
+        raise UserError(f"{path}: cannot read the recording salt: {exc}") from exc
     if len(salt) < 16:
-        raise ValueError(f"{path}: a recording salt needs at least 16 bytes, got {len(salt)}")
+        raise UserError(f"{path}: a recording salt needs at least 16 bytes, got {len(salt)}")
     return salt
 
 
@@ -194,7 +195,7 @@ class Recorder:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ValueError(f"{folder}: cannot create the recording folder: {exc}") from exc
+            raise UserError(f"{folder}: cannot create the recording folder: {exc}") from exc
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -207,9 +208,9 @@ class Recorder:
             try:
                 existing = json.loads(path.read_text())
             except (OSError, ValueError) as exc:
-                raise ValueError(f"{path}: unreadable recording manifest: {exc}") from exc
+                raise UserError(f"{path}: unreadable recording manifest: {exc}") from exc
             if existing != manifest:
-                raise ValueError(
+                raise UserError(
                     f"{folder} holds a recording made with another salt, block size or "
                     "tokenizer, whose ids would not compare with these; record into a new "
                     "folder, or pass the same --record-salt-file and settings"
@@ -218,7 +219,7 @@ class Recorder:
         try:
             path.write_text(json.dumps(manifest, indent=1) + "\n")
         except OSError as exc:
-            raise ValueError(f"{folder}: cannot write the recording manifest: {exc}") from exc
+            raise UserError(f"{folder}: cannot write the recording manifest: {exc}") from exc
 
     def _run(self) -> None:
         while not self._stop.wait(self.DRAIN_EVERY_S):

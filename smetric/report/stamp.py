@@ -15,6 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from smetric.core.errors import UserError
+
 _REPO = Path(__file__).resolve().parents[2]
 
 
@@ -100,6 +102,6 @@ def write_results_page(
     """Write the page for a measurement ``command`` just made; the folder must exist (a
     typo in the path fails rather than scattering pages)."""
     if not path.parent.is_dir():
-        raise ValueError(f"{path}: folder {path.parent} does not exist")
+        raise UserError(f"{path}: folder {path.parent} does not exist")
     path.write_text(results_page(title, body, stamp or Stamp.now(command), intro))
     return path

@@ -28,6 +28,7 @@ from rich.measure import Measurement
 from rich.table import Table as RichTable
 from rich.text import Text
 
+from smetric.core.errors import UserError
 from smetric.report.markdown import markdown_table
 
 FORMATS = ("table", "json", "csv", "markdown")
@@ -68,7 +69,7 @@ class Table:
 
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+        raise UserError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     return fmt
 
 

@@ -150,6 +150,7 @@ def trace_facts(trace: Section) -> list[tuple[str, str]]:
         ),
         ("Clock", "recorded" if trace["has_clock"] else "none"),
         ("Block size", "n/a" if trace["block_size"] is None else f"{trace['block_size']} tokens"),
+        ("Skipped records", count(sum(trace.get("skipped", {}).values()))),
     ]
 
 
@@ -165,6 +166,8 @@ def _reuse_rows(reuse: Section) -> list[tuple[str, str]]:
     ]
     for key in ("intra_session", "inter_session", "system_prompt"):
         rows.append((REUSE_SOURCES[key], f"{pct(reuse['breakdown'][key])} of hits"))
+    if "cross_session_share" in reuse:
+        rows.append(("From other sessions", f"{pct(reuse['cross_session_share'])} of hits"))
     return rows
 
 

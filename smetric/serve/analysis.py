@@ -2,7 +2,7 @@
 
 The analysis itself is pure (``core.conversation.analyze_request``); this is where it
 runs: small bodies inline, large ones in a few worker threads, or through an engine's
-tokenize endpoint. Prompts are capped at the engines' longest context before they are
+tokenize endpoint. A text that cannot fit the prompt limit is refused before it is
 tokenised (``serve.limits``).
 """
 
@@ -13,7 +13,7 @@ import asyncio
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestFacts, analyze_request
-from smetric.serve.limits import BYTES_PER_TOKEN, CappedTokenizer
+from smetric.serve.limits import CappedTokenizer
 from smetric.serve.pool import EnginePool
 from smetric.serve.tokenizers import EngineTokens, analyze_with_engine
 
@@ -32,19 +32,17 @@ class Analyzer:
         memo_bytes: int,
         threads: int,
         max_prompt_tokens: int = 0,
-        max_body_bytes: int = 32 << 20,
         engine_tokenizer: bool = False,
     ) -> None:
         self.pool = pool
         self.template = template
         self.block_size = block_size
         self.engine_tokenizer = engine_tokenizer
-        self.max_body_bytes = max_body_bytes
         self._max_prompt_tokens = max_prompt_tokens
         # 0: every body on the event loop (a tokenizer that holds the GIL gains nothing).
         self.threads = threads
         self._slots = asyncio.Semaphore(max(threads, 1))
-        # A message too long for any engine is refused before it is tokenised.
+        # A message too long for the limit is refused before it is tokenised.
         self.tokenizer = CappedTokenizer(tokenizer, self.max_prompt_tokens)
         # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
         memo_tokenizer: Tokenizer = EngineTokens() if engine_tokenizer else self.tokenizer
@@ -54,12 +52,14 @@ class Analyzer:
         """The configured cap, else the longest context an engine reported (0: none yet)."""
         return self._max_prompt_tokens or self.pool.max_context()
 
-    def body_limit(self) -> int:
-        """Bytes a body may have: the configured limit, lowered to what the longest prompt
-        the engines take could need."""
-        tokens = self.max_prompt_tokens()
-        limit = self.max_body_bytes
-        return limit if tokens == 0 else min(limit, tokens * BYTES_PER_TOKEN)
+    def prompt_limit(self) -> str:
+        """The prompt limit in force, as a client's error message names it."""
+        if self._max_prompt_tokens:
+            return f"--max-prompt-tokens ({self._max_prompt_tokens} tokens)"
+        return (
+            f"the engines' longest context ({self.pool.max_context()} tokens; "
+            "--max-prompt-tokens is 0)"
+        )
 
     def analyze_now(self, body: object, api: Api) -> RequestFacts:
         """The facts, on this thread, with the router's own tokenizer."""

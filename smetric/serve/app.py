@@ -34,174 +34,32 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
-from smetric.core.conversation import Api, ChatTemplate, RequestError
-from smetric.core.parsing import decode_body
-from smetric.core.policies import DEFAULT_POLICY, POLICY_NAMES
-from smetric.core.settings import check_settings, setting
+from smetric.core.conversation import Api, ChatTemplate
 from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
-from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
+from smetric.serve.analysis import Analyzer
 from smetric.serve.auth import KeyCheck
-from smetric.serve.backends import without_client_transfer
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
 from smetric.serve.engines import Engine
-from smetric.serve.errors import error_response, errors_as_json
+from smetric.serve.errors import answer_errors
 from smetric.serve.forwarding import Completion, CompletionObserver, Forwarder, is_stream
-from smetric.serve.global_tier import GLOBAL_TIERS, global_tier_from
-from smetric.serve.identity import identity_of
+from smetric.serve.global_tier import global_tier_from
+from smetric.serve.intake import ROUTES, Intake
 from smetric.serve.kv_subscriber import KVEventSubscriber
-from smetric.serve.limits import BodyError, decoded_body
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.outliers import OutlierDetector
 from smetric.serve.pool import EnginePool
 from smetric.serve.prices import PriceFeed
+from smetric.serve.refusals import Refusal, RefusalLog
 from smetric.serve.routing import RoutingCore
+from smetric.serve.settings import RouterSettings
 from smetric.serve.stored import STORED_PATH, forward, holder, not_found, previous_id
+from smetric.serve.token_count import COUNT_TOKENS_PATH, TokenCounter
 from smetric.serve.upstream import Timeouts
 
 __all__ = ["ROUTES", "Router", "RouterSettings"]
-
-ROUTES: dict[str, Api] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/messages": "messages",
-    "/v1/responses": "responses",
-}
-
-
-@dataclass
-class RouterSettings:
-    """How the router routes, checks engines and guards itself: what the ``router:``
-    section of ``smetric serve --config`` and the flags of the same names set."""
-
-    policy: str = setting(
-        DEFAULT_POLICY,
-        f"Routing policy: {', '.join(POLICY_NAMES)}, or NAME:key=value,... with its parameters.",
-    )
-    block_size: int = setting(16, "Tokens per KV block (the engines' block size).", ge=1)
-    api_keys: frozenset[str] = setting(
-        frozenset(),
-        "Accepted client keys (a flag per key); with any, every route but /health needs one, "
-        "as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
-        # An empty key (``--api-key "$KEY"`` with KEY unset) would admit an empty header.
-        nonempty_items=True,
-    )
-    open_metrics: bool = setting(False, "Let /metrics answer without a key (scrapers).")
-    allow_client_kv_transfer_params: bool = setting(
-        False,
-        "Pass clients' kv_transfer_params on to engines; else they are dropped, since "
-        "they name the address an engine reads or sends KV to.",
-    )
-    health_interval_s: float = setting(2.0, "Seconds between health checks.", ge=0.05)
-    max_body_bytes: int = setting(32 << 20, "Largest request body, in bytes.", ge=1)
-    body_timeout_s: float = setting(
-        60.0,
-        "Seconds a client has to send a request's whole body; then it gets a 408 and the "
-        "connection closes, so a body trickled a byte at a time holds nothing for long.",
-        gt=0,
-    )
-    max_prompt_tokens: int = setting(
-        0,
-        "Longest prompt analysed, in tokens; longer ones get a 400 before they are "
-        "tokenised (0: the largest max_model_len the engines' /v1/models report).",
-        ge=0,
-    )
-    analysis_threads: int = setting(
-        2,
-        "Large prompts analysed at once in worker threads, each holding its tokens "
-        "meanwhile (0: on the event loop).",
-        ge=0,
-    )
-    connect_timeout_s: float = setting(
-        Timeouts.connect_s, "Seconds to wait for a connection to an engine.", gt=0
-    )
-    first_byte_timeout_s: float = setting(
-        Timeouts.first_byte_s,
-        "Seconds to wait for an engine's response headers (a non-streaming reply's come at "
-        "its end, a disaggregated prefill's too) or a stream's first chunk; then the "
-        "request is retried elsewhere.",
-        gt=0,
-    )
-    idle_timeout_s: float = setting(
-        Timeouts.idle_s, "Seconds an engine may go silent mid-response before it is cut off.", gt=0
-    )
-    stream_headers_timeout_s: float = setting(
-        Timeouts.stream_headers_s,
-        "Seconds to wait for a streaming reply's headers, which engines send as soon as "
-        "they take the request; then it is retried elsewhere.",
-        gt=0,
-    )
-    stall_timeout_s: float = setting(
-        20.0,
-        "Seconds an engine with requests in flight may show no progress (no byte of any "
-        "response, no prompt or generation counter moved in its /metrics) before it is "
-        "ejected as stalled and its requests that sent the client nothing are retried "
-        "elsewhere (0: never); prompts still to prefill add a second per stall_prefill_tps "
-        "tokens.",
-        ge=0,
-    )
-    # The default is below the slowest long prefills the performance model puts on its
-    # presets: a fresh 129 k-token prompt of Qwen3-30B-A3B on one H20 at about 2,200
-    # tokens/s (58 s), of Qwen3-235B-A22B-FP8 on four at about 1,700 (76 s).
-    stall_prefill_tps: float = setting(
-        1000.0,
-        "Prompt tokens routed to an engine and not yet prefilled that earn it one more "
-        "second before a stall: a prefill sends nothing and moves no counter until its "
-        "first token.",
-        gt=0,
-    )
-    retries: int = setting(
-        2,
-        "Other engines to try for a request (disaggregated: for each leg) that failed "
-        "before the client got any byte (refused connections do not count).",
-        ge=0,
-    )
-    eject_after: int = setting(
-        3,
-        "Failed requests (5xx, garbage, timeouts) in a row that eject an engine, for a "
-        "backoff that doubles with each ejection until a request succeeds there again.",
-        ge=1,
-    )
-    eject_backoff_s: float = setting(5.0, "Seconds of an engine's first ejection.", ge=0)
-    eject_backoff_max_s: float = setting(
-        300.0, "Longest ejection, in seconds, however often an engine fails.", ge=0
-    )
-    scrape_interval_s: float = setting(
-        0.0,
-        "Seconds between scrapes of engines' /metrics (0: off); running + waiting then "
-        "raise the load, and cache_config_info sizes the prefix index. Busy engines are "
-        "scraped for their progress anyway (see stall_timeout_s).",
-        ge=0,
-    )
-    staleness_s: float = setting(5.0, "Ignore a scrape older than this many seconds.", ge=0)
-    memo_bytes: int = setting(
-        256 << 20, "Bytes the memo of rendered, tokenised and hashed message prefixes holds.", ge=0
-    )
-    global_tier: str = setting(
-        "none",
-        "What the router knows of the cluster's global KV tier (what a session moved to "
-        "another engine loads instead of recomputing): none (unknown), events (the blocks "
-        "engines with kv_events report on a CPU or storage medium, as vLLM's CPU offloading "
-        "and LMCache do, taken as one shared store) or full (a store without events that "
-        "keeps every prompt the engines prefilled).",
-        choices=GLOBAL_TIERS,
-    )
-    global_tier_tokens: int = setting(
-        0,
-        "Capacity of the full global tier in tokens, least recently used out first (0: unbounded).",
-        ge=0,
-    )
-    drain_timeout_s: float = setting(
-        30.0,
-        "On SIGTERM, stop accepting at once and give the requests in flight this many "
-        "seconds to finish before they are cut.",
-        ge=0,
-    )
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 @dataclass
@@ -253,6 +111,7 @@ class Router:
                 settings.eject_after, settings.eject_backoff_s, settings.eject_backoff_max_s
             ),
             subscribers=self.subscribers,
+            engine_api_key=settings.engine_api_key,
         )
         # The pool's own list, so engines added at runtime are the router's too.
         self.engines = self.pool.engines
@@ -266,9 +125,15 @@ class Router:
             memo_bytes=settings.memo_bytes,
             threads=settings.analysis_threads,
             max_prompt_tokens=settings.max_prompt_tokens,
-            max_body_bytes=settings.max_body_bytes,
             engine_tokenizer=self.engine_tokenizer,
         )
+        self.intake = Intake(
+            self.analyzer,
+            self.metrics,
+            settings.max_body_bytes,
+            allow_client_transfer=settings.allow_client_kv_transfer_params,
+        )
+        self.refusals = RefusalLog(self.metrics.refused)
         timeouts = Timeouts(
             settings.connect_timeout_s,
             settings.first_byte_timeout_s,
@@ -279,6 +144,7 @@ class Router:
         self.forwarder = Forwarder(
             self.pool, self.metrics, timeouts, settings.retries, not settings.api_keys
         )
+        self.token_counter = TokenCounter(self.intake, self.forwarder)
         # A policy that prices work learns its prices from the engines' replies.
         self.prices = PriceFeed(self.core.policy, settings.policy, self.metrics.learned_price)
         if self.prices.learning:
@@ -297,20 +163,23 @@ class Router:
 
     # -- application --------------------------------------------------------------------
 
-    def key_check(self) -> Middleware:
-        """Any app fronting this router asks for a key on every path but its health
-        checks (and ``/metrics`` with ``open_metrics``)."""
+    def middlewares(self) -> list[Middleware]:
+        """Any app fronting this router answers its refusals in the route's shape, counted
+        and logged, and asks for a key on every path but its health checks (and
+        ``/metrics`` with ``open_metrics``)."""
         open_paths = {"/health", "/live"} | ({"/metrics"} if self.settings.open_metrics else set())
-        return self.keys.middleware(open_paths)
+        errors = answer_errors(self.refusals, self.settings.max_body_bytes)
+        return [errors, self.keys.middleware(open_paths)]
 
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[errors_as_json, self.key_check()],
+            middlewares=self.middlewares(),
             handler_args={"auto_decompress": False},  # see serve.limits.decoded_body
         )
         for path, api in ROUTES.items():
             app.router.add_post(path, self._handler(path, api))
+        app.router.add_post(COUNT_TOKENS_PATH, self.count_tokens)
         app.router.add_get(STORED_PATH, self.stored_response)
         app.router.add_delete(STORED_PATH, self.stored_response)
         app.router.add_get("/v1/models", self.models)
@@ -351,55 +220,49 @@ class Router:
         return handle
 
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
-        try:
-            raw = await self._read_body(request)
-        except BodyError as exc:
-            refusal = error_response(exc.status, str(exc))
-            if exc.status == 408 and request.transport is not None:
-                # Nor is the rest of so slow a body waited for (aiohttp would linger,
-                # reading it, 10 s more): the answer goes, and the connection with it.
-                await refusal.prepare(request)
-                await refusal.write_eof()
-                request.transport.close()
-            return refusal
-        try:
-            body = decode_body(raw)
-        except RequestError as exc:
-            return error_response(400, str(exc))
-        if not isinstance(body, dict):
-            return error_response(400, "body must be a JSON object")
-        if not self.settings.allow_client_kv_transfer_params:
-            raw, body = without_client_transfer(raw, body)
-        try:
-            facts = await self.analyzer.analyze(body, api, large=len(raw) > OFF_LOOP_BYTES)
-        except RequestError as exc:
-            return error_response(400, str(exc))
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            return error_response(502, f"tokenising with the engine failed: {exc}")
-        identity = identity_of(request.headers, body)
-        self.metrics.agent_requests.labels(
-            identity.harness or "none", identity.role, identity.call(facts.turn)
-        ).inc()
+        """One generation request, from its bytes to its response's end; a ``Refusal``
+        on the way in is answered by the ``answer_errors`` middleware."""
+        admitted = await self.intake.admit(path, request.headers, await self._read(request))
+        body, facts = admitted.body, admitted.facts
         pinned, dispatcher = None, self.dispatcher
         if api == "responses" and (previous := previous_id(body)) is not None:
             pinned = await self._holder(request, previous)
             if pinned is None:
-                return not_found(previous, "previous_response_id")
+                raise not_found(previous, "previous_response_id")
             dispatcher = Colocated(self.wiring)
-        completion = Completion(api, path, is_stream(body), facts, identity)
+        completion = Completion(api, path, is_stream(body), facts, admitted.identity)
         completion.trigger = body_trigger(body)
-        call = Call(request, path, raw, body, facts, completion, pinned)
+        call = Call(request, path, admitted.raw, body, facts, completion, pinned)
         try:
             response = await dispatcher.dispatch(call)
             if completion.status == 0:  # answered before any engine did (none could)
                 completion.status = response.status
             return response
+        except Refusal as refusal:  # no engine could serve it
+            completion.status = refusal.status
+            raise
         except asyncio.CancelledError:
             completion.outcome = "client_gone"
             raise
         finally:
             self.metrics.latency.labels(api).observe(time.perf_counter() - completion.started)
             self.forwarder.completed(completion)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body as sent: one over the limit is refused unread when its
+        Content-Length says so, so it costs nothing, and one that takes longer than
+        ``body_timeout_s`` to arrive is cut off."""
+        self.intake.check_size(request.content_length or 0)
+        deadline = self.settings.body_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                return await request.read()
+        except TimeoutError:
+            message = f"request body not received within {deadline:g} s"
+            raise Refusal(408, "body_timeout", message) from None
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        return await self.token_counter.answer(request, await self._read(request))
 
     async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
         headers = self.forwarder.upstream_headers(request)
@@ -411,25 +274,9 @@ class Router:
         response_id = request.match_info["id"]
         engine = await self._holder(request, response_id)
         if engine is None:
-            return not_found(response_id)
+            raise not_found(response_id)
         headers = self.forwarder.upstream_headers(request)
         return await forward(self.pool, engine, request, headers, self.settings.idle_timeout_s)
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The body, inflated; one over the analyzer's ``body_limit()`` is refused unread
-        when its Content-Length says so, so it costs nothing, and one that takes longer
-        than ``body_timeout_s`` to arrive is cut off."""
-        limit = self.analyzer.body_limit()
-        if (request.content_length or 0) > limit:
-            raise BodyError(413, f"request body too large: over {limit} bytes")
-        encoding = request.headers.get("Content-Encoding", "")
-        deadline = self.settings.body_timeout_s
-        try:
-            async with asyncio.timeout(deadline):
-                raw = await request.read()
-        except TimeoutError:
-            raise BodyError(408, f"request body not received within {deadline:g} s") from None
-        return decoded_body(raw, encoding, limit)
 
     def record(self, completion: Completion) -> None:
         """Queue a request an engine served (the client hanging up included) for the

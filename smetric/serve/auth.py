@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from smetric.serve.errors import error_response
+from smetric.serve.refusals import Refusal
 
 MISSING_KEY = "missing or invalid API key"
 
@@ -58,12 +58,13 @@ class KeyCheck:
         return any(matches)
 
     def middleware(self, open_paths: Collection[str]) -> Middleware:
-        """Lets through requests to ``open_paths`` and those with a key."""
+        """Lets through requests to ``open_paths`` and those with a key; refuses the
+        rest (``serve.errors.answer_errors`` answers, in the route's shape)."""
 
         @web.middleware
         async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
             if request.path not in open_paths and not self.admits(request.headers):
-                return error_response(401, MISSING_KEY)
+                raise Refusal(401, "bad_key", MISSING_KEY)
             return await handler(request)
 
         return check

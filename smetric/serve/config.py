@@ -21,11 +21,11 @@ from smetric.core.kv_events import DEFAULT_MAX_BLOCKS, EventIndex
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.core.settings import setting
 from smetric.core.settings_load import load, read_yaml, with_values
-from smetric.serve.app import RouterSettings
 from smetric.serve.backends import BACKENDS, backend_named
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.settings import RouterSettings
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -67,6 +67,9 @@ class EngineEntry:
     url: str = setting(dataclasses.MISSING, "Engine base URL, http(s)://HOST:PORT.")
     kv_blocks: int | None = setting(
         None, "KV blocks of this engine for the prefix index; none: the router's kv_blocks.", ge=1
+    )
+    api_key: str | None = setting(
+        None, "Key sent to this engine as 'Authorization: Bearer KEY'; none: engine_api_key."
     )
 
 
@@ -247,7 +250,8 @@ def engines_from(
             spec = dataclasses.asdict(entry.kv_events)
             subscribers[url] = backend.kv_event_subscriber(index, spec, url)
         blocks = kv_blocks if entry.kv_blocks is None else entry.kv_blocks
-        engines.append(Engine(url, blocks, events=index, backend=backend))
+        key = entry.api_key or ""
+        engines.append(Engine(url, blocks, events=index, backend=backend, api_key=key))
     if not engines:
         raise ValueError("give at least one --engine URL (or engines: in --config)")
     return engines, subscribers
@@ -262,7 +266,11 @@ def disaggregation_from(config: ServeConfig) -> tuple[list[Engine], Disaggregati
 
     def engines(entries: tuple[str | EngineEntry, ...]) -> list[Engine]:
         return [
-            Engine(engine_url(e.url), kv_blocks if e.kv_blocks is None else e.kv_blocks)
+            Engine(
+                engine_url(e.url),
+                kv_blocks if e.kv_blocks is None else e.kv_blocks,
+                api_key=e.api_key or "",
+            )
             for e in (EngineEntry(x) if isinstance(x, str) else x for x in entries)
         ]
 

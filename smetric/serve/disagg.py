@@ -22,7 +22,7 @@ here. The decode engine is chosen by ``decode_policy``, the simulator's decode p
 
 Failures are handled as for colocated engines, each leg on the forwarder's ``try_engines``
 (``serve.upstream.Attempt``: the leg's load, the ``first_byte_timeout_s`` and
-``idle_timeout_s`` timeouts; passive ejection; OpenAI-style errors). A prefill engine
+``idle_timeout_s`` timeouts; passive ejection; errors in the API's own shape). A prefill engine
 that is unreachable, answers 5xx or garbage, or stalls is left out and the prefill tried
 on another; a decode engine that fails before the client got a byte gets the same
 parameters sent to another decode engine: the prefill engine still holds the blocks (vLLM
@@ -57,7 +57,7 @@ from smetric.core.policies.decode import (
 )
 from smetric.serve.dispatch import Call, Wiring
 from smetric.serve.engines import Engine
-from smetric.serve.errors import engine_error
+from smetric.serve.errors import dialect_for
 from smetric.serve.forwarding import Delivery, UsageTap, is_stream
 from smetric.serve.upstream import Attempt, EngineFault
 
@@ -199,7 +199,7 @@ class Disaggregation:
         status = attempt.response.status
         if status >= 400:
             call.completion.status = status
-            return engine_error(status, raw)
+            return dialect_for(call.path).engine_error(status, raw)
         try:
             answer = json.loads(raw)
         except (ValueError, RecursionError):

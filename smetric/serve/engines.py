@@ -142,6 +142,9 @@ class Engine:
     # The engine's own account of its cache, from its KV events; the view then.
     events: EventIndex | None = None
     backend: EngineBackend = VLLM
+    # Sent as ``Authorization: Bearer`` to an engine that requires a key ("": none, or the
+    # router's --engine-api-key).
+    api_key: str = field(default="", repr=False)
     # Its number in the cluster, stable while others come and go (``serve.pool``).
     number: int = 0
     # Called with the blocks of every prompt ``remember`` records (other workers learn them).
@@ -304,3 +307,41 @@ class QueuedPrefill:
         """The prompt is prefilled, or never will be; safe to call again."""
         self.engine.unprefilled -= self.tokens
         self.tokens = 0
+
+
+class Lease:
+    """One request's load on the engine it is charged to, for every front door: in
+    flight, its prompt tokens, and its unprefilled tokens until the prompt is prefilled
+    (``prefilled``: its first byte). Moves with the request when another engine serves
+    it (``move_to``: a gateway's retry); released once, however the request ends."""
+
+    def __init__(self, engine: Engine, prompt_tokens: int, unprefilled: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.released = False
+        self._take(engine, unprefilled)
+
+    def _take(self, engine: Engine, unprefilled: int) -> None:
+        self.engine = engine
+        engine.inflight += 1
+        engine.inflight_tokens += self.prompt_tokens
+        self.prefill = QueuedPrefill(engine, unprefilled)
+
+    def _give_back(self) -> int:
+        """Take the load off its engine; the unprefilled tokens it still held."""
+        self.engine.inflight -= 1
+        self.engine.inflight_tokens -= self.prompt_tokens
+        unprefilled = self.prefill.tokens
+        self.prefill.done()
+        return unprefilled
+
+    def move_to(self, engine: Engine) -> None:
+        if not self.released and engine is not self.engine:
+            self._take(engine, self._give_back())
+
+    def prefilled(self) -> None:
+        self.prefill.done()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._give_back()

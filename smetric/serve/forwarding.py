@@ -3,7 +3,8 @@
 A request that fails before any byte reached the client (the engine refused, stalled,
 answered 5xx or garbage) is retried on another engine, so it may run more than once
 (at-least-once); once the client has bytes, a failure ends the response with an error
-(a stream: an error event in OpenAI's error shape, and no ``data: [DONE]``).
+(a stream: an error event in the API's own shape, ``serve.errors``, and no
+``data: [DONE]``).
 
 Every request the router dispatched ends in one ``Completion``: where it went, what the
 engine reported cached, its time to first token and the gaps between its chunks, who sent
@@ -28,10 +29,11 @@ from aiohttp import web
 
 from smetric.core.conversation import RequestFacts
 from smetric.serve.engines import Engine
-from smetric.serve.errors import engine_error, error_body, error_response
+from smetric.serve.errors import dialect_for
 from smetric.serve.identity import ANONYMOUS, IDENTITY_HEADERS, AgentIdentity
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.pool import EnginePool
+from smetric.serve.refusals import Refusal
 from smetric.serve.upstream import Attempt, EngineFault, Timeouts
 from smetric.trace.schema import Trigger
 
@@ -39,9 +41,18 @@ log = logging.getLogger("smetric.serve")
 
 # What a try's ``send`` hands back: the client's response, or a disaggregated leg's result.
 Sent = TypeVar("Sent")
-# Request headers passed on to engines as they are (the auth ones only without router keys).
-_AUTH_HEADERS = ("Authorization", "x-api-key", "anthropic-version", "anthropic-beta")
-_PASSED_HEADERS = ("x-request-id", "traceparent", "tracestate", *IDENTITY_HEADERS)
+# Request headers passed on to engines as they are: the API's version and betas, tracing,
+# and who sent it. The client's key only when the router has no keys of its own and the
+# engine none either (``Attempt.send``).
+_CLIENT_KEYS = ("Authorization", "x-api-key")
+_PASSED_HEADERS = (
+    "anthropic-version",
+    "anthropic-beta",
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+    *IDENTITY_HEADERS,
+)
 
 
 @dataclass
@@ -117,7 +128,7 @@ class Forwarder:
     def upstream_headers(self, request: web.Request) -> dict[str, str]:
         # Uncompressed replies: the router reads them (errors, usage) and passes them on.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-        names = (*_AUTH_HEADERS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
+        names = (*_CLIENT_KEYS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
         for name in names:
             value = request.headers.get(name)
             if value is not None:
@@ -140,18 +151,27 @@ class Forwarder:
         failure sends it to another, at most ``retries`` times once it may have run (a
         refused connection never ran it); then the last failure is the client's error."""
         retries = self.retries
+        dialect = dialect_for(completion.path)
         tried: set[str] = set()
         failure: web.Response | None = None  # the last engine's, once one failed
         while True:
             available = [e for e in candidates() if e.url not in tried]
             if not available:
-                return failure or error_response(503, f"no healthy {role} to serve the request")
+                if failure is not None:
+                    return failure
+                message = f"no healthy {role} to serve the request"
+                raise Refusal(503, "no_healthy_engine", message)
             engine, predicted = choose(available)
             tried.add(engine.url)
             completion.attempts += 1
             unprefilled = prompt_tokens - predicted
             async with Attempt(
-                engine, self.pool.client(), self.timeouts, prompt_tokens, unprefilled
+                engine,
+                self.pool.client(),
+                self.timeouts,
+                prompt_tokens,
+                unprefilled,
+                auth=self.pool.auth(engine),
             ) as attempt:
                 try:
                     return await send(attempt, predicted)
@@ -159,10 +179,11 @@ class Forwarder:
                     self.pool.failed(engine, fault)
                     completion.error = f"{role} {engine.url}: {fault}"
                     if fault.status is not None:
-                        failure = engine_error(fault.status, fault.body)
+                        failure = dialect.engine_error(fault.status, fault.body)
                     else:  # unreachable 503, silent 504, broken 502 (as Envoy answers)
                         status = 503 if fault.refused else 504 if fault.timeout else 502
-                        failure = error_response(status, f"{role} {engine.url} failed: {fault}")
+                        message = f"{role} {engine.url} failed: {fault}"
+                        failure = dialect.response(status, message)
                     if not fault.refused:
                         if retries == 0:
                             return failure
@@ -197,8 +218,8 @@ class Forwarder:
             return await self._relay(request, attempt, delivery, completion)
         body = await self.read_whole(attempt)
         completion.status = upstream.status
-        if upstream.status >= 400:  # the request's fault: pass it on, in OpenAI's shape
-            response = engine_error(upstream.status, body)
+        if upstream.status >= 400:  # the request's fault: pass it on, in the API's shape
+            response = dialect_for(completion.path).engine_error(upstream.status, body)
             completion.error = f"engine answered {upstream.status}"
         else:
             completion.ttft_s = time.perf_counter() - completion.started
@@ -263,9 +284,12 @@ class Forwarder:
             self.pool.failed(engine, fault)
             completion.outcome = "cut"
             completion.error = str(fault)
-            message = error_body(502, f"the engine's stream broke off: {fault}")
+            tail = b"".join(usage.chunks)
+            event = dialect_for(completion.path).stream_event(
+                502, f"the engine's stream broke off: {fault}", tail
+            )
             with contextlib.suppress(ConnectionResetError):
-                await response.write(f"data: {json.dumps(message)}\n\n".encode())
+                await response.write(event)
         return response
 
     def count_cached(self, engine: Engine, usage: UsageTap) -> int | None:

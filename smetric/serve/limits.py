@@ -1,5 +1,6 @@
-"""Bounds on what one request body may cost the router: its size once decompressed, and
-the prompt it makes the router parse and tokenise.
+"""Bounds on what one request body may cost the router: its size once decompressed
+(``--max-body-bytes``, the one body limit), and the prompt it makes the router tokenise
+(``--max-prompt-tokens``, in tokens).
 
 A compressed body is inflated here rather than by aiohttp, whose errors for a broken or
 unknown encoding come from below the application as plain-text pages; inflating stops
@@ -7,8 +8,10 @@ at the size limit, so a small bomb cannot become a large body.
 
 Analysing a prompt costs time and memory in proportion to its length (the byte tokenizer
 makes a Python int per byte): one 25 MB chat body took the router from 103 to 628 MB and
-4 s of CPU, for a prompt every engine refuses anyway. Counting characters is free, so the
-rendered prompt is checked against the longest the engines take before it is tokenised.
+4 s of CPU, for a prompt every engine refuses anyway. Counting characters is free, so a
+text that cannot fit the token limit is refused before it is tokenised; the prompt's
+whole token count is checked once it is analysed (images and other non-text parts count
+as their placeholders, not as the bytes of their base64).
 """
 
 from __future__ import annotations
@@ -47,14 +50,17 @@ def decoded_body(raw: bytes, encoding: str, max_bytes: int) -> bytes:
     else:
         raise BodyError(415, f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
     if len(body) > max_bytes:
-        raise BodyError(413, f"request body too large: over {max_bytes} bytes")
+        raise BodyError(413, body_too_large_message(max_bytes))
     return body
 
 
-# Bytes of request body one prompt token may take, at most: 16 characters (below) of up to
-# 4 bytes, with room for JSON's escapes and the rest of the body. A body over this many
-# bytes per token of the cap is refused before it is even parsed.
-BYTES_PER_TOKEN = 64
+def body_too_large_message(max_bytes: int) -> str:
+    return f"request body too large: over --max-body-bytes ({max_bytes} bytes)"
+
+
+class PromptTooLong(RequestError):
+    """A prompt over the token limit, found before it was all tokenised."""
+
 
 # Characters one token covers, at most, in any tokenizer the router meets: BPE averages
 # about 4 on English, and long runs of spaces or symbols reach 16 in common vocabularies;
@@ -63,12 +69,12 @@ CHARS_PER_TOKEN = 16
 
 
 class CappedTokenizer:
-    """``tokenizer``, refusing a text (one message, or one prompt) that cannot fit in the
-    engines' context of ``max_tokens()`` tokens (0: no cap known yet) before encoding it.
+    """``tokenizer``, refusing a text (one message, or one prompt) that cannot fit in
+    ``max_tokens()`` tokens (0: no cap known yet) before encoding it.
 
     Per text rather than per request, since prompts are encoded message by message (and
-    the memo spares the ones seen before); the request's whole size is bounded by its
-    body's, ``BYTES_PER_TOKEN`` a token.
+    the memo spares the ones seen before); the request's whole prompt is checked once it
+    is analysed.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: Callable[[], int]) -> None:
@@ -79,5 +85,5 @@ class CappedTokenizer:
     def encode(self, text: str) -> Sequence[int]:
         limit = self.max_tokens()
         if limit and len(text) > limit * CHARS_PER_TOKEN:
-            raise RequestError(f"the prompt is longer than the engines' context of {limit} tokens")
+            raise PromptTooLong(f"a text of {len(text)} characters")
         return self.tokenizer.encode(text)

@@ -64,9 +64,9 @@ class RouterMetrics:
         self._own_collectors: list[Collector] = []
         self.learned_price = Gauge(
             "smetric_learned_price",
-            "The routing policy's price constants as learned online from the engines' "
-            "replies (smetric_cost with learn=1): prefill_tps, attn_tokens, fetch_tps, "
-            "kv_read_s, output_tokens.",
+            "Each parameter the routing policy learns online from the engines' replies "
+            "(smetric_cost with learn=1: its prices), as it routes with it now; one the "
+            "policy spec gave stays as given.",
             ["constant"],
             multiprocess_mode="mostrecent",
             registry=self.registry,
@@ -161,6 +161,15 @@ class RouterMetrics:
             "smetric_pd_routed",
             "Requests sent to each engine, by leg (prefill or decode).",
             ["leg", "engine"],
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "smetric_refused_requests",
+            "Requests the router answered itself, without an engine, by route (other: a "
+            "path it does not serve), status and reason (bad_json, not_an_object, "
+            "bad_request, body_too_large, prompt_too_long, bad_key, unknown_route, "
+            "no_healthy_engine, ...).",
+            ["route", "status", "reason"],
             registry=self.registry,
         )
         self.agent_requests = Counter(

@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import aiohttp
 
@@ -36,7 +36,7 @@ from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.outliers import OutlierDetector
-from smetric.serve.upstream import EngineFault
+from smetric.serve.upstream import EngineFault, with_key
 
 log = logging.getLogger("smetric.serve")
 
@@ -58,8 +58,10 @@ class EnginePool:
         stall_prefill_tps: float = 1000.0,
         outliers: OutlierDetector | None = None,
         subscribers: dict[str, KVEventSubscriber] | None = None,
+        engine_api_key: str | None = None,
     ) -> None:
         self.metrics = metrics
+        self.engine_api_key = engine_api_key
         self.block_size = block_size
         self.health_interval_s = health_interval_s
         self.connect_timeout_s = connect_timeout_s
@@ -155,6 +157,16 @@ class EnginePool:
     def client(self) -> aiohttp.ClientSession:
         assert self._client is not None, "the pool is not started"
         return self._client
+
+    def auth(self, engine: Engine) -> dict[str, str]:
+        """The header that gives ``engine`` its key, if it needs one."""
+        key = engine.api_key or self.engine_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def for_engine(self, engine: Engine, headers: Mapping[str, str]) -> dict[str, str]:
+        """``headers`` as ``engine`` gets them: with its own key, if it needs one, in
+        place of any the client sent."""
+        return with_key(headers, self.auth(engine))
 
     def max_context(self) -> int:
         """The longest context an engine reported (0: none yet)."""
@@ -320,7 +332,9 @@ class EnginePool:
         the longest context among them, which caps prompts."""
         try:
             timeout = aiohttp.ClientTimeout(total=self.connect_timeout_s)
-            async with self.client().get(engine.url + "/v1/models", timeout=timeout) as response:
+            async with self.client().get(
+                engine.url + "/v1/models", timeout=timeout, headers=self.auth(engine)
+            ) as response:
                 data = await response.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
             return []

@@ -1,11 +1,11 @@
-"""Learned prices in the live router: every completed request teaches the policy.
+"""Learning in the live router: every completed request teaches the policy.
 
-``smetric_cost`` prices work in seconds; in front of real engines nothing tells the router
-what a second of their work is, so it learns the rates from their replies
-(``core/prices.py``): the usage each engine reports, the time to first token and the gaps
-between a stream's chunks, against what the router itself counted when it routed the
-request and when its first token came back. The estimates go to the policy as they are
-refitted, to ``smetric_learned_price{constant}`` and to the log.
+A policy that learns from its requests (``RoutingPolicy.learner``; ``smetric_cost``
+learns the rates of the engines behind it, which nothing else tells the router) gets the
+same facts here as in the simulator: the usage each engine reports, the time to first
+token and the gaps between a stream's chunks, against what the router itself counted
+when it routed the request and when its first token came back. What the policy takes
+goes to ``smetric_learned_price{constant}`` and to the log as it changes.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 from prometheus_client import Gauge
 
-from smetric.core.policies import RoutingPolicy, spec_params
-from smetric.core.prices import Completion, PriceLearner, Retunable, price_learner
+from smetric.core.policies import Learning, Observation, RoutingPolicy, spec_params
 from smetric.serve import forwarding
 from smetric.serve.engines import Engine
 
@@ -26,41 +25,34 @@ log = logging.getLogger("smetric.serve")
 
 
 class PriceFeed:
-    """Feeds one router's price learner and passes what it learns on to the policy."""
+    """Feeds one router's policy what its requests came to, where the policy learns."""
 
     def __init__(self, policy: RoutingPolicy, spec: str, gauge: Gauge) -> None:
         self.policy = policy
-        self.learner: PriceLearner | None = price_learner(policy, spec_params(spec)[1])
+        # None: the policy learns nothing.
+        self.learning: Learning | None = policy.learning(spec_params(spec)[1])
         self.gauge = gauge
-        if self.learner is not None:
-            self._export(self.learner.estimates)
+        if self.learning is not None:
+            self._export()
 
-    @property
-    def learning(self) -> bool:
-        return self.learner is not None
-
-    def observe(self, done: Completion) -> None:
-        """Take one finished request; retune the policy when the learner refitted."""
-        if self.learner is None:
+    def observe(self, done: Observation) -> None:
+        """Take one finished request; show what the policy took when it learned."""
+        if self.learning is None or self.learning.on_complete(done) is None:
             return
-        values = self.learner.observe(done)
-        if values is None:
-            return
-        assert isinstance(self.policy, Retunable)  # it has a learner
-        self.policy.retune(**self.learner.learned())
-        self._export(values)
+        self._export()
+        learner = self.learning.learner
         log.info(
             json.dumps(
                 {
                     "event": "learned_prices",
-                    "requests": self.learner.observed,
-                    **{k: float(f"{v:.4g}") for k, v in self.learner.learned().items()},
+                    "requests": learner.observed,
+                    **{k: float(f"{v:.4g}") for k, v in learner.learned().items()},
                 }
             )
         )
 
     def observer(self, engine_of: Callable[[str], Engine | None]) -> forwarding.CompletionObserver:
-        """A completion observer (``Router.observers``) that feeds this learner, finding
+        """A completion observer (``Router.observers``) that feeds this policy, finding
         each request's engine by URL with ``engine_of``."""
 
         def observe(completion: forwarding.Completion) -> None:
@@ -71,13 +63,15 @@ class PriceFeed:
 
         return observe
 
-    def _export(self, values: dict[str, float]) -> None:
-        for name, value in values.items():
+    def _export(self) -> None:
+        """The values the policy prices with now of every parameter it may learn (a value
+        the spec gave is shown as given)."""
+        for name, value in self.policy.learnable().items():
             self.gauge.labels(name).set(value)
 
 
-def observed(completion: forwarding.Completion, engine: Engine | None) -> Completion | None:
-    """What the learner takes of a completed request, or None when it tells nothing: it
+def observed(completion: forwarding.Completion, engine: Engine | None) -> Observation | None:
+    """What a learner takes of a completed request, or None when it tells nothing: it
     failed, went to a disaggregated prefill (whose timing is the pair's), or the engine
     did not report its cached tokens.
 
@@ -95,7 +89,7 @@ def observed(completion: forwarding.Completion, engine: Engine | None) -> Comple
     prompt = completion.facts.prompt_tokens
     gaps = completion.chunk_gaps_s
     streamed = completion.stream and gaps and not math.isnan(completion.first_token_tokens)
-    return Completion(
+    return Observation(
         prompt_tokens=prompt,
         cached_tokens=cached,
         predicted_local_tokens=completion.predicted_local_tokens,

@@ -28,8 +28,9 @@ from aiohttp import web
 from smetric.core.headers import ENGINE_HEADER
 from smetric.core.responses_api import response_not_found
 from smetric.serve.engines import Engine
-from smetric.serve.errors import error_response
+from smetric.serve.errors import RESPONSES
 from smetric.serve.pool import EnginePool
+from smetric.serve.refusals import Refusal
 
 STORED_PATH = "/v1/responses/{id}"
 _STORED_PATH = re.compile(r"^/v1/responses/([^/]+)$")
@@ -61,7 +62,7 @@ async def holder(
     async def holds(engine: Engine) -> bool:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with pool.client().get(
-                _url(engine, response_id), headers=dict(headers), timeout=timeout
+                _url(engine, response_id), headers=pool.for_engine(engine, headers), timeout=timeout
             ) as response:
                 return response.status == 200
         return False
@@ -85,11 +86,11 @@ async def forward(
         url += "?" + request.query_string
     try:
         async with pool.client().request(
-            request.method, url, headers=dict(headers), timeout=timeout
+            request.method, url, headers=pool.for_engine(engine, headers), timeout=timeout
         ) as upstream:
             body = await upstream.read()
     except (aiohttp.ClientError, TimeoutError) as error:
-        return error_response(502, f"engine {engine.url} failed: {error!r}")
+        return RESPONSES.response(502, f"engine {engine.url} failed: {error!r}")
     response = web.Response(body=body, status=upstream.status)
     response.content_type = upstream.content_type or "application/json"
     response.headers[ENGINE_HEADER] = engine.url
@@ -100,5 +101,7 @@ def _url(engine: Engine, response_id: str) -> str:
     return f"{engine.url}/v1/responses/{quote(response_id, safe='')}"
 
 
-def not_found(response_id: str, param: str | None = None) -> web.Response:
-    return web.json_response(response_not_found(response_id, param), status=404)
+def not_found(response_id: str, param: str | None = None) -> Refusal:
+    """No engine holds the response: a 404 in the Responses API's own words."""
+    body = response_not_found(response_id, param)
+    return Refusal(404, "unknown_response", body["error"]["message"], body)

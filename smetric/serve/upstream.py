@@ -3,10 +3,11 @@
 Load must come down on every exit path: the engine answered, broke, stalled or sent
 garbage, or the client gave up while the router waited (which cancels the handler, often
 before the engine's headers: vLLM sends a non-streaming reply's headers only at its end).
-``Attempt`` raises ``engine.inflight``, its in-flight prompt tokens and its unprefilled
-tokens when entered, gives the unprefilled tokens back at the first chunk of the body (the
-prompt is prefilled by then), and lowers the rest when left, however it is left; it closes
-the engine's response with it, so a stream nobody reads stops on the engine.
+``Attempt`` takes a ``Lease`` on the engine when entered (``engine.inflight``, its
+in-flight prompt tokens and its unprefilled tokens), gives the unprefilled tokens back at
+the first chunk of the body (the prompt is prefilled by then), and releases the rest when
+left, however it is left; it closes the engine's response with it, so a stream nobody
+reads stops on the engine.
 
 Reads from the engine raise ``EngineFault`` and nothing else, and nothing here writes to
 the client, so a caller can tell an engine that failed from a client that hung up (both
@@ -18,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
 import aiohttp
 
-from smetric.serve.engines import Engine, QueuedPrefill
+from smetric.serve.engines import Engine, Lease
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,15 @@ class Timeouts:
     # Until a streaming reply's headers arrive: vLLM sends them as soon as it has taken
     # the request (before the prefill), so a stream without headers by then is stalled.
     stream_headers_s: float = 10.0
+
+
+def with_key(headers: Mapping[str, str], auth: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` with an engine's own key header (``auth``, if any) in place of any key
+    the client sent."""
+    if not auth:
+        return dict(headers)
+    keys = ("authorization", "x-api-key")
+    return {k: v for k, v in headers.items() if k.lower() not in keys} | dict(auth)
 
 
 class EngineFault(Exception):
@@ -99,14 +109,17 @@ class Attempt:
         timeouts: Timeouts,
         prompt_tokens: int,
         unprefilled_tokens: int,
+        auth: dict[str, str] | None = None,
     ) -> None:
         self.engine = engine
+        # The engine's own key header, which replaces any key the client sent.
+        self.auth = auth or {}
         self.client = client
         self.timeouts = timeouts
         self.prompt_tokens = prompt_tokens
         self.unprefilled_tokens = unprefilled_tokens
         self.response: aiohttp.ClientResponse | None = None
-        self.prefill: QueuedPrefill | None = None
+        self.lease: Lease | None = None
         # The wait in progress, which ``cut`` ends at once; why it was cut.
         self._wait: asyncio.Timeout | None = None
         self._cut: str | None = None
@@ -119,9 +132,7 @@ class Attempt:
         if not any(a.waits_on_engine for a in engine.attempts):
             engine.progressed_at = time.monotonic()  # owed nothing until now: silence starts
         engine.attempts.add(self)
-        self.engine.inflight += 1
-        self.engine.inflight_tokens += self.prompt_tokens
-        self.prefill = QueuedPrefill(self.engine, self.unprefilled_tokens)
+        self.lease = Lease(engine, self.prompt_tokens, self.unprefilled_tokens)
         return self
 
     async def __aexit__(
@@ -131,10 +142,8 @@ class Attempt:
         tb: TracebackType | None,
     ) -> None:
         self.engine.attempts.discard(self)
-        self.engine.inflight -= 1
-        self.engine.inflight_tokens -= self.prompt_tokens
-        assert self.prefill is not None
-        self.prefill.done()
+        assert self.lease is not None
+        self.lease.release()
         if self.response is not None:
             # Back to the pool if fully read; otherwise the connection closes, which is how
             # an engine learns that nobody wants the rest (vLLM then aborts the request).
@@ -186,6 +195,7 @@ class Attempt:
         """POST and wait for the response headers, at most ``first_byte_s`` (a streaming
         request: ``stream_headers_s``)."""
         wait = self.timeouts.stream_headers_s if stream else self.timeouts.first_byte_s
+        headers = with_key(headers, self.auth)
         try:
             async with self._timeout(wait):
                 self.response = await self.client.post(
@@ -220,8 +230,8 @@ class Attempt:
             raise EngineFault("response cut short", lost=True, detail=described(exc)) from None
         if chunk:
             self.engine.progressed_at = time.monotonic()
-            if self.prefill is not None:
-                self.prefill.done()
+            if self.lease is not None:
+                self.lease.prefilled()
         return chunk
 
     async def read_all(self) -> bytes:

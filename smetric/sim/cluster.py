@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import polars as pl
 
 from smetric.core.blocks import reusable_hit_tokens
-from smetric.core.policies import ClusterView, Policy, RoutingRequest
-from smetric.core.prices import Completion, PriceLearner, Retunable
+from smetric.core.errors import ConfigError
+from smetric.core.policies import ClusterView, Learning, Observation, Policy, RoutingRequest
 from smetric.core.settings import check_settings
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.model.perf import (
@@ -68,7 +68,7 @@ def resolve_shape(config: ClusterConfig, block_size: int) -> ClusterShape:
     )
     capacity = int(capacity * config.kv_room_scale)
     if capacity <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"{config.model} ({config.weight_dtype or model.weight_dtype}) leaves no KV room on "
             f"{config.gpus_per_instance}x{config.hardware} at memory utilisation "
             f"{config.gpu_memory_utilization}"
@@ -154,7 +154,7 @@ class Simulation:
         policy: Policy,
         workload: SimWorkload,
         progress: Callable[[float], None] | None = None,
-        learner: PriceLearner | None = None,
+        learning: Learning | None = None,
     ) -> None:
         self.policy = policy
         self.workload = workload
@@ -189,18 +189,16 @@ class Simulation:
         # Requests issued and not yet finished; finished ones live on as rows in ``log``.
         self.inflight: dict[int, SimRequest] = {}
         self.log = RequestLog(workload.horizon_s)
-        # Learns the policy's prices from the requests' outcomes, as a live router would.
-        self.learner = learner
-        # (completions observed, estimates) after each refit: how the prices converged.
-        self.learned: list[tuple[int, dict[str, float]]] = []
+        # What the policy learns from the requests' outcomes, as a live router's would.
+        self.learning = learning
 
-    def completion(self, req: SimRequest) -> Completion:
+    def observation(self, req: SimRequest) -> Observation:
         """What a router saw of a finished request: its usage, its first token's time,
         its decode time, the prompt tokens in flight on its engine while it decoded (the
         mean of the counts at its first token and at its last, itself included) and the
         unprefilled tokens routed there meanwhile."""
         instance = self.instances[req.instance]
-        return Completion(
+        return Observation(
             prompt_tokens=req.prompt,
             cached_tokens=req.local_hit + req.global_hit,
             predicted_local_tokens=req.seen_local_hit,
@@ -211,14 +209,6 @@ class Simulation:
             decode_tokens=(req.first_token_tokens + instance.inflight_tokens + req.prompt) / 2,
             decode_prefill_tokens=instance.routed_unprefilled - req.first_token_routed,
         )
-
-    def learn(self, done: Completion) -> None:
-        assert self.learner is not None
-        values = self.learner.observe(done)
-        if values is not None:
-            assert isinstance(self.policy, Retunable)  # it has a learner
-            self.policy.retune(**values)
-            self.learned.append((self.learner.observed, self.learner.learned()))
 
     def push(self, time: float, kind: int, payload: int, version: int = 0) -> None:
         heapq.heappush(self.events, (time, kind, self.sequence, payload, version))
@@ -322,8 +312,8 @@ class Simulation:
     def completed(self, req: SimRequest, now: float) -> None:
         del self.inflight[req.rid]
         self.log.add(req)
-        if self.learner is not None and not req.rejected:
-            self.learn(self.completion(req))
+        if self.learning is not None and not req.rejected:
+            self.learning.on_complete(self.observation(req))
         if self.issuer is None:
             return
         for t, rid in self.issuer.complete(req.rid, now):

@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies import POLICY_NAMES, make_policy
-from smetric.core.policies.decode import DECODE_POLICY_NAMES, make_decode_policy
+from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.core.settings import check_settings, setting
 from smetric.core.settings_load import load, read_yaml
 from smetric.metrics.slo import SLOConfig
@@ -98,7 +99,9 @@ class ClusterConfig:
         0, "PD disaggregation: decode instances; 0: prefill-only evaluation.", ge=0
     )
     decode_policy: str = setting(
-        "least_kv", f"How the decode instance is chosen: {', '.join(DECODE_POLICY_NAMES)}."
+        "least_kv",
+        "PD disaggregation: how the decode instance is chosen.",
+        choices=DECODE_POLICY_NAMES,
     )
     assumed_tpot_s: float = setting(
         0.03, "Prefill-only evaluation: seconds per output token before the next turn.", ge=0
@@ -201,7 +204,7 @@ def check_runnable(config: SimConfig) -> SimConfig:
     typo fails at once and names the valid values."""
     check_config(config)
     if config.warmup_s >= config.workload.duration_s:
-        raise ValueError(
+        raise ConfigError(
             f"warmup_s {config.warmup_s:g} must be shorter than workload.duration_s "
             f"{config.workload.duration_s:g}"
         )
@@ -216,7 +219,7 @@ def check_runnable(config: SimConfig) -> SimConfig:
 def load_yaml(path: Path) -> SimConfig:
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must map keys to values")
+        raise ConfigError(f"{path}: the top level must map keys to values")
     return from_dict(data, str(path))
 
 
@@ -225,17 +228,15 @@ def dump_yaml(config: SimConfig, path: Path) -> None:
 
 
 def check_disaggregation(cluster: ClusterConfig) -> None:
-    """Decode instances need prefill instances to feed them, and a known decode rule."""
-    if cluster.prefill_instances < 0 or cluster.decode_instances < 0:
-        raise ValueError("prefill and decode instance counts must not be negative")
+    """Decode instances need prefill instances to feed them (the counts' bounds and the
+    decode rule's names are checked where they are declared)."""
     if cluster.decode_instances and not cluster.prefill_instances:
-        raise ValueError("decode instances need prefill instances (--prefill-instances N)")
-    make_decode_policy(cluster.decode_policy)
+        raise ConfigError("decode instances need prefill instances (--prefill-instances N)")
 
 
 def check_kv_load(mode: str) -> str:
     if mode not in KV_LOAD_MODES:
-        raise ValueError(f"kv_load {mode!r}: use one of {', '.join(KV_LOAD_MODES)}")
+        raise ConfigError(f"kv_load {mode!r}: use one of {', '.join(KV_LOAD_MODES)}")
     return mode
 
 
@@ -249,11 +250,11 @@ def parse_global_capacity(text: str) -> float | None:
     try:
         ratio = float(value.removesuffix("x"))
     except ValueError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"global capacity {text!r}: use none, full, or a ratio to local capacity like 1.6x"
         ) from exc
     if ratio < 0:
-        raise ValueError(f"global capacity {text!r} must not be negative")
+        raise ConfigError(f"global capacity {text!r} must not be negative")
     return ratio
 
 

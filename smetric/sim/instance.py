@@ -81,9 +81,9 @@ class SimRequest:
     preemptions: int = 0
     first_token_at: float = math.nan
     finished_at: float = math.nan
-    # What the router saw, for learning prices (core/prices.py): the local hit it
-    # predicted and the unprefilled tokens queued where it routed, and at the first token
-    # the prompt tokens in flight there and the unprefilled tokens ever routed there.
+    # What the router saw, for the policy to learn from (an ``Observation``): the local
+    # hit it predicted and the unprefilled tokens queued where it routed, and at the first
+    # token the prompt tokens in flight there and the unprefilled tokens ever routed there.
     seen_local_hit: int = 0
     seen_queued: float = 0.0
     first_token_tokens: int = 0

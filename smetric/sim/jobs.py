@@ -13,7 +13,7 @@ import polars as pl
 
 from smetric.core.policies import resolve_policy
 from smetric.sim.config import SimConfig
-from smetric.sim.policy import policy_constants
+from smetric.sim.policy import cluster_rates
 from smetric.sim.result import RunResult
 from smetric.sim.run import simulate
 from smetric.trace.schema import Trace
@@ -36,7 +36,7 @@ class Job:
         its configuration and every parameter its policy routes with, so a policy default
         changed in the code, or a constant derived from other hardware, is another run
         rather than a stored one reused under the same spec."""
-        name, params = resolve_policy(self.policy, policy_constants(self.config.cluster))
+        name, params = resolve_policy(self.policy, cluster_rates(self.config.cluster))
         config = dataclasses.replace(self.config, policies=(name,))
         shape = {**config.to_dict(), "policy_params": params}
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:20]

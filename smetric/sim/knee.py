@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies import is_ours
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
@@ -35,7 +36,7 @@ class KneeSettings:
 
     def __post_init__(self) -> None:
         if self.start <= 0 or self.grow <= 1 or self.precision <= 1 or self.max_probes < 1:
-            raise ValueError(f"bad knee search settings: {self}")
+            raise ConfigError(f"bad knee search settings: {self}")
 
 
 def next_load(probes: Mapping[float, float], settings: KneeSettings) -> float | None:

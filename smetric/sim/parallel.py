@@ -20,6 +20,7 @@ from typing import Any
 
 import polars as pl
 
+from smetric.core.errors import UserError
 from smetric.sim.config import dump_yaml
 from smetric.sim.jobs import (
     Events,
@@ -124,7 +125,7 @@ class RunStore:
         """The summary of a run that must be stored already (one a knee search probed)."""
         summary = self.get(job, with_requests=with_requests)
         if summary is None:
-            raise ValueError(f"{self.folder}: run {job.run_id} is missing")
+            raise UserError(f"{self.folder}: run {job.run_id} is missing")
         return summary
 
     def requests(self, job: Job) -> pl.DataFrame:

@@ -38,17 +38,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from smetric.core.policies import Policy
+from smetric.core.policies import Learning, Observation, Policy
 from smetric.core.policies.decode import DecodeView, make_decode_policy
 from smetric.core.prefix_cache import Handle
-from smetric.core.prices import Completion, PriceLearner
 from smetric.metrics.pd import disaggregated_summary, with_prefill_latency
 from smetric.metrics.summary import with_latencies
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
 from smetric.sim.config import ClusterConfig, SimConfig
 from smetric.sim.instance import Instance, SimRequest
-from smetric.sim.policy import cluster_policy, learned_summary, policy_learner
+from smetric.sim.policy import cluster_policy, learned_summary, policy_learning
 from smetric.sim.result import RunResult
 from smetric.sim.workload import SimWorkload, build_workload
 from smetric.trace.schema import Trace
@@ -145,11 +144,11 @@ class DisaggSimulation(Simulation):
         policy: Policy,
         workload: SimWorkload,
         progress: Callable[[float], None] | None = None,
-        learner: PriceLearner | None = None,
+        learning: Learning | None = None,
     ) -> None:
         prefill, decode = config.prefill_instances, config.decode_instances
         super().__init__(
-            dataclasses.replace(config, instances=prefill), policy, workload, progress, learner
+            dataclasses.replace(config, instances=prefill), policy, workload, progress, learning
         )
         self.decode_policy = make_decode_policy(config.decode_policy)
         self.assumed_tpot_s = config.assumed_tpot_s
@@ -200,10 +199,10 @@ class DisaggSimulation(Simulation):
             self.handoffs[req.rid].transfer_tokens = req.global_hit
             super().completed(client, now)
 
-    def completion(self, req: SimRequest) -> Completion:
+    def observation(self, req: SimRequest) -> Observation:
         """What the router saw of the prefill leg, the one it routed: its first token is
-        the prefill's, and its decode, elsewhere, prices nothing here."""
-        done = super().completion(req)
+        the prefill's, and its decode, elsewhere, tells nothing here."""
+        done = super().observation(req)
         ttft = self.handoffs[req.rid].prefill_done - req.arrival
         return dataclasses.replace(done, ttft_s=ttft, decode_s=math.nan)
 
@@ -300,12 +299,10 @@ def simulate_disaggregated(
     progress: Callable[[float], None] | None = None,
 ):
     """One disaggregated run: ``run.simulate``'s result for a PD cluster."""
-    if config.cluster.decode_instances < 0:
-        raise ValueError("decode_instances must not be negative")
     workload = build_workload(trace, config.workload)
     router, params = cluster_policy(policy, config.cluster)
-    learner = policy_learner(router, policy)
-    sim = DisaggSimulation(config.cluster, router, workload, progress, learner)
+    learning = policy_learning(router, policy)
+    sim = DisaggSimulation(config.cluster, router, workload, progress, learning)
     horizon = workload.horizon_s
     table = sim.run().join(handoff_table(sim), on="request_id", how="left")
     table = with_prefill_latency(with_latencies(table, config.slo, horizon), config.slo, horizon)
@@ -313,5 +310,5 @@ def simulate_disaggregated(
     prefill = sim.instances[: sim.routed]
     summary["global_tier_bytes"] = sum(i.tier_route.bytes_moved for i in prefill)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
-    summary.update(learned_summary(learner))
+    summary.update(learned_summary(learning))
     return RunResult(policy, table, summary, sim.shape, params)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from smetric.core.policies import RoutingPolicy, make_policy, resolve_policy, spec_params
-from smetric.core.prices import PriceLearner, price_learner
+from smetric.core.policies import Learning, RoutingPolicy, make_policy, resolve_policy, spec_params
 from smetric.model.calibrate import hardware_rates
 from smetric.model.perf import kv_bytes_per_token, load_model
 from smetric.sim.cluster import instances_per_server, lane_gb_s, step_time_model
 from smetric.sim.config import ClusterConfig, nominal
 
 
-def policy_constants(cluster: ClusterConfig) -> dict[str, float]:
+def cluster_rates(cluster: ClusterConfig) -> dict[str, float]:
     """The hardware rates of one instance of ``cluster`` (``model.calibrate``), its fetches
     over the slower of its own lane (PCIe, capped by the medium's connector rate) and its
     share of its server's NICs (all GPUs of a full server fetching at once).
@@ -27,7 +26,7 @@ def policy_constants(cluster: ClusterConfig) -> dict[str, float]:
         min(nic_share, pcie) * 1e9,
         kv_bytes,
     )
-    return rates.as_params()
+    return rates.by_name()
 
 
 def cluster_policy(spec: str, cluster: ClusterConfig) -> tuple[RoutingPolicy, dict[str, float]]:
@@ -37,19 +36,20 @@ def cluster_policy(spec: str, cluster: ClusterConfig) -> tuple[RoutingPolicy, di
     Where the policy balances load, it balances requests in flight, or under PD
     disaggregation the prefill instances' unprefilled prompt tokens (Figure 13, line 29).
     """
-    derived = policy_constants(cluster)
+    rates = cluster_rates(cluster)
     load = "unprefilled_tokens" if cluster.prefill_instances else "inflight_requests"
-    return make_policy(spec, derived, load), resolve_policy(spec, derived)[1]
+    return make_policy(spec, rates, load), resolve_policy(spec, rates)[1]
 
 
-def policy_learner(router: RoutingPolicy, spec: str) -> PriceLearner | None:
-    """The learner of the prices the spec leaves open, if the policy learns any."""
-    return price_learner(router, spec_params(spec)[1])
+def policy_learning(router: RoutingPolicy, spec: str) -> Learning | None:
+    """What learns the parameters the spec leaves open, if the policy learns any."""
+    return router.learning(spec_params(spec)[1])
 
 
-def learned_summary(learner: PriceLearner | None) -> dict:
-    """What a run learned, for its summary: the final estimates and from how many
+def learned_summary(learning: Learning | None) -> dict:
+    """What a run learned, for its summary: the final values and from how many
     completed requests (nothing for a policy that learns nothing)."""
-    if learner is None:
+    if learning is None:
         return {}
-    return {"learned_params": learner.learned(), "learned_from": learner.observed}
+    learner = learning.learner
+    return {"learned_params": dict(learner.learned()), "learned_from": learner.observed}

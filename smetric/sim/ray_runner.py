@@ -17,6 +17,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
+from smetric.core.errors import ConfigError
 from smetric.sim.jobs import Events, Job, Task
 from smetric.trace.schema import Trace
 
@@ -51,7 +52,7 @@ def connect(address: str) -> bool:
     try:
         import ray
     except ImportError as exc:
-        raise ValueError(INSTALL_HINT) from exc
+        raise ConfigError(INSTALL_HINT) from exc
     if ray.is_initialized():
         return False
     options: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
@@ -62,7 +63,7 @@ def connect(address: str) -> bool:
     try:
         ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, TimeoutError) as exc:
-        raise ValueError(f"cannot join the Ray cluster at {address}: {exc}") from None
+        raise ConfigError(f"cannot join the Ray cluster at {address}: {exc}") from None
     return True
 
 
@@ -80,17 +81,17 @@ def check_reachable(address: str, timeout_s: float = 3.0) -> None:
         if not target and CURRENT_CLUSTER.is_file():
             target = CURRENT_CLUSTER.read_text().strip()
         if not target or target == "auto":
-            raise ValueError(
+            raise ConfigError(
                 "--ray auto: no Ray cluster runs on this machine (start one with "
                 "`ray start --head`, or use --ray local for a one-machine cluster)"
             )
     host, _, port = target.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"--ray {address}: expected auto, local, HOST:PORT or ray://HOST:PORT")
+        raise ConfigError(f"--ray {address}: expected auto, local, HOST:PORT or ray://HOST:PORT")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"--ray {address}: no Ray cluster answers at {host}:{port} ({exc}); is its head "
             "running (`ray start --head`) and reachable?"
         ) from None
@@ -110,7 +111,7 @@ def map_on_ray(address: str, trace: Trace, jobs: list[Job], task: Task) -> Event
             if n["Alive"] and n["Resources"].get("CPU", 0) >= 1
         }
         if not nodes:
-            raise ValueError(f"the Ray cluster at {address!r} has no node with a CPU")
+            raise ConfigError(f"the Ray cluster at {address!r} has no node with a CPU")
         remote = ray.remote(num_cpus=1)(_run)
         boxed = [ray.put(trace)]
         pending = deque(jobs)

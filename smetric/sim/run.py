@@ -9,7 +9,7 @@ from smetric.metrics.summary import summarize, with_latencies
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
 from smetric.sim.pd import simulate_disaggregated
-from smetric.sim.policy import cluster_policy, learned_summary, policy_learner
+from smetric.sim.policy import cluster_policy, learned_summary, policy_learning
 from smetric.sim.result import RunResult
 from smetric.sim.workload import build_workload
 from smetric.trace.schema import Trace
@@ -25,8 +25,8 @@ def simulate(
         return simulate_disaggregated(trace, config, policy, progress)
     workload = build_workload(trace, config.workload)
     router, params = cluster_policy(policy, config.cluster)
-    learner = policy_learner(router, policy)
-    sim = Simulation(config.cluster, router, workload, progress, learner)
+    learning = policy_learning(router, policy)
+    sim = Simulation(config.cluster, router, workload, progress, learning)
     horizon = workload.horizon_s
     table = with_latencies(sim.run(), config.slo, horizon)
     summary = summarize(
@@ -34,5 +34,5 @@ def simulate(
     )
     summary["global_tier_bytes"] = sum(i.tier_route.bytes_moved for i in sim.instances)
     summary["busy_fraction"] = [i.busy_time / horizon for i in sim.instances]
-    summary.update(learned_summary(learner))
+    summary.update(learned_summary(learning))
     return RunResult(policy, table, summary, sim.shape, params)

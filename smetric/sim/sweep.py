@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from smetric.core.errors import ConfigError
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
 from smetric.sim.seeds import mean_summary, spread
@@ -20,9 +21,9 @@ def parse_rates(text: str, what: str = "--rates") -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
-        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from exc
+        raise ConfigError(f"{what}: expected comma-separated numbers, got {text!r}") from exc
     if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{what}: expected positive numbers, got {text!r}")
+        raise ConfigError(f"{what}: expected positive numbers, got {text!r}")
     return values
 
 

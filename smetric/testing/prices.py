@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from smetric.core.prices import Completion
+from smetric.core.policies import Observation
 
 # Qwen3-Coder-30B-A3B on one H20 as the simulator's model prices it.
 H20_PRICES: dict[str, float] = {
@@ -28,7 +28,7 @@ H20_PRICES: dict[str, float] = {
 
 def model_engines(
     truth: Mapping[str, float], seed: int, fetches: bool = True
-) -> Iterator[Completion]:
+) -> Iterator[Observation]:
     """An endless stream of completions: prompts of 2 k-120 k tokens, any part cached,
     40 % of the cached part fetched from the global tier (none when not ``fetches``),
     30 % of requests queued behind up to 20 k tokens."""
@@ -52,7 +52,7 @@ def model_engines(
         tokens = float(rng.integers(10_000, 600_000))
         beside = float(rng.integers(0, 100_000))
         decode = (output - 1) * (0.005 + tokens * truth["kv_read_s"]) + beside * per_token / 2
-        yield Completion(
+        yield Observation(
             prompt_tokens=prompt,
             cached_tokens=cached,
             predicted_local_tokens=local,

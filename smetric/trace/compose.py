@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
+from smetric.core.errors import UserError
 from smetric.trace.schema import SCHEMA, Trace, common_prefix_len
 
 ARRIVAL_PROCESSES = ("poisson", "uniform")
@@ -62,7 +63,7 @@ class BlockIds:
         high = int(self.flat.max()) if len(self.flat) else 0
         top = copies - 1
         if top > 0 and (_INT64_MAX - high) // top < self.span:
-            raise ValueError(f"{copies} copies of block ids spanning {self.span} overflow int64")
+            raise UserError(f"{copies} copies of block ids spanning {self.span} overflow int64")
 
     def common_prefix(self, a: int, b: int, copy: int) -> int:
         """Leading blocks that copy ``copy`` of rows ``a`` and ``b`` share.
@@ -211,9 +212,9 @@ def _draw(
     arrival: str,
 ) -> tuple[_SessionLayout, np.ndarray, np.ndarray]:
     if not rate > 0:
-        raise ValueError(f"rate must be > 0 sessions/s, got {rate}")
+        raise UserError(f"rate must be > 0 sessions/s, got {rate}")
     if trace.num_requests == 0:
-        raise ValueError(f"trace {trace.name!r} has no requests to compose sessions from")
+        raise UserError(f"trace {trace.name!r} has no requests to compose sessions from")
     start_rng, pick_rng = np.random.default_rng(seed).spawn(2)
     starts = session_starts(
         start_rng, rate=rate, arrival=arrival, duration_s=duration_s, num_sessions=num_sessions
@@ -233,19 +234,19 @@ def session_starts(
 ) -> np.ndarray:
     """Start times of the session copies; the first starts at 0 so a run has no idle head."""
     if arrival not in ARRIVAL_PROCESSES:
-        raise ValueError(f"arrival must be one of {ARRIVAL_PROCESSES}, got {arrival!r}")
+        raise UserError(f"arrival must be one of {ARRIVAL_PROCESSES}, got {arrival!r}")
     if (duration_s is None) == (num_sessions is None):
-        raise ValueError(
+        raise UserError(
             "give exactly one of duration_s (start sessions until then) or "
             "num_sessions (start that many sessions)"
         )
     if num_sessions is not None:
         if num_sessions < 1:
-            raise ValueError(f"num_sessions must be >= 1, got {num_sessions}")
+            raise UserError(f"num_sessions must be >= 1, got {num_sessions}")
         return _starts(rng, rate, arrival, num_sessions)
     assert duration_s is not None
     if not duration_s > 0:
-        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+        raise UserError(f"duration_s must be > 0, got {duration_s}")
     expected = rate * duration_s
     count = int(expected + 6 * np.sqrt(expected)) + 16
     starts = _starts(rng, rate, arrival, count)
@@ -308,7 +309,7 @@ class _SessionLayout:
         if not np.array_equal(ids, np.arange(len(ids))):
             raise ValueError("request_id must number the rows 0..n-1 in order (see finalize)")
         if requests["session_id"].null_count():
-            raise ValueError("every request needs a session_id to compose sessions")
+            raise UserError("every request needs a session_id to compose sessions")
         session_of_row = (requests["session_id"].rank("dense") - 1).to_numpy().astype(np.int64)
         rows = np.argsort(session_of_row, kind="stable")
         sizes = np.bincount(session_of_row)
@@ -342,7 +343,7 @@ def _remap_parents(
     outside = has & (layout.session_of_row[parent_row] != layout.session_of_row[source])
     if outside.any():
         first = int(np.argmax(outside))
-        raise ValueError(
+        raise UserError(
             f"request {source[first]} has parent {parent[first]} in another session; "
             "a session copy must be self-contained"
         )
@@ -413,16 +414,16 @@ def replay_arrivals(trace: Trace, *, speed: float = 1.0, limit_s: float | None =
     ``limit_s`` cuts the replay at that time on the scaled clock.
     """
     if not trace.has_clock:
-        raise ValueError(
+        raise UserError(
             f"trace {trace.name!r} ({trace.source_format}) has no global clock, so its "
             "arrival times cannot be replayed; compose a workload with compose_sessions()"
         )
     if not speed > 0:
-        raise ValueError(f"speed must be > 0, got {speed}")
+        raise UserError(f"speed must be > 0, got {speed}")
     if limit_s is not None and not limit_s > 0:
-        raise ValueError(f"limit_s must be > 0, got {limit_s}")
+        raise UserError(f"limit_s must be > 0, got {limit_s}")
     if trace.requests["arrival_s"].null_count():
-        raise ValueError(f"trace {trace.name!r} has requests without arrival_s")
+        raise UserError(f"trace {trace.name!r} has requests without arrival_s")
     frame = trace.requests.select(
         "session_id",
         "parent_id",

@@ -13,9 +13,9 @@ from pathlib import Path
 import polars as pl
 
 from smetric.trace import azure, bailian, mooncake, recording, weka
+from smetric.trace.formats import FORMATS
 from smetric.trace.schema import SCHEMA, Trace, TraceError
 
-FORMATS = ("weka", "mooncake", "bailian", "azure", "parquet", "recording")
 SAMPLES = {
     "weka": "weka-claude-code",
     "mooncake": "mooncake/conversation_trace_head.jsonl",
@@ -124,6 +124,7 @@ def write_parquet(trace: Trace, path: Path) -> None:
         "has_clock": trace.has_clock,
         "sessions_inferred": trace.sessions_inferred,
         "notes": list(trace.notes),
+        "skipped": dict(trace.skipped),
     }
     trace.requests.write_parquet(path, metadata={_METADATA_KEY: json.dumps(meta)})
 
@@ -144,4 +145,5 @@ def read_parquet(path: Path) -> Trace:
         has_clock=bool(meta.get("has_clock", frame["arrival_s"].is_not_null().all())),
         sessions_inferred=bool(meta.get("sessions_inferred", False)),
         notes=tuple(meta.get("notes", ())),
+        skipped=meta.get("skipped", {}),
     )

@@ -5,20 +5,21 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from smetric.core.errors import UserError
 from smetric.trace.schema import Trace
 
 
 def sample_sessions(trace: Trace, fraction: float, seed: int) -> Trace:
     """Keep each session with probability ``fraction``: fewer sessions, same timing."""
     if not 0 < fraction <= 1:
-        raise ValueError(f"sample fraction must be in (0, 1], got {fraction}")
+        raise UserError(f"sample fraction must be in (0, 1], got {fraction}")
     if fraction == 1:
         return trace
     sessions = trace.requests["session_id"].unique(maintain_order=True)
     keep = np.random.default_rng(seed).random(len(sessions)) < fraction
     kept = trace.requests.filter(pl.col("session_id").is_in(sessions.filter(keep).implode()))
     if kept.height == 0:
-        raise ValueError(f"sampling {fraction:g} of {len(sessions)} sessions kept none")
+        raise UserError(f"sampling {fraction:g} of {len(sessions)} sessions kept none")
     return trace.with_requests(renumber(kept))
 
 

@@ -8,12 +8,15 @@ than guessed, and ``Trace`` records which of its facts were inferred.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from pathlib import Path
 
 import numpy as np
 import polars as pl
+
+# Where every loader has always found it.
+from smetric.core.errors import TraceError as TraceError
 
 
 class Trigger(StrEnum):
@@ -61,17 +64,6 @@ SCHEMA: dict[str, pl.DataType] = {
 COLUMNS = tuple(SCHEMA)
 
 
-class TraceError(ValueError):
-    """Bad input, located: which file, which line, what is wrong."""
-
-    def __init__(self, path: Path | str, message: str, line: int | None = None) -> None:
-        self.path = str(path)
-        self.line = line
-        self.reason = message
-        where = f"{self.path}:{line}" if line is not None else self.path
-        super().__init__(f"{where}: {message}")
-
-
 @dataclass(frozen=True)
 class Trace:
     """A loaded trace: the request table plus what is known about how it was made."""
@@ -84,6 +76,17 @@ class Trace:
     # True when session/parent structure was reconstructed rather than recorded.
     sessions_inferred: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Records the loader left out because it does not know their kind, counted by kind.
+    skipped: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def skipped_text(self) -> str:
+        """``3 (type "?" 2, type "x" 1)``: how many records were left out, and of what kind."""
+        kinds = ", ".join(f"type {kind!r} {n:,}" for kind, n in sorted(self.skipped.items()))
+        return f"{self.num_skipped:,} ({kinds})" if self.skipped else "0"
 
     @property
     def num_requests(self) -> int:

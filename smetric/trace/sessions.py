@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from smetric.core.errors import UserError
+
 MIN_MATCH_BLOCKS = 2
 
 # Random odd per-position weights: the prefix hash is a weighted sum of (id + 1), so equal
@@ -35,7 +37,7 @@ MIN_MATCH_BLOCKS = 2
 _HASH_SEED = 0x5E55_1015
 
 
-class ParentCycleError(ValueError):
+class ParentCycleError(UserError):
     """A parent chain that loops back on itself; ``index`` is a request on the loop."""
 
     def __init__(self, index: int) -> None:

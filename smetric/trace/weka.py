@@ -1,26 +1,33 @@
 """Loader for WEKA's Claude Code session traces (one JSON file per session, sub-agents inline).
 
-The files have no global clock and block ids that mean something only within one file, so
-the loader does three things beyond parsing:
+The files have no global clock, so the loader does more than parse:
 
-* puts every session's ids into a namespace of its own (a dense offset per file), so the
-  whole folder is one comparable id space;
-* maps the first ``(tool_tokens + system_tokens) // block_size`` blocks of each agent's
-  first request onto a namespace shared by every agent of the same framework (same model,
-  tool and system prompt sizes), so the template's reuse across sessions is visible, as
-  the trace's README prescribes;
-* links each request to the one it waits for: the previous call of the same agent, or for a
-  sub-agent's first call, the parent-agent call that spawned it.
+* a file marked ``"hash_id_scope": "local"`` (the default) has block ids that mean
+  something only within that file: its ids get a namespace of their own (a dense offset
+  per file), so the whole folder is one comparable id space, and the first
+  ``(tool_tokens + system_tokens) // block_size`` blocks of each agent's first request are
+  mapped onto a namespace shared by every agent of the same framework (same model, tool and
+  system prompt sizes), so the template's reuse across sessions is visible, as the trace's
+  README prescribes;
+* a file marked ``"hash_id_scope": "global"`` has ids shared across sessions already
+  (forked agents, shared files, resumed work): they are kept as they are, so the capture's
+  own cross-session reuse is what every study and simulation sees;
+* request records of a type this loader does not know are skipped and counted by type
+  (``Trace.skipped``): public captures carry such records, and one of them must not cost
+  the whole folder;
+* each request is linked to the one it waits for: the previous call of the same agent, or
+  for a sub-agent's first call, the parent-agent call that spawned it.
 """
 
 from __future__ import annotations
 
 import gzip
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -60,7 +67,8 @@ class StreamingCall(Call, tag="s"):
 
 class SubAgent(msgspec.Struct, tag_field="type", tag="subagent"):
     t: float
-    requests: list[NonStreamingCall | StreamingCall | SubAgent]
+    # Decoded one by one (``_records``), so that a record of an unknown type is skipped.
+    requests: list[msgspec.Raw]
     agent_id: str = ""
     models: list[str] = msgspec.field(default_factory=list)
     tool_tokens: NonNegInt = 0
@@ -68,30 +76,69 @@ class SubAgent(msgspec.Struct, tag_field="type", tag="subagent"):
 
 
 class SessionFile(msgspec.Struct):
-    requests: list[NonStreamingCall | StreamingCall | SubAgent]
+    requests: list[msgspec.Raw]
     id: str = ""
+    hash_id_scope: Literal["local", "global"] = "local"
     block_size: Annotated[int, msgspec.Meta(gt=0)] = 64
     models: list[str] = msgspec.field(default_factory=list)
     tool_tokens: NonNegInt = 0
     system_tokens: NonNegInt = 0
 
 
+class _Kind(msgspec.Struct):
+    """Only a record's type, read before deciding whether to decode the rest."""
+
+    type: str = ""
+
+
+Record = NonStreamingCall | StreamingCall | SubAgent
+KNOWN_TYPES = ("n", "s", "subagent")
+
 _DECODER = msgspec.json.Decoder(SessionFile)
+_KIND = msgspec.json.Decoder(_Kind)
+_RECORD = msgspec.json.Decoder(Record)
 _BYTE_AT = re.compile(r"byte (\d+)")
+
+
+def _records(
+    raws: list[msgspec.Raw], where: str, skipped: Counter[str]
+) -> list[tuple[str, Record]]:
+    """The records of known types with their JSON paths, each decoded strictly; the
+    others counted by type.
+
+    ``where`` is the JSON path of the list, so that an error in one record names it as a
+    decode of the whole file would.
+    """
+    records: list[tuple[str, Record]] = []
+    for i, raw in enumerate(raws):
+        at = f"{where}[{i}]"
+        try:
+            kind = _KIND.decode(raw).type
+            if kind not in KNOWN_TYPES:
+                skipped[kind] += 1
+                continue
+            records.append((at, _RECORD.decode(raw)))
+        except msgspec.DecodeError as exc:
+            raise ValueError(str(exc).replace("`$", f"`{at}", 1)) from exc
+    return records
 
 
 @dataclass
 class _IdSpace:
-    """Dense block ids: a range per session file, then a range per framework prompt.
+    """Block ids: global-scope files' ids as they are, then a dense range per local-scope
+    session file, then a range per framework prompt.
 
     Framework ids are handed out as negative placeholders while sessions load, because
-    a session's range is known only once all its calls are read; ``resolve`` moves them
-    past the last session range at the end.
+    a session's range is known only once all its calls are read, and local ranges count
+    from 0 because the largest global id is known only once every file is read;
+    ``resolve`` moves both past what precedes them at the end.
     """
 
     next_id: int = 0
     frameworks: dict[str, np.ndarray] = field(default_factory=dict)
     placeholders: int = 0
+    # The largest id of the global-scope files (-1: none).
+    global_top: int = -1
 
     def framework_ids(self, key: str, count: int) -> np.ndarray:
         ids = self.frameworks.get(key)
@@ -103,8 +150,12 @@ class _IdSpace:
             self.frameworks[key] = ids
         return ids[:count]
 
-    def resolve(self, blocks: np.ndarray, shared: int) -> None:
-        blocks[:shared] = self.next_id - 1 - blocks[:shared]
+    def resolve(self, blocks: np.ndarray, shared: int, local: bool) -> None:
+        if not local:
+            return
+        base = self.global_top + 1
+        blocks[shared:] += base
+        blocks[:shared] = base + self.next_id - 1 - blocks[:shared]
 
 
 @dataclass
@@ -126,6 +177,8 @@ class _Rows:
     model: list[str] = field(default_factory=list)
     framework: list[str] = field(default_factory=list)
     shared_prefix_blocks: list[int] = field(default_factory=list)
+    # Whether the row's ids are local to its file (so renamed when resolved).
+    local: list[bool] = field(default_factory=list)
 
     def frame(self, order: np.ndarray) -> pl.DataFrame:
         """Rows reordered by ``order``, with parent indices renumbered to match."""
@@ -135,7 +188,7 @@ class _Rows:
         columns = {
             name: [values[i] for i in order]
             for name, values in vars(self).items()
-            if name not in ("parent", "block_ids")
+            if name not in ("parent", "block_ids", "local")
         }
         columns["parent_id"] = [None if p is None else int(rank[p]) for p in parents]
         return pl.DataFrame(columns).with_columns(
@@ -149,11 +202,15 @@ class _Agent:
 
     agent_id: str
     start_s: float
-    calls: list[NonStreamingCall | StreamingCall | SubAgent]
+    calls: list[msgspec.Raw]
+    # JSON path of ``calls`` in the session file, for error messages.
+    where: str
     model: str
     tool_tokens: int
     system_tokens: int
     spawner: int | None
+    # Whether the session's ids are local to its file.
+    local: bool
 
 
 def _framework_key(model: str, tool_tokens: int, system_tokens: int) -> str:
@@ -171,25 +228,33 @@ def _trigger(call: Call, turn: int, spawned: bool, compaction: bool) -> Trigger:
     return Trigger.UNKNOWN
 
 
-def _add_session(session: SessionFile, name: str, ids: _IdSpace, rows: _Rows) -> None:
+def _add_session(
+    session: SessionFile, name: str, ids: _IdSpace, rows: _Rows, skipped: Counter[str]
+) -> None:
     start = len(rows.turn)
     root_model = session.models[0] if session.models else ""
+    local = session.hash_id_scope == "local"
     pending = [
         _Agent(
             "main",
             0.0,
             session.requests,
+            "$.requests",
             root_model,
             session.tool_tokens,
             session.system_tokens,
             None,
+            local,
         )
     ]
     while pending:
         agent = pending.pop(0)
-        _add_agent(agent, name, session.block_size, ids, rows, pending)
+        _add_agent(agent, name, session.block_size, ids, rows, pending, skipped)
     largest = max((int(b.max()) for b in rows.block_ids[start:] if len(b)), default=-1)
-    ids.next_id = max(ids.next_id, largest + 1)
+    if local:
+        ids.next_id = max(ids.next_id, largest + 1)
+    else:
+        ids.global_top = max(ids.global_top, largest)
 
 
 def _add_agent(
@@ -199,12 +264,15 @@ def _add_agent(
     ids: _IdSpace,
     rows: _Rows,
     pending: list[_Agent],
+    skipped: Counter[str],
 ) -> None:
-    prefix_len = (agent.tool_tokens + agent.system_tokens) // block_size
-    first_local: np.ndarray | None = None
+    # Global-scope ids already say what is shared: no framework namespace is made up.
+    prefix_len = (agent.tool_tokens + agent.system_tokens) // block_size if agent.local else 0
+    first_own: np.ndarray | None = None
     previous: int | None = agent.spawner
     turn = 0
-    for call in sorted(agent.calls, key=lambda c: c.t):
+    records = _records(agent.calls, agent.where, skipped)
+    for at, call in sorted(records, key=lambda r: r[1].t):
         t = agent.start_s + call.t
         if isinstance(call, SubAgent):
             model = call.models[0] if call.models else agent.model
@@ -214,23 +282,25 @@ def _add_agent(
                     call.agent_id or f"{agent.agent_id}/sub{len(pending)}",
                     t,
                     call.requests,
+                    f"{at}.requests",
                     model,
                     call.tool_tokens,
                     call.system_tokens,
                     spawner,
+                    agent.local,
                 )
             )
             continue
-        local = np.asarray(call.hash_ids, dtype=np.int64)
-        if len(local) and local.min() < 0:
-            raise ValueError("negative block id in hash_ids")
-        if first_local is None:
-            first_local = local[:prefix_len]
+        own = np.asarray(call.hash_ids, dtype=np.int64)
+        if len(own) and own.min() < 0:
+            raise ValueError(f"negative block id in {at}.hash_ids")
+        if first_own is None:
+            first_own = own[:prefix_len]
         model = call.model or agent.model
         key = _framework_key(model, agent.tool_tokens, agent.system_tokens)
-        shared = common_prefix_len(first_local, local)
-        blocks = local + ids.next_id
-        blocks[:shared] = ids.framework_ids(key, len(first_local))[:shared]
+        shared = common_prefix_len(first_own, own)
+        blocks = own + ids.next_id if agent.local else own
+        blocks[:shared] = ids.framework_ids(key, len(first_own))[:shared]
         parent_blocks = rows.block_ids[previous] if previous is not None else None
         compaction = turn > 0 and parent_blocks is not None and is_compaction(parent_blocks, blocks)
         rows.session_id.append(session_name)
@@ -248,6 +318,7 @@ def _add_agent(
         rows.model.append(model)
         rows.framework.append(key)
         rows.shared_prefix_blocks.append(shared)
+        rows.local.append(agent.local)
         previous = len(rows.turn) - 1
         turn += 1
 
@@ -302,31 +373,48 @@ def load(path: Path, progress: Callable[[int], None] | None = None) -> Trace:
     files = session_files(path)
     rows = _Rows()
     ids = _IdSpace()
+    skipped: Counter[str] = Counter()
     for file in files:
         session = _decode(file)
         name = session.id or file.name.split(".")[0]
         try:
-            _add_session(session, name, ids, rows)
+            _add_session(session, name, ids, rows, skipped)
         except ValueError as exc:
             raise TraceError(file, str(exc)) from exc
         if progress is not None:
             progress(1)
     if not rows.turn:
-        raise TraceError(path, "no requests")
-    for blocks, shared in zip(rows.block_ids, rows.shared_prefix_blocks, strict=True):
-        ids.resolve(blocks, shared)
+        left_out = f"; left out {sum(skipped.values())} of unknown types" if skipped else ""
+        raise TraceError(path, f"no requests{left_out}")
+    for blocks, shared, local in zip(
+        rows.block_ids, rows.shared_prefix_blocks, rows.local, strict=True
+    ):
+        ids.resolve(blocks, shared, local)
     frame = finalize(rows.frame(_issue_order(rows)))
     return Trace(
         requests=frame,
         name=path.name,
         source_format="weka",
         has_clock=False,
-        notes=(
-            "Sessions have no global clock: times are relative to each session's start.",
-            "Leading system/tool-prompt blocks are mapped to a namespace shared per "
-            "(model, tool_tokens, system_tokens), as the trace's README prescribes.",
-        ),
+        notes=_notes(local=any(rows.local), shared=ids.global_top >= 0),
+        skipped=dict(skipped),
     )
+
+
+def _notes(local: bool, shared: bool) -> tuple[str, ...]:
+    notes = ["Sessions have no global clock: times are relative to each session's start."]
+    if shared:
+        notes.append(
+            "Files marked hash_id_scope global keep their block ids as they are, so the "
+            "reuse they share across sessions is the capture's own."
+        )
+    if local:
+        notes.append(
+            "Leading system/tool-prompt blocks of files with session-local ids are mapped to "
+            "a namespace shared per (model, tool_tokens, system_tokens), as the trace's "
+            "README prescribes."
+        )
+    return tuple(notes)
 
 
 def _issue_order(rows: _Rows) -> np.ndarray:

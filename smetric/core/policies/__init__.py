@@ -1,13 +1,16 @@
 """The routing policies: one module each, the types they share, and the one registry.
 
 Build a ``ClusterView`` and a ``RoutingRequest``, get a policy from ``make_policy(spec)``,
-and call its ``route``.
+and call its ``route``; feed its ``learning`` (if any) every completed request.
 """
 
 from smetric.core.policies.base import (
     LOAD_SIGNALS,
     ClusterView,
     Decision,
+    Learner,
+    Learning,
+    Observation,
     Policy,
     RoutingPolicy,
     RoutingRequest,
@@ -19,7 +22,6 @@ from smetric.core.policies.registry import (
     base_name,
     hardware_params,
     is_ours,
-    learnable_params,
     make_policy,
     policy_params,
     resolve_policy,
@@ -34,13 +36,15 @@ __all__ = [
     "POLICY_NAMES",
     "ClusterView",
     "Decision",
+    "Learner",
+    "Learning",
+    "Observation",
     "Policy",
     "RoutingPolicy",
     "RoutingRequest",
     "base_name",
     "hardware_params",
     "is_ours",
-    "learnable_params",
     "make_policy",
     "policy_params",
     "resolve_policy",

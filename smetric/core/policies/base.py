@@ -1,19 +1,23 @@
-"""What a routing policy sees and says.
+"""What a routing policy sees, says and hears back.
 
 The simulator and the live router build the same ``ClusterView`` from different sources
 and call the same policy object, so a policy never learns which driver called it. Every
 decision names the branch that made it, so both drivers can count branches and explain
-each routing choice the same way.
+each routing choice the same way. When a request completes, both drivers tell the same
+``Observation`` to the policy's learner, if it has one, and the policy takes what it
+learned: a driver knows no policy's parameters.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, Protocol
 
-from smetric.core.settings import check_settings
+from smetric.core.errors import ConfigError
+from smetric.core.settings import check_settings, settings_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,52 @@ class Decision(NamedTuple):
     branch: str
 
 
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What a router knows of one finished request; NaN where it did not see it."""
+
+    prompt_tokens: int
+    # As the engine reported them (vLLM: ``usage.prompt_tokens_details.cached_tokens``,
+    # which counts what a KV connector loaded too).
+    cached_tokens: int
+    # The local-tier hit the router predicted where it routed: reported cached tokens
+    # beyond it came from the global tier.
+    predicted_local_tokens: int
+    # Unprefilled prompt tokens queued on that engine when the router sent this one.
+    queued_tokens: float
+    ttft_s: float
+    output_tokens: int
+    # First token to last.
+    decode_s: float = math.nan
+    # Prompt tokens in flight on the engine while it decoded (the mean of what the router
+    # counted at its first and last token), and the unprefilled prompt tokens the router
+    # sent it in that time.
+    decode_tokens: float = math.nan
+    decode_prefill_tokens: float = math.nan
+
+
+class Learner(Protocol):
+    """Learns some of a policy's parameters from its completed requests.
+
+    The policy makes its own (``RoutingPolicy.learner``) and keeps none of its state, so
+    a policy stays a function of its parameters and the view; the drivers feed it through
+    ``Learning``.
+    """
+
+    @property
+    def observed(self) -> int:
+        """How many completed requests it has learned from."""
+        ...
+
+    def on_complete(self, done: Observation) -> Mapping[str, float] | None:
+        """Take one completed request; the parameters' new values when it has new ones."""
+        ...
+
+    def learned(self) -> Mapping[str, float]:
+        """Its current values of the parameters it learns."""
+        ...
+
+
 class Policy(Protocol):
     """A deterministic map from (request, view) to a decision.
 
@@ -114,7 +164,57 @@ class RoutingPolicy(ABC):
         check_settings(self)
         load = getattr(self, "load", None)
         if balances_load(type(self)) and load not in LOAD_SIGNALS:
-            raise ValueError(f"load {load!r}: use one of {', '.join(LOAD_SIGNALS)}")
+            raise ConfigError(f"load {load!r}: use one of {', '.join(LOAD_SIGNALS)}")
+        self.derive()
 
     @abstractmethod
     def route(self, request: RoutingRequest, view: ClusterView) -> Decision: ...
+
+    def derive(self) -> None:
+        """Work out what the policy computes from its parameters once rather than per
+        request: when it is made and whenever it is retuned. Nothing by default."""
+        return None
+
+    def learner(self, given: Collection[str] = ()) -> Learner | None:
+        """What learns this policy's parameters from its completed requests, started from
+        their current values and leaving those named in ``given`` (the spec gave them) as
+        they are; None, the default, where it learns nothing."""
+        return None
+
+    def learning(self, given: Collection[str] = ()) -> Learning | None:
+        """What a driver feeds every completed request: this policy with its learner."""
+        learner = self.learner(given)
+        return None if learner is None else Learning(self, learner)
+
+    def learnable(self) -> dict[str, float]:
+        """The current value of each parameter a learner may set: those declared derived
+        from the hardware or learned."""
+        return {f.name: getattr(self, f.name) for f, meta in settings_of(self) if meta.learnable}
+
+    def retune(self, **values: float) -> None:
+        """Take new values of some learnable parameters (a learner's estimates), each
+        checked against its declared bounds."""
+        declared = {f.name: meta for f, meta in settings_of(self)}
+        for name, value in values.items():
+            meta = declared.get(name)
+            if meta is None or not meta.learnable:
+                raise ConfigError(f"{self.name}: {name!r} is not one of its learned parameters")
+            setattr(self, name, meta.check(name, value))
+        self.derive()
+
+
+@dataclass(frozen=True, slots=True)
+class Learning:
+    """A policy and its learner, as a driver holds them: the one thing it tells of each
+    completed request (SGLang's ``on_request_complete``, llm-d's ``ResponseComplete``)."""
+
+    policy: RoutingPolicy
+    learner: Learner
+
+    def on_complete(self, done: Observation) -> Mapping[str, float] | None:
+        """Tell the learner of one completed request; the policy takes whatever new
+        values it returns, which are returned for the driver to show."""
+        values = self.learner.on_complete(done)
+        if values is not None:
+            self.policy.retune(**values)
+        return values

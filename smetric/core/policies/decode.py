@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies.base import Decision
 from smetric.core.policies.ties import TieBreaker
 
@@ -95,6 +96,6 @@ def make_decode_policy(name: str) -> DecodePolicy:
     try:
         return DECODE_POLICIES[name]()
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"decode policy {name!r}: use one of {', '.join(DECODE_POLICY_NAMES)}"
         ) from None

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import Field
 from typing import Any
 
+from smetric.core.errors import ConfigError
 from smetric.core.policies.base import RoutingPolicy, balances_load
 from smetric.core.policies.cache_aware import CacheAware
 from smetric.core.policies.least_load import LeastLoad
@@ -17,7 +18,7 @@ from smetric.core.policies.round_robin import RoundRobin
 from smetric.core.policies.session_hash import SessionHash
 from smetric.core.policies.smetric import SMetric
 from smetric.core.policies.smetric_cost import SMetricCost
-from smetric.core.settings import Meta, Source, default_of, settings_of
+from smetric.core.settings import Meta, default_of, settings_of
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     cls.name: cls
@@ -44,7 +45,7 @@ def policy_class(name: str) -> type[RoutingPolicy]:
     try:
         return POLICIES[name]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}"
         ) from None
 
@@ -70,39 +71,28 @@ def policy_params(name: str) -> dict[str, float]:
     return {key: default_of(f) for key, (f, _) in parameters(name).items()}
 
 
-def params_from(name: str, source: Source) -> tuple[str, ...]:
-    """The parameters of a policy whose values come from ``source``: ``hardware`` (derived
-    from the hardware it routes for) or ``learned`` (fitted to measurements)."""
-    return tuple(key for key, (_, meta) in parameters(name).items() if meta.source == source)
-
-
 def hardware_params(name: str) -> tuple[str, ...]:
     """The parameters of a policy that depend on the hardware it routes for."""
-    return params_from(name, "hardware")
-
-
-def learnable_params(name: str) -> tuple[str, ...]:
-    """What a driver may learn online for a policy: its hardware and learned parameters."""
-    return hardware_params(name) + params_from(name, "learned")
+    return tuple(key for key, (_, meta) in parameters(name).items() if meta.source == "hardware")
 
 
 def resolve_policy(
-    spec: str, derived: Mapping[str, float] | None = None
+    spec: str, rates: Mapping[str, float] | None = None
 ) -> tuple[str, dict[str, float]]:
     """A spec's policy name and the value of each of its parameters.
 
-    A parameter takes the spec's value, else ``derived``'s when the policy declares it
-    derived from the hardware (constants that depend on the hardware it routes for, which
-    a driver that knows the hardware, the simulator, derives), else its default.
+    A parameter takes the spec's value, else, where it is declared derived from the
+    hardware, the hardware rate it names from ``rates`` (what a driver that knows the
+    hardware, the simulator, derives: ``model.calibrate``), else its default.
     """
     name, params = spec_params(spec)
-    defaults = policy_params(name)
-    hardware = hardware_params(name)
-    for key, default in defaults.items():
+    declared = parameters(name)
+    for key, default in policy_params(name).items():
         if key in params:
             continue
-        if derived is not None and key in hardware and key in derived:
-            params[key] = float(derived[key])
+        rate = declared[key][1].rate
+        if rates is not None and rate is not None and rate in rates:
+            params[key] = float(rates[rate])
         else:
             params[key] = default
     return name, params
@@ -117,16 +107,16 @@ def spec_params(spec: str) -> tuple[str, dict[str, float]]:
     for item in rest.split(",") if rest.strip() else ():
         key, eq, text = (part.strip() for part in item.partition("="))
         if not eq:
-            raise ValueError(f"policy {spec!r}: expected key=value, got {item.strip()!r}")
+            raise ConfigError(f"policy {spec!r}: expected key=value, got {item.strip()!r}")
         if key not in defaults:
             valid = ", ".join(defaults) or "none"
-            raise ValueError(f"policy {name!r} has no parameter {key!r}; valid: {valid}")
+            raise ConfigError(f"policy {name!r} has no parameter {key!r}; valid: {valid}")
         if key in params:
-            raise ValueError(f"policy {spec!r}: parameter {key!r} given twice")
+            raise ConfigError(f"policy {spec!r}: parameter {key!r} given twice")
         try:
             params[key] = float(text)
         except ValueError:
-            raise ValueError(f"policy {spec!r}: {key}={text!r} is not a number") from None
+            raise ConfigError(f"policy {spec!r}: {key}={text!r} is not a number") from None
     return name, params
 
 
@@ -142,16 +132,16 @@ def split_policies(text: str) -> tuple[str, ...]:
 
 
 def make_policy(
-    spec: str, derived: Mapping[str, float] | None = None, load: str = "inflight_requests"
+    spec: str, rates: Mapping[str, float] | None = None, load: str = "inflight_requests"
 ) -> RoutingPolicy:
     """A fresh policy from ``name`` or ``name:key=value,key=value``.
 
-    For example ``smetric:overload=1.5,hit_ratio=0.3`` or ``linear:lam=0.95``;
-    ``derived`` fills the policy's hardware-derived parameters the spec leaves out
+    For example ``smetric:overload=1.5,hit_ratio=0.3`` or ``linear:lam=0.95``; ``rates``
+    fill the policy's hardware-derived parameters the spec leaves out
     (``resolve_policy``). ``load`` is the view's count the policy balances where it
     balances one (``LOAD_SIGNALS``): the driver's to say, since it knows what it serves.
     """
-    name, params = resolve_policy(spec, derived)
+    name, params = resolve_policy(spec, rates)
     cls = policy_class(name)
     values: dict[str, Any] = dict(params)
     if balances_load(cls):

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.errors import ConfigError
+from smetric.core.policies.base import (
+    ClusterView,
+    Decision,
+    Learner,
+    RoutingPolicy,
+    RoutingRequest,
+)
+from smetric.core.policies.prices import PriceLearner
 from smetric.core.policies.ties import TieBreaker, best_hit
-from smetric.core.settings import setting, settings_of
+from smetric.core.settings import setting
 
 
 @dataclass(slots=True, kw_only=True)
@@ -63,9 +72,9 @@ class SMetricCost(RoutingPolicy):
     (without a global tier that cost several per cent; docs/concepts/policies.md).
 
     With ``learn=1`` (the default) the hardware constants and ``output_tokens`` that the
-    spec does not give are only starting values: the driver feeds every completed
-    request to a ``PriceLearner`` (core/prices.py) and passes its estimates to
-    ``retune``, so the prices come from what the router observes of its engines, not
+    spec does not give are only starting values: its learner, a ``PriceLearner``
+    (``prices.py``), takes every completed request the driver sees and the policy takes
+    its estimates, so the prices come from what the router observes of its engines, not
     from a model of them. ``learn=0`` keeps them as given or derived.
     """
 
@@ -73,19 +82,21 @@ class SMetricCost(RoutingPolicy):
     ours = True
     branches = ("first_turn_balance", "sticky", "move_fetch", "move_recompute", "evicted")
 
-    # What the hardware sets (``source="hardware"``): the simulator derives these from the
-    # cluster it simulates (``model.calibrate``); the router takes them from the policy spec.
+    # What the hardware sets (``source="hardware"``, each naming the calibrated rate it
+    # takes): the simulator derives these from the cluster it simulates
+    # (``model.calibrate``); the router takes them from the policy spec. Those and the
+    # ``learned`` one are what its learner learns.
     prefill_tps: float = setting(
         14_200.0, "Prefill rate with no context before the chunk, tokens/s.",
-        gt=0, lt=math.inf, source="hardware",
+        gt=0, lt=math.inf, source="hardware", rate="prefill_tokens_per_s",
     )  # fmt: skip
     attn_tokens: float = setting(
         11_000.0, "Context at which attention costs a token as much as the rest, tokens.",
-        gt=0, lt=math.inf, source="hardware",
+        gt=0, lt=math.inf, source="hardware", rate="attention_parity_tokens",
     )  # fmt: skip
     fetch_tps: float = setting(
         110_000.0, "Global-tier fetch rate of one instance, tokens/s.",
-        gt=0, lt=math.inf, source="hardware",
+        gt=0, lt=math.inf, source="hardware", rate="fetch_tokens_per_s",
     )  # fmt: skip
     queue_depth: float = setting(
         50_000.0, "Context depth, tokens, at which queued prefill tokens are priced.", ge=0
@@ -94,8 +105,9 @@ class SMetricCost(RoutingPolicy):
         373.0, "Expected output tokens of a request.", ge=0, source="learned"
     )
     kv_read_s: float = setting(
-        3.2e-8, "Decode step time per token of KV read, seconds.", ge=0, source="hardware"
-    )
+        3.2e-8, "Decode step time per token of KV read, seconds.",
+        ge=0, source="hardware", rate="decode_kv_token_s",
+    )  # fmt: skip
     work_weight: float = setting(
         2.0,
         "Times a request's compute and fetch count: its own wait and the wait it passes on.",
@@ -107,7 +119,7 @@ class SMetricCost(RoutingPolicy):
     learn: float = setting(
         1.0,
         "1: learn the hardware and learned constants the spec leaves open from the "
-        "requests the router sees (core/prices.py); 0: keep them.",
+        "requests the router sees (a PriceLearner); 0: keep them.",
         ge=0,
         le=1,
     )
@@ -118,23 +130,16 @@ class SMetricCost(RoutingPolicy):
     def __post_init__(self) -> None:
         RoutingPolicy.__post_init__(self)
         if self.learn not in (0.0, 1.0):
-            raise ValueError(f"learn must be 0 or 1, got {self.learn}")
-        self._derive()
+            raise ConfigError(f"learn must be 0 or 1, got {self.learn}")
 
-    def _derive(self) -> None:
+    def derive(self) -> None:
         self._queue_s = (1.0 + self.queue_depth / self.attn_tokens) / self.prefill_tps
         self._decode_s = self.output_tokens * self.kv_read_s
 
-    def retune(self, **values: float) -> None:
-        """Take new values of some of the constants a driver learns (a learner's
-        estimates), each checked against its declared bounds."""
-        declared = {f.name: meta for f, meta in settings_of(self)}
-        for name, value in values.items():
-            meta = declared.get(name)
-            if meta is None or meta.source == "tuned":
-                raise ValueError(f"{self.name}: {name!r} is not one of its learned constants")
-            setattr(self, name, meta.check(name, value))
-        self._derive()
+    def learner(self, given: Collection[str] = ()) -> Learner | None:
+        """A ``PriceLearner`` started from its constants, never learning those ``given``;
+        none with ``learn=0``."""
+        return PriceLearner(self.learnable(), given) if self.learn else None
 
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill a prompt's first ``tokens`` tokens from nothing."""

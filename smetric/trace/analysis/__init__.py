@@ -97,6 +97,8 @@ def analyze(
     reuse = ideal_reuse(trace, issue, issue + durations, progress)
 
     notes = list(trace.notes)
+    if trace.skipped:
+        notes.append(f"Records of unknown types left out: {trace.skipped_text()}.")
     if estimated:
         notes.append(
             f"{estimated} of {trace.num_requests} requests record no execution time; "
@@ -122,6 +124,7 @@ def analyze(
             "has_clock": trace.has_clock,
             "sessions_inferred": trace.sessions_inferred,
             "block_size": block_sizes[0] if len(block_sizes) == 1 else None,
+            "skipped": dict(trace.skipped),
             "notes": notes,
         },
         "reuse": reuse.totals.as_dict(measurable),

@@ -52,6 +52,10 @@ class ReuseTotals:
             "inter_session_tokens": self.inter_session_tokens,
             "system_prompt_tokens": self.system_prompt_tokens,
             "breakdown": {k: (v / hit if hit else 0.0) for k, v in parts.items()},
+            # Hits on blocks another session produced: inter-session and system prompt.
+            "cross_session_share": (
+                (self.inter_session_tokens + self.system_prompt_tokens) / hit if hit else 0.0
+            ),
             "measurable": measurable,
         }
 

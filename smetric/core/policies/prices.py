@@ -1,5 +1,5 @@
-"""Prices learned from what a router observes, so that a policy that prices work in
-seconds needs no model of the engines behind it.
+"""``smetric_cost``'s learner: prices learned from what a router observes, so that a
+policy that prices work in seconds needs no model of the engines behind it.
 
 ``smetric_cost`` compares queues, recomputes and fetches in seconds; its constants (the
 prefill rate, the context depth at which attention doubles a token's cost, the global
@@ -20,22 +20,19 @@ Each is a least-squares fit with non-negative coefficients over a decaying windo
 completions, regularised towards the starting values (``prior``) with the weight of a
 few requests: a constant whose evidence never arrives (no global tier, so no fetch)
 keeps its starting value, and one with evidence follows it. The learner is pure state
-fed by the drivers; it does no I/O and keeps no clock.
+fed by the drivers (``base.Learning``); it does no I/O and keeps no clock.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from smetric.core.policies.base import RoutingPolicy
-from smetric.core.policies.registry import learnable_params
+from smetric.core.errors import ConfigError
+from smetric.core.policies.base import Observation
 
-# The constants a pricing policy may learn, in the names ``smetric_cost`` takes them.
+# The constants it learns, in the names ``smetric_cost`` takes them.
 LEARNABLE = ("prefill_tps", "attn_tokens", "fetch_tps", "kv_read_s", "output_tokens")
 
 # Time to first token = t0 + a*new + b*attention + f*fetched + q*queued, where prefilling
@@ -45,30 +42,6 @@ LEARNABLE = ("prefill_tps", "attn_tokens", "fetch_tps", "kv_read_s", "output_tok
 # step's fixed part and the KV it reads (k = kv_read_s), and the prompts that engine
 # prefilled in the same steps, which stretch them as much as a crowded KV does; without
 # that term the prefill would pass for KV reads wherever load and KV grow together.
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """What a router knows of one finished request; NaN where it did not see it."""
-
-    prompt_tokens: int
-    # As the engine reported them (vLLM: ``usage.prompt_tokens_details.cached_tokens``,
-    # which counts what a KV connector loaded too).
-    cached_tokens: int
-    # The local-tier hit the router predicted where it routed: reported cached tokens
-    # beyond it came from the global tier.
-    predicted_local_tokens: int
-    # Unprefilled prompt tokens queued on that engine when the router sent this one.
-    queued_tokens: float
-    ttft_s: float
-    output_tokens: int
-    # First token to last.
-    decode_s: float = math.nan
-    # Prompt tokens in flight on the engine while it decoded (the mean of what the router
-    # counted at its first and last token), and the unprefilled prompt tokens the router
-    # sent it in that time.
-    decode_tokens: float = math.nan
-    decode_prefill_tokens: float = math.nan
 
 
 # What is left of the prior's weight however many observations came after it.
@@ -162,9 +135,9 @@ class PriceLearner:
     ) -> None:
         missing = [name for name in LEARNABLE if name not in prior]
         if missing:
-            raise ValueError(f"price learner: no starting value for {', '.join(missing)}")
+            raise ConfigError(f"price learner: no starting value for {', '.join(missing)}")
         if window < 1 or refit_every < 1 or prior_weight <= 0:
-            raise ValueError("price learner: window and refit_every >= 1, prior_weight > 0")
+            raise ConfigError("price learner: window and refit_every >= 1, prior_weight > 0")
         self.prior = {name: float(prior[name]) for name in LEARNABLE}
         self.fixed = frozenset(fixed) & set(LEARNABLE)
         self.refit_every = refit_every
@@ -188,7 +161,7 @@ class PriceLearner:
         self._output_weight = 0.0
         self._dirty = 0
 
-    def observe(self, done: Completion) -> dict[str, float] | None:
+    def on_complete(self, done: Observation) -> dict[str, float] | None:
         """Take one completed request; returns the new estimates when it refitted them."""
         if not done.ttft_s >= 0.0 or done.prompt_tokens <= 0:
             return None  # never reached its first token (rejected, failed)
@@ -243,37 +216,3 @@ class PriceLearner:
     def learned(self) -> dict[str, float]:
         """The estimates of the constants it learns (those no spec fixed)."""
         return {k: v for k, v in self.estimates.items() if k not in self.fixed}
-
-    def diagnostics(self) -> dict[str, float]:
-        """The fits' other terms, which price nothing but say how the engines behave:
-        the fixed part of a first token, a queued token's wait, a decode step's fixed
-        part and what a token prefilled beside a stream adds to it."""
-        t0, _, _, _, queued = self._ttft.solution
-        d0, _, prefill = self._decode.solution
-        return {
-            "ttft_overhead_s": float(t0),
-            "queued_token_s": float(queued),
-            "decode_step_s": float(d0),
-            "decode_prefill_token_s": float(prefill),
-        }
-
-
-@runtime_checkable
-class Retunable(Protocol):
-    """A policy that takes the prices a learner estimates (``smetric_cost``), the only kind
-    ``price_learner`` makes a learner for."""
-
-    def retune(self, **values: float) -> None: ...
-
-
-def price_learner(
-    policy: RoutingPolicy, given: Collection[str], **settings: Any
-) -> PriceLearner | None:
-    """The learner a driver feeds for ``policy``, or None when it learns nothing (a policy
-    with nothing to learn, or ``learn=0``): started from the policy's own values, with
-    those the spec ``given`` fixed."""
-    names = learnable_params(policy.name)
-    if not set(LEARNABLE) <= set(names) or not getattr(policy, "learn", 0):
-        return None
-    prior = {name: getattr(policy, name) for name in LEARNABLE}
-    return PriceLearner(prior, given, **settings)

@@ -1,0 +1,50 @@
+"""A command ends as bad input (one line, exit 2) or as a bug (said so, exit 1), never mixed."""
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from smetric.cli import app
+from smetric.trace import weka
+
+runner = CliRunner()
+
+
+def broken_loader(path: Path, progress: object = None) -> None:
+    # What a bug deep in a run looks like: numpy and polars raise plain ValueErrors.
+    raise ValueError("operands could not be broadcast together with shapes (3,) (4,)")
+
+
+def test_an_internal_value_error_is_reported_as_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weka, "load", broken_loader)
+    result = runner.invoke(app, ["trace", "info", "sample:weka"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines[0] == (
+        "internal error: ValueError: operands could not be broadcast together with shapes (3,) (4,)"
+    )
+    assert lines[1] == "this is a bug in SMetric; rerun with --debug for the traceback"
+    assert "Traceback" not in result.output
+
+
+def test_debug_lets_the_traceback_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weka, "load", broken_loader)
+    result = runner.invoke(app, ["--debug", "trace", "info", "sample:weka"])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ValueError)
+    assert "internal error" not in result.output
+
+
+def test_bad_input_is_still_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    result = runner.invoke(app, ["trace", "info", str(missing)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"error: {missing}: no such file or folder"]
+
+
+def test_a_bad_setting_is_bad_input(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["simulate", "--policies", "nonsense", "-o", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown policy 'nonsense'" in result.output
+    assert "internal error" not in result.output
