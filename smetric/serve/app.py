@@ -39,6 +39,7 @@ from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import Analyzer
 from smetric.serve.auth import KeyCheck
+from smetric.serve.buffered import ByteBudget
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
@@ -134,6 +135,7 @@ class Router:
             allow_client_transfer=settings.allow_client_kv_transfer_params,
         )
         self.refusals = RefusalLog(self.metrics.refused)
+        self.buffered = ByteBudget(settings.max_buffered_bytes)
         timeouts = Timeouts(
             settings.connect_timeout_s,
             settings.first_byte_timeout_s,
@@ -215,7 +217,13 @@ class Router:
 
     def _handler(self, path: str, api: Api) -> Any:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return await self.proxy(request, path, api)
+            # The body is held, for retries, until the request ends. Its size is what
+            # Content-Length says, or the most it may inflate or stream to.
+            size = request.content_length
+            if size is None or request.headers.get("Content-Encoding"):
+                size = self.settings.max_body_bytes
+            async with self.buffered.held(size):
+                return await self.proxy(request, path, api)
 
         return handle
 
