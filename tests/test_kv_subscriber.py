@@ -749,3 +749,28 @@ def test_a_kv_event_endpoint_bound_beyond_loopback_is_warned_about(
     assert len(warned) == exposed
     if exposed:
         assert "no authentication" in warned[0]["warning"]
+
+
+def test_a_resync_rebuilds_the_view_within_its_cap() -> None:
+    """A view of at most 2 blocks: rebuilt from a history of 2 after a lost batch, it is
+    exact again; a third block takes it past its cap, and the rebuild from all 3 keeps
+    the cap too, so it is not taken and the view stays inexact."""
+    config = replay_only()
+    tokens, batches = _batches()
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            for events in batches:
+                publisher.publish(events)
+            index = EventIndex(BS, max_blocks=2)
+            replay = publisher.replay_endpoint
+            async with subscriber(index, ANY, "kv", replay, resync_backoff_s=0.0) as sub:
+                await sub.receive(_frames(0, batches[0]))
+                await sub.receive([b"kv", (1).to_bytes(8, "big"), b"\xc1"])  # lost
+                assert sub.exact and sub.counters.resyncs == 1
+                await sub.receive(_frames(2, batches[2]))
+                assert index.blocks == 2 and index.match(keys) == 0  # block 1 forgotten
+                assert not sub.exact and sub.counters.resyncs == 1
+
+    asyncio.run(main())

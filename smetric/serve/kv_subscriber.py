@@ -329,7 +329,7 @@ class KVEventSubscriber:
         last = self.tracker.last
         if self.replay_endpoint is None or last is None:
             return
-        rebuilt = EventIndex(self.index.block_size)
+        rebuilt = EventIndex(self.index.block_size, self.index.max_blocks)
         try:
             whole = await self._replay(range(0, last + 1), rebuilt, whole=True)
         except _HistoryGone as gone:
