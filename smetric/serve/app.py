@@ -217,15 +217,19 @@ class Router:
 
     def _handler(self, path: str, api: Api) -> Any:
         async def handle(request: web.Request) -> web.StreamResponse:
-            # The body is held, for retries, until the request ends. Its size is what
-            # Content-Length says, or the most it may inflate or stream to.
-            size = request.content_length
-            if size is None or request.headers.get("Content-Encoding"):
-                size = self.settings.max_body_bytes
-            async with self.buffered.held(size):
+            async with self._held(request):
                 return await self.proxy(request, path, api)
 
         return handle
+
+    def _held(self, request: web.Request) -> contextlib.AbstractAsyncContextManager[None]:
+        """Room in the router-wide budget for the request's body, held (for retries)
+        until the request ends: what Content-Length says, or the most it may inflate or
+        stream to."""
+        size = request.content_length
+        if size is None or request.headers.get("Content-Encoding"):
+            size = self.settings.max_body_bytes
+        return self.buffered.held(size)
 
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
         """One generation request, from its bytes to its response's end; a ``Refusal``
@@ -270,7 +274,8 @@ class Router:
             raise Refusal(408, "body_timeout", message) from None
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        return await self.token_counter.answer(request, await self._read(request))
+        async with self._held(request):
+            return await self.token_counter.answer(request, await self._read(request))
 
     async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
         headers = self.forwarder.upstream_headers(request)
