@@ -10,13 +10,18 @@ keeps being updated but ``exact`` turns False, so the router can tell a guess fr
 
 A view degrades whenever it loses an event: an unfilled hole, an undecodable batch, a
 malformed event (left out, the rest of its batch applied), a ``BlockStored`` whose parent
-it does not hold (an orphan: evidence of an earlier loss), or a failure of the subscriber
-itself, which is counted and restarted after a backoff rather than left dead. A degraded
+it does not hold (an orphan: evidence of an earlier loss), blocks forgotten to keep the
+view within its cap (``max_blocks``), or a failure of the subscriber itself, which is
+counted and restarted after a backoff rather than left dead. A degraded
 view is resynced: the engine's history from batch 0 is replayed into a fresh index that
 replaces the view only if nothing was missing, retried with a doubling backoff. The view
 is exact again after such a complete resync or an engine restart; until then it keeps
 being updated as the best guess there is. Only evidence of a restart clears it: a
 sequence that starts again, or a changed process start time (``engine_restarted``).
+
+A replay may hold thousands of batches and a flood may never pause, so the event loop
+gets a turn per batch and per slice of blocks, whatever arrives: the router's HTTP work
+waits on one slice, never on a backlog.
 """
 
 from __future__ import annotations
