@@ -441,3 +441,49 @@ async def _steer(url: str) -> int:
         return listener.pulls
     finally:
         await listener.close()
+
+
+def test_envoy_retries_a_dead_engine_elsewhere_and_answers_json(scratch: Path) -> None:
+    """One of two engines killed before the picker can notice (its health checks 30 s
+    apart), round robin, so half the picks name the dead one. With an ``override_host``
+    cluster listing both, the shipped retry policy sends each request Envoy cannot
+    connect for to the other engine: every one is served. With the ``ORIGINAL_DST``
+    cluster, which knows only the picked address, the first one picked for the dead
+    engine gets Envoy's local reply in OpenAI's JSON error shape, never plain text, and
+    the picker, told by that reply's flags, picks the dead engine no more."""
+    a, b = engines(scratch, 2, speed="0.0001")
+    try:
+        args = ["-e", a.url, "-e", b.url, "--policy", "round_robin", "--health-interval", "30"]
+        with run_picker(args) as picker:
+            for mock in (a, b):
+                mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            a.kill()
+            listed = [endpoint_of(a.url), endpoint_of(b.url)]
+            with run_envoy(gateway_config(picker.grpc_port, engines=listed)) as envoy:
+                answers = asyncio.run(_burst(envoy.url, 10))
+            assert [status for status, _, _ in answers] == [200] * 10
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                answers = asyncio.run(_burst(envoy.url, 10))
+            failed = [(kind, raw) for status, kind, raw in answers if status != 200]
+            # Envoy's answer tells the picker the engine is gone: only the first fails.
+            assert len(failed) == 1, answers
+            for kind, raw in failed:
+                assert kind == "application/json", raw
+                error = json.loads(raw)["error"]
+                assert error["code"] == 503 and error["type"] == "server_error", raw
+                assert "upstream connect error" in error["message"]
+    finally:
+        for mock in (a, b):
+            mock.stop()
+
+
+async def _burst(url: str, count: int) -> list[tuple[int, str, bytes]]:
+    """``count`` chat requests one after another: status, content type and body of each."""
+    answers = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
+        for session in range(count):
+            payload = {"model": "m", "messages": conversation(session, 0), "max_tokens": 2}
+            async with client.post(url + "/v1/chat/completions", json=payload) as response:
+                answers.append((response.status, response.content_type, await response.read()))
+    return answers

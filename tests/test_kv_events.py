@@ -15,11 +15,13 @@ from smetric.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     EventIndex,
     KVEventError,
     SequenceCheck,
     SequenceTracker,
     decode_batch,
+    in_slices,
     parse_sequence,
 )
 
@@ -289,3 +291,47 @@ def test_sequence_tracker() -> None:
     assert tracker.feed(2) == SequenceCheck("restart", range(0, 2))
     assert tracker.feed(3) == SequenceCheck("ok")
     assert tracker.feed(3).status == "restart"
+
+
+def test_events_in_slices_apply_as_the_whole_events_do() -> None:
+    """A 6-block chain, a removal of 5 and a clear, cut in slices of at most 2 blocks:
+    each piece of the chain continues the one before, and the index ends the same."""
+    hashes = list(range(1, 7))
+    events: list[Event] = [
+        BlockStored(tuple(hashes), None, tuple(TOKENS), BS, None),
+        BlockRemoved(tuple(hashes[1:]), None),
+        AllBlocksCleared(),
+        BlockStored(tuple(hashes), None, tuple(TOKENS), BS, None),
+    ]
+    slices = list(in_slices(events, 2))
+    assert [sum(len(getattr(e, "block_hashes", ())) for e in part) for part in slices] == [
+        2,
+        2,
+        2,
+        2,
+        2,
+        1,
+        2,
+        2,
+        2,
+    ]
+    whole, sliced = EventIndex(BS), EventIndex(BS)
+    whole.apply(events)
+    for part in slices:
+        sliced.apply(part)
+    keys = chain_hashes(TOKENS, BS)
+    assert sliced.match(keys) == whole.match(keys) == 6
+    assert sliced.blocks == whole.blocks == 6 and sliced.orphaned == 0
+
+
+def test_the_index_holds_at_most_max_blocks_and_forgets_the_oldest_first() -> None:
+    index = EventIndex(BS, max_blocks=4)
+    keys = chain_hashes(TOKENS, BS)
+    index.apply([BlockStored((1, 2, 3), None, tuple(TOKENS[:12]), BS, None)])
+    index.apply([BlockStored((1,), None, tuple(TOKENS[:4]), BS, None)])  # 1 is now newest
+    index.apply([BlockStored((4, 5, 6), 3, tuple(TOKENS[12:]), BS, None)])
+    assert index.blocks == 4 and index.evicted == 2
+    # 2 and 3 went first; the chain now breaks at its second block.
+    assert index.match(keys) == 1 and index.size() == 4
+    index.apply([BlockRemoved((1, 1, 4, 5, 6), None)])  # 1 was announced twice
+    assert index.blocks == 0 and index.size() == 0

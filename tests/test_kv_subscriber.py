@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -31,7 +33,7 @@ from smetric.serve.metrics import SubscriberCollector
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.ports import startup_events_ports
 
-from conftest import block_stored, events_engine, until_heard
+from conftest import block_stored, closed_port, events_engine, until_heard
 
 pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
@@ -387,7 +389,7 @@ def test_a_failing_subscriber_is_restarted_and_its_view_resynced(caplog) -> None
         async with publishing_to(index, resync_backoff_s=0.0) as (publisher, sub):
 
             async def warm_up(attempt: int) -> None:
-                publisher.publish([])
+                publisher.publish([{"type": "AllBlocksCleared"}])
 
             await until_heard(warm_up, lambda: sub.counters.failures > 0)
             assert not sub.exact and exported(sub, "failures") == 1
@@ -613,5 +615,162 @@ def test_blocks_of_another_size_degrade_the_view_and_are_exported() -> None:
             await sub.receive(_frames(0, [block_stored([1], None, list(range(2 * BS)), 2 * BS)]))
             assert not sub.exact and index.size() == 0
             assert exported(sub, "mismatched") == 1
+
+    asyncio.run(main())
+
+
+def _chain(count: int, size: int = 16) -> list[list[dict[str, Any]]]:
+    """``count`` batches storing ``size`` blocks each, every block the child of the one
+    before, so that a view missing any batch orphans every later one."""
+    tokens = [t % 251 for t in range(size * BS)]
+    return [
+        [block_stored(list(range(i * size + 1, (i + 1) * size + 1)), i * size or None, tokens, BS)]
+        for i in range(count)
+    ]
+
+
+def test_a_long_replay_history_is_applied_whole_within_a_per_message_deadline() -> None:
+    """6,000 batches in the engine's replay buffer (vLLM keeps up to 10,000): the replay
+    that fills a lost batch's hole, and the resync of a view that lost an event, take far
+    longer in all than the replay deadline, which bounds each message, not the whole
+    answer; the view is exact again within seconds."""
+    config = dataclasses.replace(replay_only(), kv_events_buffer_steps=10_000)
+    batches = _chain(6_002)
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            for events in batches[:6_000]:
+                publisher.publish(events)
+            index = EventIndex(BS)
+            replay = publisher.replay_endpoint
+            options = {"replay_timeout_s": 0.5, "resync_backoff_s": 0.0}
+            async with subscriber(index, ANY, "kv", replay, **options) as sub:
+                began = time.monotonic()
+                await sub.receive(_frames(5_999, batches[5_999]))  # batches 0..5998 lost
+                assert sub.exact and index.size() == 6_000 * 16, sub.counters
+                assert sub.counters.replayed == 5_999 and sub.counters.unrecovered == 0
+                # A batch that cannot be read is lost for good: the resync replays all
+                # 6,001 batches into a fresh view.
+                publisher.publish(batches[6_000])
+                await sub.receive([b"kv", (6_000).to_bytes(8, "big"), b"\xc1"])
+                assert sub.exact and sub.counters.resyncs == 1, sub.counters
+                assert index.size() == 6_001 * 16
+                publisher.publish(batches[6_001])
+                await sub.receive(_frames(6_001, batches[6_001]))
+                assert sub.exact and index.size() == 6_002 * 16
+                assert time.monotonic() - began < 15
+
+    asyncio.run(main())
+
+
+# Another process, as an engine is: a publisher that waits for the router's subscription
+# (XPUB hears it), then sends one event of BIG blocks and SMALL batches of 32 blocks, all
+# stored and never removed, as fast as it can, queueing what the network cannot take yet.
+_FLOOD = """
+import sys, msgspec, zmq
+endpoint, big, small = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+context = zmq.Context()
+pub = context.socket(zmq.XPUB)
+pub.setsockopt(zmq.SNDHWM, 0)
+pub.connect(endpoint)
+pub.recv()
+def stored(hashes):
+    tokens = [t % 50_000 for t in range(16 * len(hashes))]
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": tokens, "block_size": 16}
+def send(seq, events):
+    payload = msgspec.msgpack.encode([0.0, events, 0])
+    pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+send(0, [stored(list(range(10**9, 10**9 + big)))])
+for seq in range(1, small + 1):
+    send(seq, [stored([seq * 32 + i]) for i in range(32)])
+context.destroy(linger=30_000)
+"""
+
+
+def test_an_event_flood_leaves_http_served_and_the_view_within_its_cap() -> None:
+    """One event of 100,000 blocks, then 3,000 batches of 32, never removed, sent by
+    another process as fast as it can to a router that binds its KV-event endpoint, while
+    ``/health`` is asked again and again: each answer comes within 0.5 s (the events are
+    applied in slices, the big one decoded beside the event loop), and the engine's view
+    never holds more than its cap of 20,000 blocks, the oldest forgotten first."""
+    cap, big, small = 20_000, 100_000, 3_000
+
+    async def main() -> None:
+        index = EventIndex(BS, max_blocks=cap)
+        sub = KVEventSubscriber(index, ANY, "kv")
+        engine = Engine(f"http://127.0.0.1:{closed_port()}", 1000, events=index)
+        settings = RouterSettings(health_interval_s=60)
+        router = Router([engine], settings, subscribers={engine.url: sub})
+        async with TestClient(TestServer(router.app())) as client:
+            args = (sub.endpoint, str(big), str(small))
+            flood = subprocess.Popen([sys.executable, "-c", _FLOOD, *args])
+            slowest = 0.0
+            try:
+                deadline = time.monotonic() + 60
+                while sub.counters.batches < 1 + small:
+                    assert time.monotonic() < deadline, sub.counters
+                    # A client that asks now waits for the loop's turn as well: the
+                    # time past the pause is what the loop kept to itself.
+                    began = time.monotonic()
+                    await asyncio.sleep(0.02)
+                    response = await client.get("/health")
+                    await response.read()
+                    slowest = max(slowest, time.monotonic() - began - 0.02)
+                    assert index.blocks <= cap
+            finally:
+                flood.kill()
+                flood.wait()
+            assert slowest < 0.5, f"/health took {slowest:.2f} s during the flood"
+            assert index.blocks == cap and not sub.exact
+            assert sub.counters.evicted == big + 32 * small - cap == exported(sub, "evicted")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "exposed"),
+    [("tcp://*:*", True), ("tcp://0.0.0.0:*", True), (ANY, False), ("ipc://@smetric-kv", False)],
+)
+def test_a_kv_event_endpoint_bound_beyond_loopback_is_warned_about(
+    endpoint: str, exposed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any host that reaches a bound endpoint can publish: ZMQ has no authentication. The
+    router says so at start-up when it binds one beyond loopback."""
+
+    async def main() -> None:
+        async with subscriber(EventIndex(BS), endpoint, "kv", None, bind=True):
+            pass
+
+    with caplog.at_level("WARNING", logger="smetric.serve"):
+        asyncio.run(main())
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    warned = [x for x in lines if x["event"] == "kv_events_endpoint_exposed"]
+    assert len(warned) == exposed
+    if exposed:
+        assert "no authentication" in warned[0]["warning"]
+
+
+def test_a_resync_rebuilds_the_view_within_its_cap() -> None:
+    """A view of at most 2 blocks: rebuilt from a history of 2 after a lost batch, it is
+    exact again; a third block takes it past its cap, and the rebuild from all 3 keeps
+    the cap too, so it is not taken and the view stays inexact."""
+    config = replay_only()
+    tokens, batches = _batches()
+    keys = chain_hashes(tokens, BS)
+
+    async def main() -> None:
+        async with publishing(config) as publisher:
+            for events in batches:
+                publisher.publish(events)
+            index = EventIndex(BS, max_blocks=2)
+            replay = publisher.replay_endpoint
+            async with subscriber(index, ANY, "kv", replay, resync_backoff_s=0.0) as sub:
+                await sub.receive(_frames(0, batches[0]))
+                await sub.receive([b"kv", (1).to_bytes(8, "big"), b"\xc1"])  # lost
+                assert sub.exact and sub.counters.resyncs == 1
+                await sub.receive(_frames(2, batches[2]))
+                assert index.blocks == 2 and index.match(keys) == 0  # block 1 forgotten
+                assert not sub.exact and sub.counters.resyncs == 1
 
     asyncio.run(main())

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_serve import CHAT, FAST, conversation
-from test_serve_faults import no_load_left, with_mixed
+from test_serve_faults import assert_openai_error, no_load_left, with_mixed
 
 from smetric.engine import EngineConfig, create_app
 from smetric.engine.disagg import PULL_PATH
@@ -330,3 +330,42 @@ def recorded(folder: Path) -> tuple[int, int]:
         return 0, 0
     rows, dropped = read_segments(folder)
     return rows.height, dropped
+
+
+async def holding(port: int, size: int) -> asyncio.StreamWriter:
+    """A request whose headers promise a body of ``size`` bytes, of which one is sent:
+    the router holds room for the rest while it waits."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % size
+    )
+    await writer.drain()
+    return writer
+
+
+def test_bodies_held_at_once_are_capped_router_wide() -> None:
+    """Three requests hold 1 MB each of a 3 MB cap (their bodies still on the way): a
+    fourth waits its 2 s and gets a JSON 503 with Retry-After, unread; once one of the
+    three is gone, the next is served, and every exit gives its bytes back."""
+
+    async def body(client: aiohttp.ClientSession, url: str, router, fakes) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        holders = [await holding(port, 1_000_000) for _ in range(3)]
+        await eventually(lambda: router.buffered.used == 3_000_000)
+        big = {"model": "m", "messages": [{"role": "user", "content": "x" * 999_000}]}
+        started = time.monotonic()
+        async with client.post(url + "/v1/chat/completions", json=big) as response:
+            error = await assert_openai_error(response, 503)
+            assert response.headers["Retry-After"] == "1"
+        assert "limit is 3000000" in error["message"]
+        assert 2 <= time.monotonic() - started < 10
+        holders.pop().close()
+        await eventually(lambda: router.buffered.used == 2_000_000)
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 200
+        for holder in holders:
+            holder.close()
+        await eventually(lambda: router.buffered.used == 0)
+
+    run(lambda: with_mixed([], 1, body, max_buffered_bytes=3_000_000, body_timeout_s=30))

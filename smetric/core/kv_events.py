@@ -35,8 +35,8 @@ offloaded block covers. The newest releases can instead send full, self-describi
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
@@ -48,6 +48,9 @@ from smetric.core.blocks import chain_hashes
 GPU = "GPU"
 _TOKEN_LIMIT = 1 << 32
 REPLAY_END = -1
+DEFAULT_MAX_BLOCKS = 1_000_000
+"""Blocks one engine's view holds at most, beyond any real engine's cache (vLLM's GPU
+pools hold some 10,000 to 200,000 blocks); a stream naming more is cut, oldest first."""
 """Sequence number of the frame that ends a replay answer (vLLM sends ``-1``, signed)."""
 
 EngineHash = int | bytes
@@ -204,6 +207,45 @@ def _decode_event(raw: Any) -> Event | None:
     return None
 
 
+def in_slices(events: Sequence[Event], blocks: int) -> Iterator[list[Event]]:
+    """``events`` in order, in slices of at most ``blocks`` blocks each (at least one
+    event per slice), a larger event cut in pieces: a ``BlockStored`` piece continues the
+    chain of the piece before it, so applying the slices in order is applying the events.
+    Whoever applies them can then pause between slices however large an event is."""
+    part: list[Event] = []
+    size = 0
+    for event in events:
+        for piece in _pieces(event, blocks):
+            count = 0 if isinstance(piece, AllBlocksCleared) else len(piece.block_hashes)
+            if part and size + count > blocks:
+                yield part
+                part, size = [], 0
+            part.append(piece)
+            size += count
+    if part:
+        yield part
+
+
+def _pieces(event: Event, blocks: int) -> Iterator[Event]:
+    if isinstance(event, AllBlocksCleared) or len(event.block_hashes) <= blocks:
+        yield event
+        return
+    hashes = event.block_hashes
+    if isinstance(event, BlockRemoved):
+        for start in range(0, len(hashes), blocks):
+            yield BlockRemoved(hashes[start : start + blocks], event.medium)
+        return
+    tokens, size = event.token_ids, event.block_size
+    for start in range(0, len(hashes), blocks):
+        yield BlockStored(
+            hashes[start : start + blocks],
+            event.parent_block_hash if start == 0 else hashes[start - 1],
+            tokens[start * size : (start + blocks) * size] if tokens else (),
+            size,
+            event.medium,
+        )
+
+
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -246,30 +288,44 @@ class _Tier:
     a hash names the last router block of each offloaded block.
     """
 
-    keys: dict[EngineHash, int] = field(default_factory=dict)
+    keys: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
     held: Counter[EngineHash] = field(default_factory=Counter)
     present: Counter[int] = field(default_factory=Counter)
     stride: int = 1
 
-    def hold(self, engine_hash: EngineHash, key: int) -> None:
+    def hold(self, engine_hash: EngineHash, key: int) -> bool:
+        """Store one announcement; True when the hash is new. ``keys`` stays in the order
+        of the latest store, oldest first, for ``drop_oldest``."""
         if engine_hash in self.keys:
             self.held[engine_hash] += 1
-            return
+            self.keys.move_to_end(engine_hash)
+            return False
         self.keys[engine_hash] = key
         self.held[engine_hash] = 1
         self.present[key] += 1
+        return True
 
-    def drop(self, engine_hash: EngineHash) -> None:
+    def drop(self, engine_hash: EngineHash) -> bool:
+        """Remove one announcement; True when the hash is gone."""
         if engine_hash not in self.keys:
-            return
+            return False
         self.held[engine_hash] -= 1
         if self.held[engine_hash]:
-            return
+            return False
         del self.held[engine_hash]
         key = self.keys.pop(engine_hash)
         self.present[key] -= 1
         if self.present[key] == 0:
             del self.present[key]
+        return True
+
+    def drop_oldest(self) -> None:
+        """Forget the hash stored longest ago, however often it was announced (an
+        ``OrderedDict``: a plain dict finds its first key in time that grows with the
+        keys deleted before it)."""
+        oldest = next(iter(self.keys))
+        self.held[oldest] = 1
+        self.drop(oldest)
 
 
 class EventIndex:
@@ -294,13 +350,31 @@ class EventIndex:
     hybrid models are not told apart.
     """
 
-    __slots__ = ("_tiers", "block_size", "mismatched", "orphaned", "unresolved")
+    __slots__ = (
+        "_tiers",
+        "block_size",
+        "blocks",
+        "evicted",
+        "max_blocks",
+        "mismatched",
+        "orphaned",
+        "unresolved",
+    )
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.block_size = block_size
+        self.max_blocks = max_blocks
         self._tiers: dict[str, _Tier] = {}
+        self.blocks = 0
+        """Engine hashes held, all media together: at most ``max_blocks``."""
+        self.evicted = 0
+        """Hashes forgotten, oldest first, to stay within ``max_blocks``: the stream named
+        more blocks than the cap (a cap below the engine's cache, or a publisher that
+        never removes what it stores)."""
         self.mismatched = 0
         """BlockStored events not applied because their block size is not ours."""
         self.orphaned = 0
@@ -321,11 +395,13 @@ class EventIndex:
     def clear(self) -> None:
         """Forget everything: the engine cleared its cache, or restarted."""
         self._tiers.clear()
+        self.blocks = 0
 
     def take(self, rebuilt: EventIndex) -> None:
         """Hold what ``rebuilt`` holds (a view replayed from scratch), in place, so that
         whoever reads this index sees the rebuilt view; counters stay this index's."""
         self._tiers = rebuilt._tiers
+        self.blocks = rebuilt.blocks
 
     def match(self, blocks: np.ndarray, medium: str = GPU) -> int:
         """How many leading router keys of ``blocks`` the engine holds on ``medium``."""
@@ -370,7 +446,7 @@ class EventIndex:
         keys = chain_hashes(event.token_ids, event.block_size, parent=parent).tolist()
         tier = self._tiers.setdefault(_tier_name(event.medium), _Tier())
         for engine_hash, key in zip(event.block_hashes, keys, strict=True):
-            tier.hold(engine_hash, key)
+            self._hold(tier, engine_hash, key)
 
     def _store_hashes(self, event: BlockStored) -> None:
         """A hash-only BlockStored (vLLM's offloading): keys come from the other media."""
@@ -385,14 +461,24 @@ class EventIndex:
             if key is None:
                 self.unresolved += 1
             else:
-                tier.hold(engine_hash, key)
+                self._hold(tier, engine_hash, key)
+
+    def _hold(self, tier: _Tier, engine_hash: EngineHash, key: int) -> None:
+        if not tier.hold(engine_hash, key):
+            return
+        self.blocks += 1
+        if self.blocks > self.max_blocks:
+            # From the largest medium, so that a small tier keeps what it was just given.
+            max(self._tiers.values(), key=lambda t: len(t.keys)).drop_oldest()
+            self.blocks -= 1
+            self.evicted += 1
 
     def _remove(self, event: BlockRemoved) -> None:
         tier = self._tiers.get(_tier_name(event.medium))
         if tier is None:
             return
         for engine_hash in event.block_hashes:
-            tier.drop(engine_hash)
+            self.blocks -= tier.drop(engine_hash)
 
     def _router_key(self, engine_hash: EngineHash, medium: str | None) -> int | None:
         """The key of an engine hash, looked up in ``medium`` first: an offloaded chain may

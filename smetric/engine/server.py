@@ -164,6 +164,9 @@ class KVEventPublisher:
         replay_task = None
         if self.replay_endpoint is not None:
             router = context.socket(zmq.ROUTER)
+            # A full queue to one subscriber waits rather than drops: a replay that loses
+            # batches is useless to it.
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.bind(self.replay_endpoint)
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             replay_task = asyncio.create_task(self._replay(router))
@@ -193,10 +196,12 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
-            for seq, payload in list(self.buffer):
-                if seq >= first:
+            answer = [(seq, p) for seq, p in self.buffer if seq >= first]
+            # A subscriber that left before its answer was sent is no reason to stop.
+            with contextlib.suppress(zmq.ZMQError):
+                for seq, payload in answer:
                     await router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            await router.send_multipart([client, b"", end, b""])
+                await router.send_multipart([client, b"", end, b""])
 
 
 KV_EVENTS = web.AppKey("kv_events", KVEventPublisher)

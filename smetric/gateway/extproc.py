@@ -118,7 +118,7 @@ class Exchange:
         if self.pick is not None:
             served = protocol.served_endpoint(message.metadata_context, headers)
             status = int(headers.get(":status", "0") or 0)
-            self.picker.served(self.pick, served, status)
+            self.picker.served(self.pick, served, status, protocol.connection_failed(headers))
             if self.pick.count_body is not None:
                 if declined(status):
                     return await self._count_here(self.pick.count_body)
@@ -128,7 +128,7 @@ class Exchange:
                 tags[PREDICTED_HIT_HEADER] = str(self.pick.predicted)
             if message.response_headers.end_of_stream:
                 self.close(complete=True)
-        return [protocol.continue_headers("response", tags)]
+        return [protocol.continue_headers("response", tags, removed=(protocol.UPSTREAM_FAILURE,))]
 
     async def _count_here(self, raw: bytes) -> Replies:
         """The engine does not serve token counts: the router counts, in its place."""

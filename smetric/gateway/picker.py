@@ -179,9 +179,10 @@ class Picker:
             raise not_found(response_id, param)
         return engine
 
-    def served(self, pick: Pick, endpoint: str | None, status: int) -> None:
+    def served(self, pick: Pick, endpoint: str | None, status: int, lost: bool = False) -> None:
         """The response's headers: charge the request to the engine that served it, and
-        on success record that it now caches the prompt."""
+        on success record that it now caches the prompt. ``lost``: Envoy could not
+        connect to the engine, which is then out at once, as ``serve`` puts it."""
         engine = self.engine_at(endpoint) if endpoint else None
         if engine is not None and engine is not pick.engine:
             pick.load.move_to(engine)
@@ -193,7 +194,8 @@ class Picker:
             pick.completion.status = status
             pick.completion.attempts += 1
         if status >= 500:
-            fault = EngineFault(f"answered {status}", status=status)
+            reason = "unreachable through the gateway" if lost else f"answered {status}"
+            fault = EngineFault(reason, status=status, lost=lost)
             router.pool.failed(pick.engine, fault)
             return
         router.pool.succeeded(pick.engine)

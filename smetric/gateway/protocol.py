@@ -29,6 +29,9 @@ from google.protobuf import struct_pb2
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
+UPSTREAM_FAILURE = "x-gateway-upstream-failure"
+"""Envoy's response flags on its own answer about an upstream (the shipped config adds
+this header to those local replies), e.g. ``URX,UF``; not part of the protocol."""
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 
@@ -72,6 +75,13 @@ def served_endpoint(metadata: base_pb2.Metadata, headers: Mapping[str, str]) -> 
     value = _metadata_value(metadata, LB_NAMESPACE, SERVED)
     text = value.string_value if value is not None else headers.get(SERVED, "")
     return text.split(",")[0].strip() or None
+
+
+def connection_failed(headers: Mapping[str, str]) -> bool:
+    """Whether Envoy answered itself because it could not connect to the engine, or lost
+    the connection before the headers (flags ``UF``, ``UC``): the engine is gone."""
+    flags = set(headers.get(UPSTREAM_FAILURE, "").split(","))
+    return bool(flags & {"UF", "UC"})
 
 
 def _header_mutation(

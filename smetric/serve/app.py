@@ -39,6 +39,7 @@ from smetric.record.recorder import Observation, Recorder
 from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import Analyzer
 from smetric.serve.auth import KeyCheck
+from smetric.serve.buffered import ByteBudget
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
@@ -134,6 +135,7 @@ class Router:
             allow_client_transfer=settings.allow_client_kv_transfer_params,
         )
         self.refusals = RefusalLog(self.metrics.refused)
+        self.buffered = ByteBudget(settings.max_buffered_bytes)
         timeouts = Timeouts(
             settings.connect_timeout_s,
             settings.first_byte_timeout_s,
@@ -215,9 +217,19 @@ class Router:
 
     def _handler(self, path: str, api: Api) -> Any:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return await self.proxy(request, path, api)
+            async with self._held(request):
+                return await self.proxy(request, path, api)
 
         return handle
+
+    def _held(self, request: web.Request) -> contextlib.AbstractAsyncContextManager[None]:
+        """Room in the router-wide budget for the request's body, held (for retries)
+        until the request ends: what Content-Length says, or the most it may inflate or
+        stream to."""
+        size = request.content_length
+        if size is None or request.headers.get("Content-Encoding"):
+            size = self.settings.max_body_bytes
+        return self.buffered.held(size)
 
     async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
         """One generation request, from its bytes to its response's end; a ``Refusal``
@@ -262,7 +274,8 @@ class Router:
             raise Refusal(408, "body_timeout", message) from None
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        return await self.token_counter.answer(request, await self._read(request))
+        async with self._held(request):
+            return await self.token_counter.answer(request, await self._read(request))
 
     async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
         headers = self.forwarder.upstream_headers(request)

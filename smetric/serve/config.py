@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-from smetric.core.kv_events import EventIndex
+from smetric.core.kv_events import DEFAULT_MAX_BLOCKS, EventIndex
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.core.settings import setting
 from smetric.core.settings_load import load, read_yaml, with_values
@@ -51,6 +51,12 @@ class KVEvents:
         "true: the router binds the endpoint and the engine connects; false: the engine "
         "binds it and routers connect (several may share one engine); none: tcp:// binds, "
         "anything else connects.",
+    )
+    max_blocks: int = setting(
+        DEFAULT_MAX_BLOCKS,
+        "Blocks the router's view of this engine holds at most (some 350 bytes each); "
+        "beyond it the oldest are forgotten and the view is no longer exact.",
+        ge=1,
     )
 
 
@@ -240,7 +246,7 @@ def engines_from(
         url = engine_url(entry.url)
         index = None
         if entry.kv_events is not None:
-            index = EventIndex(block_size)
+            index = EventIndex(block_size, entry.kv_events.max_blocks)
             spec = dataclasses.asdict(entry.kv_events)
             subscribers[url] = backend.kv_event_subscriber(index, spec, url)
         blocks = kv_blocks if entry.kv_blocks is None else entry.kv_blocks

@@ -173,5 +173,9 @@ def refused(path: str, refusal: Refusal, refusals: RefusalLog) -> web.Response:
     """The client's answer to ``refusal``, noted."""
     refusals.note(path, refusal)
     if refusal.body is not None:
-        return web.json_response(refusal.body, status=refusal.status)
-    return dialect_for(path).response(refusal.status, refusal.message)
+        response = web.json_response(refusal.body, status=refusal.status)
+    else:
+        response = dialect_for(path).response(refusal.status, refusal.message)
+    if refusal.retry_after_s is not None:
+        response.headers["Retry-After"] = str(refusal.retry_after_s)
+    return response

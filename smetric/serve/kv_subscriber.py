@@ -10,19 +10,25 @@ keeps being updated but ``exact`` turns False, so the router can tell a guess fr
 
 A view degrades whenever it loses an event: an unfilled hole, an undecodable batch, a
 malformed event (left out, the rest of its batch applied), a ``BlockStored`` whose parent
-it does not hold (an orphan: evidence of an earlier loss), or a failure of the subscriber
-itself, which is counted and restarted after a backoff rather than left dead. A degraded
+it does not hold (an orphan: evidence of an earlier loss), blocks forgotten to keep the
+view within its cap (``max_blocks``), or a failure of the subscriber itself, which is
+counted and restarted after a backoff rather than left dead. A degraded
 view is resynced: the engine's history from batch 0 is replayed into a fresh index that
 replaces the view only if nothing was missing, retried with a doubling backoff. The view
 is exact again after such a complete resync or an engine restart; until then it keeps
 being updated as the best guess there is. Only evidence of a restart clears it: a
 sequence that starts again, or a changed process start time (``engine_restarted``).
+
+A replay may hold thousands of batches and a flood may never pause, so the event loop
+gets a turn per batch and per slice of blocks, whatever arrives: the router's HTTP work
+waits on one slice, never on a backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import math
@@ -38,12 +44,31 @@ from smetric.core.kv_events import (
     KVEventError,
     SequenceTracker,
     decode_batch,
+    in_slices,
     parse_sequence,
 )
 
 log = logging.getLogger("smetric.serve")
 # Longest wait between resyncs, or between restarts of a failing subscriber.
 _MAX_BACKOFF_S = 60.0
+# Blocks applied between two turns of the event loop.
+_SLICE_BLOCKS = 1024
+# Payloads larger than this are decoded in a thread, beside the event loop.
+_DECODE_ELSEWHERE_BYTES = 256 * 1024
+# Replayed batches queued at most (vLLM's replay buffer holds 10,000 by default).
+_REPLAY_QUEUE = 100_000
+
+
+def _local(endpoint: str) -> bool:
+    """Whether a bound ZMQ endpoint is reachable from this host alone: ``ipc://`` and
+    ``inproc://``, or ``tcp://`` on a loopback address (``*`` reads back as ``0.0.0.0``)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _HistoryGone(Exception):
@@ -81,6 +106,8 @@ class SubscriberCounters:
     unresolved_hashes: int = 0
     """Hashes of hash-only offload ``BlockStored`` events the view could not key (their GPU
     block was gone before the offload was announced); a limit of the format, not a loss."""
+    evicted: int = 0
+    """Blocks the view forgot, oldest first, to stay within its cap (``max_blocks``)."""
     resyncs: int = 0
     """Degraded views rebuilt whole from the engine's replay buffer."""
     failures: int = 0
@@ -150,6 +177,14 @@ class KVEventSubscriber:
             sub.bind(self.endpoint)
             # The address it got: ``tcp://host:*`` binds a port the OS picks.
             self.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if not _local(self.endpoint):
+                self._log(
+                    "kv_events_endpoint_exposed",
+                    endpoint=self.endpoint,
+                    warning="ZMQ has no authentication: whoever reaches this address can "
+                    "publish events this engine's view takes as true; bind loopback or a "
+                    "private interface and firewall the port",
+                )
         else:
             sub.connect(self.endpoint)
         self._sub = sub
@@ -234,7 +269,7 @@ class KVEventSubscriber:
         if missing and not await self._replay(missing, self.index):
             self.counters.unrecovered += 1
             self._degrade(f"batches {missing.start}..{missing.stop - 1} missed, replay failed")
-        self._apply(frames[2], self.index)
+        await self._apply(frames[2], self.index)
 
     def _restarted(self, last_seq: int | None, seq: int | None) -> None:
         """A new engine process starts with an empty cache: the view is exact again once
@@ -247,16 +282,29 @@ class KVEventSubscriber:
         self._resync_wait_s = self.resync_backoff_s
         self._log("kv_events_restart", last_seq=last_seq, seq=seq)
 
-    def _apply(self, payload: bytes, index: EventIndex) -> bool:
-        """Apply one batch to ``index``; True when no event of it was lost."""
+    async def _apply(self, payload: bytes, index: EventIndex) -> bool:
+        """Apply one batch to ``index``; True when no event of it was lost.
+
+        The batch is applied in slices of at most ``_SLICE_BLOCKS`` blocks with the event
+        loop served between them, so that neither a long replay nor a flood of events
+        delays the router's HTTP work by more than one slice.
+        """
         try:
-            batch = decode_batch(payload)
+            if len(payload) > _DECODE_ELSEWHERE_BYTES:
+                batch = await asyncio.to_thread(decode_batch, payload)
+            else:
+                batch = decode_batch(payload)
         except KVEventError as exc:
             self.counters.decode_errors += 1
             self._degrade(f"undecodable batch: {exc}")
             return False
         orphaned, mismatched, unresolved = index.orphaned, index.mismatched, index.unresolved
-        index.apply(batch.events)
+        evicted = index.evicted
+        # A turn of the loop per batch too: a ready message is received without one.
+        await asyncio.sleep(0)
+        for part in in_slices(batch.events, _SLICE_BLOCKS):
+            index.apply(part)
+            await asyncio.sleep(0)
         counters = self.counters
         counters.batches += 1
         counters.events += len(batch.events)
@@ -265,12 +313,15 @@ class KVEventSubscriber:
         counters.orphaned += index.orphaned - orphaned
         counters.mismatched += index.mismatched - mismatched
         counters.unresolved_hashes += index.unresolved - unresolved
+        counters.evicted += index.evicted - evicted
         if batch.invalid:
             self._degrade(f"malformed event left out: {batch.invalid[0]}")
         elif index.orphaned > orphaned:
             self._degrade("a stored block's parent is missing: events were lost")
         elif index.mismatched > mismatched:
             self._degrade(f"blocks of another size than {index.block_size} left out")
+        elif index.evicted > evicted:
+            self._degrade(f"more blocks than the view's cap of {index.max_blocks}")
         else:
             return True
         return False
@@ -283,7 +334,7 @@ class KVEventSubscriber:
         last = self.tracker.last
         if self.replay_endpoint is None or last is None:
             return
-        rebuilt = EventIndex(self.index.block_size)
+        rebuilt = EventIndex(self.index.block_size, self.index.max_blocks)
         try:
             whole = await self._replay(range(0, last + 1), rebuilt, whole=True)
         except _HistoryGone as gone:
@@ -323,31 +374,36 @@ class KVEventSubscriber:
             return False
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # The engine's ROUTER drops what its queue to this socket cannot take, and batches
+        # are applied slower than they arrive: ZMQ's own thread queues the whole answer.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_QUEUE)
         expected = missing.start
         complete = True
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", missing.start.to_bytes(8, "big")])
-            async with asyncio.timeout(self.replay_timeout_s):
-                while True:
+            while True:
+                # Each message has its deadline, not the whole answer: an engine's buffer
+                # holds up to 10,000 batches, which take seconds to apply.
+                async with asyncio.timeout(self.replay_timeout_s):
                     frames = await dealer.recv_multipart()
-                    if len(frames) < 2:
-                        raise KVEventError(f"replay frame has {len(frames)} parts")
-                    seq = parse_sequence(frames[-2])
-                    if seq == REPLAY_END:
-                        break
-                    if seq < expected or seq >= missing.stop:
-                        self.counters.duplicates += 1
-                        continue
-                    if seq > expected:
-                        if whole and expected == missing.start:
-                            raise _HistoryGone(seq)
-                        if whole:
-                            return False
-                        complete = False
-                    complete = self._apply(frames[-1], index) and complete
-                    self.counters.replayed += 1
-                    expected = seq + 1
+                if len(frames) < 2:
+                    raise KVEventError(f"replay frame has {len(frames)} parts")
+                seq = parse_sequence(frames[-2])
+                if seq == REPLAY_END:
+                    break
+                if seq < expected or seq >= missing.stop:
+                    self.counters.duplicates += 1
+                    continue
+                if seq > expected:
+                    if whole and expected == missing.start:
+                        raise _HistoryGone(seq)
+                    if whole:
+                        return False
+                    complete = False
+                complete = await self._apply(frames[-1], index) and complete
+                self.counters.replayed += 1
+                expected = seq + 1
         except (TimeoutError, KVEventError, zmq.ZMQError):
             return False
         finally:

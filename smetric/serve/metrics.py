@@ -253,14 +253,22 @@ class SubscriberCollector(Collector):
             "1 while the engine's KV-event view is exact, 0 when degraded (lost events).",
             labels=["engine"],
         )
+        blocks = GaugeMetricFamily(
+            "smetric_engine_kv_view_blocks",
+            "Blocks the engine's KV-event view holds, all media (at most its max_blocks).",
+            labels=["engine"],
+        )
         for url, subscriber in self.subscribers.items():
             exact.add_metric([url], 1.0 if subscriber.exact else 0.0)
+            blocks.add_metric([url], subscriber.index.blocks)
         yield exact
+        yield blocks
         family = CounterMetricFamily(
             "smetric_kv_events",
             "KV-event stream totals per engine: batches, events, gaps, restarts, replayed, "
             "duplicates, unrecovered holes, decode errors, skipped, invalid, orphaned and "
-            "mismatched events, unresolved offload hashes, resyncs, subscriber failures.",
+            "mismatched events, unresolved offload hashes, blocks evicted at the cap, resyncs, "
+            "subscriber failures.",
             labels=["engine", "kind"],
         )
         for url, subscriber in self.subscribers.items():

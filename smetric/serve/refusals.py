@@ -49,13 +49,20 @@ class Refusal(Exception):
     unless ``body`` is the answer already)."""
 
     def __init__(
-        self, status: int, reason: str, message: str, body: dict[str, Any] | None = None
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        body: dict[str, Any] | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
         self.body = body
+        self.retry_after_s = retry_after_s
+        """Seconds the client should wait before it tries again (``Retry-After``)."""
 
 
 @dataclass

@@ -51,6 +51,13 @@ class RouterSettings:
         "is parsed.",
         ge=1,
     )
+    max_buffered_bytes: int = setting(
+        256 << 20,
+        "Bytes of request bodies held at once, all requests together (each parsed body "
+        "takes several times its size); a request whose body would go past it waits up "
+        "to 2 s, then gets a 503 with Retry-After before its body is read.",
+        ge=1,
+    )
     body_timeout_s: float = setting(
         60.0,
         "Seconds a client has to send a request's whole body; then it gets a 408 and the "
