@@ -1,5 +1,6 @@
 """A command ends as bad input (one line, exit 2) or as a bug (said so, exit 1), never mixed."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,11 @@ def test_a_bad_setting_is_bad_input(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "unknown policy 'nonsense'" in result.output
     assert "internal error" not in result.output
+
+
+def test_a_result_of_another_schema_is_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps({"policies": {"smetric": {"tps": 1}}}))
+    result = runner.invoke(app, ["report", str(tmp_path), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"error: {tmp_path / 'summary.json'}: not a RunSummary")

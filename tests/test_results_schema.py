@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from smetric.core.errors import UserError
 from smetric.metrics.results import (
     SCHEMA_VERSION,
     RunSummary,
@@ -53,6 +54,6 @@ def test_a_file_of_another_shape_is_refused_naming_the_version(tmp_path: Path) -
     del stored["stickiness"]
     path = tmp_path / "summary.json"
     path.write_text(json.dumps({"policies": {"smetric": stored}}))
-    with pytest.raises(ValueError, match=f"schema version {SCHEMA_VERSION}") as error:
+    with pytest.raises(UserError, match=f"schema version {SCHEMA_VERSION}") as error:
         read_summaries(path)
     assert str(path) in str(error.value) and "stickiness" in str(error.value)
