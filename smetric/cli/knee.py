@@ -21,7 +21,14 @@ from smetric.cli.app import (
     user_errors,
 )
 from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
-from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
+from smetric.cli.sim_options import (
+    ConfigOpt,
+    PlotsOpt,
+    PoliciesOpt,
+    SourceArg,
+    command_config,
+    sim_flags,
+)
 from smetric.core.policies import DEFAULT_POLICY
 from smetric.report.results import write_knee
 from smetric.report.run_tables import knee_table
@@ -53,6 +60,7 @@ def knee(
     ] = DEFAULT_POLICY,
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    plots: PlotsOpt = True,
     table_format: TableFormatOpt = "table",
 ) -> None:
     """Find every policy's knee: the load where its TPS within SLO peaks.
@@ -94,6 +102,7 @@ def knee(
     summary = knee_summary([(g, m) for g in levels for m in modes], base.policies, knees)
     summary["seeds"] = seeds
     summary["settings"] = dataclasses.asdict(settings)
-    write_knee(out, base, summary, default)
+    write_knee(out, base, summary, default, plots)
     emit([knee_table(summary, default)], table_format, console)
-    out_console(table_format).print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")
+    png = ", knee.png" if plots else ""
+    out_console(table_format).print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md{png})")

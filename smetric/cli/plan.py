@@ -20,7 +20,14 @@ from smetric.cli.app import (
     user_errors,
 )
 from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
-from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
+from smetric.cli.sim_options import (
+    ConfigOpt,
+    PlotsOpt,
+    PoliciesOpt,
+    SourceArg,
+    command_config,
+    sim_flags,
+)
 from smetric.core.errors import UserError
 from smetric.core.settings_load import read_yaml
 from smetric.eval.plan import PlanSettings, plan_summary, search_plan
@@ -69,6 +76,7 @@ def plan(
     ] = ",".join(PlanSettings.globals),
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    plots: PlotsOpt = True,
 ) -> None:
     """Size a cluster for a trace: per policy, the fewest instances (and the smallest
     global tier with them) that serve the trace's own load within SLO.
@@ -116,9 +124,9 @@ def plan(
         block_size = int(trace.requests["block_size"][0]) if trace.num_requests else 16
         summary = plan_summary(base, points, settings, block_size)
     summary["runs_simulated"] = store.written
-    write_plan(out, base, summary)
+    write_plan(out, base, summary, plots)
     print_table(plan_table(summary), console)
     console.print(
         f"\n{store.written} runs simulated now, the rest from {out}/runs/; "
-        f"wrote {out}/ (config.yaml, plan.json, plan.png)"
+        f"wrote {out}/ (config.yaml, plan.json{', plan.png' if plots else ''})"
     )
