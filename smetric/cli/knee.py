@@ -67,11 +67,11 @@ def knee(
 
     For each global tier and load mode, each policy's load (session starts per second,
     or in open loop the replay speed-up) is stepped up by --grow from --start until its
-    TPS within SLO (mean over --seeds) stops rising, then bisected around the best probe. Baselines
-    are compared at their best setting: pass several (linear:lam=0.5,linear:lam=0.9)
-    and the best counts. Writes knee.json, knee.md (the table) and knee.png to --out
-    (smetric-out/knee-TRACE unless given); every probe is kept in OUT/runs/ID/, so running
-    the same command again runs only what is missing.
+    TPS within SLO (mean over --seeds) stops rising, then bisected around the best probe.
+    Baselines are compared at their best setting: pass several
+    (linear:lam=0.5,linear:lam=0.9) and the best counts. Writes knee.json, knee.md (the
+    table) and knee.png to --out (smetric-out/knee-TRACE unless given); every probe is
+    kept in OUT/runs/ID/, so running the same command again runs only what is missing.
     """
     with user_errors():
         check_format(table_format)
