@@ -75,13 +75,24 @@ def test_simulate_writes_results_and_config_round_trips(tmp_path: Path) -> None:
     for policy in ("smetric", "least_load"):
         assert (out / f"requests-{policy}.parquet").exists()
     assert (out / "tps.png").read_bytes()[:4] == b"\x89PNG"
-    # The resolved configuration reproduces the run exactly.
+    # The resolved configuration reproduces the run exactly; --no-plots draws nothing.
     again = tmp_path / "again"
     rerun = runner.invoke(
-        app, ["simulate", "--config", str(out / "config.yaml"), "-j", "1", "-o", str(again)]
+        app,
+        [
+            "simulate",
+            "--config",
+            str(out / "config.yaml"),
+            "-j",
+            "1",
+            "-o",
+            str(again),
+            "--no-plots",
+        ],
     )
     assert rerun.exit_code == 0, rerun.output
     assert json.loads((again / "summary.json").read_text()) == summary
+    assert not list(again.glob("*.png")) and "0 plots" in rerun.output
 
 
 def test_yaml_config_equals_flags(tmp_path: Path) -> None:

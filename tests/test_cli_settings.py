@@ -20,7 +20,9 @@ from smetric.cli.app import command as cli_command
 from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
 from smetric.cli.sim_options import EXCLUDED, NOT_FLAGS, SIM_FLAGS, command_config
 from smetric.core.settings import setting, settings_of
+from smetric.eval.plan import PlanSettings
 from smetric.sim.config import SECTIONS, SimConfig
+from smetric.sim.knee import KneeSettings
 
 runner = CliRunner()
 COMMANDS = ("simulate", "sweep", "knee", "plan")
@@ -165,3 +167,35 @@ def test_a_toy_flag_is_checked_and_shows_its_declaration() -> None:
     assert "How. One of: fast, slow." in page and "[default: fast]" in page
     declared = {f.name for f, _ in settings_of(Toy)}
     assert all(f"--{name}" in page for name in declared)
+
+
+@pytest.mark.parametrize(
+    ("command", "cls", "own"),
+    [("knee", KneeSettings, None), ("plan", KneeSettings, "start"), ("plan", PlanSettings, None)],
+)
+def test_the_search_flags_are_their_settings_declaration(
+    command: str, cls: type, own: str | None
+) -> None:
+    # KneeSettings and PlanSettings declare the knee and plan flags: the default and help
+    # shown are the field's (plan sets --start itself: the trace's own load).
+    params = command_params(command)
+    for f, meta in settings_of(cls):
+        if f.name == own:
+            assert f.name not in params
+            continue
+        assert params[f.name].default == f.default
+        assert meta.help in params[f.name].help
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--precision", "1"], "--precision must lie in (1, inf], got 1.0"),
+        (["knee", "--max-probes", "1"], "--max-probes must lie in [2, inf], got 1"),
+        (["plan", "--attainment", "1.5"], "--attainment must lie in (0, 1], got 1.5"),
+    ],
+)
+def test_a_search_flag_out_of_bounds_is_refused_naming_it(args: list[str], message: str) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())

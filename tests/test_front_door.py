@@ -376,3 +376,21 @@ def test_a_responses_stream_cut_mid_way_ends_with_the_sdk_s_error_event() -> Non
         await sdk.close()
 
     run(lambda: with_mixed(["broken_stream"], 0, body))
+
+
+def test_an_engine_error_in_the_other_api_s_shape_reaches_the_client_in_its_own() -> None:
+    openai_shaped = json.dumps(
+        {"error": {"message": "max_tokens must be at least 1", "type": "BadRequest", "code": 400}}
+    ).encode()
+    answer = json.loads(ANTHROPIC.engine_error(400, openai_shaped).text or "")
+    assert answer == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "max_tokens must be at least 1"},
+    }
+    anthropic_shaped = json.dumps(answer).encode()
+    assert json.loads(ANTHROPIC.engine_error(400, anthropic_shaped).text or "") == answer
+    as_openai = json.loads(OPENAI.engine_error(400, anthropic_shaped).text or "")
+    assert as_openai["error"]["message"] == "max_tokens must be at least 1"
+    assert json.loads(OPENAI.engine_error(400, openai_shaped).text or "") == json.loads(
+        openai_shaped
+    )

@@ -17,7 +17,6 @@ from smetric.model.perf import (
     MODEL_NAMES,
     Corrections,
     StepTimeModel,
-    experts_touched,
     kv_bytes_per_token,
     kv_capacity_tokens,
     load_hardware,
@@ -134,12 +133,6 @@ def test_8k_prefix_load_beats_recompute(h20_30b: StepTimeModel) -> None:
 
 
 # -- sanity --------------------------------------------------------------------------------
-
-
-def test_experts_touched_by_a_batch() -> None:
-    model = load_model("Qwen3-30B-A3B")
-    for batch, expected in ((1, 8), (8, 52), (32, 112), (64, 126)):
-        assert experts_touched(model, batch) == pytest.approx(expected, abs=1)
 
 
 def test_4k_prefill_on_h20(h20_30b: StepTimeModel) -> None:

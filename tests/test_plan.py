@@ -30,8 +30,9 @@ def _knee(tmp_path: Path, config: Path, instances: int) -> dict:
     out = tmp_path / f"knee-{instances}"
     _invoke(
         "knee", "-c", str(config), "--globals", "none", "--seeds", "1", "--start", "1",
-        "--instances", str(instances), "-o", str(out), "-j", "1",
+        "--instances", str(instances), "-o", str(out), "-j", "1", "--no-plots",
     )  # fmt: skip
+    assert not (out / "knee.png").exists() and (out / "knee.md").exists()
     return json.loads((out / "knee.json").read_text())["cells"][0]["knees"]["smetric"]
 
 
@@ -45,6 +46,7 @@ def test_plan_agrees_with_knees_found_by_hand(tmp_path: Path) -> None:
     )  # fmt: skip
     _invoke(*args)
     summary = json.loads((out / "plan.json").read_text())
+    assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"
     chosen = summary["plans"]["smetric"]
     n = chosen["instances"]
     assert 1 < n <= 6 and chosen["global"] == "none"

@@ -20,8 +20,15 @@ from smetric.cli.app import (
     slug,
     user_errors,
 )
-from smetric.cli.settings_options import Given, with_setting_flags
-from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
+from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
+from smetric.cli.sim_options import (
+    ConfigOpt,
+    PlotsOpt,
+    PoliciesOpt,
+    SourceArg,
+    command_config,
+    sim_flags,
+)
 from smetric.core.policies import DEFAULT_POLICY
 from smetric.report.results import write_knee
 from smetric.report.run_tables import knee_table
@@ -30,9 +37,12 @@ from smetric.sim.config import SimConfig, check_kv_load, global_levels
 from smetric.sim.knee import KneeSettings, knee_summary, search_knees
 from smetric.sim.parallel import RunStore, default_jobs
 
+# The knee search's own flags: --start, --grow, --precision, --max-probes.
+SEARCH_FLAGS = setting_flags(KneeSettings, "knee", panel="Knee search")
+
 
 @app.command()
-@with_setting_flags(sim_flags("knee"))
+@with_setting_flags((*sim_flags("knee"), *SEARCH_FLAGS))
 def knee(
     given: Given,
     source: SourceArg = None,
@@ -45,36 +55,30 @@ def knee(
         str, typer.Option("--kv-loads", help="Comma-separated global-tier load modes: sync, async.")
     ] = "sync",
     seeds: Annotated[int, typer.Option(help="Seeds per probe (0, 1, ...).", min=1)] = 2,
-    start: Annotated[
-        float,
-        typer.Option(help="First load probed: sessions/s, or the open-loop speed-up.", min=1e-6),
-    ] = 0.1,
-    precision: Annotated[
-        float, typer.Option(help="Stop when the knee is bracketed within this factor.", min=1.01)
-    ] = 1.2,
     default: Annotated[
         str, typer.Option(help="The policy compared with the best baseline.")
     ] = DEFAULT_POLICY,
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    plots: PlotsOpt = True,
     table_format: TableFormatOpt = "table",
 ) -> None:
     """Find every policy's knee: the load where its TPS within SLO peaks.
 
     For each global tier and load mode, each policy's load (session starts per second,
-    or in open loop the replay speed-up) is stepped up by 2x until its TPS within SLO
-    (mean over --seeds) stops rising, then bisected around the best probe. Baselines
-    are compared at their best setting: pass several (linear:lam=0.5,linear:lam=0.9)
-    and the best counts. Writes knee.json, knee.md (the table) and knee.png to --out
-    (smetric-out/knee-TRACE unless given); every probe is kept in OUT/runs/ID/, so running
-    the same command again runs only what is missing.
+    or in open loop the replay speed-up) is stepped up by --grow from --start until its
+    TPS within SLO (mean over --seeds) stops rising, then bisected around the best probe.
+    Baselines are compared at their best setting: pass several
+    (linear:lam=0.5,linear:lam=0.9) and the best counts. Writes knee.json, knee.md (the
+    table) and knee.png to --out (smetric-out/knee-TRACE unless given); every probe is
+    kept in OUT/runs/ID/, so running the same command again runs only what is missing.
     """
     with user_errors():
         check_format(table_format)
         levels = global_levels(provisionings)
         modes = [check_kv_load(m.strip()) for m in kv_loads.split(",") if m.strip()]
         base = command_config(given, config_path, source, policies)
-        settings = KneeSettings(start=start, precision=precision)
+        settings = KneeSettings(**given.section("knee"))
         cells: dict[tuple, SimConfig] = {
             (g, m, p): dataclasses.replace(
                 base.override("cluster", global_capacity=g, kv_load=m), policies=(p,)
@@ -97,6 +101,7 @@ def knee(
             knees = search_knees(cells, range(seeds), settings, processes, trace, on_round, store)
     searched = [(g, m) for g in levels for m in modes]
     summary = knee_summary(searched, base.policies, knees, seeds, settings)
-    write_knee(out, base, summary, default)
+    write_knee(out, base, summary, default, plots)
     emit([knee_table(summary, default)], table_format, console)
-    out_console(table_format).print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md, knee.png)")
+    png = ", knee.png" if plots else ""
+    out_console(table_format).print(f"\nwrote {out}/ (config.yaml, knee.json, knee.md{png})")

@@ -19,8 +19,15 @@ from smetric.cli.app import (
     slug,
     user_errors,
 )
-from smetric.cli.settings_options import Given, with_setting_flags
-from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
+from smetric.cli.settings_options import Given, setting_flags, with_setting_flags
+from smetric.cli.sim_options import (
+    ConfigOpt,
+    PlotsOpt,
+    PoliciesOpt,
+    SourceArg,
+    command_config,
+    sim_flags,
+)
 from smetric.core.errors import UserError
 from smetric.core.settings_load import read_yaml
 from smetric.eval.plan import PlanSettings, plan_summary, search_plan
@@ -28,6 +35,7 @@ from smetric.report.results import write_plan
 from smetric.report.run_tables import plan_table
 from smetric.report.tables import print_table
 from smetric.sim.config import global_levels
+from smetric.sim.knee import KneeSettings
 from smetric.sim.parallel import RunStore, default_jobs
 
 
@@ -37,8 +45,24 @@ def _file_workload_keys(config: Path | None) -> set[str]:
     return set((data or {}).get("workload") or {})
 
 
+# The plan's own flags, and the knee search's but --start (the trace's own load).
+PLAN_FLAGS = (
+    *setting_flags(PlanSettings, "plan", panel="Plan"),
+    *(
+        flag
+        for flag in setting_flags(
+            KneeSettings,
+            "knee",
+            panel="Knee search",
+            names={"max_probes": ("--max-probes", "--probes")},
+        )
+        if flag.field != "start"
+    ),
+)
+
+
 @app.command()
-@with_setting_flags(sim_flags("plan"))
+@with_setting_flags((*sim_flags("plan"), *PLAN_FLAGS))
 def plan(
     given: Given,
     source: SourceArg = None,
@@ -49,30 +73,10 @@ def plan(
         typer.Option(
             "--globals", help="Comma-separated global tiers to try, smallest first: none, 1x, full."
         ),
-    ] = "none,1x,full",
-    min_instances: Annotated[int, typer.Option(help="Fewest instances tried.", min=1)] = 1,
-    max_instances: Annotated[int, typer.Option(help="Most instances tried.", min=1)] = 64,
-    attainment: Annotated[
-        float,
-        typer.Option(
-            help="Share of requests that must meet both SLOs at the trace's own load.",
-            min=0.01,
-            max=1.0,
-        ),
-    ] = 0.95,
-    price: Annotated[
-        float | None,
-        typer.Option("--price-per-gpu-hour", help="Price of one GPU-hour, for $ per M tokens."),
-    ] = None,
-    seeds: Annotated[int, typer.Option(help="Seeds per probe (0, 1, ...).", min=1)] = 1,
-    precision: Annotated[
-        float, typer.Option(help="Knee search: bracket the knee within this factor.", min=1.01)
-    ] = 1.2,
-    probes: Annotated[
-        int, typer.Option(help="Knee search: probes per instance count at most.", min=2)
-    ] = 10,
+    ] = ",".join(PlanSettings.globals),
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    plots: PlotsOpt = True,
 ) -> None:
     """Size a cluster for a trace: per policy, the fewest instances (and the smallest
     global tier with them) that serve the trace's own load within SLO.
@@ -101,17 +105,14 @@ def plan(
             raise UserError(f"--warmup {base.warmup_s:g} must be shorter than the duration")
         settings = PlanSettings(
             globals=tuple(global_levels(provisionings)),
-            min_instances=min_instances,
-            max_instances=max_instances,
-            attainment=attainment,
-            seeds=tuple(range(seeds)),
-            precision=precision,
-            max_probes=probes,
-            price_per_gpu_hour=price,
+            knee=KneeSettings(**given.section("knee")),
+            **given.section("plan"),
         )
         out = out or Path("smetric-out") / f"plan-{slug(trace.name)}"
         store = RunStore(out / "runs")
-        processes = jobs or default_jobs(len(base.policies) * len(settings.globals) * seeds)
+        processes = jobs or default_jobs(
+            len(base.policies) * len(settings.globals) * settings.seeds
+        )
         with progress_bar() as bar:
             task = bar.add_task("planning", total=None)
 
@@ -122,9 +123,9 @@ def plan(
             points = search_plan(base, trace, settings, processes, store, on_round)
         block_size = int(trace.requests["block_size"][0]) if trace.num_requests else 16
         summary = plan_summary(base, points, settings, block_size, store.written)
-    write_plan(out, base, summary)
+    write_plan(out, base, summary, plots)
     print_table(plan_table(summary), console)
     console.print(
         f"\n{store.written} runs simulated now, the rest from {out}/runs/; "
-        f"wrote {out}/ (config.yaml, plan.json, plan.png)"
+        f"wrote {out}/ (config.yaml, plan.json{', plan.png' if plots else ''})"
     )

@@ -50,6 +50,13 @@ PoliciesOpt = Annotated[
         f"{', '.join(POLICY_NAMES)}.",
     ),
 ]
+PlotsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--plots/--no-plots",
+        help="Draw the figures; --no-plots writes only the numbers, sooner.",
+    ),
+]
 
 # Flag names other than the key's own: short names kept beside the keys,
 # a --on/--off pair, and --trace-format, since --format prints the tables.

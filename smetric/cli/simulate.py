@@ -20,7 +20,14 @@ from smetric.cli.app import (
     user_errors,
 )
 from smetric.cli.settings_options import Given, with_setting_flags
-from smetric.cli.sim_options import ConfigOpt, PoliciesOpt, SourceArg, command_config, sim_flags
+from smetric.cli.sim_options import (
+    ConfigOpt,
+    PlotsOpt,
+    PoliciesOpt,
+    SourceArg,
+    command_config,
+    sim_flags,
+)
 from smetric.report.results import (
     hardware_lines,
     run_title,
@@ -51,6 +58,7 @@ def simulate(
     policies: PoliciesOpt = None,
     out: OutOpt = None,
     jobs: JobsOpt = None,
+    plots: PlotsOpt = True,
     table_format: TableFormatOpt = "table",
 ) -> None:
     """Simulate one cluster configuration under the chosen policies, side by side.
@@ -75,7 +83,7 @@ def simulate(
                 bar.advance(task)
     ordered = {p: results[p] for p in config.policies}
     out = out or Path("smetric-out") / f"simulate-{slug(trace.name)}"
-    plots = write_simulation(out, config, ordered)
+    drawn = write_simulation(out, config, ordered, plots)
     shape = next(iter(ordered.values())).shape
     summaries = {policy: result.summary for policy, result in ordered.items()}
     tables = [results_table(run_title(config, shape), summaries), branches_table(summaries)]
@@ -91,7 +99,7 @@ def simulate(
     )
     for line in hardware_lines(ordered):
         notes.print(line)
-    notes.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet, {plots} plots)")
+    notes.print(f"\nwrote {out}/ (config.yaml, summary.json, requests-*.parquet, {drawn} plots)")
 
 
 RayOpt = Annotated[
@@ -134,6 +142,7 @@ def sweep(
             "curve.",
         ),
     ] = 1,
+    plots: PlotsOpt = True,
     table_format: TableFormatOpt = "table",
 ) -> None:
     """Offered rate x global-tier provisioning x policy (x seed), in parallel processes or
@@ -173,8 +182,8 @@ def sweep(
                 progress=show,
             )
     summary = sweep_summary(rate_values, levels, base.policies, sweep_cells(runs, results))
-    plots = write_sweep(out, base, summary)
+    drawn = write_sweep(out, base, summary, plots)
     emit([sweep_table(summary)], table_format, console)
     reused = f", {len(runs) - ran} of {len(runs)} runs reused from runs/" if ran < len(runs) else ""
     notes = out_console(table_format)
-    notes.print(f"\nwrote {out}/ (config.yaml, sweep.json, {plots} plots{reused})")
+    notes.print(f"\nwrote {out}/ (config.yaml, sweep.json, {drawn} plots{reused})")

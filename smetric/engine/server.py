@@ -235,7 +235,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         transfers.check(params)
         _check_context(facts.prompt_tokens, bound, config)
     except RequestError as error:
-        return _error(str(error))
+        return _error(str(error), api=api)
     # A remote prefill's blocks are read before the request is scheduled, as vLLM's
     # connector loads them; they stay pinned until the request is done with them.
     pulled = (
@@ -687,6 +687,14 @@ async def _json_body(request: web.Request) -> object:
         raise RequestError(f"the request body is not valid JSON: {error}") from None
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    error = {"message": message, "type": "invalid_request_error", "code": status}
-    return web.json_response({"error": error}, status=status)
+def _error(message: str, status: int = 400, api: Api = "chat") -> web.Response:
+    """A refused request in its API's error shape: Anthropic's for Messages, as vLLM's
+    Anthropic server answers, OpenAI's for the rest."""
+    if api == "messages":
+        body: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": message},
+        }
+    else:
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    return web.json_response(body, status=status)

@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from smetric.core.errors import ConfigError
+from smetric.core.settings import check_settings, setting
 from smetric.metrics.results import Knee, Plan, PlanPoint, PlanResult
 from smetric.sim.cluster import resolve_shape
 from smetric.sim.config import SimConfig
@@ -37,26 +38,28 @@ HOURS = 3600.0
 
 @dataclass(frozen=True)
 class PlanSettings:
+    """What ``smetric plan`` searches: the one declaration of its flags."""
+
     # Global tiers tried, smallest first: none, a multiple of local capacity, full.
     globals: tuple[str, ...] = ("none", "1x", "full")
-    min_instances: int = 1
-    max_instances: int = 64
-    # Share of completed requests that must meet both SLOs at the trace's own load.
-    attainment: float = 0.95
-    seeds: tuple[int, ...] = (0,)
-    # The knee search's bracket and probes at most (``KneeSettings``).
-    precision: float = 1.2
-    max_probes: int = 10
-    # Price of one GPU for an hour, for the cost per million tokens (None: not priced).
-    price_per_gpu_hour: float | None = None
+    min_instances: int = setting(1, "Fewest instances tried.", ge=1)
+    max_instances: int = setting(64, "Most instances tried.", ge=1)
+    attainment: float = setting(
+        0.95, "Share of requests that must meet both SLOs at the trace's own load.", gt=0, le=1
+    )
+    seeds: int = setting(1, "Seeds per probe (0, 1, ...).", ge=1)
+    price_per_gpu_hour: float | None = setting(
+        None, "Price of one GPU-hour, for $ per M tokens.", gt=0
+    )
+    # Each instance count's knee search; it starts at the trace's own load.
+    knee: KneeSettings = field(default_factory=KneeSettings)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_instances <= self.max_instances:
-            raise ConfigError("instances: need 1 <= --min-instances <= --max-instances")
-        if not 0 < self.attainment <= 1:
-            raise ConfigError("attainment must lie in (0, 1]")
-        if not self.globals or not self.seeds:
-            raise ConfigError("plan needs at least one global tier and one seed")
+        check_settings(self)
+        if self.min_instances > self.max_instances:
+            raise ConfigError("instances: need --min-instances <= --max-instances")
+        if not self.globals:
+            raise ConfigError("plan needs at least one global tier")
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,8 @@ def search_plan(
     if base.cluster.prefill_instances or base.cluster.decode_instances:
         raise ConfigError("plan sizes colocated clusters; drop the prefill/decode instances")
     load = trace_load(base)
-    knee_settings = KneeSettings(
-        start=load, precision=settings.precision, max_probes=settings.max_probes
-    )
+    knee_settings = dataclasses.replace(settings.knee, start=load)
+    seeds = range(settings.seeds)
     families = [(p, g) for p in base.policies for g in settings.globals]
     searches = {key: _Bisection(settings.min_instances, settings.max_instances) for key in families}
     points: dict[tuple[str, str], dict[int, Point]] = {key: {} for key in families}
@@ -125,15 +127,13 @@ def search_plan(
         }
         if not cells:
             break
-        knees = search_knees(
-            cells, settings.seeds, knee_settings, processes, trace, on_round, store
-        )
+        knees = search_knees(cells, seeds, knee_settings, processes, trace, on_round, store)
         # The first probe of every search ran at the trace's own load: stored already.
-        jobs = [probe_job(key, cells[key], load, s) for key in cells for s in settings.seeds]
+        jobs = [probe_job(key, cells[key], load, s) for key in cells for s in seeds]
         summaries, _ = run_sweep(jobs, store, trace, processes=processes)
         for key in cells:
             policy, glob, n = key
-            runs = [summaries[(key, load, s)] for s in settings.seeds]
+            runs = [summaries[(key, load, s)] for s in seeds]
             knee = knees[key]
             attainment = statistics.fmean(r.slo_attainment for r in runs)
             serves = knee.load >= load and attainment >= settings.attainment
@@ -225,7 +225,7 @@ def plan_summary(
         trace_load=trace_load(base),
         load_unit="speed-up" if base.workload.open_loop else "sessions/s",
         attainment=settings.attainment,
-        seeds=list(settings.seeds),
+        seeds=list(range(settings.seeds)),
         instances_searched=[settings.min_instances, settings.max_instances],
         price_per_gpu_hour=settings.price_per_gpu_hour,
         policies=list(base.policies),

@@ -86,10 +86,3 @@ class PickerServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.runner.cleanup()
-
-    async def serve_until(self, stop: asyncio.Event, grace_s: float) -> None:
-        await self.start()
-        try:
-            await stop.wait()
-        finally:
-            await self.stop(grace_s)

@@ -225,16 +225,6 @@ def load_model(name: str) -> ModelSpec:
     return spec
 
 
-def experts_touched(model: ModelSpec, tokens: int) -> float:
-    """Distinct experts a layer runs for ``tokens`` tokens under uniform routing.
-
-    Each token picks ``top_k`` of ``experts``; an expert is missed by all of them with
-    probability ``(1 - k/E)^B``. A decode step must stream every touched expert's weights,
-    which is why step time grows sublinearly in batch size until about B = 32-64.
-    """
-    return model.experts * (1.0 - (1.0 - model.top_k / model.experts) ** tokens)
-
-
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str) -> int:
     return 2 * model.layers * model.kv_heads * model.head_dim * _dtype_bytes(kv_dtype)
 
@@ -319,7 +309,9 @@ class StepTimeModel:
     - lm_head: only for the positions that are sampled (each decode, and one for the
       step's prefill chunks: the last position of a finishing prompt);
     - experts: ``2 x top_k x expert params x tokens`` FLOPs against reading every expert
-      the batch touches (``experts_touched``);
+      the batch touches: ``E (1 - (1 - k/E)^B)`` of ``E`` for ``B`` tokens under uniform
+      routing, which is why decode step time grows sublinearly in batch size up to
+      B = 32-64;
     - attention: prefill's quadratic part from ``prefill_attn_tokens2`` (query-key pairs:
       ``4 x q_heads x head_dim`` FLOPs each per layer), counted as compute only since a
       chunk reuses each KV read across its rows and the GQA group (memory only wins

@@ -26,10 +26,10 @@ def _start(out: Path, config: SimConfig) -> None:
     dump_yaml(config, out / "config.yaml")
 
 
-def write_simulation(out: Path, config: SimConfig, results: Mapping[str, RunResult]) -> int:
+def write_simulation(
+    out: Path, config: SimConfig, results: Mapping[str, RunResult], plots: bool = True
+) -> int:
     """Configuration, summaries, per-request tables and plots; returns the plot count."""
-    from smetric.report.simulation import write_simulation_pngs
-
     _start(out, config)
     shape = next(iter(results.values())).shape
     meta = {
@@ -40,37 +40,47 @@ def write_simulation(out: Path, config: SimConfig, results: Mapping[str, RunResu
     write_summaries(out / "summary.json", meta, {p: r.summary for p, r in results.items()})
     for policy, result in results.items():
         result.requests.write_parquet(out / run_file_name(policy))
+    if not plots:
+        return 0
+    from smetric.report.simulation import write_simulation_pngs
+
     summaries = {policy: r.summary for policy, r in results.items()}
     tables = {policy: r.requests for policy, r in results.items()}
     return len(write_simulation_pngs(summaries, tables, out))
 
 
-def write_sweep(out: Path, config: SimConfig, summary: SweepResult) -> int:
+def write_sweep(out: Path, config: SimConfig, summary: SweepResult, plots: bool = True) -> int:
     """Configuration, sweep.json and plots; returns the plot count."""
-    from smetric.report.simulation import sweep_figures, write_sweep_pngs
-
     _start(out, config)
     (out / "sweep.json").write_text(summary.to_json())
+    if not plots:
+        return 0
+    from smetric.report.simulation import sweep_figures, write_sweep_pngs
+
     return len(write_sweep_pngs(sweep_figures(summary), out))
 
 
-def write_knee(out: Path, config: SimConfig, summary: KneeSummary, default: str) -> None:
+def write_knee(
+    out: Path, config: SimConfig, summary: KneeSummary, default: str, plots: bool = True
+) -> None:
     """Configuration, knee.json, knee.md (``default`` against the best baseline), knee.png."""
-    from smetric.report.simulation import write_knee_png
-
     _start(out, config)
     (out / "knee.json").write_text(summary.to_json())
     (out / "knee.md").write_text(knee_markdown(summary, (default,)))
-    write_knee_png(summary, out / "knee.png")
+    if plots:
+        from smetric.report.simulation import write_knee_png
+
+        write_knee_png(summary, out / "knee.png")
 
 
-def write_plan(out: Path, config: SimConfig, summary: PlanResult) -> None:
+def write_plan(out: Path, config: SimConfig, summary: PlanResult, plots: bool = True) -> None:
     """Configuration, plan.json and plan.png."""
-    from smetric.report.simulation import write_plan_png
-
     _start(out, config)
     (out / "plan.json").write_text(summary.to_json())
-    write_plan_png(summary, out / "plan.png")
+    if plots:
+        from smetric.report.simulation import write_plan_png
+
+        write_plan_png(summary, out / "plan.png")
 
 
 def hardware_lines(results: Mapping[str, RunResult]) -> list[str]:

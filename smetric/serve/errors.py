@@ -88,13 +88,20 @@ class ErrorDialect:
 
     def engine_error(self, status: int, body: bytes) -> web.Response:
         """An engine's error reply for the client: its own JSON error object as it is
-        (OpenAI's and Anthropic's shapes both hold an ``error`` object), any other body (a
-        proxy's HTML, a web server's plain text) as the message of one."""
+        when it is in this API's shape; in the other shape (an engine answering Anthropic's
+        route with OpenAI's error object, as some vLLM releases do) its message in this
+        one, so the client's SDK reads it; any other body (a proxy's HTML, a web server's
+        plain text) as the message of one."""
         try:
             data = json.loads(body)
         except (ValueError, RecursionError):
             data = None
         if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            if (data.get("type") == "error") == (self.api == "anthropic"):
+                return web.json_response(data, status=status)
+            message = data["error"].get("message")
+            if isinstance(message, str):
+                return self.response(status, message)
             return web.json_response(data, status=status)
         text = body.decode("utf-8", "replace").strip()[:1000] or f"the engine answered {status}"
         return self.response(status, f"engine error: {text}")

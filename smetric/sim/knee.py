@@ -17,8 +17,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from smetric.core.errors import ConfigError
 from smetric.core.policies import is_ours
+from smetric.core.settings import check_settings, setting
 from smetric.metrics.results import Knee, KneeCell, KneeSummary
 from smetric.sim.config import SimConfig
 from smetric.sim.jobs import Job
@@ -28,16 +28,16 @@ from smetric.trace.schema import Trace
 
 @dataclass(frozen=True)
 class KneeSettings:
-    start: float
-    grow: float = 2.0
-    # Stop once the best probe's neighbours are within this factor of it.
-    precision: float = 1.2
-    # Probes at most, whatever the values do (a flat or noisy curve).
-    max_probes: int = 10
+    """How a knee is searched: the one declaration of the commands' knee-search flags."""
+
+    start: float = setting(0.1, "First load probed: sessions/s, or the open-loop speed-up.", gt=0)
+    grow: float = setting(2.0, "Step factor until the knee is bracketed.", gt=1)
+    precision: float = setting(1.2, "Stop when the knee is bracketed within this factor.", gt=1)
+    # A flat or noisy curve never brackets: the cap ends its search.
+    max_probes: int = setting(10, "Probes per search at most.", ge=2)
 
     def __post_init__(self) -> None:
-        if self.start <= 0 or self.grow <= 1 or self.precision <= 1 or self.max_probes < 1:
-            raise ConfigError(f"bad knee search settings: {self}")
+        check_settings(self)
 
 
 def next_load(probes: Mapping[float, float], settings: KneeSettings) -> float | None:

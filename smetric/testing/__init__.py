@@ -1,2 +1,3 @@
-"""Helpers for tests and benchmarks, never used by the router: driving real engines,
-misbehaving engines, and the router's fault suite."""
+"""Helpers for tests and benchmarks, never used by the product: driving real engines,
+misbehaving engines, and the router's fault suite. They live beside the code they start
+so they share its types, and stay out of the wheel: nothing else imports them."""
