@@ -3,8 +3,8 @@ their tables.
 
 Every folder starts with the resolved ``config.yaml``, so any number in it can be
 reproduced with ``smetric simulate --config OUT/config.yaml`` (or the same command).
-The plots are drawn by ``report.simulation``, imported only when a folder is written so
-that a command's ``--help`` does not load matplotlib.
+The plots are drawn by ``report.simulation``, imported only when plots are drawn, so that
+a command's ``--help`` and a ``--no-plots`` run never load matplotlib.
 """
 
 from __future__ import annotations
