@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smetric.gateway.extproc import ExternalProcessor
 from smetric.gateway.picker import Picker
 from smetric.serve.app import alive
+from smetric.serve.http_errors import JsonErrorRunner
 
 EXT_PROC_SERVICE = ext_proc.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
@@ -47,7 +48,7 @@ class PickerServer:
         app.router.add_get("/health", router.health)
         app.router.add_get("/live", alive)
         app.cleanup_ctx.append(router.lifecycle)
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = JsonErrorRunner(app, access_log=None)
         await self.runner.setup()  # the router's checks, scrapes and subscriptions start
         site = web.TCPSite(self.runner, self.host, self.metrics_port)
         await site.start()

@@ -41,6 +41,7 @@ from aiohttp import web
 from smetric.serve.app import Router
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 from smetric.serve.global_tier import ServedPrompts
+from smetric.serve.http_errors import run_app
 from smetric.serve.metrics import forget_process
 
 log = logging.getLogger("smetric.serve")
@@ -79,14 +80,13 @@ def _run(app: web.Application, sock: socket.socket, drain_s: float) -> None:
     # hundred requests (the p99 of a decision).
     gc.freeze()
     # A client that goes away cancels its handler, so its request stops counting at once.
-    web.run_app(
+    run_app(
         app,
-        sock=sock,
-        print=None,
+        sock,
+        shutdown_timeout=drain_s,
+        loop_factory=new_event_loop,
         access_log=None,
         handler_cancellation=True,
-        shutdown_timeout=drain_s,
-        loop=new_event_loop(),
     )
 
 
