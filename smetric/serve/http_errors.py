@@ -115,6 +115,8 @@ def run_app(
             await runner.cleanup()
 
     # The runner cancels what is left (the serving task first, so its cleanup runs).
-    with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve())
+    with (
+        contextlib.suppress(web.GracefulExit, KeyboardInterrupt),
+        asyncio.Runner(loop_factory=loop_factory) as runner,
+    ):
+        runner.run(serve())
