@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 from collections.abc import Callable
 from http import HTTPStatus
@@ -104,19 +105,20 @@ def run_app(
     requests in flight ``shutdown_timeout`` and clean the app up."""
 
     async def serve() -> None:
-        runner = JsonErrorRunner(
-            app, handle_signals=True, shutdown_timeout=shutdown_timeout, **kwargs
-        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        runner = JsonErrorRunner(app, shutdown_timeout=shutdown_timeout, **kwargs)
         await runner.setup()
         try:
             await web.SockSite(runner, sock).start()
-            await asyncio.Event().wait()  # until a signal raises GracefulExit
+            await stop.wait()
         finally:
-            await runner.cleanup()
+            await runner.cleanup()  # the drain: nothing is cancelled before it ends
 
-    # The runner cancels what is left (the serving task first, so its cleanup runs).
     with (
-        contextlib.suppress(web.GracefulExit, KeyboardInterrupt),
+        contextlib.suppress(KeyboardInterrupt),
         asyncio.Runner(loop_factory=loop_factory) as runner,
     ):
         runner.run(serve())
