@@ -9,7 +9,8 @@ try. So both HTTP front doors (``smetric serve`` and the picker's metrics port) 
 app through ``JsonErrorRunner``: its connection handlers answer those errors with
 ``{"error": {"message", "type", "code"}}`` (the route is unknown at that level, so
 OpenAI's shape) with a message that says what is wrong and quotes nothing, and every
-response, the app's own included, says only ``Server: smetric``.
+response, the app's own included, says only ``Server: smetric``. ``web.run_app`` builds
+its own runner, so ``run_app`` here does its job for ``serve``'s workers.
 
 aiohttp has no public hook for the connection handler's class: ``AppRunner._make_server``
 builds the ``Server`` whose call makes one ``RequestHandler`` per connection, and
