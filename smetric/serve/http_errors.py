@@ -39,7 +39,10 @@ SERVER = "smetric"
 
 def error_message(status: int) -> str:
     """What went wrong, in words that quote nothing the client sent."""
-    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
     if status >= 500:
         return f"{phrase}: the router failed to answer this request"
     return f"{phrase}: the request is not valid HTTP/1.1"
