@@ -60,8 +60,16 @@ class JsonErrorHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        # aiohttp's own handling first: it logs, and refuses once bytes went out.
-        status = super().handle_error(request, status, exc, message).status
+        if status >= 500:
+            # The router's own failure: aiohttp's handling logs it with its traceback
+            # (and refuses once bytes went out).
+            status = super().handle_error(request, status, exc, message).status
+        else:
+            # A client's bytes that are not HTTP: any client can send them at will, so
+            # they never reach the log above debug, and never verbatim.
+            if request.writer.output_size > 0:
+                raise ConnectionError("the response had begun; the connection is broken")
+            self.logger.debug("unparseable request: %s", error_message(status))
         response = OPENAI.response(status, error_message(status))
         response.headers[hdrs.SERVER] = SERVER
         response.force_close()
