@@ -78,16 +78,26 @@ class Outcome:
         return max(served) / mean if mean else float("nan")
 
 
+# Rust routers with cache-aware policies and a Python launcher each, same flags:
+# ``pip install sglang-router`` and ``pip install smg`` (1.13).
+PEERS = {"sglang": "sglang_router", "smg": "smg"}
+
+
+def peer_available(peer: str) -> bool:
+    return importlib.util.find_spec(PEERS[peer]) is not None
+
+
 def sglang_available() -> bool:
-    return importlib.util.find_spec("sglang_router.launch_router") is not None
+    return peer_available("sglang")
 
 
-def start_sglang_router(procs: Processes, engines: Sequence[str]) -> str:
-    # Picked here: sglang-router says the ports it bound nowhere this reads. A benchmark
+def start_peer_router(procs: Processes, engines: Sequence[str], peer: str = "sglang") -> str:
+    """``peer``'s router (``PEERS``) with its ``cache_aware`` policy in front of ``engines``."""
+    # Picked here: the router says the ports it bound nowhere this reads. A benchmark
     # runs alone on a quiet machine, where a port is not taken meanwhile; if it were, the
     # router would exit and the wait for it fail plainly.
     port = port_for_external()
-    args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *engines]
+    args = [sys.executable, "-m", f"{PEERS[peer]}.launch_router", "--worker-urls", *engines]
     args += ["--policy", "cache_aware", "--host", LOCALHOST, "--port", str(port)]
     args += ["--log-level", "warn", "--prometheus-port", str(port_for_external())]
     procs.start(args)
@@ -106,8 +116,9 @@ async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 
 async def routes_chat(router: str, timeout_s: float = 60.0) -> None:
-    """Wait until a chat request goes through: a router may be up before its workers are."""
-    body = {"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
+    """Wait until a chat request goes through: a router may be up before its workers are.
+    It names the engines' model, which smg needs to route it."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as client:
         while True:
@@ -157,7 +168,7 @@ async def run_one(name: str, args: argparse.Namespace, trace: Trace) -> Outcome:
         engines = [start_engine(procs, args.speed, options.kv_blocks) for _ in range(args.engines)]
         await wait_ready(engines)
         if name.startswith("sglang"):
-            router = start_sglang_router(procs, engines)
+            router = start_peer_router(procs, engines)
         else:
             policy, _, workers = name.partition(" x")
             router = start_smetric_router(
