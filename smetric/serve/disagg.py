@@ -58,7 +58,7 @@ from smetric.core.policies.decode import (
 from smetric.serve.dispatch import Call, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import dialect_for
-from smetric.serve.forwarding import Delivery, UsageTap, is_stream
+from smetric.serve.forwarding import Delivery, Outcome, UsageTap, is_stream
 from smetric.serve.upstream import Attempt, EngineFault
 
 log = logging.getLogger("smetric.serve")
@@ -130,8 +130,9 @@ class Disaggregation:
         view = DecodeView([e.total_inflight() for e in engines], [kv_used(e) for e in engines])
         decision = self._decode.choose(view)
         engine = engines[decision.instance]
-        event = {"event": "route_decode", "engine": engine.url, "rule": self.decode_policy}
-        log.info(json.dumps({**event, "branch": decision.branch}))
+        if log.isEnabledFor(logging.INFO):
+            event = {"event": "route_decode", "engine": engine.url, "rule": self.decode_policy}
+            log.info(json.dumps({**event, "branch": decision.branch}))
         return engine
 
     # -- the two legs -----------------------------------------------------------------------
@@ -199,6 +200,7 @@ class Disaggregation:
         status = attempt.response.status
         if status >= 400:
             call.completion.status = status
+            call.completion.outcome = Outcome.ENGINE_ERROR
             return dialect_for(call.path).engine_error(status, raw)
         try:
             answer = json.loads(raw)

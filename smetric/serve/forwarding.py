@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TypeVar
 
 from aiohttp import web
@@ -55,6 +56,15 @@ _PASSED_HEADERS = (
 )
 
 
+class Outcome(StrEnum):
+    """How a dispatched request ended, as whoever ended it says."""
+
+    COMPLETED = "completed"  # the engine's whole response reached the client
+    ENGINE_ERROR = "engine_error"  # the client got an error response, not the engine's reply
+    CUT = "cut"  # a stream broke off mid-way (an error event ends it)
+    CLIENT_GONE = "client_gone"  # the client hung up first
+
+
 @dataclass
 class Completion:
     """One dispatched request, as it ended; filled in along its path."""
@@ -77,8 +87,8 @@ class Completion:
     # Who sent it, by its last message: a user, or the agent loop with a tool result.
     trigger: Trigger = Trigger.UNKNOWN
     status: int = 0
-    # completed, engine_error (the client got an error), client_gone, cut (mid-stream).
-    outcome: str = "engine_error"
+    # Set by whatever ends the request; None only while it runs.
+    outcome: Outcome | None = None
     attempts: int = 0
     ttft_s: float | None = None
     # Seconds between successive chunks of a stream, after the first.
@@ -158,6 +168,7 @@ class Forwarder:
             available = [e for e in candidates() if e.url not in tried]
             if not available:
                 if failure is not None:
+                    completion.outcome = Outcome.ENGINE_ERROR
                     return failure
                 message = f"no healthy {role} to serve the request"
                 raise Refusal(503, "no_healthy_engine", message)
@@ -186,6 +197,7 @@ class Forwarder:
                         failure = dialect.response(status, message)
                     if not fault.refused:
                         if retries == 0:
+                            completion.outcome = Outcome.ENGINE_ERROR
                             return failure
                         retries -= 1
                     self.metrics.retries.inc()
@@ -221,6 +233,7 @@ class Forwarder:
         if upstream.status >= 400:  # the request's fault: pass it on, in the API's shape
             response = dialect_for(completion.path).engine_error(upstream.status, body)
             completion.error = f"engine answered {upstream.status}"
+            completion.outcome = Outcome.ENGINE_ERROR
         else:
             completion.ttft_s = time.perf_counter() - completion.started
             if delivery.served is not None:
@@ -228,7 +241,7 @@ class Forwarder:
             usage = UsageTap.of(body)
             completion.cached_tokens = self.count_cached(attempt.engine, usage)
             completion.output_tokens = usage.output_tokens()
-            completion.outcome = "completed"
+            completion.outcome = Outcome.COMPLETED
             response = web.Response(body=body, status=upstream.status)
             response.content_type = upstream.content_type or "application/json"
         response.headers.update(delivery.tags)
@@ -275,14 +288,14 @@ class Forwarder:
             # Before the client can see the end and ask again.
             completion.cached_tokens = self.count_cached(engine, usage)
             completion.output_tokens = usage.output_tokens()
-            completion.outcome = "completed"
+            completion.outcome = Outcome.COMPLETED
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
-            completion.outcome = "client_gone"
+            completion.outcome = Outcome.CLIENT_GONE
             log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
         except EngineFault as fault:
             self.pool.failed(engine, fault)
-            completion.outcome = "cut"
+            completion.outcome = Outcome.CUT
             completion.error = str(fault)
             tail = b"".join(usage.chunks)
             event = dialect_for(completion.path).stream_event(
