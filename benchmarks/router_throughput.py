@@ -1,24 +1,28 @@
-"""Router throughput and latency with tiny and agent-sized bodies, against sglang-router.
+"""Router throughput and latency with tiny and agent-sized bodies, against the peers and
+against the server stack itself.
 
     python benchmarks/router_throughput.py [--duration 4] [--rounds 3] [--history-kb 390]
 
 Two trivial engines (``trivial_engine.py``: they read the body and answer at once) sit
 behind each router, and ``wrk`` drives every target in turn from one process, in one run:
-directly to an engine, through sglang-router's ``cache_aware`` policy, and through
-``smetric serve`` with 1 and with 2 workers. Two bodies: *tiny* (one short user message)
-and *long*, an agent's history (``agent_bodies``, ~390 KB, ~100 k tokens) plus a new user
-turn per request, as a session's next call would be. Each cell is ``--duration`` seconds at
-1 and at 32 connections, after a one-second warm-up of each body; rounds interleave the
-targets and each cell reports its median over them.
+directly to an engine; through a bare aiohttp pass-through (``passthrough.py``: read the
+body, post it to an engine, return the reply) with 1 and 2 processes, the floor of the
+stack ``smetric serve`` runs on; through smg's and sglang-router's ``cache_aware`` policy
+(each where installed); and through ``smetric serve`` with 1 and with 2 workers. Two
+bodies: *tiny* (one short user message) and *long*, an agent's history
+(``agent_bodies``, ~390 KB, ~100 k tokens) plus a new user turn per request, as a
+session's next call would be. Each cell is ``--duration`` seconds at 1 and at 32
+connections, after a one-second warm-up of each body; rounds interleave the targets.
 
-Prints requests/s and mean latency per cell, then smetric (1 and 2 workers) over
-sglang-router, ratio by ratio within each round (the targets of a round ran back to back,
-so a burst of other load hits them alike) with the median and the range over rounds:
-throughput at 32 connections, and the latency each router adds at 1 connection (its mean
-latency less the engine's own, measured directly in the same round). The load average
-before and after is printed with them: figures from a busy machine compare only within
-their run. Needs
-``wrk`` (``apt-get install wrk``) and ``pip install sglang-router``; without them it says
+Prints, per body and target, requests/s at 32 connections, the target's CPU time per
+request (all its processes), and the latency it adds at 1 connection (its mean latency
+less the engine's own, measured directly in the same round), each as the median and range
+over rounds. Then smetric (1 and 2 workers) over each peer and over the pass-through with
+as many processes (the router's share of its stack's rate), ratio by ratio within each
+round (the targets of a round ran back to back, so a burst of other load hits them alike).
+The load average before and after is printed with them: figures from a busy machine
+compare only within their run. Needs ``wrk`` (``apt-get install wrk``) and at least one
+peer (``pip install smg==1.13.0``, ``pip install sglang-router``); without them it says
 so and exits 0.
 """
 
@@ -34,13 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from agentic_bodies import agent_messages, chat_body
 from router_overhead import Processes, processes, wait_ready
-from router_vs_sglang import routes_chat, sglang_available, start_sglang_router
+from router_vs_sglang import PEERS, peer_available, routes_chat, start_peer_router
 
 HERE = Path(__file__).parent
 LUA = """
@@ -109,11 +113,6 @@ def write_script(folder: Path, name: str, messages: list[dict]) -> Path:
     return script
 
 
-def median_cell(cells: list[Cell]) -> Cell:
-    """Each number's median over rounds."""
-    return Cell(*(float(np.median(values)) for values in zip(*map(astuple, cells), strict=True)))
-
-
 def wrk(target: Target, script: Path, connections: int, seconds: int) -> Cell:
     """One wrk run against ``target``; non-2xx replies fail the run."""
     args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "30s"]
@@ -141,8 +140,14 @@ async def targets(procs: Processes) -> dict[str, Target]:
     engines = [start_trivial_engine(procs) for _ in range(2)]
     urls = [e.url for e in engines]
     await wait_ready(urls)
-    sglang = start_sglang_router(procs, urls)
-    found = {"direct": engines[0], "sglang": Target(sglang, procs.procs[-1].pid)}
+    found = {"direct": engines[0]}
+    for workers in (1, 2):
+        script = [sys.executable, str(HERE / "passthrough.py"), "0", str(workers), *urls]
+        url, proc = procs.start_listening(script)
+        found[f"pass x{workers}"] = Target(url, proc.pid)
+    for peer in PEERS:
+        if peer_available(peer):
+            found[peer] = Target(start_peer_router(procs, urls, peer), procs.procs[-1].pid)
     for workers in (1, 2):
         found[f"smetric x{workers}"] = start_smetric(procs, urls, workers)
     for target in found.values():
@@ -150,18 +155,58 @@ async def targets(procs: Processes) -> dict[str, Target]:
     return found
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 2) -> str:
     """Median and range: ``1.23 (1.10-1.31)``."""
-    return f"{np.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    return f"{np.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def added(cells: list[Cell], direct: list[float]) -> list[float]:
+def added(cells: list[Cell], direct: list[Cell]) -> list[float]:
     """Each round's mean latency less the engine's own in that round, ms."""
-    return [c.latency_ms - d for c, d in zip(cells, direct, strict=True)]
+    return [c.latency_ms - d.latency_ms for c, d in zip(cells, direct, strict=True)]
 
 
 def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+Runs = dict[tuple[str, int, str], list[Cell]]
+
+
+def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
+    """Per target, then smetric's ratios to each peer and to its own stack."""
+    print(
+        f"{'body':<6}{'target':<12}{'req/s at c=32':>24}{'CPU us/req at c=32':>24}"
+        f"{'added ms at c=1':>24}"
+    )
+    for body in bodies:
+        direct = runs[body, 1, "direct"]
+        for name in names:
+            busy = runs[body, 32, name]
+            own = "(the engine)" if name == "direct" else spread(added(runs[body, 1, name], direct))
+            print(
+                f"{body:<6}{name:<12}{spread([c.rps for c in busy], 0):>24}"
+                f"{spread([c.cpu_us for c in busy], 0):>24}{own:>24}"
+            )
+    print("\nsmetric over each reference, each round's ratio: median (range) over rounds")
+    print(
+        f"{'body':<6}{'smetric':<12}{'over':<10}{'req/s at c=32':>22}{'CPU/req at c=32':>22}"
+        f"{'added ms at c=1':>22}"
+    )
+    for body in bodies:
+        direct = runs[body, 1, "direct"]
+        for workers in (1, 2):
+            ours = f"smetric x{workers}"
+            for other in (*(p for p in PEERS if p in names), f"pass x{workers}"):
+                mine, theirs = runs[body, 32, ours], runs[body, 32, other]
+                rps = [a.rps / b.rps for a, b in zip(mine, theirs, strict=True)]
+                cpu = [a.cpu_us / b.cpu_us for a, b in zip(mine, theirs, strict=True)]
+                mine_ms = added(runs[body, 1, ours], direct)
+                theirs_ms = added(runs[body, 1, other], direct)
+                lat = [a / b for a, b in zip(mine_ms, theirs_ms, strict=True) if b > 0]
+                print(
+                    f"{body:<6}{ours:<12}{other:<10}{spread(rps):>22}{spread(cpu):>22}"
+                    f"{(spread(lat) if lat else 'n/a'):>22}"
+                )
 
 
 def main() -> None:
@@ -170,8 +215,8 @@ def main() -> None:
     parser.add_argument("--history-kb", type=int, default=390)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if not sglang_available() or shutil.which("wrk") is None:
-        print("needs wrk (apt-get install wrk) and sglang-router (pip install sglang-router)")
+    if not any(map(peer_available, PEERS)) or shutil.which("wrk") is None:
+        print("needs wrk (apt-get install wrk) and smg or sglang-router (pip install smg)")
         return
     t0 = time.perf_counter()
     load_before = load_average()
@@ -186,58 +231,18 @@ def main() -> None:
             for url in urls.values():
                 wrk(url, script, 32, 1)  # warm-up: connections, caches, the memo
         # Rounds interleave the targets, so that a burst of other load hits them all alike.
-        runs: dict[tuple[str, int, str], list[Cell]] = {}
+        runs: Runs = {}
         for _ in range(args.rounds):
             for body, script in bodies.items():
                 for connections in (1, 32):
                     for name, url in urls.items():
                         cell = wrk(url, script, connections, args.duration)
                         runs.setdefault((body, connections, name), []).append(cell)
-    results = {key: median_cell(cells) for key, cells in runs.items()}
     print(
-        f"\n2 trivial engines; wrk -t1, {args.duration} s per cell, median of {args.rounds} "
-        f"rounds; long = {size} KB; req/s and mean latency per cell; smetric over sglang: "
-        "req/s ratio and latency ratio"
+        f"\n2 trivial engines; wrk -t1, {args.duration} s per cell, {args.rounds} rounds; "
+        f"long = {size} KB; median (range) over rounds"
     )
-    print(
-        f"{'body':<6}{'c':>4}"
-        + "".join(f"{n:>21}" for n in urls)
-        + "".join(f"{n + ' / sglang':>20}" for n in ("x1", "x2"))
-    )
-    for body in bodies:
-        for connections in (1, 32):
-            row = [results[body, connections, n] for n in urls]
-            cells = "".join(f"{c.rps:>9.0f} {c.latency_ms:>8.2f} ms" for c in row)
-            theirs = results[body, connections, "sglang"]
-            ratios = ""
-            for workers in (1, 2):
-                ours = results[body, connections, f"smetric x{workers}"]
-                ratios += (
-                    f"{ours.rps / theirs.rps:>12.2f}x {ours.latency_ms / theirs.latency_ms:>5.2f}x"
-                )
-            print(f"{body:<6}{connections:>4}{cells}{ratios}")
-    print("\nCPU time per request of each target (its processes, at 32 connections), us")
-    print(f"{'body':<6}" + "".join(f"{n:>14}" for n in urls))
-    for body in bodies:
-        print(f"{body:<6}" + "".join(f"{results[body, 32, n].cpu_us:>14.0f}" for n in urls))
-    print("\nsmetric over sglang-router, each round's ratio: median (range) over rounds")
-    print(
-        f"{'body':<6}{'workers':>8}{'req/s at c=32':>22}{'added latency at c=1':>26}"
-        f"{'added ms, smetric':>20}{'added ms, sglang':>19}"
-    )
-    for body in bodies:
-        for workers in (1, 2):
-            mine, sglang = runs[body, 32, f"smetric x{workers}"], runs[body, 32, "sglang"]
-            rps = [a.rps / b.rps for a, b in zip(mine, sglang, strict=True)]
-            direct = [c.latency_ms for c in runs[body, 1, "direct"]]
-            added_ours = added(runs[body, 1, f"smetric x{workers}"], direct)
-            added_theirs = added(runs[body, 1, "sglang"], direct)
-            latency = [a / b for a, b in zip(added_ours, added_theirs, strict=True) if b > 0]
-            print(
-                f"{body:<6}{workers:>8}{spread(rps):>22}"
-                f"{(spread(latency) if latency else 'n/a'):>26}"
-                f"{spread(added_ours):>20}{spread(added_theirs):>19}"
-            )
+    report(runs, list(urls), list(bodies))
     print(f"\nload average (1, 5, 15 min) before {load_before}, after {load_average()}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
 

@@ -1,4 +1,5 @@
-"""SMetric's router against sglang-router's cache-aware policy on the same agentic load.
+"""SMetric's router against smg's and sglang-router's cache-aware policies on the same
+agentic load.
 
     python benchmarks/router_vs_sglang.py [--duration 30] [--engines 4] [--speed 0.05]
 
@@ -12,8 +13,8 @@ replayer measures it), the cluster's prefix-cache hit ratio and the load imbalan
 over mean of requests finished per engine), both from the engines' ``/metrics`` deltas,
 which every router leaves equally observable.
 
-sglang-router is not a dependency: ``pip install sglang-router`` first; without it this
-prints why and exits 0.
+Neither peer is a dependency: ``pip install smg==1.13.0`` or ``pip install sglang-router``
+first; each runs where installed, and without either this prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from router_overhead import (
 )
 
 from smetric.demo import DemoOptions
+from smetric.engine import EngineConfig
 from smetric.replay import Replayer, ReplayOptions
 from smetric.testing.ports import port_for_external
 from smetric.trace.load import DEFAULT_SAMPLE, load_trace
@@ -49,8 +51,11 @@ COUNTERS = (
     "vllm:prefix_cache_queries_total",
     "vllm:request_success_total",
 )
+# What the mock engines report, and every request names: smg routes by it.
+MODEL = EngineConfig().served_model_name
 # "policy xN" runs ``smetric serve --workers N``.
-ROUTERS = ("smetric", "smetric x2", "least_load", "sglang cache_aware")
+# "PEER cache_aware" runs that peer's router (``PEERS``), where it is installed.
+ROUTERS = ("smetric", "smetric x2", "least_load", "sglang cache_aware", "smg cache_aware")
 
 
 @dataclass
@@ -78,16 +83,22 @@ class Outcome:
         return max(served) / mean if mean else float("nan")
 
 
-def sglang_available() -> bool:
-    return importlib.util.find_spec("sglang_router.launch_router") is not None
+# Rust routers with cache-aware policies and a Python launcher each, same flags:
+# ``pip install sglang-router`` and ``pip install smg`` (1.13).
+PEERS = {"sglang": "sglang_router", "smg": "smg"}
 
 
-def start_sglang_router(procs: Processes, engines: Sequence[str]) -> str:
-    # Picked here: sglang-router says the ports it bound nowhere this reads. A benchmark
+def peer_available(peer: str) -> bool:
+    return importlib.util.find_spec(PEERS[peer]) is not None
+
+
+def start_peer_router(procs: Processes, engines: Sequence[str], peer: str = "sglang") -> str:
+    """``peer``'s router (``PEERS``) with its ``cache_aware`` policy in front of ``engines``."""
+    # Picked here: the router says the ports it bound nowhere this reads. A benchmark
     # runs alone on a quiet machine, where a port is not taken meanwhile; if it were, the
     # router would exit and the wait for it fail plainly.
     port = port_for_external()
-    args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *engines]
+    args = [sys.executable, "-m", f"{PEERS[peer]}.launch_router", "--worker-urls", *engines]
     args += ["--policy", "cache_aware", "--host", LOCALHOST, "--port", str(port)]
     args += ["--log-level", "warn", "--prometheus-port", str(port_for_external())]
     procs.start(args)
@@ -105,9 +116,10 @@ async def scrape(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return values
 
 
-async def routes_chat(router: str, timeout_s: float = 60.0) -> None:
-    """Wait until a chat request goes through: a router may be up before its workers are."""
-    body = {"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
+async def routes_chat(router: str, model: str = "m", timeout_s: float = 60.0) -> None:
+    """Wait until a chat request goes through: a router may be up before its workers are.
+    It names the engines' ``model``, which smg needs to route it."""
+    body = {"model": model, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as client:
         while True:
@@ -156,16 +168,18 @@ async def run_one(name: str, args: argparse.Namespace, trace: Trace) -> Outcome:
     with processes() as procs:
         engines = [start_engine(procs, args.speed, options.kv_blocks) for _ in range(args.engines)]
         await wait_ready(engines)
-        if name.startswith("sglang"):
-            router = start_sglang_router(procs, engines)
+        peer = name.split()[0]
+        if peer in PEERS:
+            router = start_peer_router(procs, engines, peer)
         else:
             policy, _, workers = name.partition(" x")
             router = start_smetric_router(
                 procs, engines, policy, options.kv_blocks, int(workers or 1)
             )
-        await routes_chat(router)
+        await routes_chat(router, MODEL)
         replay = ReplayOptions(
             url=router,
+            model=MODEL,
             rate=options.session_rate,
             duration_s=options.duration_s,
             time_scale=options.time_scale,
@@ -207,12 +221,13 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0, help="session starts per second")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if not sglang_available():
-        print("sglang-router is not installed (pip install sglang-router); skipping.")
+    routers = [r for r in ROUTERS if r.split()[0] not in PEERS or peer_available(r.split()[0])]
+    if not any(r.split()[0] in PEERS for r in routers):
+        print("neither smg nor sglang-router is installed (pip install smg); skipping.")
         return
     t0 = time.perf_counter()
     trace = load_trace(DEFAULT_SAMPLE)
-    outcomes = [asyncio.run(run_one(name, args, trace)) for name in ROUTERS]
+    outcomes = [asyncio.run(run_one(name, args, trace)) for name in routers]
     report(
         outcomes,
         f"{args.engines} mock engines at speed {args.speed}, {DEFAULT_SAMPLE} sessions at "

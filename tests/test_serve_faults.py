@@ -28,6 +28,7 @@ from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
+from smetric.serve.forwarding import Completion, Outcome
 from smetric.testing.engines import metric
 from smetric.testing.faulty import Fault, FaultyEngine
 
@@ -558,3 +559,33 @@ def test_an_unreachable_engine_answers_503_even_before_a_health_check() -> None:
         assert not router.engines[0].healthy
 
     run(lambda: with_mixed(["http_500"], 0, body, health_interval_s=60))
+
+
+def test_whoever_ends_a_request_sets_its_outcome() -> None:
+    """Each way a request ends names its own ``Outcome`` (none is a default): the engine's
+    whole reply, the engine's 4xx passed on, a stream cut mid-way, an engine's failure as
+    the client's error."""
+
+    async def ask(client, url, router, payload: dict) -> Outcome | None:
+        ended: list[Completion] = []
+        router.observers.append(ended.append)
+        async with client.post(url + "/v1/chat/completions", json=payload) as response:
+            await response.read()
+        await eventually(lambda: len(ended) == 1)
+        router.observers.remove(ended.append)
+        return ended[0].outcome
+
+    async def healthy(client, url, router, fakes) -> None:
+        assert await ask(client, url, router, CHAT) is Outcome.COMPLETED
+        refused = {**CHAT, "max_tokens": -1}  # the engine's to judge: its 400
+        assert await ask(client, url, router, refused) is Outcome.ENGINE_ERROR
+
+    async def cut(client, url, router, fakes) -> None:
+        assert await ask(client, url, router, {**CHAT, "stream": True}) is Outcome.CUT
+
+    async def garbage(client, url, router, fakes) -> None:
+        assert await ask(client, url, router, CHAT) is Outcome.ENGINE_ERROR
+
+    run(lambda: with_mixed([], 1, healthy))
+    run(lambda: with_mixed(["stall_mid_stream"], 0, cut, **IMPATIENT))
+    run(lambda: with_mixed(["garbage"], 0, garbage))

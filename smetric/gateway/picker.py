@@ -23,7 +23,7 @@ from smetric.serve.app import Router
 from smetric.serve.auth import MISSING_KEY
 from smetric.serve.engines import Engine, Lease
 from smetric.serve.errors import dialect_for
-from smetric.serve.forwarding import Completion, UsageTap, is_stream
+from smetric.serve.forwarding import Completion, Outcome, UsageTap, is_stream
 from smetric.serve.intake import ROUTES
 from smetric.serve.refusals import Refusal
 from smetric.serve.stored import holder, not_found, previous_id, stored_id
@@ -227,7 +227,8 @@ class Picker:
         self.router.metrics.latency.labels(pick.api).observe(time.perf_counter() - pick.started)
         if completion is not None:
             if complete:
-                completion.outcome = "completed" if pick.ok else "engine_error"
+                completion.outcome = Outcome.COMPLETED if pick.ok else Outcome.ENGINE_ERROR
             else:  # the stream ended first: the client left, or Envoy reset it
-                completion.outcome = "client_gone" if completion.status else "engine_error"
+                gone = completion.status != 0
+                completion.outcome = Outcome.CLIENT_GONE if gone else Outcome.ENGINE_ERROR
             self.router.forwarder.completed(completion)

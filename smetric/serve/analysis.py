@@ -1,9 +1,10 @@
-"""A request body into the facts the router routes on, without stalling the event loop.
+"""A request body into the facts the router routes on, where that costs the event loop least.
 
 The analysis itself is pure (``core.conversation.analyze_request``); this is where it
-runs: small bodies inline, large ones in a few worker threads, or through an engine's
-tokenize endpoint. A text that cannot fit the prompt limit is refused before it is
-tokenised (``serve.limits``).
+runs: on the event loop, large bodies in a few worker threads when the tokenizer releases
+the GIL while it encodes (a model's does; the byte tokenizer does not, so a thread would
+add its hand-off and nothing else), or through an engine's tokenize endpoint. A text that
+cannot fit the prompt limit is refused before it is tokenised (``serve.limits``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from smetric.core.block_memo import BlockMemo
-from smetric.core.blocks import Tokenizer
+from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestFacts, analyze_request
 from smetric.serve.limits import CappedTokenizer
 from smetric.serve.pool import EnginePool
@@ -39,8 +40,9 @@ class Analyzer:
         self.block_size = block_size
         self.engine_tokenizer = engine_tokenizer
         self._max_prompt_tokens = max_prompt_tokens
-        # 0: every body on the event loop (a tokenizer that holds the GIL gains nothing).
-        self.threads = threads
+        # 0: every body on the event loop, as with a tokenizer that holds the GIL: a
+        # thread would only add its hand-off and GIL contention with the loop.
+        self.threads = 0 if isinstance(tokenizer, ByteTokenizer) else threads
         self._slots = asyncio.Semaphore(max(threads, 1))
         # A message too long for the limit is refused before it is tokenised.
         self.tokenizer = CappedTokenizer(tokenizer, self.max_prompt_tokens)
@@ -66,11 +68,12 @@ class Analyzer:
         return analyze_request(body, api, self.tokenizer, self.block_size, self.template, self.memo)
 
     async def analyze(self, body: object, api: Api, large: bool = False) -> RequestFacts:
-        """A large body is analysed in a worker thread: a follow-up costs about a
-        millisecond there (the memo holds its history), but a new 128 k-token prompt takes
-        a few ms with the byte tokenizer and far more with a model's, which releases the
-        GIL while it encodes, so other requests keep streaming meanwhile; a few at a time,
-        since each holds its tokens meanwhile."""
+        """With a model's tokenizer, a large body is analysed in a worker thread: a new
+        128 k-token prompt takes tens of ms there, and the tokenizer releases the GIL
+        while it encodes, so other requests keep streaming meanwhile; a few at a time,
+        since each holds its tokens meanwhile. With the byte tokenizer the body is
+        analysed here: a follow-up costs under a millisecond (the memo holds its
+        history), a new 128 k-token prompt a few, all of it holding the GIL."""
         if not self.engine_tokenizer:
             if large and self.threads:
                 async with self._slots:

@@ -45,7 +45,13 @@ from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import answer_errors
-from smetric.serve.forwarding import Completion, CompletionObserver, Forwarder, is_stream
+from smetric.serve.forwarding import (
+    Completion,
+    CompletionObserver,
+    Forwarder,
+    Outcome,
+    is_stream,
+)
 from smetric.serve.global_tier import global_tier_from
 from smetric.serve.intake import ROUTES, Intake
 from smetric.serve.kv_subscriber import KVEventSubscriber
@@ -252,9 +258,13 @@ class Router:
             return response
         except Refusal as refusal:  # no engine could serve it
             completion.status = refusal.status
+            completion.outcome = Outcome.ENGINE_ERROR
             raise
         except asyncio.CancelledError:
-            completion.outcome = "client_gone"
+            completion.outcome = Outcome.CLIENT_GONE
+            raise
+        except Exception:  # the router's own fault: the client gets a 500
+            completion.outcome = Outcome.ENGINE_ERROR
             raise
         finally:
             self.metrics.latency.labels(api).observe(time.perf_counter() - completion.started)

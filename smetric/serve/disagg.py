@@ -20,7 +20,7 @@ here. The decode engine is chosen by ``decode_policy``, the simulator's decode p
 (``core.policies.decode``) over the engines' requests in flight and scraped
 ``kv_cache_usage`` (unknown where the scrape is stale).
 
-Failures are handled as for colocated engines, each leg on the forwarder's ``try_engines``
+Failures are handled as for colocated engines, each leg with its own ``forwarding.Tries``
 (``serve.upstream.Attempt``: the leg's load, the ``first_byte_timeout_s`` and
 ``idle_timeout_s`` timeouts; passive ejection; errors in the API's own shape). A prefill engine
 that is unreachable, answers 5xx or garbage, or stalls is left out and the prefill tried
@@ -58,7 +58,7 @@ from smetric.core.policies.decode import (
 from smetric.serve.dispatch import Call, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import dialect_for
-from smetric.serve.forwarding import Delivery, UsageTap, is_stream
+from smetric.serve.forwarding import Outcome, UsageTap, is_stream
 from smetric.serve.upstream import Attempt, EngineFault
 
 log = logging.getLogger("smetric.serve")
@@ -130,65 +130,54 @@ class Disaggregation:
         view = DecodeView([e.total_inflight() for e in engines], [kv_used(e) for e in engines])
         decision = self._decode.choose(view)
         engine = engines[decision.instance]
-        event = {"event": "route_decode", "engine": engine.url, "rule": self.decode_policy}
-        log.info(json.dumps({**event, "branch": decision.branch}))
+        if log.isEnabledFor(logging.INFO):
+            event = {"event": "route_decode", "engine": engine.url, "rule": self.decode_policy}
+            log.info(json.dumps({**event, "branch": decision.branch}))
         return engine
 
     # -- the two legs -----------------------------------------------------------------------
 
     async def dispatch(self, call: Call) -> web.StreamResponse:
-        wiring, forwarder, pool = self.wiring, self.wiring.forwarder, self.wiring.pool
-        facts, path = call.facts, call.path
+        forwarder, completion = self.wiring.forwarder, call.completion
         headers = forwarder.upstream_headers(call.request)
-
-        def choose_prefill(engines: list[Engine]) -> tuple[Engine, int]:
-            """The policy's pick, on unprefilled prompt tokens as load (Figure 13, line 29):
-            the router's policy balances them when it serves disaggregated."""
-            decision = wiring.decide_call(call, engines)
-            return decision.engine, decision.predicted_hit_tokens
-
-        async def prefill(attempt: Attempt, predicted: int) -> Prefilled | web.Response:
-            engine = attempt.engine
-            self.routed.labels("prefill", engine.url).inc()
-            started = time.monotonic()
-            leg = json.dumps(engine.backend.prefill_request(call.body)).encode()
-            await attempt.send(path, leg, headers)
-            raw = await forwarder.read_whole(attempt)
-            seconds = time.monotonic() - started
-            return self._prefilled(call, attempt, raw, predicted, seconds)
-
-        prefilled = await forwarder.try_engines(
-            "prefill engine",
-            lambda: pool.healthy(self.prefill_urls),
-            choose_prefill,
-            facts.prompt_tokens,
-            prefill,
-            call.completion,
-        )
+        prefilled = await self.prefill(call, headers)
         if not isinstance(prefilled, Prefilled):
             return prefilled  # no prefill engine could, or the request's own error
-        call.completion.prefill_engine = prefilled.engine.url
-        call.completion.prefill_cached_tokens = prefilled.cached_tokens
+        completion.prefill_engine = prefilled.engine.url
+        completion.prefill_cached_tokens = prefilled.cached_tokens
         stream = is_stream(call.body)
-        tags = prefilled.tags()
+        prompt_tokens = call.facts.prompt_tokens
+        tries = forwarder.tries("decode engine", completion)
+        while engines := tries.untried(self.wiring.pool.healthy(self.decode_urls)):
+            engine = self.choose_decode(engines)
+            # The decode engine pulls the prompt's KV: none of it is left to prefill there.
+            async with tries.on(engine, prompt_tokens, prompt_tokens) as attempt:
+                self.routed.labels("decode", engine.url).inc()
+                payload = json.dumps(engine.backend.decode_request(call.body, prefilled.answer))
+                await attempt.send(call.path, payload.encode(), headers, stream=stream)
+                reply = await forwarder.open(attempt, completion)
+                tags = {**prefilled.tags(), DECODE_HEADER: engine.url}
+                return await forwarder.relay(call.request, attempt, reply, tags, completion)
+        return tries.given_up()
 
-        async def decode(attempt: Attempt, _: int) -> web.StreamResponse:
-            engine = attempt.engine
-            self.routed.labels("decode", engine.url).inc()
-            payload = json.dumps(engine.backend.decode_request(call.body, prefilled.answer))
-            await attempt.send(path, payload.encode(), headers, stream=stream)
-            delivery = Delivery({**tags, DECODE_HEADER: engine.url})
-            return await forwarder.answer(call.request, attempt, delivery, call.completion)
-
-        # The decode engine pulls the prompt's KV: none of it is left to prefill there.
-        return await forwarder.try_engines(
-            "decode engine",
-            lambda: pool.healthy(self.decode_urls),
-            lambda engines: (self.choose_decode(engines), facts.prompt_tokens),
-            facts.prompt_tokens,
-            decode,
-            call.completion,
-        )
+    async def prefill(self, call: Call, headers: dict[str, str]) -> Prefilled | web.Response:
+        """The prefill leg, on the engine the policy picks, on unprefilled prompt tokens as
+        load (Figure 13, line 29): the router's policy balances them when it serves
+        disaggregated."""
+        wiring = self.wiring
+        tries = wiring.forwarder.tries("prefill engine", call.completion)
+        while engines := tries.untried(wiring.pool.healthy(self.prefill_urls)):
+            decision = wiring.decide_call(call, engines)
+            engine, predicted = decision.engine, decision.predicted_hit_tokens
+            async with tries.on(engine, call.facts.prompt_tokens, predicted) as attempt:
+                self.routed.labels("prefill", engine.url).inc()
+                started = time.monotonic()
+                leg = json.dumps(engine.backend.prefill_request(call.body)).encode()
+                await attempt.send(call.path, leg, headers)
+                raw = await wiring.forwarder.read_whole(attempt)
+                seconds = time.monotonic() - started
+                return self._prefilled(call, attempt, raw, predicted, seconds)
+        return tries.given_up()
 
     def _prefilled(
         self, call: Call, attempt: Attempt, raw: bytes, predicted: int, seconds: float
@@ -199,6 +188,7 @@ class Disaggregation:
         status = attempt.response.status
         if status >= 400:
             call.completion.status = status
+            call.completion.outcome = Outcome.ENGINE_ERROR
             return dialect_for(call.path).engine_error(status, raw)
         try:
             answer = json.loads(raw)
@@ -207,7 +197,7 @@ class Disaggregation:
         if not isinstance(answer, dict):
             raise EngineFault(f"answered {status} without a JSON object")
         engine = attempt.engine
-        self.wiring.served(call, predicted)(engine)
+        self.wiring.record_served(engine, call.facts, predicted)
         cached = self.wiring.forwarder.count_cached(engine, UsageTap.of(raw))
         # Connectors keyed by the prompt (vLLM's ExampleConnector, LMCache) hand nothing
         # over: the decode engine finds the KV on its own.

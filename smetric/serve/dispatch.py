@@ -1,16 +1,18 @@
 """Dispatchers: how one analysed request is served by the cluster, behind one protocol.
 
-``Colocated`` sends the request to one engine the policy picks. ``serve.disagg``'s
-``Disaggregation`` runs a prefill leg and a decode leg. Both decide with the routing core,
-run attempts through the forwarder, and say for ``/health`` whether each of their roles
-has an engine that can serve.
+``Colocated`` sends the request to one engine the policy picks; ``serve.disagg``'s
+``Disaggregation`` runs a prefill leg and a decode leg, each the same way. A request's way
+reads top to bottom in ``Colocated.dispatch``: decide, open the engine, record what the
+engine now holds, relay; an engine that fails before the client got a byte is left out
+and the next try decides again (``forwarding.Tries``). Both say for ``/health`` whether
+each of their roles has an engine that can serve.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,12 +21,11 @@ from aiohttp import web
 from smetric.core.conversation import RequestFacts
 from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.serve.engines import Engine
-from smetric.serve.forwarding import Completion, Delivery, Forwarder, is_stream
+from smetric.serve.forwarding import Completion, Forwarder, is_stream
 from smetric.serve.identity import ANONYMOUS, AgentIdentity
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.pool import EnginePool
 from smetric.serve.routing import Decision, RoutingCore, explain
-from smetric.serve.upstream import Attempt
 
 log = logging.getLogger("smetric.serve")
 
@@ -107,10 +108,6 @@ class Wiring:
         self.core.served(engine, facts.blocks)
         self.metrics.predicted.labels(engine.url).inc(predicted)
 
-    def served(self, call: Call, predicted: int) -> Callable[[Engine], None]:
-        """What to do once an engine took ``call``."""
-        return lambda engine: self.record_served(engine, call.facts, predicted)
-
 
 class Colocated:
     """Every engine prefills and decodes; the policy picks one per request."""
@@ -122,30 +119,31 @@ class Colocated:
         return {"engine": len(self.wiring.pool.healthy())}
 
     async def dispatch(self, call: Call) -> web.StreamResponse:
-        wiring, forwarder = self.wiring, self.wiring.forwarder
+        wiring, forwarder, completion = self.wiring, self.wiring.forwarder, call.completion
         headers = forwarder.upstream_headers(call.request)
         stream = is_stream(call.body)
+        tries = forwarder.tries("engine", completion)
+        while engines := tries.untried(self.candidates(call)):
+            engine, predicted = self.choose(call, engines)
+            async with tries.on(engine, call.facts.prompt_tokens, predicted) as attempt:
+                await attempt.send(call.path, call.raw, headers, stream=stream)
+                reply = await forwarder.open(attempt, completion)
+                # A pinned request's blocks are of its new input alone: not what the
+                # engine cached.
+                if reply.took and call.pinned is None:
+                    wiring.record_served(engine, call.facts, predicted)
+                tags = {ENGINE_HEADER: engine.url, PREDICTED_HIT_HEADER: str(predicted)}
+                return await forwarder.relay(call.request, attempt, reply, tags, completion)
+        return tries.given_up()
 
-        pinned = call.pinned
+    def candidates(self, call: Call) -> list[Engine]:
+        """The healthy engines, or the one holding the request's stored response."""
+        healthy = self.wiring.pool.healthy()
+        return healthy if call.pinned is None else [e for e in healthy if e is call.pinned]
 
-        def candidates() -> list[Engine]:
-            healthy = wiring.pool.healthy()
-            return healthy if pinned is None else [e for e in healthy if e is pinned]
-
-        def choose(engines: list[Engine]) -> tuple[Engine, int]:
-            if pinned is not None:
-                return wiring.pin(call.completion, pinned)
-            decision = wiring.decide_call(call, engines)
-            return decision.engine, decision.predicted_hit_tokens
-
-        async def send(attempt: Attempt, predicted: int) -> web.StreamResponse:
-            await attempt.send(call.path, call.raw, headers, stream=stream)
-            tags = {ENGINE_HEADER: attempt.engine.url, PREDICTED_HIT_HEADER: str(predicted)}
-            # A pinned request's blocks are of its new input alone: not what the engine cached.
-            served = wiring.served(call, predicted) if pinned is None else None
-            delivery = Delivery(tags, served)
-            return await forwarder.answer(call.request, attempt, delivery, call.completion)
-
-        return await forwarder.try_engines(
-            "engine", candidates, choose, call.facts.prompt_tokens, send, call.completion
-        )
+    def choose(self, call: Call, engines: list[Engine]) -> tuple[Engine, int]:
+        """The engine to try and the prompt tokens it is predicted to hold."""
+        if call.pinned is not None:
+            return self.wiring.pin(call.completion, call.pinned)
+        decision = self.wiring.decide_call(call, engines)
+        return decision.engine, decision.predicted_hit_tokens

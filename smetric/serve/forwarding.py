@@ -21,9 +21,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from enum import StrEnum
 
 from aiohttp import web
 
@@ -39,8 +39,6 @@ from smetric.trace.schema import Trigger
 
 log = logging.getLogger("smetric.serve")
 
-# What a try's ``send`` hands back: the client's response, or a disaggregated leg's result.
-Sent = TypeVar("Sent")
 # Request headers passed on to engines as they are: the API's version and betas, tracing,
 # and who sent it. The client's key only when the router has no keys of its own and the
 # engine none either (``Attempt.send``).
@@ -53,6 +51,15 @@ _PASSED_HEADERS = (
     "tracestate",
     *IDENTITY_HEADERS,
 )
+
+
+class Outcome(StrEnum):
+    """How a dispatched request ended, as whoever ended it says."""
+
+    COMPLETED = "completed"  # the engine's whole response reached the client
+    ENGINE_ERROR = "engine_error"  # the client got an error response, not the engine's reply
+    CUT = "cut"  # a stream broke off mid-way (an error event ends it)
+    CLIENT_GONE = "client_gone"  # the client hung up first
 
 
 @dataclass
@@ -77,8 +84,8 @@ class Completion:
     # Who sent it, by its last message: a user, or the agent loop with a tool result.
     trigger: Trigger = Trigger.UNKNOWN
     status: int = 0
-    # completed, engine_error (the client got an error), client_gone, cut (mid-stream).
-    outcome: str = "engine_error"
+    # Set by whatever ends the request; None only while it runs.
+    outcome: Outcome | None = None
     attempts: int = 0
     ttft_s: float | None = None
     # Seconds between successive chunks of a stream, after the first.
@@ -99,12 +106,19 @@ CompletionObserver = Callable[[Completion], None]
 
 
 @dataclass(frozen=True)
-class Delivery:
-    """What the router adds to an engine's reply (``tags``, as headers) and what to do
-    once the engine took the request (``served``: record the prompt in its view)."""
+class Reply:
+    """An engine's reply as far as the router reads it before the client gets any of it:
+    a stream's first chunk (after the prefill), or a whole body."""
 
-    tags: dict[str, str]
-    served: Callable[[Engine], None] | None = None
+    status: int
+    content_type: str
+    stream: bool
+    data: bytes
+
+    @property
+    def took(self) -> bool:
+        """The engine took the request and prefilled it: it now caches the prompt."""
+        return self.status < 400
 
 
 class Forwarder:
@@ -135,60 +149,10 @@ class Forwarder:
                 headers[name] = value
         return headers
 
-    async def try_engines(
-        self,
-        role: str,
-        candidates: Callable[[], Sequence[Engine]],
-        choose: Callable[[list[Engine]], tuple[Engine, int]],
-        prompt_tokens: int,
-        send: Callable[[Attempt, int], Awaitable[Sent]],
-        completion: Completion,
-    ) -> Sent | web.Response:
-        """One request (or one leg of a disaggregated one) on the ``candidates`` (healthy
-        engines, read afresh before each try): ``choose`` picks one and the prompt tokens
-        it is predicted to hold, and ``send`` runs an ``Attempt`` there. While nothing
-        has reached the client (``send`` raises ``EngineFault`` only then), an engine's
-        failure sends it to another, at most ``retries`` times once it may have run (a
-        refused connection never ran it); then the last failure is the client's error."""
-        retries = self.retries
-        dialect = dialect_for(completion.path)
-        tried: set[str] = set()
-        failure: web.Response | None = None  # the last engine's, once one failed
-        while True:
-            available = [e for e in candidates() if e.url not in tried]
-            if not available:
-                if failure is not None:
-                    return failure
-                message = f"no healthy {role} to serve the request"
-                raise Refusal(503, "no_healthy_engine", message)
-            engine, predicted = choose(available)
-            tried.add(engine.url)
-            completion.attempts += 1
-            unprefilled = prompt_tokens - predicted
-            async with Attempt(
-                engine,
-                self.pool.client(),
-                self.timeouts,
-                prompt_tokens,
-                unprefilled,
-                auth=self.pool.auth(engine),
-            ) as attempt:
-                try:
-                    return await send(attempt, predicted)
-                except EngineFault as fault:
-                    self.pool.failed(engine, fault)
-                    completion.error = f"{role} {engine.url}: {fault}"
-                    if fault.status is not None:
-                        failure = dialect.engine_error(fault.status, fault.body)
-                    else:  # unreachable 503, silent 504, broken 502 (as Envoy answers)
-                        status = 503 if fault.refused else 504 if fault.timeout else 502
-                        message = f"{role} {engine.url} failed: {fault}"
-                        failure = dialect.response(status, message)
-                    if not fault.refused:
-                        if retries == 0:
-                            return failure
-                        retries -= 1
-                    self.metrics.retries.inc()
+    def tries(self, role: str, completion: Completion) -> Tries:
+        """The tries of one request (or of one leg of a disaggregated one) on ``role``
+        engines."""
+        return Tries(self, role, completion)
 
     async def read_whole(self, attempt: Attempt) -> bytes:
         """A non-streamed reply's body. A 5xx is the engine's fault (raised); anything
@@ -201,64 +165,71 @@ class Forwarder:
         self.pool.succeeded(attempt.engine)
         return body
 
-    async def answer(
+    async def open(self, attempt: Attempt, completion: Completion) -> Reply:
+        """The engine's reply up to where the client could get it: a stream's first chunk,
+        anything else whole, so a body cut short becomes a clean error rather than a 200
+        with half its JSON, and a stream that fails that early is still retried. Raises
+        ``EngineFault`` (nothing has reached the client)."""
+        engine, upstream = attempt.engine, attempt.response
+        assert upstream is not None
+        completion.engine = engine.url
+        stream = upstream.status < 400 and upstream.content_type == "text/event-stream"
+        if stream:
+            data = await attempt.read(self.timeouts.first_byte_s)
+            completion.first_token_tokens = engine.total_inflight_tokens()
+            completion.first_token_routed = engine.routed_unprefilled
+            self.pool.succeeded(engine)
+        else:
+            data = await self.read_whole(attempt)
+        reply = Reply(upstream.status, upstream.content_type, stream, data)
+        if reply.took:
+            completion.ttft_s = time.perf_counter() - completion.started
+        return reply
+
+    async def relay(
         self,
         request: web.Request,
         attempt: Attempt,
-        delivery: Delivery,
+        reply: Reply,
+        tags: dict[str, str],
         completion: Completion,
     ) -> web.StreamResponse:
-        """The engine's reply for the client: a stream as it arrives, anything else once
-        whole, so a body cut short becomes a clean error rather than a 200 with half its
-        JSON. Raises ``EngineFault`` only while nothing has reached the client."""
-        upstream = attempt.response
-        assert upstream is not None
-        completion.engine = attempt.engine.url
-        if upstream.status < 400 and upstream.content_type == "text/event-stream":
-            return await self._relay(request, attempt, delivery, completion)
-        body = await self.read_whole(attempt)
-        completion.status = upstream.status
-        if upstream.status >= 400:  # the request's fault: pass it on, in the API's shape
-            response = dialect_for(completion.path).engine_error(upstream.status, body)
-            completion.error = f"engine answered {upstream.status}"
+        """The opened ``reply`` for the client, with ``tags`` as headers: the rest of a
+        stream as it arrives, a whole body at once, the engine's own error in the API's
+        shape."""
+        completion.status = reply.status
+        if reply.stream:
+            return await self._relay(request, attempt, reply, tags, completion)
+        if not reply.took:  # the request's fault: pass it on, in the API's shape
+            response = dialect_for(completion.path).engine_error(reply.status, reply.data)
+            completion.error = f"engine answered {reply.status}"
+            completion.outcome = Outcome.ENGINE_ERROR
         else:
-            completion.ttft_s = time.perf_counter() - completion.started
-            if delivery.served is not None:
-                delivery.served(attempt.engine)
-            usage = UsageTap.of(body)
+            usage = UsageTap.of(reply.data)
             completion.cached_tokens = self.count_cached(attempt.engine, usage)
             completion.output_tokens = usage.output_tokens()
-            completion.outcome = "completed"
-            response = web.Response(body=body, status=upstream.status)
-            response.content_type = upstream.content_type or "application/json"
-        response.headers.update(delivery.tags)
+            completion.outcome = Outcome.COMPLETED
+            response = web.Response(body=reply.data, status=reply.status)
+            response.content_type = reply.content_type or "application/json"
+        response.headers.update(tags)
         return response
 
     async def _relay(
         self,
         request: web.Request,
         attempt: Attempt,
-        delivery: Delivery,
+        reply: Reply,
+        tags: dict[str, str],
         completion: Completion,
     ) -> web.StreamResponse:
-        """Pass a stream on as the engine sends it. Its first chunk (after the prefill) is
-        awaited before the client gets anything, so a stream that fails that early is
-        still retried. Later, an engine fault ends the stream with an error event and no
-        ``data: [DONE]``; a client that hung up ends it quietly, the engine blameless."""
-        engine, upstream = attempt.engine, attempt.response
-        assert upstream is not None
-        chunk = await attempt.read(self.timeouts.first_byte_s)
-        last = time.perf_counter()
-        completion.ttft_s = last - completion.started
-        completion.first_token_tokens = engine.total_inflight_tokens()
-        completion.first_token_routed = engine.routed_unprefilled
-        self.pool.succeeded(engine)
-        if delivery.served is not None:
-            delivery.served(engine)
-        response = web.StreamResponse(status=upstream.status)
-        response.content_type = upstream.content_type
-        response.headers.update(delivery.tags)
-        completion.status = upstream.status
+        """Pass a stream on as the engine sends it. An engine fault ends it with an error
+        event and no ``data: [DONE]``; a client that hung up ends it quietly, the engine
+        blameless."""
+        engine = attempt.engine
+        response = web.StreamResponse(status=reply.status)
+        response.content_type = reply.content_type
+        response.headers.update(tags)
+        chunk, last = reply.data, time.perf_counter()
         gaps = completion.chunk_gaps_s
         usage = UsageTap()
         try:
@@ -275,14 +246,14 @@ class Forwarder:
             # Before the client can see the end and ask again.
             completion.cached_tokens = self.count_cached(engine, usage)
             completion.output_tokens = usage.output_tokens()
-            completion.outcome = "completed"
+            completion.outcome = Outcome.COMPLETED
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
-            completion.outcome = "client_gone"
+            completion.outcome = Outcome.CLIENT_GONE
             log.info(json.dumps({"event": "client_gone", "engine": engine.url}))
         except EngineFault as fault:
             self.pool.failed(engine, fault)
-            completion.outcome = "cut"
+            completion.outcome = Outcome.CUT
             completion.error = str(fault)
             tail = b"".join(usage.chunks)
             event = dialect_for(completion.path).stream_event(
@@ -307,6 +278,77 @@ class Forwarder:
                 observer(completion)
             except Exception:
                 log.exception("completion observer %r failed", observer)
+
+
+class Tries:
+    """One request's (or one leg's) tries on engines. While nothing has reached the
+    client, an engine's failure (an ``EngineFault``) sends it to another engine, at most
+    ``retries`` times once it may have run (a refused connection never ran it); then the
+    last failure is the client's error. So a request may run more than once."""
+
+    def __init__(self, forwarder: Forwarder, role: str, completion: Completion) -> None:
+        self.forwarder = forwarder
+        self.role = role
+        self.completion = completion
+        self.retries = forwarder.retries
+        self.tried: set[str] = set()
+        self.spent = False
+        self.failure: web.Response | None = None  # the last engine's, once one failed
+
+    def untried(self, engines: Sequence[Engine]) -> list[Engine]:
+        """Those of ``engines`` (the healthy ones, read afresh before each try) to try
+        next: none once the retries are spent."""
+        return [] if self.spent else [e for e in engines if e.url not in self.tried]
+
+    @contextlib.asynccontextmanager
+    async def on(
+        self, engine: Engine, prompt_tokens: int, predicted: int
+    ) -> AsyncIterator[Attempt]:
+        """An ``Attempt`` on ``engine``, predicted to hold ``predicted`` of the prompt's
+        tokens. Its ``EngineFault`` is noted here, not raised: the caller goes on to the
+        next engine, or gives up."""
+        forwarder, completion = self.forwarder, self.completion
+        pool = forwarder.pool
+        self.tried.add(engine.url)
+        completion.attempts += 1
+        unprefilled = prompt_tokens - predicted
+        async with Attempt(
+            engine,
+            pool.client(),
+            forwarder.timeouts,
+            prompt_tokens,
+            unprefilled,
+            auth=pool.auth(engine),
+        ) as attempt:
+            try:
+                yield attempt
+            except EngineFault as fault:
+                self._failed(engine, fault)
+
+    def _failed(self, engine: Engine, fault: EngineFault) -> None:
+        self.forwarder.pool.failed(engine, fault)
+        role, dialect = self.role, dialect_for(self.completion.path)
+        self.completion.error = f"{role} {engine.url}: {fault}"
+        if fault.status is not None:
+            self.failure = dialect.engine_error(fault.status, fault.body)
+        else:  # unreachable 503, silent 504, broken 502 (as Envoy answers)
+            status = 503 if fault.refused else 504 if fault.timeout else 502
+            self.failure = dialect.response(status, f"{role} {engine.url} failed: {fault}")
+        if not fault.refused:
+            if self.retries == 0:
+                self.spent = True
+                return
+            self.retries -= 1
+        self.forwarder.metrics.retries.inc()
+
+    def given_up(self) -> web.Response:
+        """The client's error once no engine is left to try: the last engine's failure;
+        a 503 refusal when there was none to try at all."""
+        if self.failure is None:
+            message = f"no healthy {self.role} to serve the request"
+            raise Refusal(503, "no_healthy_engine", message)
+        self.completion.outcome = Outcome.ENGINE_ERROR
+        return self.failure
 
 
 def is_stream(body: dict) -> bool:

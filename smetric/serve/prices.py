@@ -82,7 +82,8 @@ def observed(completion: forwarding.Completion, engine: Engine | None) -> Observ
     """
     cached = completion.cached_tokens
     ttft = completion.ttft_s
-    if completion.outcome != "completed" or completion.prefill_engine is not None:
+    done = completion.outcome is forwarding.Outcome.COMPLETED
+    if not done or completion.prefill_engine is not None:
         return None
     if cached is None or ttft is None or engine is None:
         return None

@@ -73,8 +73,9 @@ class RouterSettings:
     )
     analysis_threads: int = setting(
         2,
-        "Large prompts analysed at once in worker threads, each holding its tokens "
-        "meanwhile (0: on the event loop).",
+        "Large prompts analysed at once in worker threads with a model's tokenizer, each "
+        "holding its tokens meanwhile (0: on the event loop, where the byte tokenizer's "
+        "always are: it holds the GIL, so a thread gains nothing).",
         ge=0,
     )
     connect_timeout_s: float = setting(

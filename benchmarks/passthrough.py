@@ -1,0 +1,65 @@
+"""The least a router on SMetric's server stack can do: read the body, post it to an
+engine (each in turn), return the reply. Nothing parsed, nothing decided, nothing logged,
+so a benchmark through it measures aiohttp itself, the floor under ``smetric serve``.
+
+    python benchmarks/passthrough.py PORT WORKERS ENGINE_URL...
+
+PORT 0 takes a free one; the startup line ("... on http://127.0.0.1:PORT") names it.
+WORKERS processes share the listening socket, as ``smetric serve --workers`` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from smetric.serve.workers import new_event_loop
+
+
+def app(engines: list[str]) -> web.Application:
+    turns = itertools.cycle(engines)
+    clients: list[aiohttp.ClientSession] = []
+
+    async def forward(request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {"Content-Type": "application/json"}
+        async with clients[0].post(next(turns) + request.path, data=body, headers=headers) as up:
+            reply = await up.read()
+        return web.Response(body=reply, status=up.status, content_type=up.content_type)
+
+    async def client(_: web.Application) -> AsyncIterator[None]:
+        clients.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+        yield
+        await clients[0].close()
+
+    application = web.Application(client_max_size=64 << 20)
+    application.router.add_post("/v1/chat/completions", forward)
+    application.cleanup_ctx.append(client)
+    return application
+
+
+def main() -> None:
+    port, workers, engines = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    sock = socket.create_server(("127.0.0.1", port), backlog=1024)
+    print(f"pass-through on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    for _ in range(workers - 1):
+        if os.fork() == 0:
+            break
+    web.run_app(
+        app(engines),
+        sock=sock,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        loop=new_event_loop(),
+    )
+
+
+if __name__ == "__main__":
+    main()
