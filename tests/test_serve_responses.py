@@ -18,7 +18,7 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.engines import metric
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 FAST = EngineConfig(speed=0.0001, kv_blocks=4096, default_max_tokens=8)
 INSTRUCTIONS = "You are a coding agent. " * 20
