@@ -310,23 +310,13 @@ async def _anthropic(
         while await job.tokens.get() is not END:
             pass
         return web.json_response(reply.full(_anthropic_usage(job)))
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    return await _event_stream(
+        request,
+        job,
+        lambda: reply.opening(_anthropic_usage(job)),
+        reply.token,
+        lambda: reply.closing(_anthropic_usage(job)),
     )
-    await response.prepare(request)
-    try:
-        index = await job.tokens.get()
-        for data in reply.opening(_anthropic_usage(job)):
-            await response.write(data)
-        while index is not END:
-            await response.write(reply.token(index))
-            index = await job.tokens.get()
-        for data in reply.closing(_anthropic_usage(job)):
-            await response.write(data)
-        await response.write_eof()
-    except ConnectionResetError:
-        pass  # the caller's finally cancels the request and frees its blocks
-    return response
 
 
 def _anthropic_usage(job: EngineRequest) -> dict[str, int]:
@@ -373,7 +363,9 @@ async def _responses(request: web.Request) -> web.StreamResponse:
 
     try:
         if stream:
-            return await _stream_response(request, job, reply, finished)
+            return await _event_stream(
+                request, job, reply.opening, reply.token, lambda: reply.closing(finished())
+            )
         while await job.tokens.get() is not END:
             pass
         return web.json_response(finished())
@@ -381,25 +373,28 @@ async def _responses(request: web.Request) -> web.StreamResponse:
         engine.cancel(job)
 
 
-async def _stream_response(
+async def _event_stream(
     request: web.Request,
     job: EngineRequest,
-    reply: ResponsesReply,
-    finished: Callable[[], dict[str, Any]],
+    opening: Callable[[], Iterable[bytes]],
+    token: Callable[[int], bytes],
+    closing: Callable[[], Iterable[bytes]],
 ) -> web.StreamResponse:
-    """The response's events, opened with the first token as the chat stream is."""
+    """Named server-sent events (Messages, Responses): ``opening`` once the first token is
+    out, as the chat stream opens (what it says, usage included, is read then), one event
+    per token, then ``closing``; a gone client cancels."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
         index = await job.tokens.get()
-        for data in reply.opening():
+        for data in opening():
             await response.write(data)
         while index is not END:
-            await response.write(reply.token(index))
+            await response.write(token(index))
             index = await job.tokens.get()
-        for data in reply.closing(finished()):
+        for data in closing():
             await response.write(data)
         await response.write_eof()
     except ConnectionResetError:
