@@ -394,3 +394,16 @@ def test_an_engine_error_in_the_other_api_s_shape_reaches_the_client_in_its_own(
     assert json.loads(OPENAI.engine_error(400, openai_shaped).text or "") == json.loads(
         openai_shaped
     )
+
+
+def test_the_headers_engines_get_follow_one_rule_for_both_front_doors() -> None:
+    """``serve``'s request headers and the lower-case ones Envoy hands the picker pass
+    alike: the client's key only when the router has no keys of its own."""
+    received = {"authorization": "Bearer sk-client", "anthropic-version": "2023-06-01"}
+    engines = [Engine("http://127.0.0.1:9", 1000)]
+    guarded = Router(engines, RouterSettings(api_keys=frozenset({"sk-router"})))
+    passed = guarded.forwarder.upstream_headers(received)
+    assert passed["anthropic-version"] == "2023-06-01"
+    assert "sk-client" not in str(passed)
+    open_router = Router(engines, RouterSettings())
+    assert open_router.forwarder.upstream_headers(received)["Authorization"] == "Bearer sk-client"

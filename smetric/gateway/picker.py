@@ -172,9 +172,9 @@ class Picker:
         param: str | None,
     ) -> Engine:
         """The engine holding a stored response (``serve.stored``); 404 if none does."""
-        keys = {name: headers[name] for name in ("authorization", "x-api-key") if name in headers}
+        passed = self.router.forwarder.upstream_headers(headers)
         timeout = self.router.settings.stream_headers_timeout_s
-        engine = await holder(self.router.pool, engines, response_id, keys, timeout)
+        engine = await holder(self.router.pool, engines, response_id, passed, timeout)
         if engine is None:
             raise not_found(response_id, param)
         return engine

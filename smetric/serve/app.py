@@ -288,7 +288,7 @@ class Router:
             return await self.token_counter.answer(request, await self._read(request))
 
     async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
-        headers = self.forwarder.upstream_headers(request)
+        headers = self.forwarder.upstream_headers(request.headers)
         timeout = self.settings.stream_headers_timeout_s
         return await holder(self.pool, self.pool.healthy(), response_id, headers, timeout)
 
@@ -298,7 +298,7 @@ class Router:
         engine = await self._holder(request, response_id)
         if engine is None:
             raise not_found(response_id)
-        headers = self.forwarder.upstream_headers(request)
+        headers = self.forwarder.upstream_headers(request.headers)
         return await forward(self.pool, engine, request, headers, self.settings.idle_timeout_s)
 
     def record(self, completion: Completion) -> None:

@@ -139,7 +139,7 @@ class Disaggregation:
 
     async def dispatch(self, call: Call) -> web.StreamResponse:
         forwarder, completion = self.wiring.forwarder, call.completion
-        headers = forwarder.upstream_headers(call.request)
+        headers = forwarder.upstream_headers(call.request.headers)
         prefilled = await self.prefill(call, headers)
         if not isinstance(prefilled, Prefilled):
             return prefilled  # no prefill engine could, or the request's own error

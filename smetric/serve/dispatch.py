@@ -120,7 +120,7 @@ class Colocated:
 
     async def dispatch(self, call: Call) -> web.StreamResponse:
         wiring, forwarder, completion = self.wiring, self.wiring.forwarder, call.completion
-        headers = forwarder.upstream_headers(call.request)
+        headers = forwarder.upstream_headers(call.request.headers)
         stream = is_stream(call.body)
         tries = forwarder.tries("engine", completion)
         while engines := tries.untried(self.candidates(call)):

@@ -21,11 +21,12 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from smetric.core.conversation import RequestFacts
 from smetric.serve.engines import Engine
@@ -139,12 +140,20 @@ class Forwarder:
         self.pass_auth = pass_auth
         self.observers: list[CompletionObserver] = []
 
-    def upstream_headers(self, request: web.Request) -> dict[str, str]:
+    def upstream_headers(self, received: Mapping[str, str]) -> dict[str, str]:
+        """What of a client's headers (``serve``'s request, or those Envoy hands the
+        picker) reaches an engine: the passed ones, and the client's key only when the
+        router has none of its own."""
+        lookup = (
+            received
+            if isinstance(received, CIMultiDictProxy | CIMultiDict)
+            else CIMultiDict(received)
+        )
         # Uncompressed replies: the router reads them (errors, usage) and passes them on.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         names = (*_CLIENT_KEYS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
         for name in names:
-            value = request.headers.get(name)
+            value = lookup.get(name)
             if value is not None:
                 headers[name] = value
         return headers

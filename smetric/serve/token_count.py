@@ -59,7 +59,7 @@ class TokenCounter:
         if not engines:
             return None
         engine = min(engines, key=lambda e: e.inflight)
-        headers = self.forwarder.upstream_headers(request)
+        headers = self.forwarder.upstream_headers(request.headers)
         timeouts = self.forwarder.timeouts
         async with Attempt(engine, pool.client(), timeouts, 0, 0, pool.auth(engine)) as attempt:
             try:
