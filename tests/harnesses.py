@@ -49,6 +49,19 @@ FRONT_DOORS = ["serve", pytest.param("pick", marks=_NO_ENVOY)]
 _EVENTS = re.compile(r"KV events on (tcp://\S+?), replay on (tcp://\S+)")
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def documented_block(page: str, section: str, language: str, base_url: str) -> str:
+    """The first ``language`` code block of ``section`` on the docs ``page``, its
+    ``http://ROUTER:8000`` pointed at ``base_url``: each harness test runs the
+    configuration the docs give, so the two cannot drift apart."""
+    text = (DOCS / page).read_text().split(f"## {section}\n", 1)[1]
+    block = text.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+    assert "http://ROUTER:8000" in block, (page, section)
+    return block.replace("http://ROUTER:8000", base_url)
+
+
 def harness_binary(name: str) -> str:
     """The installed harness's executable; skips (fails under ``SMETRIC_HARNESSES=required``)
     when there is none."""

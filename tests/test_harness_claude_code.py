@@ -13,6 +13,7 @@ from harnesses import (
     agent_engines,
     base_env,
     check_routing,
+    documented_block,
     front_door,
     harness_binary,
     recording,
@@ -24,22 +25,17 @@ pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 SESSION_HEADER = "x-claude-code-session-id"
 
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "agents.md"
-
-
 def claude_env(home: Path, base_url: str) -> dict[str, str]:
     """The environment the guide gives, read from the guide itself so the two cannot drift
     apart: the front door's root as the base URL, a key, and everything that would reach
     past the router turned off."""
-    section = GUIDE.read_text().split("## Claude Code", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    block = documented_block("guides/agents.md", "Claude Code", "bash", base_url)
     env = {}
     for line in block.splitlines():
         if line.startswith("export "):
             for pair in line.split("#", 1)[0].split()[1:]:
                 name, value = pair.split("=", 1)
                 env[name] = value
-    env["ANTHROPIC_BASE_URL"] = env["ANTHROPIC_BASE_URL"].replace("http://ROUTER:8000", base_url)
     env["ANTHROPIC_API_KEY"] = "sk-smetric-test"
     return {**base_env(home), **env}
 

@@ -22,6 +22,7 @@ from harnesses import (
     agent_engines,
     base_env,
     check_routing,
+    documented_block,
     front_door,
     harness_binary,
     proxy_trap,
@@ -32,15 +33,11 @@ from harnesses import (
 pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 
 SESSION_HEADER = "session-id"
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "serving-layer.md"
 
 
 def documented_config(router: str) -> str:
     """The ``config.toml`` the docs give for Codex, pointed at ``router``."""
-    section = DOCS.read_text().split("## The Responses API", 1)[1]
-    config = section.split("```toml\n", 1)[1].split("```", 1)[0]
-    assert "http://ROUTER:8000/v1" in config
-    return config.replace("http://ROUTER:8000", router)
+    return documented_block("concepts/serving-layer.md", "The Responses API", "toml", router)
 
 
 async def two_turns(front: str, workdir: Path, trap: Trap) -> Recording:

@@ -13,6 +13,7 @@ from harnesses import (
     agent_engines,
     base_env,
     check_routing,
+    documented_block,
     front_door,
     harness_binary,
     recording,
@@ -24,16 +25,11 @@ pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 SESSION_HEADER = "x-session-id"
 
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "agents.md"
-
-
 def opencode_config(base_url: str) -> dict[str, object]:
     """The ``opencode.json`` the guide gives, read from the guide itself so the two cannot
     drift apart: an OpenAI-compatible provider on the front door's ``/v1``."""
-    section = GUIDE.read_text().split("## OpenCode", 1)[1]
-    block = section.split("```json\n", 1)[1].split("```", 1)[0]
-    text = block.replace("http://ROUTER:8000", base_url).replace('"KEY"', '"sk-smetric-test"')
-    return json.loads(text)
+    block = documented_block("guides/agents.md", "OpenCode", "json", base_url)
+    return json.loads(block.replace('"KEY"', '"sk-smetric-test"'))
 
 
 async def two_turns(front: str, workdir: Path) -> Recording:
