@@ -54,7 +54,7 @@ docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 test: lint docs
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=15
 
 # The fast tier, for every change: lint, types and the tests that start no process,
 # server, engine or browser (about a minute on two cores).

@@ -58,15 +58,15 @@ HINTS = {
 def test_each_harness_s_headers_name_the_sender(
     headers: dict[str, str], body: dict[str, Any], expected: AgentIdentity
 ) -> None:
-    assert identity_of(headers, body) == expected
+    assert identity_of(headers, body.get("prompt_cache_key")) == expected
 
 
 def test_roles_and_calls_and_ids_cut_to_a_bound() -> None:
-    sub = identity_of(CLAUDE_SUBAGENT, {})
+    sub = identity_of(CLAUDE_SUBAGENT)
     assert sub.role == "subagent" and sub.call(0) == "first" and sub.call(2) == "follow_up"
-    assert identity_of({"session-id": "c"}, {}).role == "main"
+    assert identity_of({"session-id": "c"}).role == "main"
     assert ANONYMOUS.role == "unknown"
-    assert len(identity_of({"x-session-id": "x" * 10_000}, {}).session or "") == 128
+    assert len(identity_of({"x-session-id": "x" * 10_000}).session or "") == 128
 
 
 class RecordingEngine:

@@ -13,6 +13,7 @@ from typing import Any
 from smetric.core.parsing import (
     Message,
     RequestError,
+    checked_message,
     kind,
     message_list,
     part_type,
@@ -28,11 +29,14 @@ def anthropic_system(system: object) -> str | None:
 
 
 def anthropic_messages(body: dict[str, Any]) -> list[Message]:
-    messages: list[Message] = []
-    for i, message in enumerate(message_list(body)):
-        content = anthropic_content(message.get("content"), f"messages[{i}].content", nested=False)
-        messages.append({"role": message["role"], "content": content})
-    return messages
+    return [anthropic_message(message, i) for i, message in enumerate(message_list(body))]
+
+
+def anthropic_message(message: object, i: int) -> Message:
+    """``messages[i]`` with its blocks as text."""
+    message = checked_message(message, i)
+    content = anthropic_content(message.get("content"), f"messages[{i}].content", nested=False)
+    return {"role": message["role"], "content": content}
 
 
 def anthropic_content(content: object, where: str, *, nested: bool) -> str:

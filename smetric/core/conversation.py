@@ -153,9 +153,7 @@ def analyze_request(
         raise ValueError(
             f"unknown api {api!r}; expected 'chat', 'messages', 'responses' or 'completions'"
         )
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise RequestError(f"tools must be a list, got {kind(tools)}")
+    tools = checked_tools(body.get("tools"))
     extra = body.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise RequestError(f"chat_template_kwargs must be an object, got {kind(extra)}")
@@ -163,15 +161,34 @@ def analyze_request(
         rendering = render_chat(messages, system, tools)
     else:
         rendering = template.render(messages, system, tools, extra)
+    turn = sum(message["role"] == "assistant" for message in messages)
+    return facts_of(rendering, turn, session_key(messages, system), tokenizer, block_size, memo)
+
+
+def facts_of(
+    rendering: Rendering,
+    turn: int,
+    session: str,
+    tokenizer: Tokenizer,
+    block_size: int,
+    memo: BlockMemo | None,
+) -> RequestFacts:
+    """The facts of a rendered conversation: its tokens and blocks, the history's share."""
     prompt = hash_segments(rendering.segments, tokenizer, block_size, memo)
     return RequestFacts(
-        turn=sum(message["role"] == "assistant" for message in messages),
+        turn=turn,
         prompt_tokens=prompt.ends[-1],
         est_hit_tokens=prompt.ends[rendering.history - 1] if rendering.history else 0,
-        session_key=_session_key(messages, system),
+        session_key=session,
         blocks=prompt.blocks,
         token_parts=prompt.token_parts,
     )
+
+
+def checked_tools(tools: object) -> list[Any] | None:
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError(f"tools must be a list, got {kind(tools)}")
+    return tools
 
 
 def render_chat(
@@ -187,15 +204,32 @@ def render_chat(
     ``system`` is the Anthropic top-level prompt or the Responses ``instructions``; OpenAI
     system messages sit in ``messages``.
     """
-    segments: list[str] = []
-    if tools:
-        segments.append(f"<|tools|>\n{to_json(tools)}\n")
-    if system is not None:
-        segments.append(f"<|system|>\n{system}\n")
-    history = 0
-    for message in messages:
-        segments.append(f"<|{message['role']}|>\n{_message_body(message)}\n")
-        if message["role"] == "assistant":
+    head = [*tools_segments(tools), *system_segments(system)]
+    return rendering_of(head, [(m["role"], message_segment(m)) for m in messages])
+
+
+def tools_segments(tools: list[Any] | None) -> list[str]:
+    """The generic rendering's tools header: none for no tools."""
+    return [f"<|tools|>\n{to_json(tools)}\n"] if tools else []
+
+
+def system_segments(system: str | None) -> list[str]:
+    """The generic rendering's system header: none for no system prompt."""
+    return [] if system is None else [f"<|system|>\n{system}\n"]
+
+
+def message_segment(message: Message) -> str:
+    """One message as the generic rendering writes it."""
+    return f"<|{message['role']}|>\n{_message_body(message)}\n"
+
+
+def rendering_of(head: list[str], messages: Sequence[tuple[str, str]]) -> Rendering:
+    """The generic rendering from its header segments and each message's role and segment:
+    the history runs through the last assistant message."""
+    segments, history = list(head), 0
+    for role, segment in messages:
+        segments.append(segment)
+        if role == "assistant":
             history = len(segments)
     segments.append(_GENERATION_PROMPT)
     return Rendering(segments, history)
@@ -381,7 +415,7 @@ def _message_body(message: Message) -> str:
     return message["content"]
 
 
-def _session_key(messages: Sequence[Message], system: str | None) -> str:
+def session_key(messages: Sequence[Message], system: str | None) -> str:
     """Digest of the opening: the system prompt and the messages through the first user one.
 
     Later turns only append, so every turn of a conversation has the same opening, and an

@@ -7,6 +7,7 @@ from typing import Any
 from smetric.core.parsing import (
     Message,
     RequestError,
+    checked_message,
     kind,
     message_list,
     part_type,
@@ -19,18 +20,21 @@ _TOKEN_LIMIT = 1 << 32
 
 def chat_messages(body: dict[str, Any]) -> list[Message]:
     """OpenAI chat messages with content flattened to text; other keys kept for templates."""
-    messages: list[Message] = []
-    for i, message in enumerate(message_list(body)):
-        tool_calls = message.get("tool_calls")
-        if tool_calls is not None and not (
-            isinstance(tool_calls, list) and all(isinstance(call, dict) for call in tool_calls)
-        ):
-            raise RequestError(f"messages[{i}].tool_calls must be a list of objects")
-        content = message.get("content")
-        if not isinstance(content, str):  # text is already what renderers take: no copy
-            message = {**message, "content": openai_content(content, f"messages[{i}].content")}
-        messages.append(message)
-    return messages
+    return [chat_message(message, i) for i, message in enumerate(message_list(body))]
+
+
+def chat_message(message: object, i: int) -> Message:
+    """``messages[i]`` with its content flattened to text."""
+    message = checked_message(message, i)
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and not (
+        isinstance(tool_calls, list) and all(isinstance(call, dict) for call in tool_calls)
+    ):
+        raise RequestError(f"messages[{i}].tool_calls must be a list of objects")
+    content = message.get("content")
+    if isinstance(content, str):  # text is already what renderers take: no copy
+        return message
+    return {**message, "content": openai_content(content, f"messages[{i}].content")}
 
 
 def openai_content(content: object, where: str) -> str:

@@ -54,14 +54,18 @@ def message_list(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise RequestError(f"messages must be a list, got {kind(messages)}")
     if not messages:
         raise RequestError("messages must not be empty")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(f"messages[{i}] must be an object, got {kind(message)}")
-        if "role" not in message:
-            raise RequestError(f"messages[{i}] has no role")
-        if not isinstance(message["role"], str):
-            raise RequestError(f"messages[{i}].role must be a string, got {kind(message['role'])}")
-    return messages
+    return [checked_message(message, i) for i, message in enumerate(messages)]
+
+
+def checked_message(message: object, i: int) -> dict[str, Any]:
+    """``messages[i]`` as an object with a string ``role``."""
+    if not isinstance(message, dict):
+        raise RequestError(f"messages[{i}] must be an object, got {kind(message)}")
+    if "role" not in message:
+        raise RequestError(f"messages[{i}] has no role")
+    if not isinstance(message["role"], str):
+        raise RequestError(f"messages[{i}].role must be a string, got {kind(message['role'])}")
+    return message
 
 
 def part_type(part: object, where: str) -> str:

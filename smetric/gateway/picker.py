@@ -18,15 +18,14 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from smetric.core.conversation import RequestFacts
-from smetric.record.trigger import body_trigger
 from smetric.serve.app import Router
 from smetric.serve.auth import MISSING_KEY
 from smetric.serve.engines import Engine, Lease
 from smetric.serve.errors import dialect_for
-from smetric.serve.forwarding import Completion, Outcome, UsageTap, is_stream
+from smetric.serve.forwarding import Completion, Outcome, UsageTap
 from smetric.serve.intake import ROUTES
 from smetric.serve.refusals import Refusal
-from smetric.serve.stored import holder, not_found, previous_id, stored_id
+from smetric.serve.stored import holder, not_found, stored_id
 from smetric.serve.token_count import COUNT_TOKENS_PATH
 from smetric.serve.upstream import EngineFault
 
@@ -142,11 +141,11 @@ class Picker:
             lease = Lease(engine, 0, 0)
             return Pick(engine, endpoint_of(engine.url), "other", 0, None, lease, count_body=count)
         admitted = await self.router.intake.admit(path, headers, raw)
-        body, facts, identity = admitted.body, admitted.facts, admitted.identity
+        facts, identity = admitted.facts, admitted.identity
         engines = self.candidates(subset)  # health may have changed meanwhile
-        completion = Completion(admitted.api, path, is_stream(body), facts, identity)
-        completion.trigger = body_trigger(body)
-        previous = previous_id(body) if admitted.api == "responses" else None
+        completion = Completion(admitted.api, path, admitted.stream, facts, identity)
+        completion.trigger = admitted.trigger
+        previous = admitted.previous_response_id if admitted.api == "responses" else None
         if previous is not None:
             holding = await self._holder(engines, previous, headers, "previous_response_id")
             engine, predicted = self.router.wiring.pin(completion, holding)

@@ -21,9 +21,15 @@ def body_trigger(body: Mapping[str, Any]) -> Trigger:
     if "messages" not in body and "input" in body:
         return _input_trigger(body["input"])
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+    if not isinstance(messages, list) or not messages:
         return Trigger.UNKNOWN
-    last = messages[-1]
+    return message_trigger(messages[-1])
+
+
+def message_trigger(last: object) -> Trigger:
+    """User or agent, from a chat or Messages body's last message."""
+    if not isinstance(last, dict):
+        return Trigger.UNKNOWN
     if last.get("role") == "tool":
         return Trigger.AGENT
     content = last.get("content")

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestFacts, analyze_request
-from smetric.serve.limits import CappedTokenizer
+from smetric.core.envelope import Envelope, SegmentCache, analyze_envelope
+from smetric.core.parsing import RequestError
+from smetric.serve.limits import CappedTokenizer, PromptTooLong
 from smetric.serve.pool import EnginePool
 from smetric.serve.tokenizers import EngineTokens, analyze_with_engine
 
@@ -49,6 +53,8 @@ class Analyzer:
         # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
         memo_tokenizer: Tokenizer = EngineTokens() if engine_tokenizer else self.tokenizer
         self.memo = BlockMemo(memo_tokenizer, block_size, memo_bytes)
+        # What each message a follow-up resends renders to, by its raw JSON.
+        self.segments = SegmentCache(memo_bytes)
 
     def max_prompt_tokens(self) -> int:
         """The configured cap, else the longest context an engine reported (0: none yet)."""
@@ -66,6 +72,33 @@ class Analyzer:
     def analyze_now(self, body: object, api: Api) -> RequestFacts:
         """The facts, on this thread, with the router's own tokenizer."""
         return analyze_request(body, api, self.tokenizer, self.block_size, self.template, self.memo)
+
+    def reads_envelope(self, api: Api) -> bool:
+        """Whether ``api``'s bodies are analysed from their envelope: chat and Messages
+        with the generic rendering and the router's own tokenizer (``core.envelope``)."""
+        return api in ("chat", "messages") and self.template is None and not self.engine_tokenizer
+
+    def envelope_now(self, envelope: Envelope, api: Api) -> RequestFacts | None:
+        """The facts of an envelope, on this thread; None where the whole body must be
+        analysed (which words any fault). A prompt over the limit is refused here."""
+        assert api == "chat" or api == "messages"
+        try:
+            return analyze_envelope(
+                envelope, api, self.tokenizer, self.block_size, self.memo, self.segments
+            )
+        except PromptTooLong:
+            raise
+        except (RequestError, msgspec.DecodeError):
+            return None
+
+    async def analyze_envelope(
+        self, envelope: Envelope, api: Api, large: bool = False
+    ) -> RequestFacts | None:
+        """``envelope_now``, in a worker thread where ``analyze`` would use one."""
+        if large and self.threads:
+            async with self._slots:
+                return await asyncio.to_thread(self.envelope_now, envelope, api)
+        return self.envelope_now(envelope, api)
 
     async def analyze(self, body: object, api: Api, large: bool = False) -> RequestFacts:
         """With a model's tokenizer, a large body is analysed in a worker thread: a new

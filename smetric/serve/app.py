@@ -36,7 +36,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate
 from smetric.record.recorder import Observation, Recorder
-from smetric.record.trigger import body_trigger
 from smetric.serve.analysis import Analyzer
 from smetric.serve.auth import KeyCheck
 from smetric.serve.buffered import ByteBudget
@@ -50,7 +49,6 @@ from smetric.serve.forwarding import (
     CompletionObserver,
     Forwarder,
     Outcome,
-    is_stream,
 )
 from smetric.serve.global_tier import global_tier_from
 from smetric.serve.intake import ROUTES, Intake
@@ -62,7 +60,7 @@ from smetric.serve.prices import PriceFeed
 from smetric.serve.refusals import Refusal, RefusalLog
 from smetric.serve.routing import RoutingCore
 from smetric.serve.settings import RouterSettings
-from smetric.serve.stored import STORED_PATH, forward, holder, not_found, previous_id
+from smetric.serve.stored import STORED_PATH, forward, holder, not_found
 from smetric.serve.token_count import COUNT_TOKENS_PATH, TokenCounter
 from smetric.serve.upstream import Timeouts
 
@@ -241,16 +239,16 @@ class Router:
         """One generation request, from its bytes to its response's end; a ``Refusal``
         on the way in is answered by the ``answer_errors`` middleware."""
         admitted = await self.intake.admit(path, request.headers, await self._read(request))
-        body, facts = admitted.body, admitted.facts
         pinned, dispatcher = None, self.dispatcher
-        if api == "responses" and (previous := previous_id(body)) is not None:
+        previous = admitted.previous_response_id if api == "responses" else None
+        if previous is not None:
             pinned = await self._holder(request, previous)
             if pinned is None:
                 raise not_found(previous, "previous_response_id")
             dispatcher = Colocated(self.wiring)
-        completion = Completion(api, path, is_stream(body), facts, admitted.identity)
-        completion.trigger = body_trigger(body)
-        call = Call(request, path, admitted.raw, body, facts, completion, pinned)
+        completion = Completion(api, path, admitted.stream, admitted.facts, admitted.identity)
+        completion.trigger = admitted.trigger
+        call = Call(request, admitted, completion, pinned)
         try:
             response = await dispatcher.dispatch(call)
             if completion.status == 0:  # answered before any engine did (none could)

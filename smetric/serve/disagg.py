@@ -58,7 +58,7 @@ from smetric.core.policies.decode import (
 from smetric.serve.dispatch import Call, Wiring
 from smetric.serve.engines import Engine
 from smetric.serve.errors import dialect_for
-from smetric.serve.forwarding import Outcome, UsageTap, is_stream
+from smetric.serve.forwarding import Outcome, UsageTap
 from smetric.serve.upstream import Attempt, EngineFault
 
 log = logging.getLogger("smetric.serve")
@@ -145,16 +145,16 @@ class Disaggregation:
             return prefilled  # no prefill engine could, or the request's own error
         completion.prefill_engine = prefilled.engine.url
         completion.prefill_cached_tokens = prefilled.cached_tokens
-        stream = is_stream(call.body)
-        prompt_tokens = call.facts.prompt_tokens
+        admitted = call.admitted
+        prompt_tokens = admitted.facts.prompt_tokens
         tries = forwarder.tries("decode engine", completion)
         while engines := tries.untried(self.wiring.pool.healthy(self.decode_urls)):
             engine = self.choose_decode(engines)
             # The decode engine pulls the prompt's KV: none of it is left to prefill there.
             async with tries.on(engine, prompt_tokens, prompt_tokens) as attempt:
                 self.routed.labels("decode", engine.url).inc()
-                payload = json.dumps(engine.backend.decode_request(call.body, prefilled.answer))
-                await attempt.send(call.path, payload.encode(), headers, stream=stream)
+                payload = json.dumps(engine.backend.decode_request(admitted.body, prefilled.answer))
+                await attempt.send(admitted.path, payload.encode(), headers, stream=admitted.stream)
                 reply = await forwarder.open(attempt, completion)
                 tags = {**prefilled.tags(), DECODE_HEADER: engine.url}
                 return await forwarder.relay(call.request, attempt, reply, tags, completion)
@@ -169,11 +169,11 @@ class Disaggregation:
         while engines := tries.untried(wiring.pool.healthy(self.prefill_urls)):
             decision = wiring.decide_call(call, engines)
             engine, predicted = decision.engine, decision.predicted_hit_tokens
-            async with tries.on(engine, call.facts.prompt_tokens, predicted) as attempt:
+            async with tries.on(engine, call.admitted.facts.prompt_tokens, predicted) as attempt:
                 self.routed.labels("prefill", engine.url).inc()
                 started = time.monotonic()
-                leg = json.dumps(engine.backend.prefill_request(call.body)).encode()
-                await attempt.send(call.path, leg, headers)
+                leg = json.dumps(engine.backend.prefill_request(call.admitted.body)).encode()
+                await attempt.send(call.admitted.path, leg, headers)
                 raw = await wiring.forwarder.read_whole(attempt)
                 seconds = time.monotonic() - started
                 return self._prefilled(call, attempt, raw, predicted, seconds)
@@ -189,7 +189,7 @@ class Disaggregation:
         if status >= 400:
             call.completion.status = status
             call.completion.outcome = Outcome.ENGINE_ERROR
-            return dialect_for(call.path).engine_error(status, raw)
+            return dialect_for(call.admitted.path).engine_error(status, raw)
         try:
             answer = json.loads(raw)
         except (ValueError, RecursionError):
@@ -197,7 +197,7 @@ class Disaggregation:
         if not isinstance(answer, dict):
             raise EngineFault(f"answered {status} without a JSON object")
         engine = attempt.engine
-        self.wiring.record_served(engine, call.facts, predicted)
+        self.wiring.record_served(engine, call.admitted.facts, predicted)
         cached = self.wiring.forwarder.count_cached(engine, UsageTap.of(raw))
         # Connectors keyed by the prompt (vLLM's ExampleConnector, LMCache) hand nothing
         # over: the decode engine finds the KV on its own.

@@ -163,6 +163,7 @@ class DnsDiscovery:
         self.failed = failed
         self.failures = 0
         self._task: asyncio.Task[None] | None = None
+        self._running = False
 
     async def refresh(self) -> bool:
         """One lookup and the changes it brings; False if it failed, however it failed
@@ -193,14 +194,20 @@ class DnsDiscovery:
             await self.leave(url)
 
     async def _forever(self) -> None:
-        while True:
+        # The flag, not only the cancellation, ends the loop: Python 3.11's
+        # ``asyncio.wait_for``, which dnspython awaits each answer with, swallows a
+        # cancellation that arrives as the answer does, and the loop would run on.
+        while self._running:
             await asyncio.sleep(self.interval_s)
-            await self.refresh()
+            if self._running:
+                await self.refresh()
 
     def start(self) -> None:
+        self._running = True
         self._task = asyncio.create_task(self._forever())
 
     async def close(self) -> None:
+        self._running = False
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

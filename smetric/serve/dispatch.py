@@ -14,15 +14,16 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from aiohttp import web
 
 from smetric.core.conversation import RequestFacts
 from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.serve.engines import Engine
-from smetric.serve.forwarding import Completion, Forwarder, is_stream
+from smetric.serve.forwarding import Completion, Forwarder
 from smetric.serve.identity import ANONYMOUS, AgentIdentity
+from smetric.serve.intake import Admitted
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.pool import EnginePool
 from smetric.serve.routing import Decision, RoutingCore, explain
@@ -32,14 +33,10 @@ log = logging.getLogger("smetric.serve")
 
 @dataclass(frozen=True)
 class Call:
-    """One request as the router read it: the raw body it forwards, the parsed body, the
-    facts it routes on, and the completion record it fills in."""
+    """One request as the router admitted it, and the completion record it fills in."""
 
     request: web.Request
-    path: str
-    raw: bytes
-    body: dict[str, Any]
-    facts: RequestFacts
+    admitted: Admitted
     completion: Completion
     # The only engine that can serve it (it holds the stored response a Responses request
     # continues: ``serve.stored``), which the policy then does not choose.
@@ -83,7 +80,7 @@ class Wiring:
     def decide_call(self, call: Call, engines: list[Engine]) -> Decision:
         """``decide`` for a dispatched call, noted in its completion record."""
         completion = call.completion
-        decision = self.decide(call.facts, engines, completion.identity)
+        decision = self.decide(call.admitted.facts, engines, completion.identity)
         completion.branch = decision.branch
         completion.predicted_hit_tokens = decision.predicted_hit_tokens
         chosen = engines.index(decision.engine)
@@ -121,17 +118,17 @@ class Colocated:
     async def dispatch(self, call: Call) -> web.StreamResponse:
         wiring, forwarder, completion = self.wiring, self.wiring.forwarder, call.completion
         headers = forwarder.upstream_headers(call.request.headers)
-        stream = is_stream(call.body)
+        admitted = call.admitted
         tries = forwarder.tries("engine", completion)
         while engines := tries.untried(self.candidates(call)):
             engine, predicted = self.choose(call, engines)
-            async with tries.on(engine, call.facts.prompt_tokens, predicted) as attempt:
-                await attempt.send(call.path, call.raw, headers, stream=stream)
+            async with tries.on(engine, admitted.facts.prompt_tokens, predicted) as attempt:
+                await attempt.send(admitted.path, admitted.raw, headers, stream=admitted.stream)
                 reply = await forwarder.open(attempt, completion)
                 # A pinned request's blocks are of its new input alone: not what the
                 # engine cached.
                 if reply.took and call.pinned is None:
-                    wiring.record_served(engine, call.facts, predicted)
+                    wiring.record_served(engine, admitted.facts, predicted)
                 tags = {ENGINE_HEADER: engine.url, PREDICTED_HIT_HEADER: str(predicted)}
                 return await forwarder.relay(call.request, attempt, reply, tags, completion)
         return tries.given_up()

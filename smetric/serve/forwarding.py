@@ -360,10 +360,6 @@ class Tries:
         return self.failure
 
 
-def is_stream(body: dict) -> bool:
-    return body.get("stream") is True
-
-
 class UsageTap:
     """Finds the cached prompt tokens an engine reports in a passing response: OpenAI's
     ``usage.prompt_tokens_details.cached_tokens``, the Responses API's

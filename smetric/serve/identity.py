@@ -78,8 +78,9 @@ class AgentIdentity:
 ANONYMOUS = AgentIdentity()
 
 
-def identity_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentIdentity:
-    """The sender's identity from ``headers`` (case-insensitive mapping) and ``body``."""
+def identity_of(headers: Mapping[str, str], prompt_cache_key: object = None) -> AgentIdentity:
+    """The sender's identity from ``headers`` (case-insensitive mapping), else from the
+    body's ``prompt_cache_key``."""
     for harness, session_header, agent_header, parent_header in _HARNESSES:
         session = headers.get(session_header)
         if session:
@@ -89,9 +90,8 @@ def identity_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentIde
                 _clip(headers.get(agent_header)) if agent_header else None,
                 _clip(headers.get(parent_header)) if parent_header else None,
             )
-    key = body.get("prompt_cache_key")
-    if isinstance(key, str) and key:
-        return AgentIdentity("openai", _clip(key))
+    if isinstance(prompt_cache_key, str) and prompt_cache_key:
+        return AgentIdentity("openai", _clip(prompt_cache_key))
     return ANONYMOUS
 
 

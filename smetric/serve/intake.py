@@ -6,24 +6,33 @@ JSON, not an object, over ``--max-body-bytes``, a prompt over ``--max-prompt-tok
 body the API's parser finds nothing to route in) and forwards everything else as it came;
 the engine judges the rest. Each refusal names the limit or the fault, with a short reason
 label for the counter and the log (``serve.refusals``).
+
+A chat or Messages body is read as an envelope with its messages left raw, and a follow-up
+is analysed from what it adds (``core.envelope``); any other body, one the envelope cannot
+take or finds fault with, and one whose ``kv_transfer_params`` must be dropped, is decoded
+and analysed whole, which also words every refusal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from smetric.core.conversation import Api, RequestError, RequestFacts
+from smetric.core.envelope import Envelope, decoded, read_envelope
 from smetric.core.parsing import decode_body
+from smetric.record.trigger import body_trigger, message_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.backends import without_client_transfer
 from smetric.serve.identity import AgentIdentity, identity_of
 from smetric.serve.limits import BodyError, PromptTooLong, body_too_large_message, decoded_body
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.refusals import Refusal
+from smetric.trace.schema import Trigger
 
 # The generation routes, and the API each one speaks.
 ROUTES: dict[str, Api] = {
@@ -38,17 +47,29 @@ _BODY_REASONS = {400: "bad_encoding", 413: "body_too_large", 415: "unsupported_e
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request the router will route: its API, the body to forward (decompressed),
-    its parsed body, the facts the policy routes on, and who sent it. ``rewritten``: the
-    body to forward is not the client's bytes (its ``kv_transfer_params`` dropped)."""
+    """A request the router will route: its API, the body to forward (decompressed), the
+    facts the policy routes on, who sent it, and the top-level fields the router acts on.
+    ``rewritten``: the body to forward is not the client's bytes (its
+    ``kv_transfer_params`` dropped)."""
 
     api: Api
     path: str
     raw: bytes
-    body: dict[str, Any]
     facts: RequestFacts
     identity: AgentIdentity
+    stream: bool
+    trigger: Trigger
+    # The stored response a Responses request continues, if it names one.
+    previous_response_id: str | None
     rewritten: bool = False
+
+    @functools.cached_property
+    def body(self) -> dict[str, Any]:
+        """The whole body as forwarded, decoded when first asked for: only the legs of a
+        disaggregated request need it."""
+        body = decode_body(self.raw)
+        assert isinstance(body, dict)  # admitted only as a JSON object
+        return body
 
 
 class Intake:
@@ -78,35 +99,103 @@ class Intake:
         api = ROUTES.get(path.split("?")[0])
         if api is None:
             raise Refusal(404, "unknown_route", f"no route {path[:200]!r}")
-        decoded, body = self.body_of(headers, raw)
-        forwarded = decoded
+        decoded_raw = self.inflated(headers, raw)
+        large = len(decoded_raw) > OFF_LOOP_BYTES
+        envelope = self._envelope(api, decoded_raw)
+        if envelope is not None and envelope.messages:
+            analysis = self.analyzer.analyze_envelope(envelope, api, large=large)
+            facts = await self._refused(analysis)
+            if facts is not None:
+                return self._admitted(
+                    api,
+                    path,
+                    decoded_raw,
+                    facts,
+                    identity_of(headers, envelope.prompt_cache_key),
+                    stream=envelope.stream,
+                    trigger=message_trigger(decoded(envelope.messages[-1])),
+                    previous=envelope.previous_response_id,
+                )
+        body = self._object(decoded_raw)
+        forwarded = decoded_raw
         if not self.allow_client_transfer:
-            forwarded, body = without_client_transfer(decoded, body)
-        facts = await self.facts_of(body, api, large=len(decoded) > OFF_LOOP_BYTES)
-        identity = identity_of(headers, body)
+            forwarded, body = without_client_transfer(decoded_raw, body)
+        facts = await self.facts_of(body, api, large=large)
+        return self._admitted(
+            api,
+            path,
+            forwarded,
+            facts,
+            identity_of(headers, body.get("prompt_cache_key")),
+            stream=body.get("stream"),
+            trigger=body_trigger(body),
+            previous=body.get("previous_response_id"),
+            rewritten=forwarded is not decoded_raw,
+        )
+
+    def _envelope(self, api: Api, body: bytes) -> Envelope | None:
+        """The envelope, where the analyzer reads one and nothing must be rewritten."""
+        if not self.analyzer.reads_envelope(api):
+            return None
+        envelope = read_envelope(body)
+        if envelope is None or (envelope.kv_transfer_params and not self.allow_client_transfer):
+            return None
+        return envelope
+
+    def _admitted(
+        self,
+        api: Api,
+        path: str,
+        forwarded: bytes,
+        facts: RequestFacts,
+        identity: AgentIdentity,
+        *,
+        stream: object,
+        trigger: Trigger,
+        previous: object,
+        rewritten: bool = False,
+    ) -> Admitted:
         self.metrics.agent_requests.labels(
             identity.harness or "none", identity.role, identity.call(facts.turn)
         ).inc()
-        return Admitted(api, path, forwarded, body, facts, identity, forwarded is not decoded)
+        previous_id = previous if isinstance(previous, str) and previous else None
+        return Admitted(
+            api, path, forwarded, facts, identity, stream is True, trigger, previous_id, rewritten
+        )
+
+    def inflated(self, headers: Mapping[str, str], raw: bytes) -> bytes:
+        """The body as sent before its ``Content-Encoding``."""
+        try:
+            return decoded_body(raw, headers.get("content-encoding", ""), self.max_body_bytes)
+        except BodyError as exc:
+            raise Refusal(exc.status, _BODY_REASONS.get(exc.status, "bad_body"), str(exc)) from None
 
     def body_of(self, headers: Mapping[str, str], raw: bytes) -> tuple[bytes, dict[str, Any]]:
         """The body inflated per its ``Content-Encoding``, and its JSON object."""
+        decoded_raw = self.inflated(headers, raw)
+        return decoded_raw, self._object(decoded_raw)
+
+    def _object(self, body: bytes) -> dict[str, Any]:
         try:
-            decoded = decoded_body(raw, headers.get("content-encoding", ""), self.max_body_bytes)
-            body = decode_body(decoded)
-        except BodyError as exc:
-            raise Refusal(exc.status, _BODY_REASONS.get(exc.status, "bad_body"), str(exc)) from None
+            value = decode_body(body)
         except RequestError as exc:
             raise Refusal(400, "bad_json", str(exc)) from None
-        if not isinstance(body, dict):
+        if not isinstance(value, dict):
             raise Refusal(400, "not_an_object", "the request body must be a JSON object")
-        return decoded, body
+        return value
 
     async def facts_of(self, body: dict[str, Any], api: Api, large: bool) -> RequestFacts:
         """The facts of ``body``, its prompt within the token limit."""
+        facts = await self._refused(self.analyzer.analyze(body, api, large=large))
+        assert facts is not None
+        return facts
+
+    async def _refused(self, analysis: Awaitable[RequestFacts | None]) -> RequestFacts | None:
+        """What ``analysis`` finds, its prompt within the token limit; its faults as
+        refusals."""
         analyzer = self.analyzer
         try:
-            facts = await analyzer.analyze(body, api, large=large)
+            facts = await analysis
         except PromptTooLong as exc:
             raise Refusal(400, "prompt_too_long", self._too_long(str(exc))) from None
         except RequestError as exc:
@@ -115,7 +204,7 @@ class Intake:
             message = f"tokenising with the engine failed: {exc}"
             raise Refusal(502, "tokenizer_failed", message) from None
         limit = analyzer.max_prompt_tokens()
-        if limit and facts.prompt_tokens > limit:
+        if facts is not None and limit and facts.prompt_tokens > limit:
             raise Refusal(400, "prompt_too_long", self._too_long(f"{facts.prompt_tokens} tokens"))
         return facts
 

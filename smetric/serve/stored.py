@@ -42,12 +42,6 @@ def stored_id(path: str) -> str | None:
     return match.group(1) if match else None
 
 
-def previous_id(body: Mapping[str, object]) -> str | None:
-    """The stored response a Responses request continues, if it names one."""
-    previous = body.get("previous_response_id")
-    return previous if isinstance(previous, str) and previous else None
-
-
 async def holder(
     pool: EnginePool,
     engines: Sequence[Engine],
