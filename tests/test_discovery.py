@@ -5,8 +5,11 @@ nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import dns.rcode
+import dns.resolver
 import pytest
 
 from smetric.serve.discovery import DnsDiscovery, DnsTarget, LookupFailed, resolve, resolver_for
@@ -157,3 +160,40 @@ def test_discovery_survives_any_answer_and_keeps_listed_engines() -> None:
 
     with LoopbackDNS() as server:
         asyncio.run(go(server))
+
+
+def test_close_ends_the_lookups_even_when_a_lookup_swallows_its_cancellation() -> None:
+    """Python 3.11's ``asyncio.wait_for``, which dnspython awaits each answer with, returns
+    the answer when a cancellation arrives with it: the loop must end anyway (a router
+    stopping must not hang)."""
+
+    class Swallowing:
+        """No records, at once, but for its first lookup, which waits to be cancelled and
+        then ends as if its answer had come."""
+
+        lookups = 0
+
+        async def resolve(self, *args: object, **kwargs: object) -> object:
+            self.lookups += 1
+            if self.lookups == 1:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(10)
+            raise dns.resolver.NXDOMAIN
+
+    async def go() -> None:
+        resolver = Swallowing()
+        discovery = DnsDiscovery(
+            DnsTarget(NAME, 8000),
+            resolver,  # type: ignore[arg-type]
+            set,
+            lambda url: asyncio.sleep(0),
+            lambda url: asyncio.sleep(0),
+            interval_s=0.01,
+        )
+        discovery.start()
+        await eventually(lambda: resolver.lookups == 1)
+        started = time.monotonic()
+        await asyncio.wait_for(discovery.close(), 5)
+        assert time.monotonic() - started < 2
+
+    asyncio.run(go())
