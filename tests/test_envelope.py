@@ -12,43 +12,64 @@ from hypothesis import strategies as st
 from test_block_memo import TOKENIZER, CountingTokenizer, same
 
 from smetric.core.block_memo import BlockMemo
+from smetric.core.blocks import Tokenizer
 from smetric.core.conversation import RequestError, analyze_request
-from smetric.core.envelope import SegmentCache, analyze_envelope, read_envelope
+from smetric.core.envelope import ChatReader, read_envelope
 
 texts = st.text(max_size=20)
-# Values the parsers meet, well-formed or not: strings, part lists, blocks, odd types.
-parts = st.one_of(
+good_parts = st.one_of(
     st.builds(lambda t: {"type": "text", "text": t}, texts),
     st.builds(lambda t: {"type": "thinking", "thinking": t}, texts),
     st.builds(lambda n: {"type": "tool_use", "name": n, "input": {"q": n}}, texts),
     st.builds(lambda t: {"type": "tool_result", "content": t}, texts),
     st.builds(lambda t: {"type": "image_url", "image_url": {"url": t}}, texts),
-    st.just({"type": 3}),
-    st.just("not a part"),
 )
+# Values the parsers meet, well-formed or not: strings, part lists, blocks, odd types.
+parts = st.one_of(good_parts, st.just({"type": 3}), st.just("not a part"))
 contents = st.one_of(texts, st.lists(parts, max_size=3), st.none(), st.integers())
 roles = st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), st.none())
+calls = st.lists(st.builds(lambda n: {"function": {"name": n}}, texts), min_size=1, max_size=2)
 
 
 @st.composite
 def messages(draw: st.DrawFn) -> Any:
-    message: dict[str, Any] = {"content": draw(contents)}
-    role = draw(roles)
-    if role is not None:
-        message["role"] = role
-    if draw(st.booleans()) and role == "assistant":
-        message["tool_calls"] = draw(
-            st.one_of(
-                st.lists(st.builds(lambda n: {"function": {"name": n}}, texts), max_size=2),
-                st.just("calls"),
-            )
+    """Mostly well-formed messages (so that conversations go on), sometimes anything."""
+    if draw(st.integers(0, 15)):
+        role: str | None = draw(
+            st.sampled_from(["system", "user", "assistant", "tool", "developer"])
         )
-    return message if draw(st.integers(0, 20)) else draw(st.sampled_from([[], "m", 7]))
+        message = {"role": role, "content": draw(st.one_of(texts, st.lists(good_parts)))}
+        if role == "assistant" and draw(st.booleans()):
+            message["tool_calls"] = draw(calls)
+        return message
+    message = {"content": draw(contents)}
+    if (role := draw(roles)) is not None:
+        message["role"] = role
+    if draw(st.booleans()):
+        message["tool_calls"] = draw(st.one_of(calls, st.just("calls")))
+    return message if draw(st.booleans()) else draw(st.sampled_from([[], "m", 7]))
+
+
+def analyze(
+    reader: ChatReader,
+    raw: bytes,
+    api: Any,
+    block_size: int,
+    memo: BlockMemo | None,
+    session: str | None = None,
+    tokenizer: Tokenizer = TOKENIZER,
+) -> Any:
+    read = reader.read(raw, api, session)
+    if read is None:
+        raise RequestError("not an envelope")
+    return reader.facts(read, api, tokenizer, block_size, memo)
 
 
 @st.composite
-def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
-    """The successive bodies of one conversation: each resends the last and adds more."""
+def conversations(draw: st.DrawFn) -> list[bytes]:
+    """The successive bodies of one conversation: each resends the last and adds more,
+    written as a client might (fields before or after the messages, any spacing), some
+    long enough for their prefix to be kept."""
     head: dict[str, Any] = {}
     if draw(st.booleans()):
         head["tools"] = draw(st.one_of(st.lists(st.just({"name": "ls"}), max_size=2), st.just({})))
@@ -57,10 +78,17 @@ def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
     if draw(st.booleans()):
         head["chat_template_kwargs"] = draw(st.one_of(st.just({"x": 1}), st.just([1])))
     history = draw(st.lists(messages(), max_size=4))
+    if draw(st.booleans()):
+        history.insert(0, {"role": "user", "content": "read " * draw(st.integers(800, 1200))})
+    first = draw(st.booleans())
+    spacing: dict[str, Any] = draw(st.sampled_from([{}, {"separators": (",", ":")}, {"indent": 1}]))
     bodies = []
     for added in draw(st.lists(st.lists(messages(), min_size=1, max_size=3), max_size=3)):
         history = [*history, *added]
-        bodies.append({**head, "messages": history, "stream": True})
+        body = {"model": "m", "messages": history, **head, "stream": True}
+        if first:
+            body = {**head, **body}
+        bodies.append(json.dumps(body, **spacing).encode())
     return bodies
 
 
@@ -70,21 +98,20 @@ def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
     sessions=st.lists(conversations(), min_size=1, max_size=3),
     block_size=st.integers(1, 16),
     cache_bytes=st.sampled_from([0, 2000, 1 << 20]),
+    hint=st.sampled_from([None, "s"]),
 )
 def test_the_envelope_finds_the_whole_body_s_facts_for_any_body(
-    api: str, sessions: list[list[dict[str, Any]]], block_size: int, cache_bytes: int
+    api: str, sessions: list[list[bytes]], block_size: int, cache_bytes: int, hint: str | None
 ) -> None:
     """The envelope analysis finds what the whole-body analysis finds, and declines (for
-    the whole-body analysis to word the error) exactly the bodies that one refuses."""
+    the whole-body analysis to word the error) exactly the bodies that one refuses;
+    through kept prefixes or not, whatever hint names the sender."""
     memo = BlockMemo(TOKENIZER, block_size)
-    cache = SegmentCache(cache_bytes)
+    reader = ChatReader(cache_bytes)
     bodies = [body for session in sessions for body in session]
-    for body in [*bodies, *bodies]:  # the second pass hits whatever the cache kept
-        raw = json.dumps(body).encode()
-        envelope = read_envelope(raw)
-        assert envelope is not None
+    for raw in [*bodies, *bodies]:  # the second pass hits whatever was kept
         try:
-            fast = analyze_envelope(envelope, api, TOKENIZER, block_size, memo, cache)  # type: ignore[arg-type]
+            fast = analyze(reader, raw, api, block_size, memo, hint)
         except RequestError:
             fast = None
         try:
@@ -93,7 +120,7 @@ def test_the_envelope_finds_the_whole_body_s_facts_for_any_body(
             assert fast is None
             continue
         assert fast is not None and same(fast, whole)
-        assert cache.nbytes <= cache_bytes
+        assert reader.segments.nbytes <= cache_bytes and reader.prefixes.nbytes <= cache_bytes
 
 
 def agent_turn(k: int) -> list[dict[str, Any]]:
@@ -105,20 +132,19 @@ def agent_turn(k: int) -> list[dict[str, Any]]:
 
 def test_a_follow_up_is_rendered_and_tokenised_only_where_it_adds() -> None:
     tokenizer = CountingTokenizer()
-    memo, cache = BlockMemo(tokenizer, 16), SegmentCache(1 << 20)
-    head = {"system": "be brief " * 300, "tools": [{"name": "read"}]}
+    memo, reader = BlockMemo(tokenizer, 16), ChatReader(1 << 20)
+    head = {"system": "be brief " * 600, "tools": [{"name": "read"}]}
     history = [{"role": "user", "content": "fix the bug"}, *agent_turn(0)]
     body = {**head, "messages": history}
-    first = read_envelope(json.dumps(body).encode())
-    assert first is not None
-    analyze_envelope(first, "messages", tokenizer, 16, memo, cache)
-    assert len(cache) == 5  # tools, system and three messages
+    analyze(reader, json.dumps(body).encode(), "messages", 16, memo, tokenizer=tokenizer)
+    assert len(reader.segments) == 5  # tools, system and three messages
     tokenizer.encoded = 0
     follow_up = {**head, "messages": [*history, *agent_turn(1)]}
-    second = read_envelope(json.dumps(follow_up).encode())
-    assert second is not None
-    facts = analyze_envelope(second, "messages", tokenizer, 16, memo, cache)
-    assert len(cache) == 7  # two more messages rendered, nothing else
+    facts = analyze(
+        reader, json.dumps(follow_up).encode(), "messages", 16, memo, tokenizer=tokenizer
+    )
+    assert len(reader.segments) == 7  # two more messages rendered, nothing else
+    assert reader.prefixes.hits == 1  # and only they were decoded
     whole = analyze_request(follow_up, "messages", TOKENIZER, 16)
     assert same(facts, whole) and facts.est_hit_tokens > 0 and facts.turn == 2
     added = facts.prompt_tokens - analyze_request(body, "messages", TOKENIZER, 16).prompt_tokens
@@ -131,7 +157,18 @@ def test_a_follow_up_is_rendered_and_tokenised_only_where_it_adds() -> None:
     [b"[1]", b"{", b'{"messages": "hi"}', b'{"messages": [1], "tools": 3}', b'{"x": "\\ud800"}'],
 )
 def test_a_body_the_envelope_cannot_take_is_left_to_the_whole_body_path(raw: bytes) -> None:
-    envelope = read_envelope(raw)
-    if envelope is not None:  # taken as JSON: the analysis declines it instead
+    if read_envelope(raw) is not None:  # taken as JSON: the analysis declines it instead
         with pytest.raises(RequestError):
-            analyze_envelope(envelope, "chat", TOKENIZER, 16, None, SegmentCache(1 << 20))
+            analyze(ChatReader(1 << 20), raw, "chat", 16, None)
+
+
+def test_a_second_messages_key_after_a_kept_prefix_replaces_the_list_as_in_json() -> None:
+    history = [{"role": "user", "content": "read " * 1000}, *agent_turn(0)]
+    first = json.dumps({"model": "m", "messages": history}).encode()
+    reader = ChatReader(1 << 20)
+    analyze(reader, first, "chat", 16, None)
+    again = first[:-2] + b', {"role": "user", "content": "x"}], "messages": [{"role": "user"'
+    again += b', "content": "only"}]}'
+    facts = analyze(reader, again, "chat", 16, None)
+    assert same(facts, analyze_request(json.loads(again), "chat", TOKENIZER, 16))
+    assert facts.turn == 0

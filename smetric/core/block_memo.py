@@ -84,13 +84,44 @@ _ROOT = _node(_EMPTY_TOKENS, _EMPTY_BLOCKS, 0, None, _EMPTY_TOKENS, 0)
 
 
 @dataclass(frozen=True, slots=True)
+class Run:
+    """Leading segments as hashed, to continue from without looking them up again: the
+    segments (the very strings), their nodes, and their blocks joined."""
+
+    segments: tuple[str, ...]
+    nodes: tuple[_Node, ...]
+    blocks: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + sum(n.nbytes for n in self.nodes)
+
+    def leads(self, segments: Sequence[str]) -> bool:
+        """Whether ``segments`` start with this run's (compared by identity first)."""
+        n = len(self.segments)
+        return len(segments) >= n and all(
+            a is b or a == b for a, b in zip(self.segments, segments[:n], strict=True)
+        )
+
+
+_EMPTY_RUN = Run((), (), _EMPTY_BLOCKS)
+
+
+@dataclass(frozen=True, slots=True)
 class PromptBlocks:
     """A prompt's tokens (uint32, one array per segment), its block ids, and the token
-    count after each segment."""
+    count after each segment; ``nodes``, to make a ``Run`` of its leading segments."""
 
     token_parts: list[np.ndarray]
     blocks: np.ndarray
     ends: list[int]
+    nodes: list[_Node]
+
+    def run(self, segments: Sequence[str], count: int) -> Run:
+        """The run of the first ``count`` of ``segments``, which this prompt hashed."""
+        nodes = self.nodes[:count]
+        ends = sum(len(n.blocks) for n in nodes)
+        return Run(tuple(segments[:count]), tuple(nodes), self.blocks[:ends])
 
 
 class BlockMemo:
@@ -119,10 +150,10 @@ class BlockMemo:
         """How many leading ``segments`` the memo holds (they need no encoding)."""
         return len(self._known(segments))
 
-    def _known(self, segments: Sequence[str]) -> list[_Node]:
-        """The entries of the longest run of leading segments held."""
+    def _known(self, segments: Sequence[str], after: _Node = _ROOT) -> list[_Node]:
+        """The entries of the longest run of leading segments held, after ``after``."""
         found: list[_Node] = []
-        parent = _ROOT.id
+        parent = after.id
         with self._lock:
             for text in segments:
                 node = self._entries.get((parent, text))
@@ -132,9 +163,12 @@ class BlockMemo:
                 parent = node.id
         return found
 
-    def _keep(self, segments: Sequence[str], nodes: list[_Node], known: int) -> None:
-        """Add the new entries of a run, touch the whole run, evict down to the bound."""
-        keys = [(parent.id, text) for parent, text in zip([_ROOT, *nodes], segments, strict=False)]
+    def _keep(
+        self, segments: Sequence[str], nodes: list[_Node], known: int, after: _Node = _ROOT
+    ) -> None:
+        """Add the new entries of a run (after ``after``), touch the whole run, evict
+        down to the bound."""
+        keys = [(parent.id, text) for parent, text in zip([after, *nodes], segments, strict=False)]
         entries = self._entries
         with self._lock:
             self.hits += known
@@ -152,25 +186,33 @@ class BlockMemo:
 
 
 def hash_segments(
-    segments: Sequence[str], tokenizer: Tokenizer, block_size: int, memo: BlockMemo | None = None
+    segments: Sequence[str],
+    tokenizer: Tokenizer,
+    block_size: int,
+    memo: BlockMemo | None = None,
+    known: Run | None = None,
 ) -> PromptBlocks:
     """Tokens and chained block ids of ``"".join(segments)``, each segment encoded alone.
 
     With ``memo`` (made for the same tokenizer and block size) the leading segments it holds
     are not encoded or hashed again, and the new ones are remembered; the result is the same.
+    ``known``, a run these segments start with, is taken as it is (neither looked up nor
+    touched in the memo): a follow-up's history costs nothing then.
     """
     if memo is not None and (memo.tokenizer is not tokenizer or memo.block_size != block_size):
         raise ValueError("the memo was made for another tokenizer or block size")
-    nodes = [] if memo is None else memo._known(segments)
-    known = len(nodes)
-    node = nodes[-1] if nodes else _ROOT
-    for text in segments[known:]:
+    run = known if known is not None and known.leads(segments) else _EMPTY_RUN
+    rest = segments[len(run.segments) :]
+    nodes = [] if memo is None else memo._known(rest, run.nodes[-1] if run.nodes else _ROOT)
+    held = len(nodes)
+    node = nodes[-1] if nodes else run.nodes[-1] if run.nodes else _ROOT
+    for text in rest[held:]:
         node = node.extend(text, tokenizer, block_size)
         nodes.append(node)
     if memo is not None:
-        memo._keep(segments, nodes, known)
-    if not nodes:
-        return PromptBlocks([_EMPTY_TOKENS], _EMPTY_BLOCKS.copy(), [0])
-    return PromptBlocks(
-        [n.tokens for n in nodes], np.concatenate([n.blocks for n in nodes]), [n.end for n in nodes]
-    )
+        memo._keep(rest, nodes, held, run.nodes[-1] if run.nodes else _ROOT)
+    every = [*run.nodes, *nodes]
+    if not every:
+        return PromptBlocks([_EMPTY_TOKENS], _EMPTY_BLOCKS.copy(), [0], [])
+    blocks = np.concatenate([run.blocks, *(n.blocks for n in nodes)])
+    return PromptBlocks([n.tokens for n in every], blocks, [n.end for n in every], every)

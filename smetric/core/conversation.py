@@ -52,7 +52,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from smetric.core.anthropic_api import anthropic_messages, anthropic_system
-from smetric.core.block_memo import BlockMemo, hash_segments
+from smetric.core.block_memo import BlockMemo, PromptBlocks, hash_segments
 from smetric.core.blocks import Tokenizer, chain_hashes
 from smetric.core.openai_api import chat_messages, completion_prompt
 from smetric.core.parsing import Message, RequestError, digest, kind, to_json
@@ -162,19 +162,12 @@ def analyze_request(
     else:
         rendering = template.render(messages, system, tools, extra)
     turn = sum(message["role"] == "assistant" for message in messages)
-    return facts_of(rendering, turn, session_key(messages, system), tokenizer, block_size, memo)
-
-
-def facts_of(
-    rendering: Rendering,
-    turn: int,
-    session: str,
-    tokenizer: Tokenizer,
-    block_size: int,
-    memo: BlockMemo | None,
-) -> RequestFacts:
-    """The facts of a rendered conversation: its tokens and blocks, the history's share."""
     prompt = hash_segments(rendering.segments, tokenizer, block_size, memo)
+    return facts_of(rendering, turn, session_key(messages, system), prompt)
+
+
+def facts_of(rendering: Rendering, turn: int, session: str, prompt: PromptBlocks) -> RequestFacts:
+    """The facts of a rendered conversation, ``prompt`` its segments hashed."""
     return RequestFacts(
         turn=turn,
         prompt_tokens=prompt.ends[-1],

@@ -2,19 +2,27 @@
 
 An agent's follow-up resends every earlier message byte for byte, and decoding all of it
 into Python objects, flattening and rendering each message again was most of the router's
-own work per request. So the top level is decoded with each message left as its raw JSON
-(``msgspec.Raw``: checked to be JSON, nothing built), and ``SegmentCache`` maps a message's
-raw JSON to its rendered segment. A message seen before costs a hash of its bytes and one
-comparison, and hands back the very string the block memo keyed its entry with, so the
-memo does not hash the text again either (a string keeps its hash). Only new messages are
-decoded and rendered.
+own work per request. Two memories spare it:
+
+- ``Prefixes`` keeps each body's bytes through its last message with what they held. A
+  follow-up that starts with those bytes is a comparison of them (``memcmp``) and a decode
+  of its tail alone: the new messages and the fields after them.
+- ``SegmentCache`` maps a message's raw JSON to its rendered segment, for a body whose
+  prefix is not held (another replica served the turn before, or it was evicted): the top
+  level is decoded with each message left raw (``msgspec.Raw``: checked, nothing built),
+  and a message seen before costs a hash of its bytes and one comparison.
+
+Either way a message's segment is the string the block memo keyed its entry with, so the
+memo's lookup does not hash the text again (a string keeps its hash). Everything is found
+by content: a prefix is looked up in a bucket named by the body's first bytes and the
+sender's session (a hint only: a candidate counts only if the body starts with its bytes).
 
 This covers the generic rendering of OpenAI chat and Anthropic Messages bodies, where a
 message renders alone; a model's template renders the whole conversation at once, and the
 Responses API groups items into messages, so those bodies are analysed whole
-(``conversation.analyze_request``). The facts are equal either way by construction: each
+(``conversation.analyze_request``). The facts are equal either way by construction: every
 piece is rendered by the functions ``render_chat`` uses, which the tests check on arbitrary
-conversations. A body the envelope cannot take, or one with an error, is left to the
+conversations. A body the envelope cannot take, or one with a fault, is left to the
 whole-body analysis, which also words every error.
 """
 
@@ -23,7 +31,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,7 +39,7 @@ import msgspec
 import xxhash
 
 from smetric.core.anthropic_api import anthropic_message, anthropic_system
-from smetric.core.block_memo import BlockMemo
+from smetric.core.block_memo import BlockMemo, Run, hash_segments
 from smetric.core.blocks import Tokenizer
 from smetric.core.conversation import (
     RequestFacts,
@@ -54,6 +62,12 @@ _PARSERS: dict[ChatApi, Callable[[object, int], Message]] = {
 _ABSENT = msgspec.Raw()
 # Beside the raw JSON and the text, what an entry costs: the entry, its key, the dict slot.
 _ENTRY_OVERHEAD = 300
+# A prefix is filed under a hash of the body's first bytes; a shorter one is not kept
+# (a short conversation costs little to read again).
+_HEAD_BYTES = 4096
+# Prefixes kept per bucket, most recent first: the turns of sessions that open alike.
+_BUCKET = 8
+_SEPARATORS = b" \t\r\n,"
 
 
 class Envelope(msgspec.Struct):
@@ -72,6 +86,7 @@ class Envelope(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(Envelope)
+_FIELDS = tuple(f for f in Envelope.__struct_fields__ if f != "messages")
 
 
 def read_envelope(raw: bytes) -> Envelope | None:
@@ -90,7 +105,7 @@ def decoded(raw: msgspec.Raw) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class _Rendered:
+class Rendered:
     """What one raw JSON value renders to: its role (messages only), its segments, and the
     text a session key digests (the system prompt's)."""
 
@@ -101,12 +116,12 @@ class _Rendered:
     nbytes: int
 
 
-_NONE = _Rendered(_ABSENT, "", (), None, 0)
-
-
-def _rendered(raw: msgspec.Raw, role: str, segments: list[str], text: str | None) -> _Rendered:
+def _rendered(raw: msgspec.Raw, role: str, segments: list[str], text: str | None) -> Rendered:
     size = len(raw) + sum(map(sys.getsizeof, segments)) + _ENTRY_OVERHEAD
-    return _Rendered(raw.copy(), role, tuple(segments), text, size)
+    return Rendered(raw.copy(), role, tuple(segments), text, size)
+
+
+_NONE = Rendered(_ABSENT, "", (), None, 0)
 
 
 class SegmentCache:
@@ -117,15 +132,15 @@ class SegmentCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._entries: OrderedDict[tuple[str, int], _Rendered] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int], Rendered] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(
-        self, kind: str, raw: msgspec.Raw, render: Callable[[msgspec.Raw], _Rendered]
-    ) -> _Rendered:
+        self, kind: str, raw: msgspec.Raw, render: Callable[[msgspec.Raw], Rendered]
+    ) -> Rendered:
         key = (kind, xxhash.xxh3_64_intdigest(raw))
         with self._lock:
             found = self._entries.get(key)
@@ -145,64 +160,245 @@ class SegmentCache:
         return made
 
 
-def analyze_envelope(
-    envelope: Envelope,
-    api: ChatApi,
-    tokenizer: Tokenizer,
-    block_size: int,
-    memo: BlockMemo | None,
-    cache: SegmentCache,
-) -> RequestFacts:
-    """The facts ``analyze_request`` finds in the whole body, for the generic rendering.
+@dataclass(frozen=True, slots=True)
+class _Prefix:
+    """A body's bytes through all its messages but the last, the top-level fields before
+    its messages, those messages rendered, and the run its segments hashed to (its tools
+    and system headers first)."""
 
-    Raises ``RequestError`` on anything the whole-body analysis may word otherwise (the
-    caller then runs it)."""
-    if not envelope.messages:
-        raise RequestError("the request has no messages")
-    if envelope.chat_template_kwargs is not None and not isinstance(
-        envelope.chat_template_kwargs, dict
-    ):
-        raise RequestError("chat_template_kwargs must be an object")
-    tools = cache.get("tools", envelope.tools, _render_tools)
-    # An OpenAI body's system messages sit in ``messages``; a top-level one is not read.
-    system = cache.get("system", envelope.system, _render_system) if api == "messages" else _NONE
-    parse = _PARSERS[api]
+    raw: bytes
+    head: Envelope
+    messages: tuple[Rendered, ...]
+    run: Run
+    bucket: _Bucket
 
-    def render_message(raw: msgspec.Raw) -> _Rendered:
-        message = parse(msgspec.json.decode(raw), 0)
-        return _rendered(raw, message["role"], [message_segment(message)], None)
+    @property
+    def nbytes(self) -> int:
+        return len(self.raw) + 8 * len(self.messages) + self.run.nbytes + _ENTRY_OVERHEAD
 
-    rendered = [cache.get(api, raw, render_message) for raw in envelope.messages]
-    rendering = rendering_of(
-        [*tools.segments, *system.segments], [(r.role, r.segments[0]) for r in rendered]
-    )
-    turn = sum(r.role == "assistant" for r in rendered)
-    session = _session(envelope, parse, rendered, system.text)
-    return facts_of(rendering, turn, session, tokenizer, block_size, memo)
+
+class Prefixes:
+    """Bounded LRU of body prefixes, in buckets by their first bytes and the sender's
+    session; safe across threads. A prefix a follow-up extends is replaced by the
+    follow-up's."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self._buckets: OrderedDict[_Bucket, list[_Prefix]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def find(self, body: bytes, bucket: _Bucket) -> _Prefix | None:
+        """A kept prefix of ``body`` (in ``bucket``), the most recent."""
+        if len(body) <= _HEAD_BYTES:
+            return None
+        with self._lock:
+            candidates = list(self._buckets.get(bucket, ()))
+        found = next((c for c in candidates if body.startswith(c.raw)), None)
+        self.hits += found is not None
+        return found
+
+    def keep(self, prefix: _Prefix, replacing: _Prefix | None) -> None:
+        if prefix.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            bucket = self._buckets.pop(prefix.bucket, [])
+            others = [p for p in bucket if p is not replacing and p.raw != prefix.raw]
+            kept = [prefix, *others][:_BUCKET]
+            self.nbytes += sum(p.nbytes for p in kept) - sum(p.nbytes for p in bucket)
+            self._buckets[prefix.bucket] = kept
+            while self.nbytes > self.max_bytes:
+                _, evicted = self._buckets.popitem(last=False)
+                self.nbytes -= sum(p.nbytes for p in evicted)
+
+
+_Bucket = tuple[str, str | None, int]
+
+
+def _bucket(body: bytes, api: ChatApi, session: str | None) -> _Bucket:
+    return api, session, xxhash.xxh3_64_intdigest(memoryview(body)[:_HEAD_BYTES])
+
+
+@dataclass(frozen=True, slots=True)
+class ChatBody:
+    """A chat or Messages body as read: its bytes, its top-level fields, its messages
+    rendered, the kept prefix it extends, and what to keep of it: the fields before its
+    messages, where all its messages but the last end in its bytes (0: nothing to keep),
+    its bucket.
+
+    The last message is left out of what is kept for later bodies: they resend it, but a
+    sibling (a retry, a fork) replaces it, and clients mark it for their prompt caches
+    (``cache_control``), a mark that moves on with the conversation."""
+
+    body: bytes
+    envelope: Envelope
+    messages: list[Rendered]
+    known: _Prefix | None
+    head: Envelope | None
+    cut: int
+    bucket: _Bucket
+
+    def last_message(self) -> Any:
+        return decoded(self.messages[-1].raw)
+
+
+class ChatReader:
+    """Reads chat and Messages bodies, remembering what their messages render to."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.segments = SegmentCache(max_bytes)
+        self.prefixes = Prefixes(max_bytes)
+
+    def read(self, body: bytes, api: ChatApi, session: str | None) -> ChatBody | None:
+        """The body read; None where the envelope cannot take it (the whole-body path
+        then does). Raises ``RequestError`` for a fault the whole-body path words."""
+        parse = _PARSERS[api]
+        bucket = _bucket(body, api, session)
+        known = self.prefixes.find(body, bucket)
+        if known is not None and (tail := _tail(body, len(known.raw))) is not None:
+            messages = [*known.messages, *self._render(api, parse, tail.added)]
+            cut = _ends(body, len(known.raw), tail.added[:-1])
+            return ChatBody(
+                body, _merged(known.head, tail), messages, known, known.head, cut, bucket
+            )
+        envelope = read_envelope(body)
+        if envelope is None:
+            return None
+        if not envelope.messages:
+            raise RequestError("the request has no messages")
+        messages = self._render(api, parse, envelope.messages)
+        first = body.find(envelope.messages[0])
+        head = _head(body, first)
+        cut = _ends(body, first, envelope.messages[:-1]) if head is not None else 0
+        return ChatBody(body, envelope, messages, None, head, cut, bucket)
+
+    def _render(
+        self, api: ChatApi, parse: Callable[[object, int], Message], raws: Sequence[msgspec.Raw]
+    ) -> list[Rendered]:
+        def render(raw: msgspec.Raw) -> Rendered:
+            message = parse(msgspec.json.decode(raw), 0)
+            return _rendered(raw, message["role"], [message_segment(message)], None)
+
+        return [self.segments.get(api, raw, render) for raw in raws]
+
+    def facts(
+        self,
+        read: ChatBody,
+        api: ChatApi,
+        tokenizer: Tokenizer,
+        block_size: int,
+        memo: BlockMemo | None,
+    ) -> RequestFacts:
+        """The facts ``analyze_request`` finds in the whole body, for the generic
+        rendering; the body's prefix is kept for the bodies that extend it."""
+        envelope = read.envelope
+        extra = envelope.chat_template_kwargs
+        if extra is not None and not isinstance(extra, dict):
+            raise RequestError("chat_template_kwargs must be an object")
+        tools = self.segments.get("tools", envelope.tools, _render_tools)
+        # An OpenAI body's system messages sit in ``messages``; a top-level one is not read.
+        system = _NONE
+        if api == "messages":
+            system = self.segments.get("system", envelope.system, _render_system)
+        messages = read.messages
+        head = [*tools.segments, *system.segments]
+        rendering = rendering_of(head, [(m.role, m.segments[0]) for m in messages])
+        known = read.known.run if read.known is not None else None
+        prompt = hash_segments(rendering.segments, tokenizer, block_size, memo, known)
+        turn = sum(m.role == "assistant" for m in messages)
+        facts = facts_of(rendering, turn, _session(_PARSERS[api], messages, system.text), prompt)
+        grown = read.known is None or read.cut > len(read.known.raw)
+        if read.head is not None and read.cut > _HEAD_BYTES and grown:
+            run = prompt.run(rendering.segments, len(head) + len(messages) - 1)
+            kept = _Prefix(read.body[: read.cut], read.head, tuple(messages[:-1]), run, read.bucket)
+            self.prefixes.keep(kept, read.known)
+        return facts
+
+
+_ADDED = "smetric.added"
+
+
+class _Tail(Envelope):
+    """What follows a kept prefix, its new messages under a key of the router's: a
+    ``messages`` key here would be a second one, which replaces the whole list (the
+    whole-body path reads it)."""
+
+    added: list[msgspec.Raw] = msgspec.field(default_factory=list, name=_ADDED)
+
+
+_TAIL_DECODER = msgspec.json.Decoder(_Tail)
+_OPENED = b'{"' + _ADDED.encode() + b'":['  # the tail's messages, the list left open
+
+
+def _tail(body: bytes, start: int) -> _Tail | None:
+    """What follows a kept prefix (which ends with a message): the new messages and the
+    fields after them."""
+    rest = memoryview(body)[start:]
+    at = 0
+    while at < len(rest) and rest[at] in b" \t\r\n":
+        at += 1
+    if at == len(rest) or rest[at] not in b",]":
+        return None
+    opened = _OPENED + (rest[at + 1 :] if rest[at] == ord(",") else rest[at:])
+    try:
+        tail = _TAIL_DECODER.decode(opened)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return tail if tail.messages is None else None
+
+
+def _merged(head: Envelope, tail: _Tail) -> Envelope:
+    """The fields before the messages (the prefix's) and after them (the tail's); a field
+    sent twice takes its last value, as JSON parsers do."""
+
+    def last(name: str) -> Any:
+        value = getattr(tail, name)
+        absent = value is None or (isinstance(value, msgspec.Raw) and not value)
+        return getattr(head, name) if absent else value
+
+    return Envelope(**{name: last(name) for name in _FIELDS})
+
+
+def _ends(body: bytes, start: int, raws: Sequence[msgspec.Raw]) -> int:
+    """Where the last of ``raws`` ends in ``body``, they being there one after another
+    from ``start`` with only separators between them; 0 if they are not."""
+    at, size = start, len(body)
+    for raw in raws:
+        while at < size and body[at] in _SEPARATORS:
+            at += 1
+        if not body.startswith(raw, at):
+            return 0
+        at += len(raw)
+    return at
+
+
+def _head(body: bytes, first: int) -> Envelope | None:
+    """The top-level fields before the messages, ``first`` being where the first starts:
+    the body up to it with the array and the object closed; None if that is not how the
+    body reads."""
+    head = read_envelope(body[:first] + b"]}") if first > 0 else None
+    return head if head is not None and head.messages == [] else None
 
 
 def _session(
-    envelope: Envelope,
-    parse: Callable[[object, int], Message],
-    rendered: list[_Rendered],
-    system: str | None,
+    parse: Callable[[object, int], Message], messages: Sequence[Rendered], system: str | None
 ) -> str:
     """The session key, from the messages through the first user one, decoded again (an
     opening is a message or two)."""
-    assert envelope.messages is not None
     opening = []
-    for i, (raw, entry) in enumerate(zip(envelope.messages, rendered, strict=True)):
-        opening.append(parse(msgspec.json.decode(raw), i))
-        if entry.role == "user":
+    for i, message in enumerate(messages):
+        opening.append(parse(msgspec.json.decode(message.raw), i))
+        if message.role == "user":
             break
     return session_key(opening, system)
 
 
-def _render_tools(raw: msgspec.Raw) -> _Rendered:
+def _render_tools(raw: msgspec.Raw) -> Rendered:
     return _rendered(raw, "", tools_segments(checked_tools(decoded(raw))), None)
 
 
-def _render_system(raw: msgspec.Raw) -> _Rendered:
+def _render_system(raw: msgspec.Raw) -> Rendered:
     """An Anthropic top-level system prompt."""
     text = anthropic_system(decoded(raw))
     return _rendered(raw, "", system_segments(text), text)

@@ -16,7 +16,7 @@ import msgspec
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestFacts, analyze_request
-from smetric.core.envelope import Envelope, SegmentCache, analyze_envelope
+from smetric.core.envelope import ChatBody, ChatReader
 from smetric.core.parsing import RequestError
 from smetric.serve.limits import CappedTokenizer, PromptTooLong
 from smetric.serve.pool import EnginePool
@@ -53,8 +53,8 @@ class Analyzer:
         # Follow-ups re-send earlier turns: their blocks are looked up, not recomputed.
         memo_tokenizer: Tokenizer = EngineTokens() if engine_tokenizer else self.tokenizer
         self.memo = BlockMemo(memo_tokenizer, block_size, memo_bytes)
-        # What each message a follow-up resends renders to, by its raw JSON.
-        self.segments = SegmentCache(memo_bytes)
+        # The bodies' prefixes and what each message renders to, found by their bytes.
+        self.reader = ChatReader(memo_bytes)
 
     def max_prompt_tokens(self) -> int:
         """The configured cap, else the longest context an engine reported (0: none yet)."""
@@ -78,27 +78,33 @@ class Analyzer:
         with the generic rendering and the router's own tokenizer (``core.envelope``)."""
         return api in ("chat", "messages") and self.template is None and not self.engine_tokenizer
 
-    def envelope_now(self, envelope: Envelope, api: Api) -> RequestFacts | None:
-        """The facts of an envelope, on this thread; None where the whole body must be
-        analysed (which words any fault). A prompt over the limit is refused here."""
+    def chat_now(
+        self, body: bytes, api: Api, session: str | None
+    ) -> tuple[ChatBody, RequestFacts] | None:
+        """A chat or Messages body read and its facts, on this thread; None where the
+        whole body must be analysed (which words any fault). ``session``: the sender's,
+        a hint where to look for the body's prefix. A prompt over the limit is refused
+        here."""
         assert api == "chat" or api == "messages"
+        reader = self.reader
         try:
-            return analyze_envelope(
-                envelope, api, self.tokenizer, self.block_size, self.memo, self.segments
-            )
+            read = reader.read(body, api, session)
+            if read is None:
+                return None
+            return read, reader.facts(read, api, self.tokenizer, self.block_size, self.memo)
         except PromptTooLong:
             raise
         except (RequestError, msgspec.DecodeError):
             return None
 
-    async def analyze_envelope(
-        self, envelope: Envelope, api: Api, large: bool = False
-    ) -> RequestFacts | None:
-        """``envelope_now``, in a worker thread where ``analyze`` would use one."""
+    async def analyze_chat(
+        self, body: bytes, api: Api, session: str | None, large: bool = False
+    ) -> tuple[ChatBody, RequestFacts] | None:
+        """``chat_now``, in a worker thread where ``analyze`` would use one."""
         if large and self.threads:
             async with self._slots:
-                return await asyncio.to_thread(self.envelope_now, envelope, api)
-        return self.envelope_now(envelope, api)
+                return await asyncio.to_thread(self.chat_now, body, api, session)
+        return self.chat_now(body, api, session)
 
     async def analyze(self, body: object, api: Api, large: bool = False) -> RequestFacts:
         """With a model's tokenizer, a large body is analysed in a worker thread: a new

@@ -15,15 +15,16 @@ and analysed whole, which also words every refusal.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Awaitable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from smetric.core.conversation import Api, RequestError, RequestFacts
-from smetric.core.envelope import Envelope, decoded, read_envelope
+from smetric.core.envelope import Envelope
 from smetric.core.parsing import decode_body
 from smetric.record.trigger import body_trigger, message_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
@@ -101,19 +102,22 @@ class Intake:
             raise Refusal(404, "unknown_route", f"no route {path[:200]!r}")
         decoded_raw = self.inflated(headers, raw)
         large = len(decoded_raw) > OFF_LOOP_BYTES
-        envelope = self._envelope(api, decoded_raw)
-        if envelope is not None and envelope.messages:
-            analysis = self.analyzer.analyze_envelope(envelope, api, large=large)
-            facts = await self._refused(analysis)
-            if facts is not None:
+        if self.analyzer.reads_envelope(api):
+            sender = identity_of(headers)
+            hint = f"{sender.harness}:{sender.session}" if sender.session else None
+            with self._refusals():
+                read = await self.analyzer.analyze_chat(decoded_raw, api, hint, large=large)
+            if read is not None and self._forwardable(read[0].envelope):
+                chat, facts = read
+                envelope = chat.envelope
                 return self._admitted(
                     api,
                     path,
                     decoded_raw,
-                    facts,
+                    self._within_limit(facts),
                     identity_of(headers, envelope.prompt_cache_key),
                     stream=envelope.stream,
-                    trigger=message_trigger(decoded(envelope.messages[-1])),
+                    trigger=message_trigger(chat.last_message()),
                     previous=envelope.previous_response_id,
                 )
         body = self._object(decoded_raw)
@@ -133,14 +137,10 @@ class Intake:
             rewritten=forwarded is not decoded_raw,
         )
 
-    def _envelope(self, api: Api, body: bytes) -> Envelope | None:
-        """The envelope, where the analyzer reads one and nothing must be rewritten."""
-        if not self.analyzer.reads_envelope(api):
-            return None
-        envelope = read_envelope(body)
-        if envelope is None or (envelope.kv_transfer_params and not self.allow_client_transfer):
-            return None
-        return envelope
+    def _forwardable(self, envelope: Envelope) -> bool:
+        """Whether the body goes to engines as it came: a client's ``kv_transfer_params``
+        must be dropped unless allowed, which takes the whole body."""
+        return self.allow_client_transfer or not envelope.kv_transfer_params
 
     def _admitted(
         self,
@@ -186,16 +186,15 @@ class Intake:
 
     async def facts_of(self, body: dict[str, Any], api: Api, large: bool) -> RequestFacts:
         """The facts of ``body``, its prompt within the token limit."""
-        facts = await self._refused(self.analyzer.analyze(body, api, large=large))
-        assert facts is not None
-        return facts
+        with self._refusals():
+            facts = await self.analyzer.analyze(body, api, large=large)
+        return self._within_limit(facts)
 
-    async def _refused(self, analysis: Awaitable[RequestFacts | None]) -> RequestFacts | None:
-        """What ``analysis`` finds, its prompt within the token limit; its faults as
-        refusals."""
-        analyzer = self.analyzer
+    @contextlib.contextmanager
+    def _refusals(self) -> Iterator[None]:
+        """An analysis's faults as refusals."""
         try:
-            facts = await analysis
+            yield
         except PromptTooLong as exc:
             raise Refusal(400, "prompt_too_long", self._too_long(str(exc))) from None
         except RequestError as exc:
@@ -203,8 +202,10 @@ class Intake:
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             message = f"tokenising with the engine failed: {exc}"
             raise Refusal(502, "tokenizer_failed", message) from None
-        limit = analyzer.max_prompt_tokens()
-        if facts is not None and limit and facts.prompt_tokens > limit:
+
+    def _within_limit(self, facts: RequestFacts) -> RequestFacts:
+        limit = self.analyzer.max_prompt_tokens()
+        if limit and facts.prompt_tokens > limit:
             raise Refusal(400, "prompt_too_long", self._too_long(f"{facts.prompt_tokens} tokens"))
         return facts
 
