@@ -424,11 +424,7 @@ def check_routing(record: Recording, metrics_text: str, harness: str, session_he
     assert metric(metrics_text, "smetric_routing_decisions_total") == len(routed)
     counted = metric(metrics_text, "smetric_agent_requests_total", harness=harness)
     assert counted == len(routed)
-    try:
-        anonymous = metric(metrics_text, "smetric_agent_requests_total", harness="none")
-    except AssertionError:  # absent: no request came without a harness's header
-        anonymous = 0
-    assert anonymous == 0
+    assert _count(metrics_text, "smetric_agent_requests_total", harness="none") == 0
     # Follow-ups land where their history is, and the router knew how much of it.
     follow_ups = [e for e in routed if e.follow_up]
     assert follow_ups, "no follow-up request"
@@ -451,6 +447,22 @@ def check_routing(record: Recording, metrics_text: str, harness: str, session_he
     assert sticky == follow_ups_seen
     predicted = metric(metrics_text, "smetric_predicted_hit_tokens_total")
     assert predicted == metric(metrics_text, "smetric_reported_cached_tokens_total") > 0
+    # Chat and Messages follow-ups were read from the prefix an earlier body left (the
+    # Responses API is read whole).
+    reads = {
+        how: _count(metrics_text, "smetric_request_reads_total", how=how)
+        for how in ("prefix", "envelope", "whole")
+    }
+    if harness != "codex":
+        assert reads["prefix"] >= 1, reads
+
+
+def _count(metrics_text: str, name: str, **labels: str) -> float:
+    """A counter's value, 0 where no sample has these labels yet."""
+    try:
+        return metric(metrics_text, name, **labels)
+    except AssertionError:
+        return 0
 
 
 def _continued_from(follow_up: Exchange, routed: list[Exchange]) -> Exchange | None:

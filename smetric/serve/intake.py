@@ -110,6 +110,7 @@ class Intake:
             if read is not None and self._forwardable(read[0].envelope):
                 chat, facts = read
                 envelope = chat.envelope
+                self.metrics.reads.labels("prefix" if chat.known else "envelope").inc()
                 return self._admitted(
                     api,
                     path,
@@ -120,6 +121,7 @@ class Intake:
                     trigger=message_trigger(chat.last_message()),
                     previous=envelope.previous_response_id,
                 )
+        self.metrics.reads.labels("whole").inc()
         body = self._object(decoded_raw)
         forwarded = decoded_raw
         if not self.allow_client_transfer:

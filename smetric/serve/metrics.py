@@ -179,6 +179,14 @@ class RouterMetrics:
             ["harness", "role", "call"],
             registry=self.registry,
         )
+        self.reads = Counter(
+            "smetric_request_reads",
+            "Generation bodies by how the router read them: prefix (a kept prefix of an "
+            "earlier body and the tail after it), envelope (the top-level fields, messages "
+            "raw) or whole (decoded and analysed whole).",
+            ["how"],
+            registry=self.registry,
+        )
         info = Gauge(
             "smetric_router_info",
             "The routing policy.",

@@ -141,7 +141,11 @@ class RouterSettings:
     )
     staleness_s: float = setting(5.0, "Ignore a scrape older than this many seconds.", ge=0)
     memo_bytes: int = setting(
-        256 << 20, "Bytes the memo of rendered, tokenised and hashed message prefixes holds.", ge=0
+        256 << 20,
+        "Bytes each of the router's memories of earlier bodies holds (so up to three times "
+        "this): message runs as rendered, tokenised and hashed; messages' JSON and "
+        "rendering; bodies' leading bytes through their history.",
+        ge=0,
     )
     global_tier: str = setting(
         "none",
