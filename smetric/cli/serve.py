@@ -32,7 +32,7 @@ from smetric.serve.listen import bound_port, listen
 from smetric.serve.logs import log_to_stderr
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
-from smetric.serve.workers import serve as serve_router
+from smetric.serve.workers import serve_router
 
 ConfigOpt = Annotated[
     Path | None,

@@ -162,7 +162,7 @@ class ServeOptions(FrontDoor):
 
 
 @dataclass(frozen=True)
-class Colocated:
+class ColocatedConfig:
     """A config's ``engines:``: engines that prefill and decode alike."""
 
     engines: tuple[str | ColocatedEngine, ...] = setting(
@@ -173,7 +173,7 @@ class Colocated:
 
 
 @dataclass(frozen=True)
-class ServeConfig(Colocated):
+class ServeConfig(ColocatedConfig):
     """A ``smetric serve --config`` file."""
 
     prefill_engines: tuple[str | EngineEntry, ...] = setting(

@@ -62,7 +62,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def serve(router: Router, sockets: list[socket.socket]) -> None:
+def serve_router(router: Router, sockets: list[socket.socket]) -> None:
     """Serve ``router`` on the listening ``sockets`` (``serve.listen``), one worker process
     each, until SIGINT or SIGTERM."""
     if len(sockets) == 1:
