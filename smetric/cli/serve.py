@@ -139,8 +139,7 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
     level, the rest in its 'router:' section, under the names the configuration reference
     lists.
     """
-    # The serving layer checks what it is given as it is built and says so with ValueError.
-    with user_errors(also=(ValueError,)):
+    with user_errors():
         file = resolved(ServeConfig, config, given)
         options = file.router
         settings = router_settings(options)

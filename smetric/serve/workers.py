@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from aiohttp import web
 
+from smetric.core.errors import ConfigError
 from smetric.serve.app import Router
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 from smetric.serve.global_tier import ServedPrompts
@@ -112,7 +113,7 @@ class PeerViews:
         ``worker``; returns the app's cleanup context that reads the peers' messages while
         the app runs."""
         if len(engines) >= _GLOBAL_TIER:
-            raise ValueError(f"at most {_GLOBAL_TIER - 1} engines with several workers")
+            raise ConfigError(f"at most {_GLOBAL_TIER - 1} engines with several workers")
         own = self.sockets[worker]
         peers = [a for w, a in enumerate(self.addresses) if w != worker]
         for number, engine in enumerate(engines):
@@ -184,7 +185,7 @@ def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
     (``_supervise``) until SIGINT or SIGTERM."""
     workers = len(sockets)
     if any(s.bind for s in router.subscribers.values()):
-        raise ValueError(
+        raise ConfigError(
             "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
             "let the engines bind (tcp://*:port) and give 'bind: false'"
         )
