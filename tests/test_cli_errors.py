@@ -89,3 +89,19 @@ def test_bad_configuration_is_one_line_per_command(
     assert result.exit_code == 2
     [line] = result.output.strip().splitlines()
     assert line.startswith(message)
+
+
+def test_a_bound_kv_event_endpoint_with_several_workers_is_refused_before_serving(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "engines:\n"
+        "  - url: http://127.0.0.1:1\n"
+        "    kv_events: {endpoint: 'tcp://127.0.0.1:1', bind: true}\n"
+    )
+    result = runner.invoke(app, ["serve", "-c", str(config), "--workers", "2", "--port", "0"])
+    assert result.exit_code == 2
+    # Refused before the banner: nothing claims to serve.
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error: with several workers, KV-event subscribers cannot bind")

@@ -63,6 +63,16 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def check_workers(router: Router, workers: int) -> None:
+    """Refuse what several workers cannot share: an engine's KV-event endpoint that the
+    router binds (each worker subscribes on its own)."""
+    if workers > 1 and any(s.bind for s in router.subscribers.values()):
+        raise ConfigError(
+            "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
+            "let the engines bind (tcp://*:port) and give 'bind: false'"
+        )
+
+
 def serve_router(router: Router, sockets: list[socket.socket]) -> None:
     """Serve ``router`` on the listening ``sockets`` (``serve.listen``), one worker process
     each, until SIGINT or SIGTERM."""
@@ -184,11 +194,6 @@ def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
     """Fork a copy of ``router`` onto each of ``sockets`` and keep them running
     (``_supervise``) until SIGINT or SIGTERM."""
     workers = len(sockets)
-    if any(s.bind for s in router.subscribers.values()):
-        raise ConfigError(
-            "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
-            "let the engines bind (tcp://*:port) and give 'bind: false'"
-        )
     engines = router.engines
     shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * workers * len(engines))  # MAP_SHARED: survives fork
     load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), LOAD_COLUMNS)
