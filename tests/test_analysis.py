@@ -157,7 +157,7 @@ def test_analyze_lays_out_clockless_sessions_deterministically(three_sessions):
     options = AnalysisOptions(instances=2, window_s=10.0, session_rate=1.0, layout_s=30.0)
     first = analyze(three_sessions, options)
     assert first == analyze(three_sessions, options)
-    assert first.balance is not None and first.balance.arrivals == "composed"
+    assert first.balance.arrivals == "composed"
     assert first.reuse.ratio == pytest.approx(267 / 395)
     assert len(first.balance.imbalance.series) == 3
     other = analyze(three_sessions, AnalysisOptions(**{**vars(options), "seed": 1}))

@@ -111,12 +111,12 @@ def complete_result() -> Analysis:
 
 
 def sparse_result() -> Analysis:
-    """An Azure-like result: no block ids, no clock, so three sections are absent."""
+    """An Azure-like result: no block ids, so reuse is not measurable and its intervals
+    are absent."""
     data = complete_data()
     data["trace"].update(name="<script>alert(1)</script>", has_clock=False, block_size=None)
     data["reuse"].update(measurable=False, hit_tokens=0, ratio=0.0)
     data["reuse_intervals"] = None
-    data["balance"] = None
     return Analysis.from_builtins(data)
 
 
@@ -181,17 +181,17 @@ def test_terminal_summary_states_key_numbers() -> None:
 def test_absent_sections_are_skipped(tmp_path: Path) -> None:
     result = sparse_result()
     pngs = write_pngs(result, tmp_path)
-    assert set(pngs) == {"triggers", "session_usage"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["session_usage.png", "triggers.png"]
+    assert list(pngs) == ["triggers", "session_usage", "balance"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{n}.png" for n in sorted(pngs)]
 
     write_html(result, pngs, tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
-    assert page.count("data:image/png;base64,") == 2
+    assert page.count("data:image/png;base64,") == 3
     assert "not measurable" in page.lower()
-    assert "Figure 6" not in page and "Figure 9" not in page
+    assert "Figure 6" not in page and "Figure 9" in page
 
     text = _summary(result)
-    assert "Not measurable" in text and "Figure 6" not in text and "Figure 9" not in text
+    assert "Not measurable" in text and "Figure 6" not in text and "Figure 9" in text
 
 
 def test_trace_name_is_escaped(tmp_path: Path) -> None:
@@ -207,7 +207,7 @@ def test_an_older_file_loads_and_a_result_round_trips() -> None:
     # Older files lack the fields added since; they load with what those fields meant.
     old = complete_result()
     assert old.trace.skipped == {} and old.reuse.cross_session_share is None
-    assert old.balance is not None and old.balance.ramp_up_windows == 0
+    assert old.balance.ramp_up_windows == 0
     assert old.session_usage.top_share.top_10 == 0.623  # the file's "10%"
     # A result is written with every field, in the file's key order, and reads back.
     written = json.loads(old.to_json())

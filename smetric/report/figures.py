@@ -271,8 +271,7 @@ def figures(result: Analysis) -> dict[str, Callable[[], Figure]]:
         found["reuse_intervals"] = partial(reuse_intervals_figure, result.reuse_intervals)
     found["triggers"] = partial(triggers_figure, result.triggers)
     found["session_usage"] = partial(session_usage_figure, result.session_usage)
-    if result.balance is not None:
-        found["balance"] = partial(balance_figure, result.balance)
+    found["balance"] = partial(balance_figure, result.balance)
     return found
 
 

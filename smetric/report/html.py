@@ -100,10 +100,12 @@ def key_numbers(result: Analysis) -> list[KeyNumber]:
     numbers = _reuse_numbers(result.reuse)
     if result.reuse_intervals is not None:
         numbers.append(_intervals_numbers(result.reuse_intervals))
-    numbers += [_triggers_numbers(result.triggers), _usage_numbers(result.session_usage)]
-    if result.balance is not None:
-        numbers.append(_balance_numbers(result.balance))
-    return numbers
+    return [
+        *numbers,
+        _triggers_numbers(result.triggers),
+        _usage_numbers(result.session_usage),
+        _balance_numbers(result.balance),
+    ]
 
 
 def _data_uri(png: Path) -> str:

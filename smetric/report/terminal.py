@@ -256,9 +256,10 @@ def findings(result: Analysis) -> list[Finding]:
     found.append(
         ("session_usage", _usage_finding(usage), _kv_table("session_usage", _usage_rows(usage)))
     )
-    if (balance := result.balance) is not None:
-        table = _kv_table("balance", _balance_rows(balance))
-        found.append(("balance", _balance_finding(balance), table))
+    balance = result.balance
+    found.append(
+        ("balance", _balance_finding(balance), _kv_table("balance", _balance_rows(balance)))
+    )
     return [Finding(name, TITLES[name], sentence, table) for name, sentence, table in found]
 
 

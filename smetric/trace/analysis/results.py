@@ -159,5 +159,4 @@ class Analysis(AnalysisRecord, frozen=True):
     reuse_intervals: ReuseIntervals | None
     triggers: Triggers
     session_usage: SessionUsage
-    # None in files written before the balance study ran on traces without a clock.
-    balance: Balance | None
+    balance: Balance
