@@ -59,9 +59,11 @@ def test_ideal_reuse_ratio_and_split(three_sessions):
     assert totals.system_prompt_tokens == 32 + 32 + 48 + 48
     # Inter-session: block 4, written by A's follow-up, hit by C0 and C1.
     assert totals.inter_session_tokens == 16 + 16
-    as_dict = totals.as_dict(measurable=True)
-    assert as_dict["ratio"] == pytest.approx(267 / 395)
-    assert sum(as_dict["breakdown"].values()) == pytest.approx(1.0)
+    shares = totals.shares(measurable=True)
+    assert shares.ratio == pytest.approx(267 / 395)
+    split = shares.breakdown
+    assert split.intra_session + split.inter_session + split.system_prompt == pytest.approx(1.0)
+    assert shares.cross_session_share == pytest.approx((32 + 160) / 267)
 
 
 def test_reuse_intervals_without_clock_stay_within_sessions(three_sessions):
@@ -72,11 +74,11 @@ def test_reuse_intervals_without_clock_stay_within_sessions(three_sessions):
     assert pairs == [(1.0, 3), (2.0, 3), (4.0, 5)]
     summary = interval_summary(reuse, "session")
     assert summary is not None
-    assert summary["count"] == 11
-    assert summary["percentiles"]["p50"] == 2.0
-    assert summary["percentiles"]["p90"] == 4.0
-    assert summary["within"]["10"] == 1.0
-    assert summary["cdf"]["y"][-1] == pytest.approx(1.0)
+    assert summary.count == 11
+    assert summary.percentiles.p50 == 2.0
+    assert summary.percentiles.p90 == 4.0
+    assert summary.within["10"] == 1.0
+    assert summary.cdf.y[-1] == pytest.approx(1.0)
 
 
 def test_reuse_intervals_with_a_clock_cross_sessions():
@@ -103,8 +105,8 @@ def test_trigger_breakdown():
         ]
     )
     result = trigger_breakdown(trace.requests)
-    assert result["requests"] == {"user": 1, "agent": 2, "compaction": 1, "unknown": 0}
-    assert result["tokens"] == {"user": 14, "agent": 58, "compaction": 44, "unknown": 0}
+    assert result.requests == {"user": 1, "agent": 2, "compaction": 1, "unknown": 0}
+    assert result.tokens == {"user": 14, "agent": 58, "compaction": 44, "unknown": 0}
 
 
 def test_session_usage_skew():
@@ -118,11 +120,11 @@ def test_session_usage_skew():
     )
     usage = session_usage(trace.requests)
     # Per session (input + 4 output): A 10, B 10, C 80.
-    assert usage["per_session_tokens"] == [80, 10, 10]
-    assert usage["top_share"]["1%"] == pytest.approx(0.8)
-    assert usage["gini"] == pytest.approx(2 * (10 + 20 + 240) / 300 - 4 / 3)
-    assert usage["lorenz"]["y"][0] == 0.0
-    assert usage["lorenz"]["y"][-1] == pytest.approx(1.0)
+    assert usage.per_session_tokens == [80, 10, 10]
+    assert usage.top_share.top_1 == pytest.approx(0.8)
+    assert usage.gini == pytest.approx(2 * (10 + 20 + 240) / 300 - 4 / 3)
+    assert usage.lorenz.y[0] == 0.0
+    assert usage.lorenz.y[-1] == pytest.approx(1.0)
     assert gini(np.array([5, 5, 5])) == pytest.approx(0.0)
 
 
@@ -133,9 +135,9 @@ def test_balance_potential_least_tokens_dispatch():
     durations = np.array([10.0, 10.0, 10.0, 5.0])
     tokens = np.array([100, 50, 30, 10])
     result = balance_potential(arrivals, durations, tokens, instances=2, window_s=10.0)
-    assert result["heatmap"] == [[100.0, 5.0], [80.0, 0.0]]
-    assert result["imbalance"]["series"] == pytest.approx([100 / 90, 2.0])
-    assert result["requests_per_min_per_instance"]["series"] == [9.0, 3.0]
+    assert result.heatmap == [[100.0, 5.0], [80.0, 0.0]]
+    assert result.imbalance.series == pytest.approx([100 / 90, 2.0])
+    assert result.requests_per_min_per_instance.series == [9.0, 3.0]
 
 
 def test_execution_times_fill_missing_with_estimate():
@@ -155,11 +157,11 @@ def test_analyze_lays_out_clockless_sessions_deterministically(three_sessions):
     options = AnalysisOptions(instances=2, window_s=10.0, session_rate=1.0, layout_s=30.0)
     first = analyze(three_sessions, options)
     assert first == analyze(three_sessions, options)
-    assert first["balance"]["arrivals"] == "composed"
-    assert first["reuse"]["ratio"] == pytest.approx(267 / 395)
-    assert len(first["balance"]["imbalance"]["series"]) == 3
+    assert first.balance.arrivals == "composed"
+    assert first.reuse.ratio == pytest.approx(267 / 395)
+    assert len(first.balance.imbalance.series) == 3
     other = analyze(three_sessions, AnalysisOptions(**{**vars(options), "seed": 1}))
-    assert other["balance"] != first["balance"]
+    assert other.balance != first.balance
 
 
 def test_balance_headline_leaves_out_the_ramp_up():
@@ -169,6 +171,6 @@ def test_balance_headline_leaves_out_the_ramp_up():
     durations = np.array([10.0] + [4.0] * 40)
     tokens = np.array([100] + [100] * 40)
     result = balance_potential(arrivals, durations, tokens, instances=4, window_s=10.0)
-    assert result["ramp_up_windows"] == 1
-    assert result["imbalance"]["max"] < 4.0
-    assert len(result["imbalance"]["series"]) == len(result["heatmap"][0]) - 1
+    assert result.ramp_up_windows == 1
+    assert result.imbalance.max < 4.0
+    assert len(result.imbalance.series) == len(result.heatmap[0]) - 1

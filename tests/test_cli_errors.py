@@ -57,3 +57,51 @@ def test_a_result_of_another_schema_is_bad_input(tmp_path: Path) -> None:
     assert result.exit_code == 2
     [line] = result.output.strip().splitlines()
     assert line.startswith(f"error: {tmp_path / 'summary.json'}: not a RunSummary")
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (
+            ["serve", "-e", "http://127.0.0.1:1", "-e", "http://127.0.0.1:1/"],
+            "error: engine http://127.0.0.1:1 is listed twice",
+        ),
+        (
+            ["pick", "-e", "http://localhost:8000"],
+            "error: engine 'http://localhost:8000': the picker names engines by IP address",
+        ),
+        (
+            ["simulate", "--global", "nanx", "-p", "least_load"],
+            "error: global capacity 'nanx': use none, full, or a ratio",
+        ),
+    ],
+    ids=["serve", "pick", "simulate"],
+)
+def test_bad_configuration_is_one_line_per_command(
+    command: list[str], message: str, tmp_path: Path
+) -> None:
+    # Each is a ConfigError where the setting is checked: no blanket ValueError catch
+    # around the command, which would pass a bug off as the user's mistake.
+    if command[0] == "pick":
+        pytest.importorskip("grpc")
+    where = ["-o", str(tmp_path)] if command[0] == "simulate" else ["--port", "0"]
+    result = runner.invoke(app, [*command, *where])
+    assert result.exit_code == 2
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(message)
+
+
+def test_a_bound_kv_event_endpoint_with_several_workers_is_refused_before_serving(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "engines:\n"
+        "  - url: http://127.0.0.1:1\n"
+        "    kv_events: {endpoint: 'tcp://127.0.0.1:1', bind: true}\n"
+    )
+    result = runner.invoke(app, ["serve", "-c", str(config), "--workers", "2", "--port", "0"])
+    assert result.exit_code == 2
+    # Refused before the banner: nothing claims to serve.
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error: with several workers, KV-event subscribers cannot bind")

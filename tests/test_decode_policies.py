@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from smetric.core.policies import Decision
+from smetric.core.policies import Choice
 from smetric.core.policies.decode import DECODE_POLICY_NAMES, DecodeView, make_decode_policy
 
 
 def test_least_kv_takes_the_least_used_pool() -> None:
     policy = make_decode_policy("least_kv")
     view = DecodeView(inflight_requests=[0, 9, 3], kv_used_fraction=[0.8, 0.1, 0.5])
-    assert policy.choose(view) == Decision(1, "least_kv")
+    assert policy.choose(view) == Choice(1, "least_kv")
 
 
 def test_least_kv_compares_every_instance_by_requests_when_one_share_is_unknown() -> None:
@@ -21,7 +21,7 @@ def test_least_kv_compares_every_instance_by_requests_when_one_share_is_unknown(
     count with the others' KV shares: the whole pool falls back to request counts."""
     policy = make_decode_policy("least_kv")
     view = DecodeView(inflight_requests=[1, 4, 2], kv_used_fraction=[0.3, None, 0.9])
-    assert policy.choose(view) == Decision(0, "least_requests_fallback")
+    assert policy.choose(view) == Choice(0, "least_requests_fallback")
 
 
 def test_least_requests_and_round_robin() -> None:

@@ -12,6 +12,7 @@ import dns.rcode
 import dns.resolver
 import pytest
 
+from smetric.core.errors import ConfigError
 from smetric.serve.discovery import DnsDiscovery, DnsTarget, LookupFailed, resolve, resolver_for
 from smetric.testing.dns import LoopbackDNS
 
@@ -26,9 +27,9 @@ def test_targets_parse_and_bad_ones_are_refused() -> None:
     assert DnsTarget.parse(f"dns+srv://{SRV}") == DnsTarget(SRV, None, srv=True)
     assert DnsTarget.parse(f"dns+https://{NAME}:443").scheme == "https"
     for bad in (f"dns://{NAME}", f"http://{NAME}:80", "dns://:80", f"dns://{NAME}:99999"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError):
             DnsTarget.parse(bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         resolver_for("not-an-ip:53")
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from smetric.core import (
     POLICY_NAMES,
+    Choice,
     ClusterView,
-    Decision,
     RoutingRequest,
     make_policy,
     policy_params,
@@ -107,7 +107,7 @@ def test_hand_worked_decisions(
 ) -> None:
     policy = make_policy(spec)
     decision = policy.route(request_, view_)
-    assert decision == Decision(*expected)
+    assert decision == Choice(*expected)
     assert decision.branch in policy.branches
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from smetric.core import ClusterView, Decision, RoutingRequest, make_policy
+from smetric.core import Choice, ClusterView, RoutingRequest, make_policy
 from smetric.core.policies.smetric_cost import SMetricCost
 
 HAND = (
@@ -106,7 +106,7 @@ def test_the_cost_rule_by_hand(spec: str, view_: ClusterView, expected: tuple[in
     policy = make_policy(spec)
     request = FIRST if expected[1] == "first_turn_balance" else FOLLOW_UP
     decision = policy.route(request, view_)
-    assert decision == Decision(*expected)
+    assert decision == Choice(*expected)
     assert decision.branch in policy.branches
 
 
@@ -121,10 +121,10 @@ def test_costs_are_the_seconds_worked_out_above() -> None:
 def test_without_token_counts_first_turns_balance_requests_and_decode_is_left_out() -> None:
     policy = make_policy(HAND.replace("output_tokens=0", "output_tokens=100,kv_read_s=1"))
     counts = ClusterView([0, 0, 0], [3.0, 1.0, 2.0], [0.0, 0.0, 0.0])
-    assert policy.route(FIRST, counts) == Decision(1, "first_turn_balance")
+    assert policy.route(FIRST, counts) == Choice(1, "first_turn_balance")
     # Request counts are not KV: 3 in-flight requests do not push the follow-up away.
     held = ClusterView([1000, 0, 0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0])
-    assert policy.route(FOLLOW_UP, held) == Decision(0, "sticky")
+    assert policy.route(FOLLOW_UP, held) == Choice(0, "sticky")
 
 
 def test_equal_costs_stay_on_the_cache_then_rotate() -> None:

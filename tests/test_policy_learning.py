@@ -13,8 +13,8 @@ import pytest
 
 from smetric.core.policies import (
     POLICIES,
+    Choice,
     ClusterView,
-    Decision,
     Learning,
     Observation,
     RoutingPolicy,
@@ -41,10 +41,10 @@ class MeanPromptSplit(RoutingPolicy):
         0.0, "Mean prompt tokens of the requests completed so far.", ge=0, source="learned"
     )
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice:
         if request.prompt_tokens > self.mean_prompt:
-            return Decision(0, "long")
-        return Decision(len(view.hit_tokens) - 1, "short")
+            return Choice(0, "long")
+        return Choice(len(view.hit_tokens) - 1, "short")
 
     def learner(self, given: Collection[str] = ()) -> MeanPrompt | None:
         return None if "mean_prompt" in given else MeanPrompt()

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from smetric.core.blocks import chain_hashes
-from smetric.record.recorder import Observation, Recorder, RecordSettings, read_salt
+from smetric.record.recorder import RecordedRequest, Recorder, RecordSettings, read_salt
 from smetric.record.salt import siphash24
 from smetric.record.trigger import body_trigger
 from smetric.trace.load import count_units, detect_format, load_trace
@@ -34,8 +34,8 @@ def observation(
     session: str | None = None,
     agent: str | None = None,
     parent_agent: str | None = None,
-) -> Observation:
-    return Observation(
+) -> RecordedRequest:
+    return RecordedRequest(
         arrival_s=at,
         completion_s=at + 0.5,
         blocks=ids,
@@ -57,7 +57,7 @@ def recorder(folder: Path, salt: bytes = SALT, **settings) -> Recorder:
     return Recorder(RecordSettings(folder, salt=salt, block_size=BS, **settings))
 
 
-def record(folder: Path, observations: list[Observation], **settings) -> Recorder:
+def record(folder: Path, observations: list[RecordedRequest], **settings) -> Recorder:
     rec = recorder(folder, **settings)
     rec.start()
     for o in observations:
@@ -69,7 +69,7 @@ def record(folder: Path, observations: list[Observation], **settings) -> Recorde
 SYSTEM = list(range(1, 33))  # 8 blocks every conversation opens with
 
 
-def conversation(name: str, seed: int, turns: int, start: float) -> list[Observation]:
+def conversation(name: str, seed: int, turns: int, start: float) -> list[RecordedRequest]:
     """An agent re-sending its growing conversation, turn after turn."""
     rng = np.random.default_rng(seed)
     tokens, out = list(SYSTEM), []
@@ -208,7 +208,7 @@ def test_the_body_says_whether_a_user_or_the_agent_loop_sent_it() -> None:
 def test_a_sub_agent_continues_the_request_that_spawned_it(tmp_path: Path) -> None:
     root = conversation("root", 5, 2, 0.0)
     root = [
-        Observation(**{**{f: getattr(o, f) for f in o.__slots__}, "session": "S", "agent": "R"})
+        RecordedRequest(**{**{f: getattr(o, f) for f in o.__slots__}, "session": "S", "agent": "R"})
         for o in root
     ]
     child = observation(12.0, blocks(list(range(500, 540))), 0, "child", session="S",

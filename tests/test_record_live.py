@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import polars as pl
 import pytest
 from aiohttp.test_utils import TestServer
@@ -124,13 +125,14 @@ def test_the_recording_s_reuse_matches_the_source_trace(
     recording: tuple[Path, Replayer],
 ) -> None:
     folder, replayer = recording
-    measured = analyze(load_trace(folder))["reuse"]
-    source = analyze(replayed(replayer))["reuse"]
-    assert measured["measurable"] and measured["ratio"] > 0.5
-    assert abs(measured["ratio"] - source["ratio"]) <= REUSE_TOLERANCE, (measured, source)
+    measured = analyze(load_trace(folder)).reuse
+    source = analyze(replayed(replayer)).reuse
+    assert measured.measurable and measured.ratio > 0.5
+    assert abs(measured.ratio - source.ratio) <= REUSE_TOLERANCE, (measured, source)
     # Where the reuse comes from: the session's own history, or the shared system prompt.
-    for part, share in source["breakdown"].items():
-        assert abs(measured["breakdown"][part] - share) <= REUSE_TOLERANCE, part
+    split = msgspec.structs.asdict(measured.breakdown)
+    for part, share in msgspec.structs.asdict(source.breakdown).items():
+        assert abs(split[part] - share) <= REUSE_TOLERANCE, part
 
 
 def test_the_recording_simulates_and_analyzes_from_the_command_line(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from smetric.report.figures import DPI, FIGURES, write_pngs
+from smetric.report.figures import DPI, figures, write_pngs
 from smetric.report.html import write_html
 from smetric.report.terminal import render_summary
+from smetric.trace.analysis.results import Analysis
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -26,8 +27,10 @@ def _lorenz(tokens: np.ndarray) -> dict[str, list[float]]:
     return {"x": x.tolist(), "y": y.tolist()}
 
 
-def complete_result() -> dict[str, Any]:
-    """A small result with every section filled, numbers chosen to be easy to spot."""
+def complete_data() -> dict[str, Any]:
+    """A small result with every section filled, numbers chosen to be easy to spot, as
+    an older ``analysis.json`` has it (before skipped records, the cross-session share and
+    the ramp-up were written)."""
     rng = np.random.default_rng(7)
     tokens = np.sort((rng.pareto(1.2, 300) + 1) * 5_000).astype(int)[::-1]
     intervals = np.sort(rng.lognormal(1.5, 1.8, 500))
@@ -103,14 +106,18 @@ def complete_result() -> dict[str, Any]:
     }
 
 
-def sparse_result() -> dict[str, Any]:
-    """An Azure-like result: no block ids, no clock, so three sections are absent."""
-    result = complete_result()
-    result["trace"].update(name="<script>alert(1)</script>", has_clock=False, block_size=None)
-    result["reuse"].update(measurable=False, hit_tokens=0, ratio=0.0)
-    result["reuse_intervals"] = None
-    result["balance"] = None
-    return result
+def complete_result() -> Analysis:
+    return Analysis.from_builtins(complete_data())
+
+
+def sparse_result() -> Analysis:
+    """An Azure-like result: no block ids, so reuse is not measurable and its intervals
+    are absent."""
+    data = complete_data()
+    data["trace"].update(name="<script>alert(1)</script>", has_clock=False, block_size=None)
+    data["reuse"].update(measurable=False, hit_tokens=0, ratio=0.0)
+    data["reuse_intervals"] = None
+    return Analysis.from_builtins(data)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +128,7 @@ def complete(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path],
     return pngs, (out / "report.html").read_text(encoding="utf-8")
 
 
-def _summary(result: dict[str, Any]) -> str:
+def _summary(result: Analysis) -> str:
     console = Console(record=True, width=100)
     render_summary(result, console)
     return console.export_text()
@@ -129,13 +136,14 @@ def _summary(result: dict[str, Any]) -> str:
 
 def test_every_figure_is_a_readable_png(complete: tuple[dict[str, Path], str]) -> None:
     pngs, _ = complete
-    result = complete_result()
-    assert list(pngs) == list(FIGURES)
+    drawn = figures(complete_result())
+    assert list(pngs) == ["reuse", "reuse_intervals", "triggers", "session_usage", "balance"]
+    assert list(pngs) == list(drawn)
     for name, path in pngs.items():
         assert path.name == f"{name}.png"
         assert path.read_bytes().startswith(PNG_SIGNATURE)
         pixels = matplotlib.image.imread(path)
-        width, height = FIGURES[name](result[name]).get_size_inches() * DPI
+        width, height = drawn[name]().get_size_inches() * DPI
         assert pixels.shape[:2] == (round(height), round(width))
         assert pixels.std() > 0  # something was drawn, not a blank canvas
 
@@ -173,17 +181,17 @@ def test_terminal_summary_states_key_numbers() -> None:
 def test_absent_sections_are_skipped(tmp_path: Path) -> None:
     result = sparse_result()
     pngs = write_pngs(result, tmp_path)
-    assert set(pngs) == {"triggers", "session_usage"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["session_usage.png", "triggers.png"]
+    assert list(pngs) == ["triggers", "session_usage", "balance"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{n}.png" for n in sorted(pngs)]
 
     write_html(result, pngs, tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
-    assert page.count("data:image/png;base64,") == 2
+    assert page.count("data:image/png;base64,") == 3
     assert "not measurable" in page.lower()
-    assert "Figure 6" not in page and "Figure 9" not in page
+    assert "Figure 6" not in page and "Figure 9" in page
 
     text = _summary(result)
-    assert "Not measurable" in text and "Figure 6" not in text and "Figure 9" not in text
+    assert "Not measurable" in text and "Figure 6" not in text and "Figure 9" in text
 
 
 def test_trace_name_is_escaped(tmp_path: Path) -> None:
@@ -195,9 +203,25 @@ def test_trace_name_is_escaped(tmp_path: Path) -> None:
     assert "<script>alert(1)</script>" in _summary(result)
 
 
-def test_inputs_are_not_mutated(tmp_path: Path) -> None:
-    result = complete_result()
-    before = copy.deepcopy(result)
-    write_html(result, write_pngs(result, tmp_path), tmp_path / "report.html")
-    render_summary(result, Console(record=True, width=100))
-    assert result == before
+def test_an_older_file_loads_and_a_result_round_trips() -> None:
+    # Older files lack the fields added since; they load with what those fields meant.
+    old = complete_result()
+    assert old.trace.skipped == {} and old.reuse.cross_session_share is None
+    assert old.balance.ramp_up_windows == 0
+    assert old.session_usage.top_share.top_10 == 0.623  # the file's "10%"
+    # A result is written with every field, in the file's key order, and reads back.
+    written = json.loads(old.to_json())
+    assert list(written["trace"]) == [
+        *("name", "format", "requests", "sessions", "has_clock", "sessions_inferred"),
+        *("block_size", "skipped", "notes"),
+    ]
+    assert written["balance"]["ramp_up_windows"] == 0  # written, though the default
+    assert written["session_usage"]["top_share"] == {"1%": 0.213, "10%": 0.623, "20%": 0.745}
+    assert Analysis.from_json(old.to_json()) == old
+
+
+def test_a_file_that_is_no_analysis_names_the_schema() -> None:
+    data = complete_data()
+    del data["triggers"]
+    with pytest.raises(ValueError, match="Analysis of results schema version 1"):
+        Analysis.from_builtins(data)

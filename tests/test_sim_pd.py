@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sim import small_traces
 
-from smetric.core.policies import POLICY_NAMES, ClusterView, Decision, make_policy
+from smetric.core.policies import POLICY_NAMES, Choice, ClusterView, make_policy
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.core.policies.least_load import LeastLoad
 from smetric.sim.config import ClusterConfig, SimConfig, WorkloadConfig
@@ -156,10 +156,10 @@ class Recorder:
     def __init__(self) -> None:
         self.views: list[ClusterView] = []
 
-    def route(self, request, view: ClusterView) -> Decision:
+    def route(self, request, view: ClusterView) -> Choice:
         queued = list(view.unprefilled_tokens)
         self.views.append(dataclasses.replace(view, unprefilled_tokens=queued))
-        return Decision(min(range(len(queued)), key=queued.__getitem__), "only")
+        return Choice(min(range(len(queued)), key=queued.__getitem__), "only")
 
 
 def first_turns(sessions: int, blocks: int, output: int):

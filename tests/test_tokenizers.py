@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import RequestError, analyze_request
+from smetric.core.errors import ConfigError, UserError
 from smetric.engine import EngineConfig, create_app
 from smetric.serve.tokenizers import (
     EngineTokens,
@@ -157,21 +158,21 @@ def test_no_config_means_no_template(tmp_path: Path) -> None:
 
 
 def test_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         load_hf_tokenizer(tmp_path / "missing")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
         load_hf_tokenizer(empty)
     (empty / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(UserError, match="cannot read"):
         load_hf_tokenizer(empty)
     folder = write_tokenizer(tmp_path / "bad_config")
     (folder / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(UserError, match="cannot read"):
         load_hf_tokenizer(folder)
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "x"}]}))
-    with pytest.raises(ValueError, match="'default'"):
+    with pytest.raises(UserError, match="'default'"):
         load_hf_tokenizer(folder)
 
 
@@ -183,7 +184,7 @@ def test_make_tokenizer(qwen_dir: Path) -> None:
     assert isinstance(tokenizer, HFTokenizer)
     assert template is not None
     for spec in ("hf:", "gpt2", ""):
-        with pytest.raises(ValueError, match="unknown tokenizer"):
+        with pytest.raises(ConfigError, match="unknown tokenizer"):
             make_tokenizer(spec)
 
 

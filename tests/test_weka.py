@@ -273,14 +273,15 @@ def test_analyze_reports_the_traces_own_cross_session_reuse(global_folder: Path)
     result = analyze(weka.load(global_folder), AnalysisOptions(instances=2, layout_s=10))
     expected = independent_cross_session_share(GLOBAL_SESSIONS)
     assert expected > 0.5  # b's fork and c's shared opening
-    assert result["reuse"]["cross_session_share"] == pytest.approx(expected)
-    assert result["trace"]["skipped"] == {"?": 1}
+    assert result.reuse.cross_session_share == pytest.approx(expected)
+    assert result.trace.skipped == {"?": 1}
     # Read as session-local ids, the same files show no reuse across sessions beyond the
     # framework prompt: what the scope marker changes.
     for name, requests in GLOBAL_SESSIONS.items():
         write(global_folder, name, session(name, requests))
     local = analyze(weka.load(global_folder), AnalysisOptions(instances=2, layout_s=10))
-    assert local["reuse"]["cross_session_share"] < expected
+    assert local.reuse.cross_session_share is not None
+    assert local.reuse.cross_session_share < expected
 
 
 def test_composed_workload_carries_global_sharing(global_folder: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -82,13 +81,13 @@ def analyze(
             result = run_analysis(trace, options, progress=lambda n: progress.advance(task, n))
     out = out or Path("smetric-out") / f"analyze-{slug(trace.name)}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "analysis.json").write_text(json.dumps(result, indent=1))
+    (out / "analysis.json").write_text(result.to_json())
     pngs = write_pngs(result, out)
     write_html(result, pngs, out / "report.html")
     if table_format == "table":
         render_summary(result, console)
     elif table_format == "json":
-        console.out(json.dumps(result, indent=1), highlight=False)
+        console.out(result.to_json(), highlight=False)
     else:
         found = section_tables(result)
         emit([_flat(found)] if table_format == "csv" else found, table_format, console)

@@ -46,8 +46,7 @@ def engine(
     /tokenize, /health and /metrics with vLLM's metric names; cached tokens are reported in
     usage.prompt_tokens_details.cached_tokens.
     """
-    # The serving layer checks what it is given as it is built and says so with ValueError.
-    with user_errors(also=(ValueError,)):
+    with user_errors():
         config = with_values(EngineConfig(), given.section(""), "flags")
         load_model(config.model)
         load_hardware(config.hardware, gpus=config.gpus)

@@ -31,19 +31,13 @@ class Debug:
 
 
 @contextmanager
-def user_errors(also: tuple[type[Exception], ...] = ()) -> Iterator[None]:
-    """Bad input ends with one located line and exit code 2; a bug says it is one.
-
-    ``also`` names exception types that count as bad input within this block only: for
-    setup code that validates what the user gave but reports it as a plain ``ValueError``.
-    """
+def user_errors() -> Iterator[None]:
+    """Bad input ends with one located line and exit code 2; a bug says it is one."""
     try:
         yield
     except _CLI_EXITS:
         raise
     except SmetricError as exc:
-        raise _bad_input(exc) from exc
-    except also as exc:
         raise _bad_input(exc) from exc
     except Exception as exc:
         if Debug.on:

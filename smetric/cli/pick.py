@@ -50,8 +50,7 @@ def pick(given: Given, config: ConfigOpt = None) -> None:
             "pip install 'smetric[gateway]'"
         )
         raise typer.Exit(2) from exc
-    # The serving layer checks what it is given as it is built and says so with ValueError.
-    with user_errors(also=(ValueError,)):
+    with user_errors():
         file = resolved(PickConfig, config, given)
         options = file.router
         found, discovery = discovered(options, file.engines)

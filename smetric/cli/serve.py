@@ -32,7 +32,7 @@ from smetric.serve.listen import bound_port, listen
 from smetric.serve.logs import log_to_stderr
 from smetric.serve.metrics import share_metrics_between_processes
 from smetric.serve.tokenizers import make_tokenizer
-from smetric.serve.workers import serve as serve_router
+from smetric.serve.workers import check_workers, serve_router
 
 ConfigOpt = Annotated[
     Path | None,
@@ -139,8 +139,7 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
     level, the rest in its 'router:' section, under the names the configuration reference
     lists.
     """
-    # The serving layer checks what it is given as it is built and says so with ValueError.
-    with user_errors(also=(ValueError,)):
+    with user_errors():
         file = resolved(ServeConfig, config, given)
         options = file.router
         settings = router_settings(options)
@@ -175,6 +174,7 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
             discovery=discovery,
             recorder=recorder_from(options),
         )
+        check_workers(router, workers)
         # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
         host, port = options.host, options.port
         sockets = listen(host, port, workers)

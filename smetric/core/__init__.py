@@ -7,8 +7,8 @@ policy from ``make_policy(spec)``, and call its ``route``.
 from smetric.core.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,
+    Choice,
     ClusterView,
-    Decision,
     Policy,
     RoutingRequest,
     make_policy,
@@ -18,8 +18,8 @@ from smetric.core.policies import (
 __all__ = [
     "DEFAULT_POLICY",
     "POLICY_NAMES",
+    "Choice",
     "ClusterView",
-    "Decision",
     "Policy",
     "RoutingRequest",
     "make_policy",

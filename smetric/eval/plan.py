@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from smetric.core.errors import ConfigError
 from smetric.core.settings import check_settings, setting
-from smetric.metrics.results import Knee, Plan, PlanPoint, PlanResult
+from smetric.metrics.results import Plan, PlanPoint, PlanResult
 from smetric.sim.cluster import resolve_shape
 from smetric.sim.config import SimConfig
 from smetric.sim.knee import KneeSettings, probe_job, search_knees
@@ -62,18 +62,6 @@ class PlanSettings:
             raise ConfigError("plan needs at least one global tier")
 
 
-@dataclass(frozen=True)
-class Point:
-    """One instance count's figures for one policy and global tier."""
-
-    instances: int
-    knee: Knee
-    # At the trace's own load, mean over seeds.
-    tps_within_slo: float
-    attainment: float
-    serves: bool
-
-
 @dataclass
 class _Bisection:
     """Smallest serving count in ``[least, most]``: ``fails`` is the largest known not to
@@ -106,7 +94,7 @@ def search_plan(
     processes: int,
     store: RunStore,
     on_round: Callable[[int, int], None] | None = None,
-) -> dict[tuple[str, str], list[Point]]:
+) -> dict[tuple[str, str], list[PlanPoint]]:
     """Every probed instance count per (policy, global tier), in increasing count."""
     if base.cluster.prefill_instances or base.cluster.decode_instances:
         raise ConfigError("plan sizes colocated clusters; drop the prefill/decode instances")
@@ -115,7 +103,7 @@ def search_plan(
     seeds = range(settings.seeds)
     families = [(p, g) for p in base.policies for g in settings.globals]
     searches = {key: _Bisection(settings.min_instances, settings.max_instances) for key in families}
-    points: dict[tuple[str, str], dict[int, Point]] = {key: {} for key in families}
+    points: dict[tuple[str, str], dict[int, PlanPoint]] = {key: {} for key in families}
     while True:
         wanted = {key: s.next() for key, s in searches.items()}
         cells = {
@@ -137,12 +125,13 @@ def search_plan(
             knee = knees[key]
             attainment = statistics.fmean(r.slo_attainment for r in runs)
             serves = knee.load >= load and attainment >= settings.attainment
-            points[(policy, glob)][n] = Point(
-                n,
-                knee,
-                statistics.fmean(r.tps_within_slo for r in runs),
-                attainment,
-                serves,
+            points[(policy, glob)][n] = PlanPoint(
+                instances=n,
+                tps_within_slo=statistics.fmean(r.tps_within_slo for r in runs),
+                slo_attainment=attainment,
+                knee_load=knee.load,
+                knee_tps_within_slo=knee.mean,
+                serves=serves,
             )
             search = searches[(policy, glob)]
             if serves:
@@ -152,7 +141,7 @@ def search_plan(
     return {key: [found[n] for n in sorted(found)] for key, found in points.items()}
 
 
-def fewest(points: Sequence[Point]) -> Point | None:
+def fewest(points: Sequence[PlanPoint]) -> PlanPoint | None:
     serving = [p for p in points if p.serves]
     return min(serving, key=lambda p: p.instances) if serving else None
 
@@ -168,7 +157,7 @@ def global_tier_bytes(config: SimConfig, glob: str, instances: int, block_size: 
 
 def plan_summary(
     base: SimConfig,
-    points: dict[tuple[str, str], list[Point]],
+    points: dict[tuple[str, str], list[PlanPoint]],
     settings: PlanSettings,
     block_size: int,
     runs_simulated: int | None = None,
@@ -180,20 +169,9 @@ def plan_summary(
     plans: dict[str, Plan | None] = {}
     for policy in base.policies:
         curves[policy] = {}
-        best: tuple[Point, str] | None = None
+        best: tuple[PlanPoint, str] | None = None
         for glob in settings.globals:
-            found = points[(policy, glob)]
-            curves[policy][glob] = [
-                PlanPoint(
-                    instances=p.instances,
-                    tps_within_slo=p.tps_within_slo,
-                    slo_attainment=p.attainment,
-                    knee_load=p.knee.load,
-                    knee_tps_within_slo=p.knee.mean,
-                    serves=p.serves,
-                )
-                for p in found
-            ]
+            found = curves[policy][glob] = points[(policy, glob)]
             smallest = fewest(found)
             if smallest is not None and (best is None or smallest.instances < best[0].instances):
                 best = (smallest, glob)
@@ -211,8 +189,8 @@ def plan_summary(
             global_=glob,
             global_bytes=global_tier_bytes(base, glob, point.instances, block_size),
             tps_within_slo=point.tps_within_slo,
-            slo_attainment=point.attainment,
-            knee_load=point.knee.load,
+            slo_attainment=point.slo_attainment,
+            knee_load=point.knee_load,
             cost_per_million_tokens=cost,
         )
     ranked = {p: plan for p in base.policies if (plan := plans[p]) is not None}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from smetric.core.settings import setting
-from smetric.serve.config import Colocated, FrontDoor
+from smetric.serve.config import ColocatedConfig, FrontDoor
 
 
 @dataclass
@@ -25,7 +25,7 @@ class PickOptions(FrontDoor):
 
 
 @dataclass(frozen=True)
-class PickConfig(Colocated):
+class PickConfig(ColocatedConfig):
     """A ``smetric pick --config`` file."""
 
     router: PickOptions = field(default_factory=PickOptions)

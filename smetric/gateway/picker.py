@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from smetric.core.conversation import RequestFacts
+from smetric.core.errors import ConfigError
 from smetric.serve.app import Router
 from smetric.serve.auth import MISSING_KEY
 from smetric.serve.engines import Engine, Lease
@@ -32,12 +33,12 @@ from smetric.serve.upstream import EngineFault
 
 def endpoint_of(url: str) -> str:
     """An engine's ``ip:port`` as the gateway names endpoints (``[v6]:port`` for IPv6);
-    ValueError unless the URL's host is an IP address, which Envoy connects to as is."""
+    ``ConfigError`` unless the URL's host is an IP address, which Envoy connects to as is."""
     parts = urlsplit(url)
     try:
         address = ipaddress.ip_address(parts.hostname or "")
     except ValueError:
-        raise ValueError(
+        raise ConfigError(
             f"engine {url!r}: the picker names engines by IP address (ip:port), "
             "so give the engine's IP or discover engines from DNS"
         ) from None

@@ -20,45 +20,20 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 import msgspec
 
 from smetric.core.errors import UserError
+from smetric.core.records import JsonRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = JsonRecord.schema_version
 
 Number = int | float
 
 
-class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A record of the results: frozen, converted to and from JSON by field name."""
-
-    def to_builtins(self) -> dict[str, Any]:
-        """The record as the JSON-able dict written to disk (no field left out that the
-        file has always had)."""
-        return msgspec.to_builtins(self)
-
-    @classmethod
-    def from_builtins(cls, data: object) -> Self:
-        """The record from its JSON-able form; ``ValueError`` naming the schema version
-        when ``data`` is not one (a file from an older or newer release, or not a result).
-        Numeric keys may be strings, as JSON writes them (a knee's probed loads)."""
-        try:
-            return msgspec.convert(data, cls, str_keys=True)
-        except msgspec.ValidationError as exc:
-            raise ValueError(
-                f"not a {cls.__name__} of results schema version {SCHEMA_VERSION}: {exc}"
-            ) from exc
-
-    def to_json(self) -> str:
-        """The record as the result files write it (indented; NaN where a ratio has no
-        windows to measure, as Python's ``json`` reads and writes it)."""
-        return json.dumps(self.to_builtins(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Self:
-        return cls.from_builtins(json.loads(text))
+class Record(JsonRecord, frozen=True, omit_defaults=True):
+    """A record of the results; sections a run lacks are left out of the file."""
 
 
 Quantile = Literal["p50", "p90", "p99"]

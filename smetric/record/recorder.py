@@ -1,7 +1,7 @@
 """A trace of the traffic a front door routes, written off the request path.
 
 The front door (``smetric serve``, or any other that routes with ``smetric.core``) hands
-one ``Observation`` per completed request to ``Recorder.observe``, which only appends it
+one ``RecordedRequest`` per completed request to ``Recorder.observe``, which only appends it
 to a queue: no hashing, no encoding, no I/O, no lock held by the writer. A writer thread
 drains the queue a few times a second, salts the ids, and every ``rotate_s`` seconds (or
 ``rotate_requests`` rows) writes the rows as one zstd-compressed Parquet segment, renamed
@@ -55,7 +55,7 @@ SALT_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True)
-class Observation:
+class RecordedRequest:
     """One completed request as its front door saw it (times: Unix seconds)."""
 
     arrival_s: float
@@ -151,7 +151,7 @@ class Recorder:
         self.salter = Salter(settings.salt or secrets.token_bytes(SALT_BYTES))
         self.dropped = 0
         self.written = 0
-        self._pending: deque[Observation] = deque()
+        self._pending: deque[RecordedRequest] = deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._segment = _Segment()
@@ -160,7 +160,7 @@ class Recorder:
 
     # -- the request path ------------------------------------------------------------------
 
-    def observe(self, observation: Observation) -> None:
+    def observe(self, observation: RecordedRequest) -> None:
         """Queue one request for the writer; never waits (a full queue drops it)."""
         if len(self._pending) >= self.settings.max_pending:
             self.dropped += 1
@@ -243,7 +243,7 @@ class Recorder:
             if len(self._segment) >= self.settings.rotate_requests:
                 self._write_segment()
 
-    def _add(self, batch: list[Observation]) -> None:
+    def _add(self, batch: list[RecordedRequest]) -> None:
         segment, salter = self._segment, self.salter
         rows, latest = segment.rows, segment.latest
         fresh = []

@@ -8,17 +8,26 @@ and PNGs are written by the Agg canvas that ``savefig`` picks for the file type.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import wraps
+from functools import partial, wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import matplotlib as mpl
+import msgspec
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-from smetric.report.terminal import REUSE_SOURCES, TRIGGER_SOURCES, Section, shares
+from smetric.report.terminal import REUSE_SOURCES, TRIGGER_SOURCES, shares
+from smetric.trace.analysis.results import (
+    Analysis,
+    Balance,
+    ReuseIntervals,
+    ReuseShares,
+    SessionUsage,
+    Triggers,
+)
 
 if TYPE_CHECKING:  # matplotlib names its rc keys from 3.10 on, and only for type checkers
     from matplotlib.typing import RcKeyType
@@ -49,14 +58,14 @@ STYLE: dict[RcKeyType, Any] = {
     "legend.frameon": False,
 }
 
-_Builder = Callable[[Section], Figure]
+S = TypeVar("S")
 
 
-def _styled(build: _Builder) -> _Builder:
+def _styled(build: Callable[[S], Figure]) -> Callable[[S], Figure]:
     """Apply the report style only while a figure is built, leaving global rcParams alone."""
 
     @wraps(build)
-    def wrapper(section: Section) -> Figure:
+    def wrapper(section: S) -> Figure:
         with mpl.rc_context(STYLE):
             return build(section)
 
@@ -97,11 +106,11 @@ def _stacked_shares(
 
 
 @_styled
-def reuse_figure(reuse: Section) -> Figure:
+def reuse_figure(reuse: ReuseShares) -> Figure:
     """Figure 5: how much prefill an infinite KV store saves, and whose tokens it reuses."""
-    ratio = float(reuse["ratio"])
-    breakdown = reuse["breakdown"]
-    of_prompt = {key: ratio * float(share) for key, share in breakdown.items()}
+    ratio = reuse.ratio
+    breakdown: dict[str, float] = msgspec.structs.asdict(reuse.breakdown)
+    of_prompt = {key: ratio * share for key, share in breakdown.items()}
     of_prompt["miss"] = 1.0 - ratio
     fig = new_figure(8, 2.8)
     ax = fig.add_subplot()
@@ -114,17 +123,17 @@ def reuse_figure(reuse: Section) -> Figure:
 
 
 @_styled
-def reuse_intervals_figure(intervals: Section) -> Figure:
+def reuse_intervals_figure(intervals: ReuseIntervals) -> Figure:
     """Figure 6: the reuse-interval CDF, log-x because intervals span seconds to hours."""
-    x = np.asarray(intervals["cdf"]["x"], dtype=float)
-    y = np.asarray(intervals["cdf"]["y"], dtype=float)
+    x = np.asarray(intervals.cdf.x, dtype=float)
+    y = np.asarray(intervals.cdf.y, dtype=float)
     positive = x > 0  # a log axis cannot place zero-second reuses; their mass stays in y
     fig = new_figure(8, 4.2)
     ax = fig.add_subplot()
     ax.plot(x[positive], y[positive], drawstyle="steps-post", color=COLORS["line"], lw=2)
     # Labels sit low beside each marker line: right of an increasing CDF's curve, that
     # area is empty; staggering keeps neighbouring decades from colliding.
-    for row, (mark, share) in enumerate(intervals["within"].items()):
+    for row, (mark, share) in enumerate(intervals.within.items()):
         seconds = float(mark)
         ax.axvline(seconds, color="grey", ls="--", lw=0.8)
         ax.plot([seconds], [share], "o", color=COLORS["accent"])
@@ -134,19 +143,14 @@ def reuse_intervals_figure(intervals: Section) -> Figure:
     percent_axis(ax, "y")
     ax.set_xlabel("Reuse interval (seconds, log scale)")
     ax.set_ylabel("Share of reuses (CDF)")
-    ax.set_title(
-        f"KV-cache reuse interval, {intervals['clock']} clock ({intervals['count']:,} reuses)"
-    )
+    ax.set_title(f"KV-cache reuse interval, {intervals.clock} clock ({intervals.count:,} reuses)")
     return fig
 
 
 @_styled
-def triggers_figure(triggers: Section) -> Figure:
+def triggers_figure(triggers: Triggers) -> Figure:
     """Figure 7: who sends the requests, by count and by token volume."""
-    rows = [
-        ("Requests", shares(triggers["requests"])),
-        ("Tokens", shares(triggers["tokens"])),
-    ]
+    rows = [("Requests", shares(triggers.requests)), ("Tokens", shares(triggers.tokens))]
     fig = new_figure(8, 2.8)
     ax = fig.add_subplot()
     _stacked_shares(ax, rows, {key: key.capitalize() for key in TRIGGER_SOURCES})
@@ -155,12 +159,12 @@ def triggers_figure(triggers: Section) -> Figure:
     return fig
 
 
-def _lorenz_panel(ax: Axes, usage: Section) -> None:
-    x = np.asarray(usage["lorenz"]["x"], dtype=float)
-    y = np.asarray(usage["lorenz"]["y"], dtype=float)
+def _lorenz_panel(ax: Axes, usage: SessionUsage) -> None:
+    x = np.asarray(usage.lorenz.x, dtype=float)
+    y = np.asarray(usage.lorenz.y, dtype=float)
     ax.plot([0, 1], [0, 1], color="grey", ls="--", lw=0.8, label="Perfect equality")
-    ax.plot(x, y, color=COLORS["line"], lw=2, label=f"Sessions (Gini {usage['gini']:.2f})")
-    top = float(usage["top_share"]["10%"])
+    ax.plot(x, y, color=COLORS["line"], lw=2, label=f"Sessions (Gini {usage.gini:.2f})")
+    top = usage.top_share.top_10
     ax.plot([0.9], [1 - top], "o", color=COLORS["accent"])
     ax.annotate(
         f"top 10% of sessions use\n{top:.1%} of tokens",
@@ -180,22 +184,22 @@ def _lorenz_panel(ax: Axes, usage: Section) -> None:
     ax.legend(loc="upper left")
 
 
-def _per_session_panel(ax: Axes, usage: Section) -> None:
-    tokens = np.asarray(usage["per_session_tokens"], dtype=float)
+def _per_session_panel(ax: Axes, usage: SessionUsage) -> None:
+    tokens = np.asarray(usage.per_session_tokens, dtype=float)
     rank = np.arange(1, len(tokens) + 1)
     positive = tokens > 0  # sessions with no tokens have no place on a log axis
     ax.plot(rank[positive], tokens[positive], color=COLORS["line"], lw=2)
-    ax.axhline(usage["mean"], color=COLORS["accent"], ls="--", lw=1, label="Mean")
+    ax.axhline(usage.mean, color=COLORS["accent"], ls="--", lw=1, label="Mean")
     ax.set_yscale("log")
-    shown = "" if len(tokens) == usage["sessions"] else f" (top {len(tokens):,} shown)"
+    shown = "" if len(tokens) == usage.sessions else f" (top {len(tokens):,} shown)"
     ax.set_xlabel(f"Session rank by tokens{shown}")
     ax.set_ylabel("Tokens per session (log scale)")
-    ax.set_title(f"Tokens per session, {usage['sessions']:,} sessions")
+    ax.set_title(f"Tokens per session, {usage.sessions:,} sessions")
     ax.legend(loc="upper right")
 
 
 @_styled
-def session_usage_figure(usage: Section) -> Figure:
+def session_usage_figure(usage: SessionUsage) -> Figure:
     """Figure 8: how unevenly token usage is spread over sessions."""
     fig = new_figure(11, 4.2)
     lorenz, ranked = fig.subplots(1, 2)
@@ -204,19 +208,19 @@ def session_usage_figure(usage: Section) -> Figure:
     return fig
 
 
-def _imbalance_panels(line: Axes, hist: Axes, balance: Section) -> None:
-    imbalance = balance["imbalance"]
-    series = np.asarray(imbalance["series"], dtype=float)
-    first = balance.get("ramp_up_windows", 0)
-    minutes = (first + np.arange(len(series))) * float(balance["window_s"]) / 60
+def _imbalance_panels(line: Axes, hist: Axes, balance: Balance) -> None:
+    imbalance = balance.imbalance
+    series = np.asarray(imbalance.series, dtype=float)
+    first = balance.ramp_up_windows
+    minutes = (first + np.arange(len(series))) * balance.window_s / 60
     line.plot(minutes, series, color=COLORS["line"], lw=1.5, marker=".", ms=4)
-    for key, style in (("p50", ":"), ("max", "--")):
-        line.axhline(imbalance[key], color=COLORS["accent"], ls=style, lw=1, label=key)
+    for key, value, style in (("p50", imbalance.p50, ":"), ("max", imbalance.max, "--")):
+        line.axhline(value, color=COLORS["accent"], ls=style, lw=1, label=key)
     line.axhline(1, color="grey", lw=0.8)
     line.set_xlabel("Time (minutes)")
     line.set_ylabel("Imbalance (max / mean tokens)")
     ramp = f", after {first} ramp-up window{'s' if first != 1 else ''}" if first else ""
-    line.set_title(f"Per-window load imbalance, {balance['instances']} instances{ramp}")
+    line.set_title(f"Per-window load imbalance, {balance.instances} instances{ramp}")
     line.legend(loc="upper right")
     hist.hist(series, bins=min(30, max(5, len(series) // 4)), color=COLORS["line"], alpha=0.8)
     hist.set_xlabel("Imbalance (max / mean)")
@@ -225,9 +229,9 @@ def _imbalance_panels(line: Axes, hist: Axes, balance: Section) -> None:
     hist.set_title("Distribution")
 
 
-def _heatmap_panel(fig: Figure, ax: Axes, balance: Section) -> None:
-    heat = np.asarray(balance["heatmap"], dtype=float)
-    span = heat.shape[1] * float(balance["window_s"]) / 60
+def _heatmap_panel(fig: Figure, ax: Axes, balance: Balance) -> None:
+    heat = np.asarray(balance.heatmap, dtype=float)
+    span = heat.shape[1] * balance.window_s / 60
     image = ax.imshow(
         heat,
         aspect="auto",
@@ -240,13 +244,13 @@ def _heatmap_panel(fig: Figure, ax: Axes, balance: Section) -> None:
     ax.set_xlabel("Time (minutes)")
     ax.set_ylabel("Instance")
     ax.set_title(
-        f"In-flight tokens per instance (arrivals {balance['arrivals']}, "
-        f"durations {balance['durations']})"
+        f"In-flight tokens per instance (arrivals {balance.arrivals}, "
+        f"durations {balance.durations})"
     )
 
 
 @_styled
-def balance_figure(balance: Section) -> Figure:
+def balance_figure(balance: Balance) -> Figure:
     """Figure 9: how evenly least-in-flight-tokens dispatch can spread the load."""
     fig = new_figure(11, 7.5)
     axes = fig.subplot_mosaic(
@@ -257,29 +261,26 @@ def balance_figure(balance: Section) -> Figure:
     return fig
 
 
-FIGURES: dict[str, _Builder] = {
-    "reuse": reuse_figure,
-    "reuse_intervals": reuse_intervals_figure,
-    "triggers": triggers_figure,
-    "session_usage": session_usage_figure,
-    "balance": balance_figure,
-}
+def figures(result: Analysis) -> dict[str, Callable[[], Figure]]:
+    """What each section with data to draw is drawn by, keyed by section name in figure
+    order: absent sections and unmeasurable reuse have nothing to draw."""
+    found: dict[str, Callable[[], Figure]] = {}
+    if result.reuse.measurable:
+        found["reuse"] = partial(reuse_figure, result.reuse)
+    if result.reuse_intervals is not None:
+        found["reuse_intervals"] = partial(reuse_intervals_figure, result.reuse_intervals)
+    found["triggers"] = partial(triggers_figure, result.triggers)
+    found["session_usage"] = partial(session_usage_figure, result.session_usage)
+    found["balance"] = partial(balance_figure, result.balance)
+    return found
 
 
-def plottable(result: Mapping[str, Any], name: str) -> bool:
-    """Whether a section has data to draw: null sections and unmeasurable reuse have none."""
-    section = result.get(name)
-    return section is not None and section.get("measurable", True)
-
-
-def write_pngs(result: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
+def write_pngs(result: Analysis, out_dir: Path) -> dict[str, Path]:
     """Write ``<section>.png`` per plottable section; keys are section names, in figure order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    for name, build in FIGURES.items():
-        if not plottable(result, name):
-            continue
+    for name, draw in figures(result).items():
         path = out_dir / f"{name}.png"
-        build(result[name]).savefig(path, dpi=DPI)
+        draw().savefig(path, dpi=DPI)
         written[name] = path
     return written

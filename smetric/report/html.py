@@ -9,19 +9,26 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jinja2
 
 from smetric.report.terminal import (
-    TITLES,
     count,
-    finding,
+    findings,
     pct,
     seconds,
     shares,
     times,
     trace_facts,
+)
+from smetric.trace.analysis.results import (
+    Analysis,
+    Balance,
+    ReuseIntervals,
+    ReuseShares,
+    SessionUsage,
+    Triggers,
 )
 
 
@@ -37,94 +44,78 @@ class FigureBlock(NamedTuple):
     src: str | None  # None when the section has nothing to draw (e.g. reuse not measurable)
 
 
-def _reuse_numbers(reuse: Mapping[str, Any]) -> list[KeyNumber]:
-    if not reuse["measurable"]:
+def _reuse_numbers(reuse: ReuseShares) -> list[KeyNumber]:
+    if not reuse.measurable:
         return [KeyNumber("Ideal KV-cache reuse", "not measurable", "trace has no block ids")]
-    split = reuse["breakdown"]
+    split = reuse.breakdown
     return [
         KeyNumber(
             "Ideal KV-cache reuse",
-            pct(reuse["ratio"]),
-            f"of {count(reuse['prompt_tokens'])} prompt tokens",
+            pct(reuse.ratio),
+            f"of {count(reuse.prompt_tokens)} prompt tokens",
         ),
         KeyNumber(
             "Reuse split",
-            " / ".join(pct(split[k]) for k in ("intra_session", "inter_session", "system_prompt")),
+            " / ".join(
+                pct(v) for v in (split.intra_session, split.inter_session, split.system_prompt)
+            ),
             "intra-session / inter-session / system prompt",
         ),
     ]
 
 
-def _intervals_numbers(intervals: Mapping[str, Any]) -> list[KeyNumber]:
-    p = intervals["percentiles"]
-    return [
-        KeyNumber(
-            "Reuse interval",
-            f"{seconds(p['p50'])} / {seconds(p['p90'])}",
-            f"p50 / p90, {intervals['clock']} clock",
-        )
-    ]
+def _intervals_numbers(intervals: ReuseIntervals) -> KeyNumber:
+    p = intervals.percentiles
+    return KeyNumber(
+        "Reuse interval",
+        f"{seconds(p.p50)} / {seconds(p.p90)}",
+        f"p50 / p90, {intervals.clock} clock",
+    )
 
 
-def _triggers_numbers(triggers: Mapping[str, Any]) -> list[KeyNumber]:
-    ranked = sorted(shares(triggers["requests"]).items(), key=lambda kv: kv[1], reverse=True)
+def _triggers_numbers(triggers: Triggers) -> KeyNumber:
+    ranked = sorted(shares(triggers.requests).items(), key=lambda kv: kv[1], reverse=True)
     (top, top_share), rest = ranked[0], ranked[1:]
     note = " · ".join(f"{key} {pct(share)}" for key, share in rest)
-    return [KeyNumber("Requests triggered by", f"{top} {pct(top_share)}", note)]
+    return KeyNumber("Requests triggered by", f"{top} {pct(top_share)}", note)
 
 
-def _usage_numbers(usage: Mapping[str, Any]) -> list[KeyNumber]:
-    return [
-        KeyNumber(
-            "Top-10% sessions",
-            pct(usage["top_share"]["10%"]),
-            f"of all tokens, Gini {usage['gini']:.2f}",
-        )
-    ]
+def _usage_numbers(usage: SessionUsage) -> KeyNumber:
+    return KeyNumber(
+        "Top-10% sessions", pct(usage.top_share.top_10), f"of all tokens, Gini {usage.gini:.2f}"
+    )
 
 
-def _balance_numbers(balance: Mapping[str, Any]) -> list[KeyNumber]:
-    imbalance = balance["imbalance"]
-    return [
-        KeyNumber(
-            "Load imbalance",
-            f"{times(imbalance['mean'])} / {times(imbalance['max'])}",
-            f"mean / max per window, {balance['instances']} instances",
-        )
-    ]
+def _balance_numbers(balance: Balance) -> KeyNumber:
+    imbalance = balance.imbalance
+    return KeyNumber(
+        "Load imbalance",
+        f"{times(imbalance.mean)} / {times(imbalance.max)}",
+        f"mean / max per window, {balance.instances} instances",
+    )
 
 
-_NUMBERS = {
-    "reuse": _reuse_numbers,
-    "reuse_intervals": _intervals_numbers,
-    "triggers": _triggers_numbers,
-    "session_usage": _usage_numbers,
-    "balance": _balance_numbers,
-}
-
-
-def key_numbers(result: Mapping[str, Any]) -> list[KeyNumber]:
+def key_numbers(result: Analysis) -> list[KeyNumber]:
     """The headline number of each present finding, for the panel at the top of the page."""
-    numbers: list[KeyNumber] = []
-    for name, build in _NUMBERS.items():
-        if result.get(name) is not None:
-            numbers.extend(build(result[name]))
-    return numbers
+    numbers = _reuse_numbers(result.reuse)
+    if result.reuse_intervals is not None:
+        numbers.append(_intervals_numbers(result.reuse_intervals))
+    return [
+        *numbers,
+        _triggers_numbers(result.triggers),
+        _usage_numbers(result.session_usage),
+        _balance_numbers(result.balance),
+    ]
 
 
 def _data_uri(png: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
 
 
-def _figure_blocks(result: Mapping[str, Any], pngs: Mapping[str, Path]) -> list[FigureBlock]:
+def _figure_blocks(result: Analysis, pngs: Mapping[str, Path]) -> list[FigureBlock]:
     return [
-        FigureBlock(
-            title,
-            finding(result, name),
-            _data_uri(pngs[name]) if name in pngs else None,
-        )
-        for name, title in TITLES.items()
-        if result.get(name) is not None
+        FigureBlock(f.title, f.sentence, _data_uri(pngs[f.name]) if f.name in pngs else None)
+        for f in findings(result)
     ]
 
 
@@ -138,9 +129,9 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def write_html(result: Mapping[str, Any], pngs: Mapping[str, Path], path: Path) -> None:
+def write_html(result: Analysis, pngs: Mapping[str, Path], path: Path) -> None:
     """Render the one-page report; ``pngs`` maps section names to files from ``write_pngs``."""
-    trace = result["trace"]
+    trace = result.trace
     page = (
         _environment()
         .get_template("analysis.html.j2")

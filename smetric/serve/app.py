@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate
-from smetric.record.recorder import Observation, Recorder
+from smetric.record.recorder import RecordedRequest, Recorder
 from smetric.serve.analysis import Analyzer
 from smetric.serve.auth import KeyCheck
 from smetric.serve.buffered import ByteBudget
@@ -308,7 +308,7 @@ class Router:
             return
         facts, identity = completion.facts, completion.identity
         self.recorder.observe(
-            Observation(
+            RecordedRequest(
                 arrival_s=completion.received_at,
                 completion_s=completion.received_at + completion.duration_s,
                 blocks=facts.blocks,

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from smetric.core.errors import ConfigError
 from smetric.core.kv_events import EventIndex
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.scrape import EngineReport
@@ -174,7 +175,7 @@ def backend_named(name: str) -> EngineBackend:
     try:
         return BACKENDS[name]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown engine backend {name!r}; one of {', '.join(sorted(BACKENDS))}"
         ) from None
 

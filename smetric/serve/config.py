@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+from smetric.core.errors import ConfigError
 from smetric.core.kv_events import DEFAULT_MAX_BLOCKS, EventIndex
 from smetric.core.policies.decode import DECODE_POLICY_NAMES
 from smetric.core.settings import setting
@@ -162,7 +163,7 @@ class ServeOptions(FrontDoor):
 
 
 @dataclass(frozen=True)
-class Colocated:
+class ColocatedConfig:
     """A config's ``engines:``: engines that prefill and decode alike."""
 
     engines: tuple[str | ColocatedEngine, ...] = setting(
@@ -173,7 +174,7 @@ class Colocated:
 
 
 @dataclass(frozen=True)
-class ServeConfig(Colocated):
+class ServeConfig(ColocatedConfig):
     """A ``smetric serve --config`` file."""
 
     prefill_engines: tuple[str | EngineEntry, ...] = setting(
@@ -196,7 +197,7 @@ ENGINE_LISTS = ("engines", "prefill_engines", "decode_engines")
 def load_config(cls: type[C], path: Path | None) -> C:
     """The config file at ``path`` (None: every default) read as ``cls``; a key ``cls``
     does not know, a value of the wrong type or range, or a YAML syntax error is a
-    ValueError naming the file."""
+    ``ConfigError`` naming the file."""
     if path is None:
         return cls()
     data = read_yaml(path)
@@ -218,18 +219,18 @@ def engine_url(url: str) -> str:
     """``url`` without a trailing slash, once it is an http(s) URL with a host and a
     valid port (``http://host:99999`` is refused here, not at the first request)."""
     if not isinstance(url, str):
-        raise ValueError(f"engine {url!r} must be an http(s):// URL")
+        raise ConfigError(f"engine {url!r} must be an http(s):// URL")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"engine {url!r} must be an http(s):// URL with a host")
+        raise ConfigError(f"engine {url!r} must be an http(s):// URL with a host")
     try:
         parts.port  # noqa: B018 - raises on a port out of range or not a number
     except ValueError:
-        raise ValueError(f"engine {url!r}: the port must be a number from 1 to 65535") from None
+        raise ConfigError(f"engine {url!r}: the port must be a number from 1 to 65535") from None
     if parts.port == 0:
-        raise ValueError(f"engine {url!r}: the port must be a number from 1 to 65535")
+        raise ConfigError(f"engine {url!r}: the port must be a number from 1 to 65535")
     if parts.query or parts.fragment:
-        raise ValueError(f"engine {url!r}: a base URL has no query or fragment")
+        raise ConfigError(f"engine {url!r}: a base URL has no query or fragment")
     return url.rstrip("/")
 
 
@@ -253,8 +254,8 @@ def engines_from(
         key = entry.api_key or ""
         engines.append(Engine(url, blocks, events=index, backend=backend, api_key=key))
     if not engines:
-        raise ValueError("give at least one --engine URL (or engines: in --config)")
-    return engines, subscribers
+        raise ConfigError("give at least one --engine URL (or engines: in --config)")
+    return listed_once(engines), subscribers
 
 
 def disaggregation_from(config: ServeConfig) -> tuple[list[Engine], Disaggregation] | None:
@@ -280,7 +281,17 @@ def disaggregation_from(config: ServeConfig) -> tuple[list[Engine], Disaggregati
         frozenset(e.url for e in decodes),
         config.router.decode_policy,
     )
-    return prefills + decodes, disagg
+    return listed_once(prefills + decodes), disagg
+
+
+def listed_once(engines: list[Engine]) -> list[Engine]:
+    """``engines``, once no URL is listed twice (flags and file together)."""
+    seen: set[str] = set()
+    for engine in engines:
+        if engine.url in seen:
+            raise ConfigError(f"engine {engine.url} is listed twice")
+        seen.add(engine.url)
+    return engines
 
 
 def router_settings(options: RouterSettings) -> RouterSettings:

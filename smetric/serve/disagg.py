@@ -42,6 +42,7 @@ from typing import Any
 
 from aiohttp import web
 
+from smetric.core.errors import ConfigError
 from smetric.core.headers import (
     DECODE_HEADER,
     PREDICTED_HIT_HEADER,
@@ -99,9 +100,9 @@ class Disaggregation:
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
-            raise ValueError("a disaggregated cluster needs prefill and decode engines")
+            raise ConfigError("a disaggregated cluster needs prefill and decode engines")
         if self.prefill_urls & self.decode_urls:
-            raise ValueError("an engine cannot be both a prefill and a decode engine")
+            raise ConfigError("an engine cannot be both a prefill and a decode engine")
         self._decode = make_decode_policy(self.decode_policy)
 
     def attach(self, wiring: Wiring) -> Disaggregation:

@@ -33,6 +33,7 @@ import dns.exception
 import dns.rdatatype
 import dns.resolver
 
+from smetric.core.errors import ConfigError, UserError
 from smetric.serve.engines import Engine
 
 log = logging.getLogger("smetric.serve")
@@ -55,7 +56,7 @@ class DnsTarget:
         kinds = {"dns": (False, "http"), "dns+srv": (True, "http")}
         kinds |= {"dns+https": (False, "https"), "dns+srv+https": (True, "https")}
         if parts.scheme not in kinds or not parts.hostname:
-            raise ValueError(
+            raise ConfigError(
                 f"engine discovery {spec!r}: expected dns://NAME:PORT (A/AAAA records) or "
                 "dns+srv://NAME (SRV records)"
             )
@@ -63,9 +64,9 @@ class DnsTarget:
         try:
             port = parts.port
         except ValueError:
-            raise ValueError(f"engine discovery {spec!r}: bad port") from None
+            raise ConfigError(f"engine discovery {spec!r}: bad port") from None
         if not srv and port is None:
-            raise ValueError(f"engine discovery {spec!r}: give the engines' port (NAME:PORT)")
+            raise ConfigError(f"engine discovery {spec!r}: give the engines' port (NAME:PORT)")
         return cls(parts.hostname, port, srv, scheme)
 
 
@@ -81,7 +82,7 @@ def resolver_for(server: str | None, timeout_s: float = 2.0) -> dns.asyncresolve
             ipaddress.ip_address(host.strip("[]"))
             resolver.port = int(port) if port else 53
         except ValueError:
-            raise ValueError(f"DNS server {server!r}: expected IP or IP:PORT") from None
+            raise ConfigError(f"DNS server {server!r}: expected IP or IP:PORT") from None
         resolver.nameservers = [host.strip("[]")]
     resolver.lifetime = timeout_s
     return resolver
@@ -233,7 +234,7 @@ async def first_engines(
         if not required:
             return set()
         if loop.time() >= deadline:
-            raise ValueError(f"no engine found at {target.name} within {wait_s:g} s")
+            raise UserError(f"no engine found at {target.name} within {wait_s:g} s")
         await asyncio.sleep(interval_s)
 
 

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from smetric.core.errors import ConfigError
 from smetric.model.kv import GlobalTier
 from smetric.serve.engines import Engine
 
@@ -49,7 +50,7 @@ class OffloadEvents:
     def __init__(self, engines: Sequence[Engine]) -> None:
         self.indexes = [e.events for e in engines if e.events is not None]
         if not self.indexes:
-            raise ValueError(
+            raise ConfigError(
                 "--global-tier events needs an engine with kv_events in --config "
                 "(engines that offload report their CPU blocks there)"
             )
@@ -90,15 +91,15 @@ def global_tier_from(
     """The view ``--global-tier`` names; ``capacity_tokens`` bounds ``full`` (0: never
     evicts)."""
     if kind not in GLOBAL_TIERS:
-        raise ValueError(f"unknown global tier {kind!r}; one of {', '.join(GLOBAL_TIERS)}")
+        raise ConfigError(f"unknown global tier {kind!r}; one of {', '.join(GLOBAL_TIERS)}")
     if capacity_tokens < 0:
-        raise ValueError(f"the global tier's capacity must be >= 0 tokens, got {capacity_tokens}")
+        raise ConfigError(f"the global tier's capacity must be >= 0 tokens, got {capacity_tokens}")
     if capacity_tokens and kind != "full":
-        raise ValueError("a global-tier capacity in tokens applies to --global-tier full only")
+        raise ConfigError("a global-tier capacity in tokens applies to --global-tier full only")
     if kind == "events":
         return OffloadEvents(engines)
     if kind == "full":
         if 0 < capacity_tokens < block_size:
-            raise ValueError(f"a global tier of {capacity_tokens} tokens holds no block")
+            raise ConfigError(f"a global tier of {capacity_tokens} tokens holds no block")
         return ServedPrompts(capacity_tokens // block_size or None)
     return None

@@ -17,14 +17,16 @@ from __future__ import annotations
 import contextlib
 import socket
 
+from smetric.core.errors import UserError
+
 
 def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
     """``count`` listening sockets on ``host:port`` (0: one the OS picks, shared by all);
-    ValueError, said plainly, if it is taken."""
+    ``UserError``, said plainly, if it is taken."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     family, _, _, _, address = infos[0]
     sockets: list[socket.socket] = []
     try:
@@ -37,7 +39,7 @@ def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
         for sock in sockets:
             sock.close()
         reason = "the port is already in use" if exc.errno == 98 else exc.strerror
-        raise ValueError(f"cannot listen on {host}:{port}: {reason}") from None
+        raise UserError(f"cannot listen on {host}:{port}: {reason}") from None
     return sockets
 
 

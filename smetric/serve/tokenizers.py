@@ -21,6 +21,7 @@ import aiohttp
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import Api, ChatTemplate, RequestFacts, analyze_request
+from smetric.core.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import tokenizers
@@ -52,25 +53,25 @@ def load_hf_tokenizer(path: Path) -> tuple[HFTokenizer, ChatTemplate | None]:
     The template comes from ``chat_template.jinja`` when present (newer ``transformers``
     save it there, and prefer it), else from ``tokenizer_config.json``'s ``chat_template``,
     which older models keep as a string or as a list of named templates, of which the
-    engine uses ``default`` for plain chat. Problems raise ``ValueError`` at start-up rather
+    engine uses ``default`` for plain chat. Problems raise ``UserError`` at start-up rather
     than leaving the router to guess at every request.
     """
     try:
         import tokenizers
     except ImportError as error:  # an optional dependency: byte-level routing needs none
-        raise ValueError(
+        raise UserError(
             "Hugging Face tokenizers need the 'tokenizers' package: pip install 'smetric[hf]'"
         ) from error
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"tokenizer folder {path} does not exist")
+        raise ConfigError(f"tokenizer folder {path} does not exist")
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise ValueError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
+        raise ConfigError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     except Exception as error:  # the Rust loader raises bare Exception on bad files
-        raise ValueError(f"cannot read {tokenizer_file}: {error}") from error
+        raise UserError(f"cannot read {tokenizer_file}: {error}") from error
     config = _read_config(path / "tokenizer_config.json")
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
@@ -97,7 +98,7 @@ def make_tokenizer(spec: str) -> tuple[Tokenizer, ChatTemplate | None]:
         return ByteTokenizer(), None
     if spec.startswith(_HF_PREFIX) and spec[len(_HF_PREFIX) :]:
         return load_hf_tokenizer(Path(spec[len(_HF_PREFIX) :]).expanduser())
-    raise ValueError(f"unknown tokenizer {spec!r}; expected 'bytes' or 'hf:/path/to/dir'")
+    raise ConfigError(f"unknown tokenizer {spec!r}; expected 'bytes' or 'hf:/path/to/dir'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,9 +199,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read {path}: {error}") from error
+        raise UserError(f"cannot read {path}: {error}") from error
     if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+        raise UserError(f"{path} must hold a JSON object")
     return config
 
 
@@ -214,8 +215,8 @@ def _default_template(template: object, path: Path) -> str:
                 named = entry.get("template")
                 if isinstance(named, str):
                     return named
-        raise ValueError(f"{path}: chat_template lists no template named 'default'")
-    raise ValueError(f"{path}: chat_template must be a string or a list of named templates")
+        raise UserError(f"{path}: chat_template lists no template named 'default'")
+    raise UserError(f"{path}: chat_template must be a string or a list of named templates")
 
 
 def _token_text(token: object) -> str:

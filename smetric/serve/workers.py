@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from aiohttp import web
 
+from smetric.core.errors import ConfigError
 from smetric.serve.app import Router
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 from smetric.serve.global_tier import ServedPrompts
@@ -62,7 +63,17 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def serve(router: Router, sockets: list[socket.socket]) -> None:
+def check_workers(router: Router, workers: int) -> None:
+    """Refuse what several workers cannot share: an engine's KV-event endpoint that the
+    router binds (each worker subscribes on its own)."""
+    if workers > 1 and any(s.bind for s in router.subscribers.values()):
+        raise ConfigError(
+            "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
+            "let the engines bind (tcp://*:port) and give 'bind: false'"
+        )
+
+
+def serve_router(router: Router, sockets: list[socket.socket]) -> None:
     """Serve ``router`` on the listening ``sockets`` (``serve.listen``), one worker process
     each, until SIGINT or SIGTERM."""
     if len(sockets) == 1:
@@ -112,7 +123,7 @@ class PeerViews:
         ``worker``; returns the app's cleanup context that reads the peers' messages while
         the app runs."""
         if len(engines) >= _GLOBAL_TIER:
-            raise ValueError(f"at most {_GLOBAL_TIER - 1} engines with several workers")
+            raise ConfigError(f"at most {_GLOBAL_TIER - 1} engines with several workers")
         own = self.sockets[worker]
         peers = [a for w, a in enumerate(self.addresses) if w != worker]
         for number, engine in enumerate(engines):
@@ -183,11 +194,6 @@ def _fork_workers(router: Router, sockets: list[socket.socket]) -> None:
     """Fork a copy of ``router`` onto each of ``sockets`` and keep them running
     (``_supervise``) until SIGINT or SIGTERM."""
     workers = len(sockets)
-    if any(s.bind for s in router.subscribers.values()):
-        raise ValueError(
-            "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
-            "let the engines bind (tcp://*:port) and give 'bind: false'"
-        )
     engines = router.engines
     shared = mmap.mmap(-1, 8 * LOAD_COLUMNS * workers * len(engines))  # MAP_SHARED: survives fork
     load = np.frombuffer(shared, dtype=np.int64).reshape(workers, len(engines), LOAD_COLUMNS)

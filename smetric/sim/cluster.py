@@ -20,6 +20,8 @@ from smetric.core.blocks import reusable_hit_tokens
 from smetric.core.errors import ConfigError
 from smetric.core.policies import ClusterView, Learning, Observation, Policy, RoutingRequest
 from smetric.core.settings import check_settings
+from smetric.metrics.results import RunSummary
+from smetric.metrics.summary import summarize, with_latencies
 from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.model.perf import (
     Corrections,
@@ -32,6 +34,7 @@ from smetric.model.perf import (
 )
 from smetric.sim.config import (
     ClusterConfig,
+    SimConfig,
     check_kv_load,
     parse_global_capacity,
 )
@@ -239,6 +242,16 @@ class Simulation:
             self.progress(horizon)
         return self.log.table(self.inflight.values())
 
+    def scored(self, requests: pl.DataFrame, config: SimConfig) -> tuple[pl.DataFrame, RunSummary]:
+        """The run's table (``run``'s) with each request's latencies and SLO verdict, and
+        the summary over it (``metrics.summary``)."""
+        horizon = self.workload.horizon_s
+        table = with_latencies(requests, config.slo, horizon)
+        summary = summarize(
+            table, config.slo, horizon, config.cluster.instances, config.window_s, config.warmup_s
+        )
+        return table, summary
+
     def arrive(self, req: SimRequest, now: float) -> None:
         req.arrival = now
         self.inflight[req.rid] = req
@@ -249,13 +262,13 @@ class Simulation:
             self.completed(req, now)
             return
         view = self.view(req)
-        decision = self.policy.route(
+        choice = self.policy.route(
             RoutingRequest(req.turn, req.prompt, req.est_hit, req.session), view
         )
-        req.instance, req.branch = decision
-        req.seen_local_hit = view.hit_tokens[decision.instance]
-        req.seen_queued = view.unprefilled_tokens[decision.instance]
-        self.dispatch(self.instances[decision.instance], self.work(req), now)
+        req.instance, req.branch = choice
+        req.seen_local_hit = view.hit_tokens[choice.instance]
+        req.seen_queued = view.unprefilled_tokens[choice.instance]
+        self.dispatch(self.instances[choice.instance], self.work(req), now)
 
     def work(self, req: SimRequest) -> SimRequest:
         """What the routed instance runs for a request: here the request itself."""

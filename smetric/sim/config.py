@@ -8,6 +8,7 @@ with ``smetric simulate --config RESULT/config.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,10 +250,12 @@ def parse_global_capacity(text: str) -> float | None:
         return None
     try:
         ratio = float(value.removesuffix("x"))
-    except ValueError as exc:
+    except ValueError:
+        ratio = math.nan
+    if not math.isfinite(ratio):  # "nanx" and "1e400x" read as floats, but as no capacity
         raise ConfigError(
             f"global capacity {text!r}: use none, full, or a ratio to local capacity like 1.6x"
-        ) from exc
+        )
     if ratio < 0:
         raise ConfigError(f"global capacity {text!r} must not be negative")
     return ratio

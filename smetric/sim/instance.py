@@ -89,6 +89,15 @@ class SimRequest:
     first_token_tokens: int = 0
     first_token_routed: int = 0
 
+    def leg(self, output: int, est_hit: int, instance: int) -> SimRequest:
+        """A fresh request for this one's prompt, run on ``instance`` as one leg of a
+        disaggregated request (the prefill's, asking for one token; the decode's): the
+        same identity and prompt, none of this one's progress."""
+        return SimRequest(
+            self.rid, self.session, self.turn, self.blocks, self.prompt, output, est_hit,
+            self.block_size, arrival=self.arrival, instance=instance,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class EngineLimits:

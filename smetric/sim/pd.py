@@ -49,10 +49,7 @@ from smetric.model.kv import GlobalTier, Link, LocalPool, Route
 from smetric.sim.cluster import WAKE, Simulation, engine_model, routes
 from smetric.sim.config import ClusterConfig, SimConfig
 from smetric.sim.instance import Instance, SimRequest
-from smetric.sim.policy import cluster_policy, policy_learning
-from smetric.sim.result import RunResult, with_simulated
-from smetric.sim.workload import SimWorkload, build_workload
-from smetric.trace.schema import Trace
+from smetric.sim.workload import SimWorkload
 
 
 @dataclass(eq=False)
@@ -184,10 +181,7 @@ class DisaggSimulation(Simulation):
 
     def work(self, req: SimRequest) -> SimRequest:
         """The proxy's prefill request: the same prompt, one token (``max_tokens=1``)."""
-        return SimRequest(
-            req.rid, req.session, req.turn, req.blocks, req.prompt, 1, req.est_hit,
-            req.block_size, arrival=req.arrival, instance=req.instance,
-        )  # fmt: skip
+        return req.leg(output=1, est_hit=req.est_hit, instance=req.instance)
 
     def completed(self, req: SimRequest, now: float) -> None:
         client = self.inflight[req.rid]
@@ -222,11 +216,7 @@ class DisaggSimulation(Simulation):
         decoder.sources[req.rid] = Route(
             self.instances[req.instance].tier_route.nic, decoder.tier_route.nic
         )
-        decode = SimRequest(
-            client.rid, client.session, client.turn, client.blocks, client.prompt,
-            client.output, 0, client.block_size, arrival=client.arrival,
-            instance=decoder.index,
-        )  # fmt: skip
+        decode = client.leg(output=client.output, est_hit=0, instance=decoder.index)
         self.dispatch(decoder, decode, now)
 
     def _pulled(self, rid: int, at: float) -> None:
@@ -241,6 +231,16 @@ class DisaggSimulation(Simulation):
             return list({id(i.tier_route.nic): i.tier_route.nic for i in instances}.values())
 
         return distinct(self.instances[: self.routed]), distinct(self.decoders)
+
+    def scored(self, requests: pl.DataFrame, config: SimConfig) -> tuple[pl.DataFrame, RunSummary]:
+        """The colocated scoring with each request's handoff, the prefill stage's latency
+        and the PD section (``pd_summary``)."""
+        horizon = self.workload.horizon_s
+        table = requests.join(handoff_table(self), on="request_id", how="left")
+        table = with_prefill_latency(
+            with_latencies(table, config.slo, horizon), config.slo, horizon
+        )
+        return table, pd_summary(table, config, self, horizon)
 
 
 def handoff_table(sim: DisaggSimulation) -> pl.DataFrame:
@@ -293,26 +293,3 @@ def pd_summary(
         nic_utilisation=NicUse(prefill=utilisation(prefill_nics), decode=utilisation(decode_nics)),
     )
     return msgspec.structs.replace(summary, pd=pd)
-
-
-def simulate_disaggregated(
-    trace: Trace,
-    config: SimConfig,
-    policy: str,
-    progress: Callable[[float], None] | None = None,
-):
-    """One disaggregated run: ``run.simulate``'s result for a PD cluster."""
-    workload = build_workload(trace, config.workload)
-    router, params = cluster_policy(policy, config.cluster)
-    learning = policy_learning(router, policy)
-    sim = DisaggSimulation(config.cluster, router, workload, progress, learning)
-    horizon = workload.horizon_s
-    table = sim.run().join(handoff_table(sim), on="request_id", how="left")
-    table = with_prefill_latency(with_latencies(table, config.slo, horizon), config.slo, horizon)
-    summary = with_simulated(
-        pd_summary(table, config, sim, horizon),
-        sim.instances[: sim.routed],
-        sim.instances,
-        learning,
-    )
-    return RunResult(policy, table, summary, sim.shape, params)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from smetric.metrics.summary import summarize, with_latencies
 from smetric.sim.cluster import Simulation
 from smetric.sim.config import SimConfig
-from smetric.sim.pd import simulate_disaggregated
+from smetric.sim.pd import DisaggSimulation
 from smetric.sim.policy import cluster_policy, policy_learning
 from smetric.sim.result import RunResult, with_simulated
 from smetric.sim.workload import build_workload
@@ -21,16 +20,14 @@ def simulate(
     policy: str,
     progress: Callable[[float], None] | None = None,
 ) -> RunResult:
-    if config.cluster.prefill_instances:
-        return simulate_disaggregated(trace, config, policy, progress)
+    """One run of ``policy``: on a colocated cluster, or a disaggregated one
+    (``sim.pd``) where the cluster has prefill instances; each scores its own table."""
     workload = build_workload(trace, config.workload)
     router, params = cluster_policy(policy, config.cluster)
     learning = policy_learning(router, policy)
-    sim = Simulation(config.cluster, router, workload, progress, learning)
-    horizon = workload.horizon_s
-    table = with_latencies(sim.run(), config.slo, horizon)
-    summary = summarize(
-        table, config.slo, horizon, config.cluster.instances, config.window_s, config.warmup_s
-    )
-    summary = with_simulated(summary, sim.instances, sim.instances, learning)
+    kind = DisaggSimulation if config.cluster.prefill_instances else Simulation
+    sim = kind(config.cluster, router, workload, progress, learning)
+    table, summary = sim.scored(sim.run(), config)
+    # Only the routed instances read and write the global tier.
+    summary = with_simulated(summary, sim.instances[: sim.routed], sim.instances, learning)
     return RunResult(policy, table, summary, sim.shape, params)

@@ -17,7 +17,7 @@ from smetric.sim.seeds import mean_summary, spread
 
 
 def parse_rates(text: str, what: str = "--rates") -> list[float]:
-    """'0.1,0.2' -> the offered rates; a ValueError naming ``what`` unless all are positive."""
+    """'0.1,0.2' -> the offered rates; a ``ConfigError`` naming ``what`` unless all are positive."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:

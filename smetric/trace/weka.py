@@ -46,7 +46,9 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
-class Call(msgspec.Struct, tag_field="type"):
+class CallRecord(msgspec.Struct, tag_field="type"):
+    """A session file's record of one API call, streamed (``s``) or not (``n``)."""
+
     t: float
     in_: NonNegInt = msgspec.field(name="in")
     out: NonNegInt = 0
@@ -57,11 +59,11 @@ class Call(msgspec.Struct, tag_field="type"):
     think_time: float | None = None
 
 
-class NonStreamingCall(Call, tag="n"):
+class NonStreamingCall(CallRecord, tag="n"):
     pass
 
 
-class StreamingCall(Call, tag="s"):
+class StreamingCall(CallRecord, tag="s"):
     pass
 
 
@@ -217,7 +219,7 @@ def _framework_key(model: str, tool_tokens: int, system_tokens: int) -> str:
     return f"{model}|tools={tool_tokens}|system={system_tokens}"
 
 
-def _trigger(call: Call, turn: int, spawned: bool, compaction: bool) -> Trigger:
+def _trigger(call: CallRecord, turn: int, spawned: bool, compaction: bool) -> Trigger:
     """User-typed turns carry only text; tool results mean the agent loop sent it."""
     if compaction:
         return Trigger.COMPACTION
@@ -323,7 +325,7 @@ def _add_agent(
         turn += 1
 
 
-def _think_time(call: Call, t: float, rows: _Rows, parent: int | None) -> float | None:
+def _think_time(call: CallRecord, t: float, rows: _Rows, parent: int | None) -> float | None:
     """The recorded gap when present, else derived from the parent's start and duration."""
     if parent is None:
         return None

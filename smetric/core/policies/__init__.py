@@ -6,8 +6,8 @@ and call its ``route``; feed its ``learning`` (if any) every completed request.
 
 from smetric.core.policies.base import (
     LOAD_SIGNALS,
+    Choice,
     ClusterView,
-    Decision,
     Learner,
     Learning,
     Observation,
@@ -34,8 +34,8 @@ __all__ = [
     "LOAD_SIGNALS",
     "POLICIES",
     "POLICY_NAMES",
+    "Choice",
     "ClusterView",
-    "Decision",
     "Learner",
     "Learning",
     "Observation",

@@ -77,7 +77,9 @@ def balances_load(cls: type) -> bool:
     return any(f.metadata.get("load_signal") for f in fields(cls))
 
 
-class Decision(NamedTuple):
+class Choice(NamedTuple):
+    """A policy's pick: an index into the view's instances, and the branch that chose it."""
+
     instance: int
     branch: str
 
@@ -142,7 +144,7 @@ class Policy(Protocol):
     @property
     def branches(self) -> tuple[str, ...]: ...
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision: ...
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -168,7 +170,7 @@ class RoutingPolicy(ABC):
         self.derive()
 
     @abstractmethod
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision: ...
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice: ...
 
     def derive(self) -> None:
         """Work out what the policy computes from its parameters once rather than per

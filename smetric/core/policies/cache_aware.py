@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from smetric.core.policies.base import (
+    Choice,
     ClusterView,
-    Decision,
     RoutingPolicy,
     RoutingRequest,
     load_signal,
@@ -39,14 +39,14 @@ class CacheAware(RoutingPolicy):
     load: str = load_signal()
     _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice:
         loads = getattr(view, self.load)
         high, low = max(loads), min(loads)
         if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
-            return Decision(self._ties.argmin(loads), "imbalance_balance")
+            return Choice(self._ties.argmin(loads), "imbalance_balance")
         hits = view.hit_tokens
         target = best_hit(hits, loads)
         # hit/prompt > threshold, written so that an empty prompt is simply no match.
         if hits[target] > self.cache_threshold * request.prompt_tokens:
-            return Decision(target, "cache_hit")
-        return Decision(self._ties.argmin(loads), "low_match_balance")
+            return Choice(target, "cache_hit")
+        return Choice(self._ties.argmin(loads), "low_match_balance")

@@ -1,7 +1,7 @@
 """How a disaggregated cluster picks the decode instance for a prefilled request.
 
 The simulator and the live router build the same ``DecodeView`` and call the same rule,
-so the two drivers choose alike. A rule answers with a ``Decision`` naming its branch, as
+so the two drivers choose alike. A rule answers with a ``Choice`` naming its branch, as
 the routing policies do.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from smetric.core.errors import ConfigError
-from smetric.core.policies.base import Decision
+from smetric.core.policies.base import Choice
 from smetric.core.policies.ties import TieBreaker
 
 
@@ -39,7 +39,7 @@ class DecodePolicy(ABC):
         self._ties = TieBreaker()
 
     @abstractmethod
-    def choose(self, view: DecodeView) -> Decision: ...
+    def choose(self, view: DecodeView) -> Choice: ...
 
 
 class LeastKV(DecodePolicy):
@@ -53,12 +53,12 @@ class LeastKV(DecodePolicy):
     branches = ("least_kv", "least_requests_fallback")
     __slots__ = ()
 
-    def choose(self, view: DecodeView) -> Decision:
+    def choose(self, view: DecodeView) -> Choice:
         known = [used for used in view.kv_used_fraction if used is not None]
         if len(known) < len(view.kv_used_fraction):
             counts = [float(n) for n in view.inflight_requests]
-            return Decision(self._ties.argmin(counts), "least_requests_fallback")
-        return Decision(self._ties.argmin(known), "least_kv")
+            return Choice(self._ties.argmin(counts), "least_requests_fallback")
+        return Choice(self._ties.argmin(known), "least_kv")
 
 
 class LeastRequests(DecodePolicy):
@@ -68,9 +68,9 @@ class LeastRequests(DecodePolicy):
     branches = ("least_requests",)
     __slots__ = ()
 
-    def choose(self, view: DecodeView) -> Decision:
+    def choose(self, view: DecodeView) -> Choice:
         counts = [float(n) for n in view.inflight_requests]
-        return Decision(self._ties.argmin(counts), "least_requests")
+        return Choice(self._ties.argmin(counts), "least_requests")
 
 
 class RoundRobinDecode(DecodePolicy):
@@ -80,8 +80,8 @@ class RoundRobinDecode(DecodePolicy):
     branches = ("round_robin",)
     __slots__ = ()
 
-    def choose(self, view: DecodeView) -> Decision:
-        return Decision(self._ties.take(len(view.inflight_requests)), "round_robin")
+    def choose(self, view: DecodeView) -> Choice:
+        return Choice(self._ties.take(len(view.inflight_requests)), "round_robin")
 
 
 DECODE_POLICIES: dict[str, type[DecodePolicy]] = {

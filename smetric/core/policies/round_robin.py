@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.policies.base import Choice, ClusterView, RoutingPolicy, RoutingRequest
 from smetric.core.policies.ties import TieBreaker
 
 
@@ -17,5 +17,5 @@ class RoundRobin(RoutingPolicy):
 
     _turns: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        return Decision(self._turns.take(len(view.hit_tokens)), "round_robin")
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice:
+        return Choice(self._turns.take(len(view.hit_tokens)), "round_robin")

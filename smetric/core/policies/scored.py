@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from smetric.core.policies.base import ClusterView, Decision, RoutingPolicy, RoutingRequest
+from smetric.core.policies.base import Choice, ClusterView, RoutingPolicy, RoutingRequest
 from smetric.core.policies.ties import TieBreaker
 
 
@@ -21,5 +21,5 @@ class Scored(RoutingPolicy):
     @abstractmethod
     def scores(self, request: RoutingRequest, view: ClusterView) -> Sequence[float]: ...
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
-        return Decision(self._ties.argmin(self.scores(request, view)), self.branch)
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice:
+        return Choice(self._ties.argmin(self.scores(request, view)), self.branch)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from smetric.core.policies.base import (
+    Choice,
     ClusterView,
-    Decision,
     RoutingPolicy,
     RoutingRequest,
     load_signal,
@@ -58,11 +58,11 @@ class SessionHash(RoutingPolicy):
     load: str = load_signal()
     _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice:
         key = request.session_key
         if not key:
-            return Decision(self._ties.argmin(getattr(view, self.load)), "no_session_key")
+            return Choice(self._ties.argmin(getattr(view, self.load)), "no_session_key")
         ids = view.instance_ids
         if ids is None:
-            return Decision(rendezvous(key, len(view.hit_tokens)), "hash")
-        return Decision(highest_random_weight(key, ids), "hash")
+            return Choice(rendezvous(key, len(view.hit_tokens)), "hash")
+        return Choice(highest_random_weight(key, ids), "hash")

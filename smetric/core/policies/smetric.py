@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from smetric.core.policies.base import (
+    Choice,
     ClusterView,
-    Decision,
     RoutingPolicy,
     RoutingRequest,
     load_signal,
@@ -39,10 +39,10 @@ class SMetric(RoutingPolicy):
     load: str = load_signal()
     _ties: TieBreaker = field(default_factory=TieBreaker, init=False, repr=False)
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice:
         loads = getattr(view, self.load)
         if request.turn == 0:
-            return Decision(self._ties.argmin(loads), "first_turn_balance")
+            return Choice(self._ties.argmin(loads), "first_turn_balance")
         hits = view.hit_tokens
         target = best_hit(hits, loads)
         if loads[target] > self.overload * sum(loads) / len(loads):
@@ -50,5 +50,5 @@ class SMetric(RoutingPolicy):
         elif not hits[target] > self.hit_ratio * request.est_hit_tokens:
             branch = "evicted_fallback"
         else:
-            return Decision(target, "sticky")
-        return Decision(self._ties.argmin(loads), branch)
+            return Choice(target, "sticky")
+        return Choice(self._ties.argmin(loads), branch)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from smetric.core.errors import ConfigError
 from smetric.core.policies.base import (
+    Choice,
     ClusterView,
-    Decision,
     Learner,
     RoutingPolicy,
     RoutingRequest,
@@ -171,11 +171,11 @@ class SMetricCost(RoutingPolicy):
             out.append(queued * queue_s + (weight + shared * running) * work + held * decode_s)
         return out
 
-    def route(self, request: RoutingRequest, view: ClusterView) -> Decision:
+    def route(self, request: RoutingRequest, view: ClusterView) -> Choice:
         if request.turn == 0:
             held = view.inflight_prompt_tokens
             loads = view.inflight_requests if held is None else held
-            return Decision(self._ties.argmin(loads), "first_turn_balance")
+            return Choice(self._ties.argmin(loads), "first_turn_balance")
         costs = self.costs(request, view)
         hits = view.hit_tokens
         target = best_hit(hits, costs)
@@ -191,4 +191,4 @@ class SMetricCost(RoutingPolicy):
             branch = "move_fetch"
         else:
             branch = "move_recompute"
-        return Decision(target, branch)
+        return Choice(target, branch)

@@ -1,7 +1,8 @@
 """The paper's workload study (§3), computed for any loaded trace.
 
-``analyze`` returns one JSON-able dict with every figure's data; ``smetric.report`` turns
-it into a terminal summary, PNG plots and an HTML page.
+``analyze`` returns one typed record with every figure's data (``results.Analysis``, the
+schema of ``analysis.json``); ``smetric.report`` turns it into a terminal summary, PNG
+plots and an HTML page.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import polars as pl
 
 from smetric.trace.analysis.balance import balance_potential
+from smetric.trace.analysis.results import Analysis, Balance, Clock, Durations, TraceFacts
 from smetric.trace.analysis.reuse import ideal_reuse, interval_summary
 from smetric.trace.analysis.usage import session_usage, trigger_breakdown
 from smetric.trace.compose import session_schedule
@@ -47,11 +49,12 @@ def execution_times(requests: pl.DataFrame) -> tuple[np.ndarray, int]:
 
 
 def balance_study(
-    trace: Trace, durations: np.ndarray, options: AnalysisOptions
-) -> tuple[dict, str | None]:
+    trace: Trace, durations: np.ndarray, options: AnalysisOptions, recorded: Durations
+) -> tuple[Balance, str | None]:
     """Figure 9 on the trace's own clock, or on sessions laid out by a Poisson process.
 
-    A session trace without a clock is laid out at ``session_rate`` for ``layout_s``
+    ``recorded`` says how many durations the trace recorded, for the result. A session
+    trace without a clock is laid out at ``session_rate`` for ``layout_s``
     (sessions drawn again when the trace runs out, as the composer does); only windows
     within that period count, so the ramp-down after the last start does not.
     """
@@ -59,8 +62,16 @@ def balance_study(
     tokens = (requests["input_tokens"] + requests["output_tokens"]).to_numpy()
     if trace.has_clock:
         arrivals = requests["arrival_s"].to_numpy().astype(np.float64)
-        result = balance_potential(arrivals, durations, tokens, options.instances, options.window_s)
-        return {**result, "arrivals": "recorded"}, None
+        result = balance_potential(
+            arrivals,
+            durations,
+            tokens,
+            options.instances,
+            options.window_s,
+            arrivals="recorded",
+            durations=recorded,
+        )
+        return result, None
     rows, starts = session_schedule(
         trace, rate=options.session_rate, duration_s=options.layout_s, seed=options.seed
     )
@@ -72,25 +83,27 @@ def balance_study(
         options.instances,
         options.window_s,
         until_s=options.layout_s,
+        arrivals="composed",
+        durations=recorded,
     )
     note = (
         f"No global clock: for the balance study, sessions start by a Poisson process at "
         f"{options.session_rate:g}/s for {options.layout_s:g} s (seed {options.seed}), "
         f"{len(np.unique(starts))} session starts, {len(rows):,} requests."
     )
-    return {**result, "arrivals": "composed"}, note
+    return result, note
 
 
 def analyze(
     trace: Trace,
     options: AnalysisOptions | None = None,
     progress: Callable[[int], None] | None = None,
-) -> dict:
+) -> Analysis:
     """Every finding of §3; ``progress`` is told how many requests the reuse replay did."""
     options = options or AnalysisOptions()
     requests = trace.requests
     durations, estimated = execution_times(requests)
-    clock = "global" if trace.has_clock else "session"
+    clock: Clock = "global" if trace.has_clock else "session"
     issue = (requests["arrival_s"] if trace.has_clock else requests["session_time_s"]).to_numpy()
     issue = np.nan_to_num(issue.astype(np.float64))
     measurable = bool(requests["block_ids"].list.len().sum())
@@ -105,31 +118,31 @@ def analyze(
             f"estimated as input/{ESTIMATED_PREFILL_TOK_S:.0f} + "
             f"output/{ESTIMATED_DECODE_TOK_S:.0f} tokens per second."
         )
-    balance, layout_note = balance_study(trace, durations, options)
-    balance["durations"] = (
+    recorded: Durations = (
         "recorded"
         if not estimated
         else ("estimated" if estimated == trace.num_requests else "recorded, some estimated")
     )
+    balance, layout_note = balance_study(trace, durations, options, recorded)
     if layout_note:
         notes.append(layout_note)
 
     block_sizes = requests["block_size"].unique().to_list()
-    return {
-        "trace": {
-            "name": trace.name,
-            "format": trace.source_format,
-            "requests": trace.num_requests,
-            "sessions": trace.num_sessions,
-            "has_clock": trace.has_clock,
-            "sessions_inferred": trace.sessions_inferred,
-            "block_size": block_sizes[0] if len(block_sizes) == 1 else None,
-            "skipped": dict(trace.skipped),
-            "notes": notes,
-        },
-        "reuse": reuse.totals.as_dict(measurable),
-        "reuse_intervals": interval_summary(reuse, clock) if measurable else None,
-        "triggers": trigger_breakdown(requests),
-        "session_usage": session_usage(requests),
-        "balance": balance,
-    }
+    return Analysis(
+        trace=TraceFacts(
+            name=trace.name,
+            format=trace.source_format,
+            requests=trace.num_requests,
+            sessions=trace.num_sessions,
+            has_clock=trace.has_clock,
+            sessions_inferred=trace.sessions_inferred,
+            block_size=block_sizes[0] if len(block_sizes) == 1 else None,
+            skipped=dict(trace.skipped),
+            notes=notes,
+        ),
+        reuse=reuse.totals.shares(measurable),
+        reuse_intervals=interval_summary(reuse, clock) if measurable else None,
+        triggers=trigger_breakdown(requests),
+        session_usage=session_usage(requests),
+        balance=balance,
+    )

@@ -18,6 +18,14 @@ import heapq
 
 import numpy as np
 
+from smetric.trace.analysis.results import (
+    Arrivals,
+    Balance,
+    Durations,
+    ImbalanceStats,
+    RateStats,
+)
+
 
 def least_tokens_dispatch(
     arrival_s: np.ndarray, duration_s: np.ndarray, tokens: np.ndarray, instances: int
@@ -74,8 +82,11 @@ def balance_potential(
     instances: int,
     window_s: float,
     until_s: float | None = None,
-) -> dict:
-    """Windows run from the first arrival to the last, or to ``until_s`` when given."""
+    arrivals: Arrivals = "recorded",
+    durations: Durations = "recorded",
+) -> Balance:
+    """Windows run from the first arrival to the last, or to ``until_s`` when given;
+    ``arrivals`` and ``durations`` say where the times came from, for the result."""
     order = np.argsort(arrival_s, kind="stable")
     arrival_s, duration_s, tokens = arrival_s[order], duration_s[order], tokens[order]
     chosen = least_tokens_dispatch(arrival_s, duration_s, tokens, instances)
@@ -90,14 +101,29 @@ def balance_potential(
     busy = mean > 0
     imbalance = measured.max(axis=0)[busy] / mean[busy]
     per_window = np.histogram(arrival_s, bins=edges)[0] / instances * (60.0 / window_s)
-    return {
-        "instances": instances,
-        "window_s": window_s,
-        "ramp_up_windows": ramp,
-        "requests_per_min_per_instance": _stats(per_window, ("mean", "min", "max")),
-        "imbalance": _stats(imbalance, ("mean", "p50", "p90", "max")),
-        "heatmap": loads.tolist(),
-    }
+    if not len(imbalance):  # no busy window: figures of zero, not of an empty series
+        imbalance = np.zeros(1)
+    return Balance(
+        instances=instances,
+        window_s=window_s,
+        ramp_up_windows=ramp,
+        requests_per_min_per_instance=RateStats(
+            mean=float(per_window.mean()),
+            min=float(per_window.min()),
+            max=float(per_window.max()),
+            series=per_window.tolist(),
+        ),
+        imbalance=ImbalanceStats(
+            mean=float(imbalance.mean()),
+            p50=float(np.percentile(imbalance, 50)),
+            p90=float(np.percentile(imbalance, 90)),
+            max=float(imbalance.max()),
+            series=imbalance.tolist(),
+        ),
+        heatmap=loads.tolist(),
+        arrivals=arrivals,
+        durations=durations,
+    )
 
 
 def ramp_up_windows(loads: np.ndarray) -> int:
@@ -108,16 +134,3 @@ def ramp_up_windows(loads: np.ndarray) -> int:
     if not len(busy):
         return 0
     return int(np.flatnonzero(mean >= np.median(busy) / 2)[0])
-
-
-def _stats(values: np.ndarray, keys: tuple[str, ...]) -> dict:
-    if len(values) == 0:
-        values = np.zeros(1)
-    pick = {
-        "mean": lambda v: float(v.mean()),
-        "min": lambda v: float(v.min()),
-        "max": lambda v: float(v.max()),
-        "p50": lambda v: float(np.percentile(v, 50)),
-        "p90": lambda v: float(np.percentile(v, 90)),
-    }
-    return {**{k: pick[k](values) for k in keys}, "series": values.tolist()}

@@ -22,6 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
+from smetric.trace.analysis.results import (
+    Clock,
+    Curve,
+    IntervalPercentiles,
+    ReuseBreakdown,
+    ReuseIntervals,
+    ReuseShares,
+)
 from smetric.trace.schema import Trace
 
 INTERVAL_MARKS_S = (10, 100, 1000)
@@ -37,27 +45,28 @@ class ReuseTotals:
     inter_session_tokens: int
     system_prompt_tokens: int
 
-    def as_dict(self, measurable: bool) -> dict:
+    def shares(self, measurable: bool) -> ReuseShares:
         hit = self.hit_tokens
-        parts = {
-            "intra_session": self.intra_session_tokens,
-            "inter_session": self.inter_session_tokens,
-            "system_prompt": self.system_prompt_tokens,
-        }
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "hit_tokens": hit,
-            "ratio": hit / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "intra_session_tokens": self.intra_session_tokens,
-            "inter_session_tokens": self.inter_session_tokens,
-            "system_prompt_tokens": self.system_prompt_tokens,
-            "breakdown": {k: (v / hit if hit else 0.0) for k, v in parts.items()},
-            # Hits on blocks another session produced: inter-session and system prompt.
-            "cross_session_share": (
-                (self.inter_session_tokens + self.system_prompt_tokens) / hit if hit else 0.0
+
+        def share(tokens: int) -> float:
+            return tokens / hit if hit else 0.0
+
+        return ReuseShares(
+            prompt_tokens=self.prompt_tokens,
+            hit_tokens=hit,
+            ratio=hit / self.prompt_tokens if self.prompt_tokens else 0.0,
+            intra_session_tokens=self.intra_session_tokens,
+            inter_session_tokens=self.inter_session_tokens,
+            system_prompt_tokens=self.system_prompt_tokens,
+            breakdown=ReuseBreakdown(
+                intra_session=share(self.intra_session_tokens),
+                inter_session=share(self.inter_session_tokens),
+                system_prompt=share(self.system_prompt_tokens),
             ),
-            "measurable": measurable,
-        }
+            # Hits on blocks another session produced: inter-session and system prompt.
+            cross_session_share=share(self.inter_session_tokens + self.system_prompt_tokens),
+            measurable=measurable,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,7 +163,7 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     return float(values[order][min(idx, len(values) - 1)])
 
 
-def interval_summary(reuse: IdealReuse, clock: str) -> dict | None:
+def interval_summary(reuse: IdealReuse, clock: Clock) -> ReuseIntervals | None:
     """Figure 6's data: percentiles, shares within marks and a log-spaced CDF."""
     values, weights = reuse.interval_s, reuse.interval_blocks
     if len(values) == 0:
@@ -168,14 +177,16 @@ def interval_summary(reuse: IdealReuse, clock: str) -> dict | None:
     cum = np.cumsum(weights[order]) / total
     idx = np.searchsorted(values[order], grid, side="right")
     cdf = np.where(idx > 0, cum[np.maximum(idx - 1, 0)], 0.0)
-    return {
-        "clock": clock,
-        "count": int(total),
-        "percentiles": {
-            f"p{int(q * 100)}": weighted_quantile(values, weights, q) for q in (0.5, 0.9, 0.99)
-        },
-        "within": {
+    return ReuseIntervals(
+        clock=clock,
+        count=int(total),
+        percentiles=IntervalPercentiles(
+            p50=weighted_quantile(values, weights, 0.5),
+            p90=weighted_quantile(values, weights, 0.9),
+            p99=weighted_quantile(values, weights, 0.99),
+        ),
+        within={
             str(mark): float(weights[values <= mark].sum() / total) for mark in INTERVAL_MARKS_S
         },
-        "cdf": {"x": grid.tolist(), "y": cdf.tolist()},
-    }
+        cdf=Curve(x=grid.tolist(), y=cdf.tolist()),
+    )
