@@ -2,17 +2,20 @@
 
     python benchmarks/router_decision.py [--engines 16] [--tokenizer hf:/path] [--clock cpu]
 
-In process, no HTTP. For each tokenizer (bytes; a Hugging Face one, given or SmolLM2's when
-the real-engine setup left it in ~/.cache/smetric, with the generic rendering and with the
-model's chat template) and prompt size, one agent session (``agent_bodies``) is decided
+In process, no HTTP; each body read as ``smetric serve`` reads it (``core.envelope``: with
+the generic rendering, from its envelope and the prefixes kept of earlier bodies; with a
+chat template, decoded and analysed whole). For each tokenizer (bytes; a Hugging Face one,
+given or SmolLM2's when the real-engine setup left it in ~/.cache/smetric, with the generic
+rendering and with the model's chat template) and prompt size, one agent session (``agent_bodies``) is decided
 turn by turn as the router decides it:
 
 - *cold*: the last, largest request with an empty memo (a conversation the router has
   never seen, or a replica that just started);
 - *follow-up*: the last 20 turns, each after the router decided every earlier turn (so the
-  memo holds the history, and one engine's index holds the previous prompt);
-- *uncached*: the same follow-ups with the memo off, which is what every request cost
-  before the memo (with the faster hash already);
+  memo holds the history, the earlier body's prefix is kept, and one engine's index holds
+  the previous prompt);
+- *uncached*: the same follow-ups decoded and analysed whole with the memo off, which is
+  what every request cost before the memo (with the faster hash already);
 - *new*: tokenising only the messages a follow-up adds, which no cache can spare;
 - *route*: matching the follow-up against every engine's index and choosing (p50).
 
@@ -37,6 +40,7 @@ from agentic_bodies import agent_messages, chat_body, prose, session_turns
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import ChatTemplate, RequestFacts, analyze_request
+from smetric.core.envelope import ChatReader
 from smetric.core.parsing import decode_body
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
@@ -44,6 +48,7 @@ from smetric.serve.tokenizers import make_tokenizer
 
 PROMPTS = (8_000, 32_000, 128_000)
 FOLLOW_UPS = 20
+MEMO = 256 << 20  # --memo-bytes' default
 SMOLLM2 = Path("~/.cache/smetric/engines/smollm2-135m-instruct").expanduser()
 
 
@@ -52,14 +57,24 @@ CLOCK: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.p
 
 
 def decide(
-    router: Router, raw: bytes, memo: BlockMemo | None, clock: Callable[[], float]
+    router: Router,
+    raw: bytes,
+    memo: BlockMemo | None,
+    clock: Callable[[], float],
+    reader: ChatReader | None = None,
 ) -> tuple[float, RequestFacts]:
-    """Seconds to decide one request (from its raw body), and its facts."""
+    """Seconds to decide one request (from its raw body), and its facts: read as
+    ``smetric serve`` reads it (``reader``: its envelope and kept prefixes, with the
+    generic rendering), or decoded and analysed whole."""
     started = clock()
-    body = decode_body(raw)
-    facts = analyze_request(
-        body, "chat", router.tokenizer, router.settings.block_size, router.template, memo
-    )
+    size = router.settings.block_size
+    if reader is not None and router.template is None:
+        read = reader.read(raw, "chat", None)
+        assert read is not None
+        facts = reader.facts(read, "chat", router.tokenizer, size, memo)
+    else:
+        body = decode_body(raw)
+        facts = analyze_request(body, "chat", router.tokenizer, size, router.template, memo)
     router.core.decide(facts, router.engines)
     return clock() - started, facts
 
@@ -91,11 +106,14 @@ def run(
             template=template,
         )
         gc.freeze()  # as ``smetric serve`` does once started
-        cold = [decide(router, raws[-1], BlockMemo(tokenizer, 16), clock)[0] for _ in range(10)]
-        memo = BlockMemo(tokenizer, 16)
+        cold = [
+            decide(router, raws[-1], BlockMemo(tokenizer, 16), clock, ChatReader(MEMO))[0]
+            for _ in range(10)
+        ]
+        memo, reader = BlockMemo(tokenizer, 16), ChatReader(MEMO)
         warm, uncached, fresh, matching, size = [], [], [], [], 0
         for i, raw in enumerate(raws):
-            seconds, facts = decide(router, raw, memo, clock)
+            seconds, facts = decide(router, raw, memo, clock, reader)
             if i >= len(raws) - FOLLOW_UPS:
                 warm.append(seconds)
                 uncached.append(decide(router, raw, None, clock)[0])
