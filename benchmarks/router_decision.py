@@ -6,8 +6,8 @@ In process, no HTTP; each body read as ``smetric serve`` reads it (``core.envelo
 the generic rendering, from its envelope and the prefixes kept of earlier bodies; with a
 chat template, decoded and analysed whole). For each tokenizer (bytes; a Hugging Face one,
 given or SmolLM2's when the real-engine setup left it in ~/.cache/smetric, with the generic
-rendering and with the model's chat template) and prompt size, one agent session (``agent_bodies``) is decided
-turn by turn as the router decides it:
+rendering and with the model's chat template) and prompt size, one agent session
+(``agent_bodies``) is decided turn by turn as the router decides it:
 
 - *cold*: the last, largest request with an empty memo (a conversation the router has
   never seen, or a replica that just started);
