@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from smetric.core.blocks import Tokenizer, chain_hashes, token_array
+from smetric.core.blocks import Tokenizer, chained, token_array32
 
 _EMPTY_TOKENS = np.empty(0, dtype=np.uint32)
 _EMPTY_BLOCKS = np.empty(0, dtype=np.int64)
@@ -54,18 +54,12 @@ class _Node(NamedTuple):
 
     def extend(self, text: str, tokenizer: Tokenizer, block_size: int) -> _Node:
         """The node for this node's segments followed by ``text``."""
-        tokens = token_array(tokenizer.encode(text))
+        tokens = token_array32(tokenizer.encode(text))
         data = np.concatenate((self.tail, tokens)) if len(self.tail) else tokens
-        blocks = chain_hashes(data, block_size, parent=self.last)
+        blocks = chained(data, block_size, parent=self.last)
         last = int(blocks[-1]) if len(blocks) else self.last
-        return _node(
-            tokens.astype(np.uint32),
-            blocks,
-            self.end + len(tokens),
-            last,
-            data[len(blocks) * block_size :].astype(np.uint32),
-            sys.getsizeof(text),
-        )
+        tail = data[len(blocks) * block_size :].copy()
+        return _node(tokens, blocks, self.end + len(tokens), last, tail, sys.getsizeof(text))
 
 
 def _node(

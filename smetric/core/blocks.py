@@ -62,6 +62,17 @@ def token_array(tokens: Sequence[int]) -> np.ndarray:
     return np.array(tokens, dtype=np.int64)
 
 
+def token_array32(tokens: Sequence[int]) -> np.ndarray:
+    """A tokenizer's output as little-endian uint32 ids, the form blocks are hashed in;
+    ids outside ``[0, 2**32)`` are refused."""
+    if isinstance(tokens, bytes):
+        return np.frombuffer(tokens, dtype=np.uint8).astype("<u4")
+    array = np.array(tokens, dtype=np.int64)
+    if len(array) and (int(array.min()) < 0 or int(array.max()) >= _UINT32_LIMIT):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return array.astype("<u4")
+
+
 def chain_hashes(
     token_ids: Sequence[int] | np.ndarray, block_size: int, parent: int | None = None
 ) -> np.ndarray:
@@ -89,7 +100,16 @@ def chain_hashes(
     tokens = tokens[: count * block_size]
     if int(tokens.min()) < 0 or int(tokens.max()) >= _UINT32_LIMIT:
         raise ValueError("token ids must lie in [0, 2**32)")
-    data = tokens.astype("<u4").tobytes()
+    return chained(tokens.astype("<u4"), block_size, parent)
+
+
+def chained(tokens: np.ndarray, block_size: int, parent: int | None = None) -> np.ndarray:
+    """``chain_hashes`` of ``tokens`` already little-endian uint32, unchecked: for the
+    router's own arrays, which a tokenizer made, on every request."""
+    count = len(tokens) // block_size
+    if count == 0:
+        return _EMPTY.copy()
+    data = tokens[: count * block_size].tobytes()
     seed = 0 if parent is None else int(parent) & _UINT64_MASK
     stride = 4 * block_size
     ids = [0] * count
