@@ -171,10 +171,15 @@ class _Prefix:
     messages: tuple[Rendered, ...]
     run: Run
     bucket: _Bucket
+    # Its bytes, the run's (whose nodes the block memo may hold too) and the rest.
+    nbytes: int
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.raw) + 8 * len(self.messages) + self.run.nbytes + _ENTRY_OVERHEAD
+
+def _prefix(
+    raw: bytes, head: Envelope, messages: tuple[Rendered, ...], run: Run, bucket: _Bucket
+) -> _Prefix:
+    size = len(raw) + 8 * len(messages) + run.nbytes + _ENTRY_OVERHEAD
+    return _Prefix(raw, head, messages, run, bucket, size)
 
 
 class Prefixes:
@@ -311,7 +316,7 @@ class ChatReader:
         grown = read.known is None or read.cut > len(read.known.raw)
         if read.head is not None and read.cut > _HEAD_BYTES and grown:
             run = prompt.run(rendering.segments, len(head) + len(messages) - 1)
-            kept = _Prefix(read.body[: read.cut], read.head, tuple(messages[:-1]), run, read.bucket)
+            kept = _prefix(read.body[: read.cut], read.head, tuple(messages[:-1]), run, read.bucket)
             self.prefixes.keep(kept, read.known)
         return facts
 
