@@ -1,6 +1,7 @@
 """A command ends as bad input (one line, exit 2) or as a bug (said so, exit 1), never mixed."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,5 @@ def test_a_bound_kv_event_endpoint_with_several_workers_is_refused_before_servin
     # Refused before the banner: nothing claims to serve.
     [line] = result.output.strip().splitlines()
     assert line.startswith("error: with several workers, KV-event subscribers cannot bind")
+    # Nor did it leave this process's metrics shared between workers that never came.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ

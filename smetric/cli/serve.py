@@ -157,12 +157,18 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
             raise UserError("give --engine for a colocated cluster, or prefill and decode engines")
         else:
             (engines, disagg), subscribers, discovery = disaggregated, {}, None
-        # Before the router's metrics exist: with several workers they live in files that
-        # every worker writes and any of them reads, so a scrape sums them all.
-        if workers > 1:
-            share_metrics_between_processes()
+        check_workers(subscribers, workers)
         by_engine = options.tokenizer == "engine"
         encoder, template = make_tokenizer("bytes" if by_engine else options.tokenizer)
+        recorder = recorder_from(options)
+        # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
+        host, port = options.host, options.port
+        sockets = listen(host, port, workers)
+        # Before the router's metrics exist: with several workers they live in files that
+        # every worker writes and any of them reads, so a scrape sums them all. That holds
+        # for the rest of this process, so it comes once nothing is left to refuse.
+        if workers > 1:
+            share_metrics_between_processes()
         router = Router(
             engines,
             settings,
@@ -172,12 +178,8 @@ def serve(given: Given, config: ConfigOpt = None) -> None:
             subscribers=subscribers,
             disagg=disagg,
             discovery=discovery,
-            recorder=recorder_from(options),
+            recorder=recorder,
         )
-        check_workers(router, workers)
-        # Bound before any banner: a port in use is said plainly, and nothing claims to serve.
-        host, port = options.host, options.port
-        sockets = listen(host, port, workers)
     log_to_stderr(log_level(options))
     shape = f"{len(engines)} engines"
     if disagg is not None:

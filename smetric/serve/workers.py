@@ -32,7 +32,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +43,7 @@ from smetric.serve.app import Router
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 from smetric.serve.global_tier import ServedPrompts
 from smetric.serve.http_errors import run_app
+from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import forget_process
 
 log = logging.getLogger("smetric.serve")
@@ -63,10 +64,10 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def check_workers(router: Router, workers: int) -> None:
+def check_workers(subscribers: Mapping[str, KVEventSubscriber], workers: int) -> None:
     """Refuse what several workers cannot share: an engine's KV-event endpoint that the
     router binds (each worker subscribes on its own)."""
-    if workers > 1 and any(s.bind for s in router.subscribers.values()):
+    if workers > 1 and any(s.bind for s in subscribers.values()):
         raise ConfigError(
             "with several workers, KV-event subscribers cannot bind the engines' endpoints: "
             "let the engines bind (tcp://*:port) and give 'bind: false'"
