@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import signal
 import threading
 import time
@@ -487,3 +488,75 @@ async def _burst(url: str, count: int) -> list[tuple[int, str, bytes]]:
             async with client.post(url + "/v1/chat/completions", json=payload) as response:
                 answers.append((response.status, response.content_type, await response.read()))
     return answers
+
+
+def test_the_picker_caps_the_bodies_it_holds_at_once_through_envoy(scratch: Path) -> None:
+    """``pick --max-buffered-bytes 3000000`` behind Envoy: two requests whose bodies are on
+    the way hold the 1 MB each their Content-Length promises; a chunked body holds what has
+    arrived, and the piece that would take the picker past the cap gets a 503 in the
+    route's shape (Anthropic's here) with Retry-After, from the picker, never the engine;
+    a client that leaves mid-body (Envoy resets the stream), a refusal and a request
+    served each give their bytes back."""
+    (mock,) = engines(scratch, 1, speed="0.0001")
+    try:
+        args = ["-e", mock.url, "--health-interval", "0.2", "--max-buffered-bytes", "3000000"]
+        with run_picker(args) as picker:
+            mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+                asyncio.run(_capped(envoy.url, picker))
+            assert metric(mock.metrics(), "vllm:request_success_total") == 1
+    finally:
+        mock.stop()
+
+
+async def _capped(url: str, picker) -> None:
+    port = int(url.rsplit(":", 1)[1])
+
+    def held() -> float:
+        return metric(picker.metrics(), "smetric_buffered_request_bytes")
+
+    async def until(expected: float) -> None:
+        await asyncio.to_thread(wait_until, lambda: held() == expected, 10)
+
+    async def opened(
+        path: bytes, headers: bytes
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST %s HTTP/1.1\r\nHost: gateway\r\n%s\r\n" % (path, headers))
+        await writer.drain()
+        return reader, writer
+
+    holders = []
+    for _ in range(2):
+        holder = await opened(b"/v1/chat/completions", b"Content-Length: 1000000\r\n")
+        holder[1].write(b"{")
+        holders.append(holder)
+    await until(2_000_000)
+    reader, writer = await opened(b"/v1/messages", b"Transfer-Encoding: chunked\r\n")
+    piece = b"x" * 600_000
+    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    await until(2_600_000)  # counted as it arrived, not the per-request limit
+    started = time.monotonic()
+    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    status = await asyncio.wait_for(reader.readline(), 30)
+    assert status.startswith(b"HTTP/1.1 503"), status
+    head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+    assert 2 <= time.monotonic() - started < 10  # it waited its 2 s for room
+    assert "retry-after: 1\r\n" in head and "content-type: application/json" in head, head
+    length = re.search(r"content-length: (\d+)", head)
+    assert length is not None, head
+    error = json.loads(await reader.readexactly(int(length.group(1))))
+    assert error["type"] == "error" and error["error"]["type"] == "overloaded_error", error
+    assert "limit is 3000000" in error["error"]["message"]
+    writer.close()
+    await until(2_000_000)  # the refused body's bytes came back
+    holders.pop()[1].close()  # a client gone mid-body: Envoy resets the stream
+    await until(1_000_000)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+        payload = {"model": "m", "messages": conversation(3, 0), "max_tokens": 2}
+        status_code, _, raw = await post(client, url, payload)
+        assert status_code == 200, raw
+    await until(1_000_000)
+    holders.pop()[1].close()
+    await until(0)
