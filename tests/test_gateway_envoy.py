@@ -121,7 +121,7 @@ def test_envoy_sends_where_the_picker_picks_and_fails_closed(scratch: Path) -> N
                 mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
             assert readiness(picker.grpc_port) == health_pb2.HealthCheckResponse.SERVING
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [m.url for m in mocks])) as envoy:
                 asyncio.run(_pick_and_refuse(envoy.url, picker, mocks))
                 for mock in mocks:  # back, so that only the picker is missing below
                     mock.wait_ready(60)
@@ -159,7 +159,8 @@ async def _pick_and_refuse(url: str, picker, mocks: list[SmetricProcess]) -> Non
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
         homes: dict[int, str] = {}
         for turn in range(3):
-            for session in range(4):
+            # Odd turns in reverse, so that no round robin of Envoy's own matches the picks.
+            for session in range(4) if turn % 2 == 0 else reversed(range(4)):
                 stream = session % 2 == 1
                 payload = {"model": "m", "messages": conversation(session, turn), "max_tokens": 4}
                 if stream:
@@ -240,7 +241,7 @@ def test_override_host_reads_the_metadata_charges_the_server_and_fails_open(scra
             for mock in (a, c):
                 mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            config = gateway_config(picker.grpc_port, engines=[endpoint_of(a.url)], fail_open=True)
+            config = gateway_config(picker.grpc_port, [a.url], fail_open=True)
             with run_envoy(config) as envoy:
                 asyncio.run(_served_elsewhere(envoy.url, picker, a, c))
                 picker.process.kill()
@@ -283,7 +284,7 @@ def test_sigterm_lets_the_picker_finish_the_streams_it_holds(scratch: Path) -> N
         ) as picker:
             mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
                 received = asyncio.run(_stream_through_sigterm(envoy.url, picker))
                 assert received.rstrip().endswith(b"data: [DONE]")  # finished, not cut
                 assert picker.process.wait(30) == 0
@@ -336,7 +337,7 @@ def test_a_token_count_the_engine_does_not_serve_is_counted_by_the_picker() -> N
         engine = f"http://127.0.0.1:{server.server_address[1]}"
         with run_picker(["-e", engine, "--health-interval", "0.2"]) as picker:
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [engine])) as envoy:
                 asyncio.run(_count_without_the_engine(envoy.url))
     finally:
         server.shutdown()
@@ -365,7 +366,7 @@ def test_the_picker_enforces_its_api_key_through_envoy(scratch: Path) -> None:
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
             assert http_get(picker.metrics_url + "/live")[0] == 200
             assert http_get(picker.metrics_url + "/metrics")[0] == 401
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
                 statuses = asyncio.run(_keyed(envoy.url))
             served = metric(mock.metrics(), "vllm:request_success_total")
             with_key = urllib.request.Request(
@@ -415,7 +416,7 @@ def test_a_client_s_kv_transfer_params_never_reach_an_engine_through_envoy(scrat
         with run_picker(["-e", mock.url, "--health-interval", "0.2"]) as picker:
             mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
                 pulls = asyncio.run(_steer(envoy.url))
         assert pulls == 0
         assert metric(mock.metrics(), "vllm:request_success_total") == 3
@@ -446,12 +447,13 @@ async def _steer(url: str) -> int:
 
 def test_envoy_retries_a_dead_engine_elsewhere_and_answers_json(scratch: Path) -> None:
     """One of two engines killed before the picker can notice (its health checks 30 s
-    apart), round robin, so half the picks name the dead one. With an ``override_host``
-    cluster listing both, the shipped retry policy sends each request Envoy cannot
-    connect for to the other engine: every one is served. With the ``ORIGINAL_DST``
-    cluster, which knows only the picked address, the first one picked for the dead
-    engine gets Envoy's local reply in OpenAI's JSON error shape, never plain text, and
-    the picker, told by that reply's flags, picks the dead engine no more."""
+    apart), round robin, so half the picks name the dead one. With the shipped
+    configuration, whose ``override_host`` cluster lists both, Envoy retries each request
+    it cannot connect for on the other engine: every one is served. With the guide's
+    ``ORIGINAL_DST`` alternative, which knows only the picked address, the first one
+    picked for the dead engine gets Envoy's local reply in OpenAI's JSON error shape,
+    never plain text, and the picker, told by that reply's flags, picks the dead engine
+    no more."""
     a, b = engines(scratch, 2, speed="0.0001")
     try:
         args = ["-e", a.url, "-e", b.url, "--policy", "round_robin", "--health-interval", "30"]
@@ -460,11 +462,11 @@ def test_envoy_retries_a_dead_engine_elsewhere_and_answers_json(scratch: Path) -
                 mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
             a.kill()
-            listed = [endpoint_of(a.url), endpoint_of(b.url)]
-            with run_envoy(gateway_config(picker.grpc_port, engines=listed)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [a.url, b.url])) as envoy:
                 answers = asyncio.run(_burst(envoy.url, 10))
             assert [status for status, _, _ in answers] == [200] * 10
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            alternative = gateway_config(picker.grpc_port, [], original_dst=True)
+            with run_envoy(alternative) as envoy:
                 answers = asyncio.run(_burst(envoy.url, 10))
             failed = [(kind, raw) for status, kind, raw in answers if status != 200]
             # Envoy's answer tells the picker the engine is gone: only the first fails.
@@ -503,7 +505,7 @@ def test_the_picker_caps_the_bodies_it_holds_at_once_through_envoy(scratch: Path
         with run_picker(args) as picker:
             mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
                 asyncio.run(_capped(envoy.url, picker))
             assert metric(mock.metrics(), "vllm:request_success_total") == 1
     finally:
