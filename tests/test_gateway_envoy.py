@@ -446,27 +446,33 @@ async def _steer(url: str) -> int:
 
 
 def test_envoy_retries_a_dead_engine_elsewhere_and_answers_json(scratch: Path) -> None:
-    """One of two engines killed before the picker can notice (its health checks 30 s
-    apart), round robin, so half the picks name the dead one. With the shipped
-    configuration, whose ``override_host`` cluster lists both, Envoy retries each request
-    it cannot connect for on the other engine: every one is served. With the guide's
-    ``ORIGINAL_DST`` alternative, which knows only the picked address, the first one
-    picked for the dead engine gets Envoy's local reply in OpenAI's JSON error shape,
-    never plain text, and the picker, told by that reply's flags, picks the dead engine
-    no more."""
+    """One of two engines killed before the pickers can notice (their health checks 30 s
+    apart), round robin, so half the picks would name the dead one. With the shipped
+    configuration, whose ``override_host`` cluster lists both, Envoy retries the first
+    request it cannot connect for on the other engine, and the picker, told by the
+    response's attempt count, picks the dead engine no more: every request is served and
+    Envoy tried the dead engine once. With the guide's ``ORIGINAL_DST`` alternative,
+    which knows only the picked address, the first one picked for the dead engine gets
+    Envoy's local reply in OpenAI's JSON error shape, never plain text, and the picker,
+    told by that reply's flags, picks the dead engine no more."""
     a, b = engines(scratch, 2, speed="0.0001")
     try:
         args = ["-e", a.url, "-e", b.url, "--policy", "round_robin", "--health-interval", "30"]
-        with run_picker(args) as picker:
+        with run_picker(args) as shipped, run_picker(args) as alternative:
             for mock in (a, b):
                 mock.wait_ready(60)
-            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            for picker in (shipped, alternative):
+                wait_until(lambda picker=picker: _healthy(picker, a) and _healthy(picker, b))
             a.kill()
-            with run_envoy(gateway_config(picker.grpc_port, [a.url, b.url])) as envoy:
+            with run_envoy(gateway_config(shipped.grpc_port, [a.url, b.url])) as envoy:
                 answers = asyncio.run(_burst(envoy.url, 10))
+                stats = http_get(envoy.admin + "/stats?filter=cluster.engines.upstream_")[1]
             assert [status for status, _, _ in answers] == [200] * 10
-            alternative = gateway_config(picker.grpc_port, [], original_dst=True)
-            with run_envoy(alternative) as envoy:
+            assert "cluster.engines.upstream_cx_connect_fail: 1\n" in stats, stats
+            assert "cluster.engines.upstream_rq_retry: 1\n" in stats, stats
+            assert not _healthy(shipped, a)
+            config = gateway_config(alternative.grpc_port, [], original_dst=True)
+            with run_envoy(config) as envoy:
                 answers = asyncio.run(_burst(envoy.url, 10))
             failed = [(kind, raw) for status, kind, raw in answers if status != 200]
             # Envoy's answer tells the picker the engine is gone: only the first fails.
@@ -481,14 +487,20 @@ def test_envoy_retries_a_dead_engine_elsewhere_and_answers_json(scratch: Path) -
             mock.stop()
 
 
+def _healthy(picker, engine: SmetricProcess) -> bool:
+    return metric(picker.metrics(), "smetric_engine_healthy", engine=engine.url) == 1
+
+
 async def _burst(url: str, count: int) -> list[tuple[int, str, bytes]]:
-    """``count`` chat requests one after another: status, content type and body of each."""
+    """``count`` chat requests one after another: status, content type and body of each;
+    none shows the client the response flags Envoy tells the picker."""
     answers = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
         for session in range(count):
             payload = {"model": "m", "messages": conversation(session, 0), "max_tokens": 2}
             async with client.post(url + "/v1/chat/completions", json=payload) as response:
                 answers.append((response.status, response.content_type, await response.read()))
+                assert "x-gateway-upstream-failure" not in response.headers
     return answers
 
 

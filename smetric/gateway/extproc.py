@@ -135,7 +135,8 @@ class Exchange:
         if self.pick is not None:
             served = protocol.served_endpoint(message.metadata_context, headers)
             status = int(headers.get(":status", "0") or 0)
-            self.picker.served(self.pick, served, status, protocol.connection_failed(headers))
+            lost = protocol.connection_failed(headers)
+            self.picker.served(self.pick, served, status, lost, protocol.retried(headers))
             if self.pick.count_body is not None:
                 if declined(status):
                     return await self._count_here(self.pick.count_body)
