@@ -252,6 +252,10 @@ def trickle(port: int, every_s: float) -> tuple[bytes, float]:
             except TimeoutError:
                 sock.sendall(b" ")
                 continue
+            except ConnectionResetError:
+                # The router closed the connection as a byte of ours was on its way,
+                # after its answer, which was read before.
+                break
             if not piece:
                 break  # the router closed the connection
             answer += piece
