@@ -223,10 +223,15 @@ class Router:
 
     def _handler(self, path: str, api: Api) -> Any:
         async def handle(request: web.Request) -> web.StreamResponse:
-            async with self.buffered.held(request.content_length or 0) as hold:
+            async with self.buffered.held(self._promised(request)) as hold:
                 return await self.proxy(request, path, api, hold)
 
         return handle
+
+    def _promised(self, request: web.Request) -> int:
+        """The bytes held for a body before a byte of it is read: what its Content-Length
+        promises, up to the per-request limit (past it, a 413 comes unread)."""
+        return min(request.content_length or 0, self.settings.max_body_bytes)
 
     async def proxy(
         self, request: web.Request, path: str, api: Api, hold: Hold
@@ -290,7 +295,7 @@ class Router:
         return b"".join(pieces)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        async with self.buffered.held(request.content_length or 0) as hold:
+        async with self.buffered.held(self._promised(request)) as hold:
             return await self.token_counter.answer(request, await self._read(request, hold))
 
     async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
