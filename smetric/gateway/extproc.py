@@ -21,6 +21,7 @@ from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.gateway import protocol
 from smetric.gateway.picker import Pick, Picker
 from smetric.serve.buffered import Hold
+from smetric.serve.limits import inflated_bound
 from smetric.serve.refusals import Refusal
 from smetric.serve.token_count import TOKEN_COUNT_HEADER, declined
 
@@ -96,7 +97,8 @@ class Exchange:
     ) -> Replies:
         try:
             if self.headers.get("content-encoding"):  # the most it may inflate to
-                await self.hold.grow(self.picker.router.settings.max_body_bytes)
+                limit = self.picker.router.settings.max_body_bytes
+                await self.hold.grow(inflated_bound(self.size, limit))
             pick = await self.picker.pick(
                 self.headers.get(":path", "/"), self.headers, b"".join(pieces), self.subset
             )

@@ -55,6 +55,7 @@ from smetric.serve.forwarding import (
 from smetric.serve.global_tier import global_tier_from
 from smetric.serve.intake import ROUTES, Intake
 from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.limits import inflated_bound
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.outliers import OutlierDetector
 from smetric.serve.pool import EnginePool
@@ -274,7 +275,7 @@ class Router:
         """The body as sent, ``hold`` grown as it arrives: one over the limit is refused
         unread when its Content-Length says so, so it costs nothing, else as soon as it
         passes the limit; one that takes longer than ``body_timeout_s`` to arrive is cut
-        off. A compressed body holds the most it may inflate to until it is inflated."""
+        off. A compressed body then holds the most it may inflate to."""
         check = self.intake.check_size
         check(request.content_length or 0)
         deadline = self.settings.body_timeout_s
@@ -291,7 +292,7 @@ class Router:
             message = f"request body not received within {deadline:g} s"
             raise Refusal(408, "body_timeout", message) from None
         if request.headers.get("Content-Encoding"):
-            await hold.grow(self.settings.max_body_bytes)
+            await hold.grow(inflated_bound(size, self.settings.max_body_bytes))
         return b"".join(pieces)
 
     async def count_tokens(self, request: web.Request) -> web.Response:

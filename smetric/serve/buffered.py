@@ -5,7 +5,7 @@ another engine, and its parsed form, several times their size. The per-request l
 (``--max-body-bytes``) bounds one request; a few large ones at once still add up to
 gigabytes. ``ByteBudget`` bounds their sum. A request holds what its ``Content-Length``
 promises before a byte of its body is read, else what has arrived so far, growing as it
-arrives (a compressed body: at most the per-request limit while it is inflated); a
+arrives (a compressed body, once arrived: the most it may inflate to); a
 request that would take the router past ``--max-buffered-bytes`` waits a moment for
 others to give bytes back, then gets a 503 with ``Retry-After``.
 """
