@@ -62,7 +62,7 @@ def bodies(sessions: int, turns: int, body_kb: int) -> list[bytes]:
 def envoy_only(engines: Sequence[str]) -> dict:
     """The shipped Envoy configuration without the picker (its filter and its cluster):
     round robin over the engines."""
-    config = gateway_config(0, engines=[e.split("//")[1] for e in engines])
+    config = gateway_config(0, list(engines))
     resources = config["static_resources"]
     manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]
     filters = manager["typed_config"]["http_filters"]
@@ -187,7 +187,7 @@ def main() -> None:
         pick_args = [a for e in engines for a in ("-e", e)]
         with (
             run_picker([*pick_args, "--policy", "smetric", "--log-level", "warning"]) as picker,
-            run_envoy(gateway_config(picker.grpc_port)) as gateway,
+            run_envoy(gateway_config(picker.grpc_port, engines)) as gateway,
             run_envoy(envoy_only(engines)) as plain,
         ):
             urls |= {"pick": gateway.url, "envoy": plain.url}

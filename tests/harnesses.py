@@ -321,7 +321,8 @@ def front_door(kind: str, engines: Engines, scratch: Path) -> Iterator[FrontDoor
     with run_picker(args) as picker:
         wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200, what="picker")
         events_heard(engines, picker.metrics_url)
-        with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+        urls = [engine.url for engine in engines.processes]
+        with run_envoy(gateway_config(picker.grpc_port, urls)) as envoy:
             yield FrontDoor(envoy.url, picker.metrics_url)
 
 

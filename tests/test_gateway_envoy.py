@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import signal
 import threading
 import time
@@ -120,7 +121,7 @@ def test_envoy_sends_where_the_picker_picks_and_fails_closed(scratch: Path) -> N
                 mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
             assert readiness(picker.grpc_port) == health_pb2.HealthCheckResponse.SERVING
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [m.url for m in mocks])) as envoy:
                 asyncio.run(_pick_and_refuse(envoy.url, picker, mocks))
                 for mock in mocks:  # back, so that only the picker is missing below
                     mock.wait_ready(60)
@@ -158,7 +159,8 @@ async def _pick_and_refuse(url: str, picker, mocks: list[SmetricProcess]) -> Non
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
         homes: dict[int, str] = {}
         for turn in range(3):
-            for session in range(4):
+            # Odd turns in reverse, so that no round robin of Envoy's own matches the picks.
+            for session in range(4) if turn % 2 == 0 else reversed(range(4)):
                 stream = session % 2 == 1
                 payload = {"model": "m", "messages": conversation(session, turn), "max_tokens": 4}
                 if stream:
@@ -239,7 +241,7 @@ def test_override_host_reads_the_metadata_charges_the_server_and_fails_open(scra
             for mock in (a, c):
                 mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            config = gateway_config(picker.grpc_port, engines=[endpoint_of(a.url)], fail_open=True)
+            config = gateway_config(picker.grpc_port, [a.url], fail_open=True)
             with run_envoy(config) as envoy:
                 asyncio.run(_served_elsewhere(envoy.url, picker, a, c))
                 picker.process.kill()
@@ -282,7 +284,7 @@ def test_sigterm_lets_the_picker_finish_the_streams_it_holds(scratch: Path) -> N
         ) as picker:
             mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
                 received = asyncio.run(_stream_through_sigterm(envoy.url, picker))
                 assert received.rstrip().endswith(b"data: [DONE]")  # finished, not cut
                 assert picker.process.wait(30) == 0
@@ -335,7 +337,7 @@ def test_a_token_count_the_engine_does_not_serve_is_counted_by_the_picker() -> N
         engine = f"http://127.0.0.1:{server.server_address[1]}"
         with run_picker(["-e", engine, "--health-interval", "0.2"]) as picker:
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [engine])) as envoy:
                 asyncio.run(_count_without_the_engine(envoy.url))
     finally:
         server.shutdown()
@@ -364,7 +366,7 @@ def test_the_picker_enforces_its_api_key_through_envoy(scratch: Path) -> None:
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
             assert http_get(picker.metrics_url + "/live")[0] == 200
             assert http_get(picker.metrics_url + "/metrics")[0] == 401
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
                 statuses = asyncio.run(_keyed(envoy.url))
             served = metric(mock.metrics(), "vllm:request_success_total")
             with_key = urllib.request.Request(
@@ -414,7 +416,7 @@ def test_a_client_s_kv_transfer_params_never_reach_an_engine_through_envoy(scrat
         with run_picker(["-e", mock.url, "--health-interval", "0.2"]) as picker:
             mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
                 pulls = asyncio.run(_steer(envoy.url))
         assert pulls == 0
         assert metric(mock.metrics(), "vllm:request_success_total") == 3
@@ -444,26 +446,33 @@ async def _steer(url: str) -> int:
 
 
 def test_envoy_retries_a_dead_engine_elsewhere_and_answers_json(scratch: Path) -> None:
-    """One of two engines killed before the picker can notice (its health checks 30 s
-    apart), round robin, so half the picks name the dead one. With an ``override_host``
-    cluster listing both, the shipped retry policy sends each request Envoy cannot
-    connect for to the other engine: every one is served. With the ``ORIGINAL_DST``
-    cluster, which knows only the picked address, the first one picked for the dead
-    engine gets Envoy's local reply in OpenAI's JSON error shape, never plain text, and
-    the picker, told by that reply's flags, picks the dead engine no more."""
+    """One of two engines killed before the pickers can notice (their health checks 30 s
+    apart), round robin, so half the picks would name the dead one. With the shipped
+    configuration, whose ``override_host`` cluster lists both, Envoy retries the first
+    request it cannot connect for on the other engine, and the picker, told by the
+    response's attempt count, picks the dead engine no more: every request is served and
+    Envoy tried the dead engine once. With the guide's ``ORIGINAL_DST`` alternative,
+    which knows only the picked address, the first one picked for the dead engine gets
+    Envoy's local reply in OpenAI's JSON error shape, never plain text, and the picker,
+    told by that reply's flags, picks the dead engine no more."""
     a, b = engines(scratch, 2, speed="0.0001")
     try:
         args = ["-e", a.url, "-e", b.url, "--policy", "round_robin", "--health-interval", "30"]
-        with run_picker(args) as picker:
+        with run_picker(args) as shipped, run_picker(args) as alternative:
             for mock in (a, b):
                 mock.wait_ready(60)
-            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            for picker in (shipped, alternative):
+                wait_until(lambda picker=picker: _healthy(picker, a) and _healthy(picker, b))
             a.kill()
-            listed = [endpoint_of(a.url), endpoint_of(b.url)]
-            with run_envoy(gateway_config(picker.grpc_port, engines=listed)) as envoy:
+            with run_envoy(gateway_config(shipped.grpc_port, [a.url, b.url])) as envoy:
                 answers = asyncio.run(_burst(envoy.url, 10))
+                stats = http_get(envoy.admin + "/stats?filter=cluster.engines.upstream_")[1]
             assert [status for status, _, _ in answers] == [200] * 10
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            assert "cluster.engines.upstream_cx_connect_fail: 1\n" in stats, stats
+            assert "cluster.engines.upstream_rq_retry: 1\n" in stats, stats
+            assert not _healthy(shipped, a)
+            config = gateway_config(alternative.grpc_port, [], original_dst=True)
+            with run_envoy(config) as envoy:
                 answers = asyncio.run(_burst(envoy.url, 10))
             failed = [(kind, raw) for status, kind, raw in answers if status != 200]
             # Envoy's answer tells the picker the engine is gone: only the first fails.
@@ -478,12 +487,90 @@ def test_envoy_retries_a_dead_engine_elsewhere_and_answers_json(scratch: Path) -
             mock.stop()
 
 
+def _healthy(picker, engine: SmetricProcess) -> bool:
+    return metric(picker.metrics(), "smetric_engine_healthy", engine=engine.url) == 1
+
+
 async def _burst(url: str, count: int) -> list[tuple[int, str, bytes]]:
-    """``count`` chat requests one after another: status, content type and body of each."""
+    """``count`` chat requests one after another: status, content type and body of each;
+    none shows the client the response flags Envoy tells the picker."""
     answers = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
         for session in range(count):
             payload = {"model": "m", "messages": conversation(session, 0), "max_tokens": 2}
             async with client.post(url + "/v1/chat/completions", json=payload) as response:
                 answers.append((response.status, response.content_type, await response.read()))
+                assert "x-gateway-upstream-failure" not in response.headers
     return answers
+
+
+def test_the_picker_caps_the_bodies_it_holds_at_once_through_envoy(scratch: Path) -> None:
+    """``pick --max-buffered-bytes 3000000`` behind Envoy: two requests whose bodies are on
+    the way hold the 1 MB each their Content-Length promises; a chunked body holds what has
+    arrived, and the piece that would take the picker past the cap gets a 503 in the
+    route's shape (Anthropic's here) with Retry-After, from the picker, never the engine;
+    a client that leaves mid-body (Envoy resets the stream), a refusal and a request
+    served each give their bytes back."""
+    (mock,) = engines(scratch, 1, speed="0.0001")
+    try:
+        args = ["-e", mock.url, "--health-interval", "0.2", "--max-buffered-bytes", "3000000"]
+        with run_picker(args) as picker:
+            mock.wait_ready(60)
+            wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
+            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
+                asyncio.run(_capped(envoy.url, picker))
+            assert metric(mock.metrics(), "vllm:request_success_total") == 1
+    finally:
+        mock.stop()
+
+
+async def _capped(url: str, picker) -> None:
+    port = int(url.rsplit(":", 1)[1])
+
+    def held() -> float:
+        return metric(picker.metrics(), "smetric_buffered_request_bytes")
+
+    async def until(expected: float) -> None:
+        await asyncio.to_thread(wait_until, lambda: held() == expected, 10)
+
+    async def opened(
+        path: bytes, headers: bytes
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST %s HTTP/1.1\r\nHost: gateway\r\n%s\r\n" % (path, headers))
+        await writer.drain()
+        return reader, writer
+
+    holders = []
+    for _ in range(2):
+        holder = await opened(b"/v1/chat/completions", b"Content-Length: 1000000\r\n")
+        holder[1].write(b"{")
+        holders.append(holder)
+    await until(2_000_000)
+    reader, writer = await opened(b"/v1/messages", b"Transfer-Encoding: chunked\r\n")
+    piece = b"x" * 600_000
+    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    await until(2_600_000)  # counted as it arrived, not the per-request limit
+    started = time.monotonic()
+    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    status = await asyncio.wait_for(reader.readline(), 30)
+    assert status.startswith(b"HTTP/1.1 503"), status
+    head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+    assert 2 <= time.monotonic() - started < 10  # it waited its 2 s for room
+    assert "retry-after: 1\r\n" in head and "content-type: application/json" in head, head
+    length = re.search(r"content-length: (\d+)", head)
+    assert length is not None, head
+    error = json.loads(await reader.readexactly(int(length.group(1))))
+    assert error["type"] == "error" and error["error"]["type"] == "overloaded_error", error
+    assert "limit is 3000000" in error["error"]["message"]
+    writer.close()
+    await until(2_000_000)  # the refused body's bytes came back
+    holders.pop()[1].close()  # a client gone mid-body: Envoy resets the stream
+    await until(1_000_000)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+        payload = {"model": "m", "messages": conversation(3, 0), "max_tokens": 2}
+        status_code, _, raw = await post(client, url, payload)
+        assert status_code == 200, raw
+    await until(1_000_000)
+    holders.pop()[1].close()
+    await until(0)

@@ -5,8 +5,11 @@ load each exchange holds until it ends."""
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 from typing import Any
 
+import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from google.protobuf import struct_pb2
@@ -229,10 +232,14 @@ def test_a_request_without_a_body_is_picked_at_its_headers() -> None:
 
 
 def test_the_docs_ship_the_envoy_configuration_the_tests_run() -> None:
-    from smetric.testing.gateway import GATEWAY_CONFIG
+    """The shipped file, whole, and the ``ORIGINAL_DST`` alternative the tests also run."""
+    from smetric.testing.gateway import GATEWAY_CONFIG, ORIGINAL_DST_CLUSTER
 
     page = (GATEWAY_CONFIG.parents[2] / "docs" / "guides" / "gateway.md").read_text()
     assert "```yaml\n" + GATEWAY_CONFIG.read_text() + "```" in page
+    blocks = re.findall(r"\n( *)```yaml\n(.*?)\n\1```", page, re.DOTALL)
+    alternative = next(text for _, text in blocks if "ORIGINAL_DST" in text)
+    assert yaml.safe_load(textwrap.dedent(alternative)) == [ORIGINAL_DST_CLUSTER]
 
 
 def test_the_served_endpoint_is_read_from_the_protocol_metadata_before_the_header() -> None:

@@ -40,7 +40,7 @@ def test_stored_responses_and_history_resent_through_the_picker(tmp_path: Path) 
         args = [a for m in mocks for a in ("-e", m.url)] + ["--health-interval", "0.2"]
         with run_picker(args) as picker:
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port)) as envoy:
+            with run_envoy(gateway_config(picker.grpc_port, [m.url for m in mocks])) as envoy:
                 client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="k", max_retries=0)
                 served = "x-gateway-destination-endpoint-served"
                 # Codex style: the history resent, not stored; predicted as cached.

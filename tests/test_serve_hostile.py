@@ -5,6 +5,7 @@ not reading it, trickle a body; and the faults a cluster throws at the service i
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 import shutil
@@ -251,6 +252,10 @@ def trickle(port: int, every_s: float) -> tuple[bytes, float]:
             except TimeoutError:
                 sock.sendall(b" ")
                 continue
+            except ConnectionResetError:
+                # The router closed the connection as a byte of ours was on its way,
+                # after its answer, which was read before.
+                break
             if not piece:
                 break  # the router closed the connection
             answer += piece
@@ -364,6 +369,64 @@ def test_bodies_held_at_once_are_capped_router_wide() -> None:
         await eventually(lambda: router.buffered.used == 2_000_000)
         async with client.post(url + "/v1/chat/completions", json=CHAT) as response:
             assert response.status == 200
+        for holder in holders:
+            holder.close()
+        await eventually(lambda: router.buffered.used == 0)
+
+    run(lambda: with_mixed([], 1, body, max_buffered_bytes=3_000_000, body_timeout_s=30))
+
+
+async def send_head(port: int, headers: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers + b"\r\n")
+    await writer.drain()
+    return reader, writer
+
+
+def test_a_body_without_a_length_or_compressed_holds_what_has_arrived() -> None:
+    """A chunked body holds the bytes read so far, not the per-request limit, and is
+    refused with the 503 once its next piece would take the router past the cap; a
+    gzipped body holds its Content-Length while it arrives; every exit gives it all
+    back."""
+
+    async def body(client: aiohttp.ClientSession, url: str, router, fakes) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        raw = json.dumps(CHAT).encode()
+        reader, writer = await send_head(port, b"Transfer-Encoding: chunked\r\n")
+        writer.write(b"%x\r\n%s\r\n" % (10, raw[:10]))
+        await eventually(lambda: router.buffered.used == 10)
+        writer.write(b"%x\r\n%s\r\n" % (20, raw[10:30]))
+        await eventually(lambda: router.buffered.used == 30)
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(raw) - 30, raw[30:]))
+        await writer.drain()
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        writer.close()
+        await eventually(lambda: router.buffered.used == 0)
+        # Compressed: its Content-Length while it arrives.
+        zipped = gzip.compress(raw)
+        head = b"Content-Encoding: gzip\r\nContent-Length: %d\r\n" % len(zipped)
+        reader, writer = await send_head(port, head)
+        writer.write(zipped[:5])
+        await writer.drain()
+        await eventually(lambda: router.buffered.used == len(zipped))
+        writer.write(zipped[5:])
+        await writer.drain()
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        writer.close()
+        await eventually(lambda: router.buffered.used == 0)
+        # Two holders of 1 MB leave room for 1 MB more: a chunked body past it is refused.
+        holders = [await holding(port, 1_000_000) for _ in range(2)]
+        reader, writer = await send_head(port, b"Transfer-Encoding: chunked\r\n")
+        piece = b"x" * 600_000
+        writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        await eventually(lambda: router.buffered.used == 2_600_000)
+        writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        await writer.drain()
+        status = await reader.readline()
+        assert status.startswith(b"HTTP/1.1 503"), status
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        assert b"retry-after: 1\r\n" in head
+        writer.close()
         for holder in holders:
             holder.close()
         await eventually(lambda: router.buffered.used == 0)

@@ -20,6 +20,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from smetric.core.headers import ENGINE_HEADER, PREDICTED_HIT_HEADER
 from smetric.gateway import protocol
 from smetric.gateway.picker import Pick, Picker
+from smetric.serve.buffered import Hold
+from smetric.serve.limits import inflated_bound
 from smetric.serve.refusals import Refusal
 from smetric.serve.token_count import TOKEN_COUNT_HEADER, declined
 
@@ -35,6 +37,8 @@ class Exchange:
         self.subset: frozenset[str] | None = None
         self.body: list[bytes] = []
         self.size = 0
+        # The body's bytes in the router-wide budget, from its headers until the pick.
+        self.hold = Hold(picker.router.buffered)
         self.pick: Pick | None = None
         self.refused = False
         # The picker answered the client itself (a refusal, a token count): the stream
@@ -48,6 +52,8 @@ class Exchange:
             self.subset = protocol.subset_hint(message.metadata_context)
             try:  # before the body is held: a client without a key costs no buffering
                 self.picker.authorize(self.headers)
+                length = self.headers.get("content-length", "")
+                await self._hold(int(length) if length.isdigit() else 0)
             except Refusal as refusal:
                 return self._refuse(refusal)
             if message.request_headers.end_of_stream:
@@ -70,20 +76,29 @@ class Exchange:
     async def _request_body(self, body: ext_proc.HttpBody) -> Replies:
         if self.pick is not None:  # the body came whole before: nothing more to hold
             return protocol.body_chunks("request", [body.body], body.end_of_stream)
-        self.body.append(body.body)
-        self.size += len(body.body)
         try:
-            self.picker.check_size(self.size)
+            await self._hold(self.size + len(body.body))
         except Refusal as refusal:
             return self._refuse(refusal)
+        self.body.append(body.body)
+        self.size += len(body.body)
         if body.end_of_stream:
             return await self._decide(self.body, end_of_stream=True)
         return []
+
+    async def _hold(self, size: int) -> None:
+        """Room for ``size`` bytes of body, as ``serve`` holds them: a 413 past the
+        per-request limit, a 503 (after a wait) past the router-wide one."""
+        self.picker.check_size(size)
+        await self.hold.grow(size)
 
     async def _decide(
         self, pieces: list[bytes], end_of_stream: bool, with_body: bool = True
     ) -> Replies:
         try:
+            if self.headers.get("content-encoding"):  # the most it may inflate to
+                limit = self.picker.router.settings.max_body_bytes
+                await self.hold.grow(inflated_bound(self.size, limit))
             pick = await self.picker.pick(
                 self.headers.get(":path", "/"), self.headers, b"".join(pieces), self.subset
             )
@@ -91,6 +106,8 @@ class Exchange:
             return self._refuse(refusal)
         self.pick = pick
         self.body = []
+        # The body goes back to Envoy with these replies; only a token count's stays.
+        self.hold.shrink(len(pick.count_body or b""))
         headers = {protocol.DESTINATION: pick.endpoint}
         removed: tuple[str, ...] = ()
         if pick.body is not None:  # rewritten: it goes as plain JSON of its new length
@@ -110,7 +127,9 @@ class Exchange:
     def _refuse(self, refusal: Refusal) -> Replies:
         self.refused = self.answered = True
         body = self.picker.refused(self.headers.get(":path", "/"), refusal)
-        return [protocol.immediate(refusal.status, body)]
+        retry = refusal.retry_after_s
+        headers = {} if retry is None else {"retry-after": str(retry)}
+        return [protocol.immediate(refusal.status, body, headers)]
 
     async def _response_headers(self, message: ext_proc.ProcessingRequest) -> Replies:
         headers = protocol.header_map(message.response_headers.headers)
@@ -118,7 +137,8 @@ class Exchange:
         if self.pick is not None:
             served = protocol.served_endpoint(message.metadata_context, headers)
             status = int(headers.get(":status", "0") or 0)
-            self.picker.served(self.pick, served, status, protocol.connection_failed(headers))
+            lost = protocol.connection_failed(headers)
+            self.picker.served(self.pick, served, status, lost, protocol.retried(headers))
             if self.pick.count_body is not None:
                 if declined(status):
                     return await self._count_here(self.pick.count_body)
@@ -149,7 +169,8 @@ class Exchange:
 
     def close(self, complete: bool) -> None:
         """The exchange is over: the response ended, or the stream did (client gone,
-        engine failed, Envoy reset it). Load comes off here, once."""
+        engine failed, Envoy reset it). Load and held bytes come off here, once."""
+        self.hold.shrink(0)
         if self.pick is not None:
             self.picker.finished(self.pick, complete)
 

@@ -179,12 +179,24 @@ class Picker:
             raise not_found(response_id, param)
         return engine
 
-    def served(self, pick: Pick, endpoint: str | None, status: int, lost: bool = False) -> None:
+    def served(
+        self,
+        pick: Pick,
+        endpoint: str | None,
+        status: int,
+        lost: bool = False,
+        retried: bool = False,
+    ) -> None:
         """The response's headers: charge the request to the engine that served it, and
         on success record that it now caches the prompt. ``lost``: Envoy could not
-        connect to the engine, which is then out at once, as ``serve`` puts it."""
+        connect to the engine, which is then out at once, as ``serve`` puts it.
+        ``retried``: Envoy tried more than once; if another engine served it, the one
+        picked could not be reached, and is out at once too."""
         engine = self.engine_at(endpoint) if endpoint else None
         if engine is not None and engine is not pick.engine:
+            if retried:
+                fault = EngineFault("unreachable through the gateway", lost=True)
+                self.router.pool.failed(pick.engine, fault)
             pick.load.move_to(engine)
             pick.engine = engine
             self.router.metrics.retries.inc()

@@ -32,6 +32,9 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 UPSTREAM_FAILURE = "x-gateway-upstream-failure"
 """Envoy's response flags on its own answer about an upstream (the shipped config adds
 this header to those local replies), e.g. ``URX,UF``; not part of the protocol."""
+ATTEMPTS = "x-envoy-attempt-count"
+"""How many times Envoy sent the request upstream (the shipped config adds it to every
+response); not part of the protocol."""
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 
@@ -82,6 +85,14 @@ def connection_failed(headers: Mapping[str, str]) -> bool:
     the connection before the headers (flags ``UF``, ``UC``): the engine is gone."""
     flags = set(headers.get(UPSTREAM_FAILURE, "").split(","))
     return bool(flags & {"UF", "UC"})
+
+
+def retried(headers: Mapping[str, str]) -> bool:
+    """Whether Envoy sent the request upstream more than once before this response: the
+    shipped config retries only an engine that could not be reached or reset the
+    connection before answering."""
+    attempts = headers.get(ATTEMPTS, "")
+    return attempts.isdigit() and int(attempts) > 1
 
 
 def _header_mutation(

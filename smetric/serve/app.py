@@ -38,7 +38,7 @@ from smetric.core.conversation import Api, ChatTemplate
 from smetric.record.recorder import RecordedRequest, Recorder
 from smetric.serve.analysis import Analyzer
 from smetric.serve.auth import KeyCheck
-from smetric.serve.buffered import ByteBudget
+from smetric.serve.buffered import ByteBudget, Hold
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
@@ -53,6 +53,7 @@ from smetric.serve.forwarding import (
 from smetric.serve.global_tier import global_tier_from
 from smetric.serve.intake import ROUTES, Intake
 from smetric.serve.kv_subscriber import KVEventSubscriber
+from smetric.serve.limits import inflated_bound
 from smetric.serve.metrics import RouterMetrics, SubscriberCollector
 from smetric.serve.outliers import OutlierDetector
 from smetric.serve.pool import EnginePool
@@ -139,7 +140,7 @@ class Router:
             allow_client_transfer=settings.allow_client_kv_transfer_params,
         )
         self.refusals = RefusalLog(self.metrics.refused)
-        self.buffered = ByteBudget(settings.max_buffered_bytes)
+        self.buffered = ByteBudget(settings.max_buffered_bytes, report=self.metrics.buffered.set)
         timeouts = Timeouts(
             settings.connect_timeout_s,
             settings.first_byte_timeout_s,
@@ -221,24 +222,24 @@ class Router:
 
     def _handler(self, path: str, api: Api) -> Any:
         async def handle(request: web.Request) -> web.StreamResponse:
-            async with self._held(request):
-                return await self.proxy(request, path, api)
+            async with self.buffered.held(self._promised(request)) as hold:
+                return await self.proxy(request, path, api, hold)
 
         return handle
 
-    def _held(self, request: web.Request) -> contextlib.AbstractAsyncContextManager[None]:
-        """Room in the router-wide budget for the request's body, held (for retries)
-        until the request ends: what Content-Length says, or the most it may inflate or
-        stream to."""
-        size = request.content_length
-        if size is None or request.headers.get("Content-Encoding"):
-            size = self.settings.max_body_bytes
-        return self.buffered.held(size)
+    def _promised(self, request: web.Request) -> int:
+        """The bytes held for a body before a byte of it is read: what its Content-Length
+        promises, up to the per-request limit (past it, a 413 comes unread)."""
+        return min(request.content_length or 0, self.settings.max_body_bytes)
 
-    async def proxy(self, request: web.Request, path: str, api: Api) -> web.StreamResponse:
-        """One generation request, from its bytes to its response's end; a ``Refusal``
-        on the way in is answered by the ``answer_errors`` middleware."""
-        admitted = await self.intake.admit(path, request.headers, await self._read(request))
+    async def proxy(
+        self, request: web.Request, path: str, api: Api, hold: Hold
+    ) -> web.StreamResponse:
+        """One generation request, from its bytes to its response's end, its body in
+        ``hold``; a ``Refusal`` on the way in is answered by the ``answer_errors``
+        middleware."""
+        admitted = await self.intake.admit(path, request.headers, await self._read(request, hold))
+        hold.shrink(len(admitted.raw))  # what is kept for a retry, inflated
         pinned, dispatcher = None, self.dispatcher
         previous = admitted.previous_response_id if api == "responses" else None
         if previous is not None:
@@ -268,22 +269,33 @@ class Router:
             self.metrics.latency.labels(api).observe(time.perf_counter() - completion.started)
             self.forwarder.completed(completion)
 
-    async def _read(self, request: web.Request) -> bytes:
-        """The body as sent: one over the limit is refused unread when its
-        Content-Length says so, so it costs nothing, and one that takes longer than
-        ``body_timeout_s`` to arrive is cut off."""
-        self.intake.check_size(request.content_length or 0)
+    async def _read(self, request: web.Request, hold: Hold) -> bytes:
+        """The body as sent, ``hold`` grown as it arrives: one over the limit is refused
+        unread when its Content-Length says so, so it costs nothing, else as soon as it
+        passes the limit; one that takes longer than ``body_timeout_s`` to arrive is cut
+        off. A compressed body then holds the most it may inflate to."""
+        check = self.intake.check_size
+        check(request.content_length or 0)
         deadline = self.settings.body_timeout_s
+        pieces: list[bytes] = []
+        size = 0
         try:
             async with asyncio.timeout(deadline):
-                return await request.read()
+                async for piece in request.content.iter_any():
+                    size += len(piece)
+                    check(size)
+                    await hold.grow(size)
+                    pieces.append(piece)
         except TimeoutError:
             message = f"request body not received within {deadline:g} s"
             raise Refusal(408, "body_timeout", message) from None
+        if request.headers.get("Content-Encoding"):
+            await hold.grow(inflated_bound(size, self.settings.max_body_bytes))
+        return b"".join(pieces)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        async with self._held(request):
-            return await self.token_counter.answer(request, await self._read(request))
+        async with self.buffered.held(self._promised(request)) as hold:
+            return await self.token_counter.answer(request, await self._read(request, hold))
 
     async def _holder(self, request: web.Request, response_id: str) -> Engine | None:
         headers = self.forwarder.upstream_headers(request.headers)

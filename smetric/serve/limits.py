@@ -54,6 +54,17 @@ def decoded_body(raw: bytes, encoding: str, max_bytes: int) -> bytes:
     return body
 
 
+# Deflate's greatest compression ratio (zlib's technical notes): a gzip or deflate body
+# inflates to at most this many times its size.
+MAX_INFLATION = 1032
+
+
+def inflated_bound(size: int, max_bytes: int) -> int:
+    """The most a compressed body of ``size`` bytes may take once inflated, within the
+    body limit: what to hold for it before it is inflated."""
+    return min(size * MAX_INFLATION, max_bytes)
+
+
 def body_too_large_message(max_bytes: int) -> str:
     return f"request body too large: over --max-body-bytes ({max_bytes} bytes)"
 

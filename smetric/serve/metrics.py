@@ -100,6 +100,13 @@ class RouterMetrics:
             multiprocess_mode="mostrecent",
             registry=self.registry,
         )
+        self.buffered = Gauge(
+            "smetric_buffered_request_bytes",
+            "Bytes of request bodies the router holds now, all requests together (what "
+            "--max-buffered-bytes caps).",
+            multiprocess_mode="livesum",
+            registry=self.registry,
+        )
         self.decisions = Counter(
             "smetric_routing_decisions",
             "Routing decisions, by the policy branch that made them.",

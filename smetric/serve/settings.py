@@ -54,8 +54,9 @@ class RouterSettings:
     max_buffered_bytes: int = setting(
         256 << 20,
         "Bytes of request bodies held at once, all requests together (each parsed body "
-        "takes several times its size); a request whose body would go past it waits up "
-        "to 2 s, then gets a 503 with Retry-After before its body is read.",
+        "takes several times its size): a body holds its Content-Length before it is "
+        "read, else the bytes arrived so far; one that would go past it waits up to 2 s, "
+        "then gets a 503 with Retry-After.",
         ge=1,
     )
     body_timeout_s: float = setting(

@@ -1,8 +1,9 @@
 """A real Envoy gateway and ``smetric pick`` on loopback, for tests and benchmarks.
 
 Envoy runs the configuration shipped in ``deploy/envoy/gateway.yaml`` with only its
-addresses changed: every port is 0, so the OS picks free ones, and the listener's is read
-back from Envoy's admin API (whose own address Envoy writes to a file).
+addresses changed: the engines the test runs, and every port 0, so the OS picks free ones;
+the listener's is read back from Envoy's admin API (whose own address Envoy writes to a
+file).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -39,13 +41,14 @@ def _socket(address: dict[str, Any], port: int) -> None:
 
 
 def gateway_config(
-    picker_port: int, engines: list[str] | None = None, fail_open: bool = False
+    picker_port: int, engines: list[str], fail_open: bool = False, original_dst: bool = False
 ) -> dict[str, Any]:
-    """The shipped configuration on loopback, sending to the picker on ``picker_port``.
+    """The shipped configuration on loopback, sending to the picker on ``picker_port``,
+    its ``engines`` cluster listing ``engines`` (their URLs, ``http://IP:PORT``) in place
+    of its examples.
 
-    ``engines`` (``ip:port``): use an ``override_host`` cluster of these instead of the
-    ``ORIGINAL_DST`` one, reading the pick from the ``envoy.lb`` metadata only, and
-    round-robin over them when no pick came (the picker is down and ``fail_open``).
+    ``original_dst``: the guide's alternative instead, an ``ORIGINAL_DST`` cluster that
+    connects to whatever address the picker names and lists no engine.
     """
     config = yaml.safe_load(GATEWAY_CONFIG.read_text())
     _socket(config["admin"]["address"], 0)
@@ -62,56 +65,33 @@ def gateway_config(
         f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
     )
     ext_proc["typed_config"]["failure_mode_allow"] = fail_open
-    if engines is not None:
-        index = next(i for i, c in enumerate(clusters) if c["name"] == "engines")
-        clusters[index] = _override_host_cluster(engines)
+    index = next(i for i, c in enumerate(clusters) if c["name"] == "engines")
+    if original_dst:
+        clusters[index] = ORIGINAL_DST_CLUSTER
+    else:
+        endpoints = clusters[index]["load_assignment"]["endpoints"][0]
+        endpoints["lb_endpoints"] = [_endpoint(engine) for engine in engines]
     return config
 
 
-_TYPES = "type.googleapis.com/envoy.extensions"
+ORIGINAL_DST_CLUSTER: dict[str, Any] = yaml.safe_load(
+    """
+name: engines
+type: ORIGINAL_DST
+lb_policy: CLUSTER_PROVIDED
+connect_timeout: 5s
+original_dst_lb_config:
+  use_http_header: true
+  http_header_name: x-gateway-destination-endpoint
+"""
+)
+"""The ``engines`` cluster of the guide's alternative, as it shows it."""
 
 
-def _override_host_cluster(engines: list[str]) -> dict[str, Any]:
-    def policy(name: str, kind: str, **config: Any) -> dict[str, Any]:
-        return {
-            "typed_extension_config": {
-                "name": f"envoy.load_balancing_policies.{name}",
-                "typed_config": {
-                    "@type": f"{_TYPES}.load_balancing_policies.{name}.v3.{kind}",
-                    **config,
-                },
-            }
-        }
-
-    source = {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
-    endpoints = []
-    for endpoint in engines:
-        host, port = endpoint.rsplit(":", 1)
-        endpoints.append(
-            {
-                "endpoint": {
-                    "address": {
-                        "socket_address": {"address": host.strip("[]"), "port_value": int(port)}
-                    }
-                }
-            }
-        )
-    return {
-        "name": "engines",
-        "type": "STATIC",
-        "connect_timeout": "5s",
-        "load_balancing_policy": {
-            "policies": [
-                policy(
-                    "override_host",
-                    "OverrideHost",
-                    override_host_sources=[source],
-                    fallback_policy={"policies": [policy("round_robin", "RoundRobin")]},
-                )
-            ]
-        },
-        "load_assignment": {"cluster_name": "engines", "endpoints": [{"lb_endpoints": endpoints}]},
-    }
+def _endpoint(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    address = {"socket_address": {"address": parts.hostname, "port_value": parts.port}}
+    return {"endpoint": {"address": address}}
 
 
 def _get(url: str, timeout: float = 2.0) -> str:
