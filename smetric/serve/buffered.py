@@ -81,6 +81,10 @@ class Hold:
         budget = self.budget
         if size <= self.size:
             return
+        if budget.fits(self.size, size):  # as nearly always: no wait, no timer
+            budget._add(size - self.size)
+            self.size = size
+            return
         try:
             async with asyncio.timeout(budget.wait_s):
                 while not budget.fits(self.size, size):
