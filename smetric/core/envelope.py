@@ -171,15 +171,23 @@ class _Prefix:
     messages: tuple[Rendered, ...]
     run: Run
     bucket: _Bucket
+    # The session key under the system prompt it was digested with, once a user message
+    # is among these messages: the opening then ends here, for every body that extends it.
+    session: tuple[str | None, str] | None
     # Its bytes, the run's (whose nodes the block memo may hold too) and the rest.
     nbytes: int
 
 
 def _prefix(
-    raw: bytes, head: Envelope, messages: tuple[Rendered, ...], run: Run, bucket: _Bucket
+    raw: bytes,
+    head: Envelope,
+    messages: tuple[Rendered, ...],
+    run: Run,
+    bucket: _Bucket,
+    session: tuple[str | None, str] | None,
 ) -> _Prefix:
     size = len(raw) + 8 * len(messages) + run.nbytes + _ENTRY_OVERHEAD
-    return _Prefix(raw, head, messages, run, bucket, size)
+    return _Prefix(raw, head, messages, run, bucket, session, size)
 
 
 class Prefixes:
@@ -312,12 +320,21 @@ class ChatReader:
         known = read.known.run if read.known is not None else None
         prompt = hash_segments(rendering.segments, tokenizer, block_size, memo, known)
         turn = sum(m.role == "assistant" for m in messages)
-        facts = facts_of(rendering, turn, _session(_PARSERS[api], messages, system.text), prompt)
+        opened = read.known.session if read.known is not None else None
+        if opened is not None and opened[0] == system.text:
+            session = opened[1]
+        else:
+            session = _session(_PARSERS[api], messages, system.text)
+        facts = facts_of(rendering, turn, session, prompt)
         grown = read.known is None or read.cut > len(read.known.raw)
         if read.head is not None and read.cut > _HEAD_BYTES and grown:
-            run = prompt.run(rendering.segments, len(head) + len(messages) - 1)
-            kept = _prefix(read.body[: read.cut], read.head, tuple(messages[:-1]), run, read.bucket)
-            self.prefixes.keep(kept, read.known)
+            kept = messages[:-1]
+            run = prompt.run(rendering.segments, len(head) + len(kept))
+            opening = (system.text, session) if any(m.role == "user" for m in kept) else None
+            prefix = _prefix(
+                read.body[: read.cut], read.head, tuple(kept), run, read.bucket, opening
+            )
+            self.prefixes.keep(prefix, read.known)
         return facts
 
 
