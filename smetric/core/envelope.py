@@ -28,6 +28,7 @@ whole-body analysis, which also words every error.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -67,7 +68,10 @@ _ENTRY_OVERHEAD = 300
 _HEAD_BYTES = 4096
 # Prefixes kept per bucket, most recent first: the turns of sessions that open alike.
 _BUCKET = 8
-_SEPARATORS = b" \t\r\n,"
+# What may lie between a JSON array's items, and before a kept prefix's tail: skipped at
+# C speed, since a client may send megabytes of it.
+_BETWEEN = re.compile(rb"[ \t\r\n,]*")
+_SPACE = re.compile(rb"[ \t\r\n]*")
 
 
 class Envelope(msgspec.Struct):
@@ -356,13 +360,11 @@ _OPENED = b'{"' + _ADDED.encode() + b'":['  # the tail's messages, the list left
 def _tail(body: bytes, start: int) -> _Tail | None:
     """What follows a kept prefix (which ends with a message): the new messages and the
     fields after them."""
-    rest = memoryview(body)[start:]
-    at = 0
-    while at < len(rest) and rest[at] in b" \t\r\n":
-        at += 1
-    if at == len(rest) or rest[at] not in b",]":
+    at = _skip(_SPACE, body, start)
+    if at == len(body) or body[at] not in b",]":
         return None
-    opened = _OPENED + (rest[at + 1 :] if rest[at] == ord(",") else rest[at:])
+    rest = memoryview(body)[at + 1 if body[at] == ord(",") else at :]
+    opened = _OPENED + rest
     try:
         tail = _TAIL_DECODER.decode(opened)
     except (msgspec.DecodeError, RecursionError):
@@ -385,14 +387,20 @@ def _merged(head: Envelope, tail: _Tail) -> Envelope:
 def _ends(body: bytes, start: int, raws: Sequence[msgspec.Raw]) -> int:
     """Where the last of ``raws`` ends in ``body``, they being there one after another
     from ``start`` with only separators between them; 0 if they are not."""
-    at, size = start, len(body)
+    at = start
     for raw in raws:
-        while at < size and body[at] in _SEPARATORS:
-            at += 1
+        at = _skip(_BETWEEN, body, at)
         if not body.startswith(raw, at):
             return 0
         at += len(raw)
     return at
+
+
+def _skip(pattern: re.Pattern[bytes], body: bytes, at: int) -> int:
+    """Past what ``pattern`` (which matches the empty string too) matches at ``at``."""
+    match = pattern.match(body, at)
+    assert match is not None
+    return match.end()
 
 
 def _head(body: bytes, first: int) -> Envelope | None:
