@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_conversation import QWEN, assistant, user
 
 from smetric.core.block_memo import BlockMemo, hash_segments
-from smetric.core.blocks import ByteTokenizer, chain_hashes, token_array
+from smetric.core.blocks import ByteTokenizer, chain_hashes, token_array32
 from smetric.core.conversation import ChatTemplate, RequestFacts, analyze_request
 
 TOKENIZER = ByteTokenizer()
@@ -97,7 +97,7 @@ def test_segments_hash_as_their_encodings_concatenated(
     segments: list[str], block_size: int
 ) -> None:
     hashed = hash_segments(segments, TOKENIZER, block_size)
-    parts = [token_array(TOKENIZER.encode(s)) for s in segments]
+    parts = [token_array32(TOKENIZER.encode(s)) for s in segments]
     tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     assert np.concatenate(hashed.token_parts).tolist() == tokens.tolist()
     assert hashed.blocks.tolist() == chain_hashes(tokens, block_size).tolist()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from smetric.core.blocks import ByteTokenizer, Tokenizer, chain_hashes, token_array
+from smetric.core.blocks import ByteTokenizer, Tokenizer, chain_hashes, token_array32
 
 
 def reference(tokens: list[int], block_size: int) -> list[int]:
@@ -101,5 +101,5 @@ def test_byte_tokenizer_is_utf8_and_keeps_lone_surrogates() -> None:
     tokenizer: Tokenizer = ByteTokenizer()
     assert tokenizer.name == "bytes"
     assert list(tokenizer.encode("hé")) == [104, 0xC3, 0xA9]
-    assert token_array(tokenizer.encode("hé")).tolist() == [104, 0xC3, 0xA9]
+    assert token_array32(tokenizer.encode("hé")).tolist() == [104, 0xC3, 0xA9]
     assert tokenizer.encode("a\ud800") != tokenizer.encode("a\ud801")

@@ -140,11 +140,11 @@ def test_a_follow_up_is_rendered_and_tokenised_only_where_it_adds() -> None:
     assert len(reader.segments) == 5  # tools, system and three messages
     tokenizer.encoded = 0
     follow_up = {**head, "messages": [*history, *agent_turn(1)]}
-    facts = analyze(
-        reader, json.dumps(follow_up).encode(), "messages", 16, memo, tokenizer=tokenizer
-    )
+    read = reader.read(json.dumps(follow_up).encode(), "messages", None)
+    # Read from the first body's kept prefix: only the tail was decoded.
+    assert read is not None and read.known is not None
+    facts = reader.facts(read, "messages", tokenizer, 16, memo)
     assert len(reader.segments) == 7  # two more messages rendered, nothing else
-    assert reader.prefixes.hits == 1  # and only they were decoded
     whole = analyze_request(follow_up, "messages", TOKENIZER, 16)
     assert same(facts, whole) and facts.est_hit_tokens > 0 and facts.turn == 2
     added = facts.prompt_tokens - analyze_request(body, "messages", TOKENIZER, 16).prompt_tokens

@@ -51,15 +51,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> bytes:
         # JSON may carry lone surrogates ("\ud800"), which strict UTF-8 refuses; passing
         # them through keeps distinct texts distinct instead of failing the request. Bytes
-        # are a sequence of ints already, and ``token_array`` reads them without a loop.
+        # are a sequence of ints already, and ``token_array32`` reads them without a loop.
         return text.encode("utf-8", "surrogatepass")
-
-
-def token_array(tokens: Sequence[int]) -> np.ndarray:
-    """A tokenizer's output as int64 ids; bytes (``ByteTokenizer``) are viewed, not iterated."""
-    if isinstance(tokens, bytes):
-        return np.frombuffer(tokens, dtype=np.uint8).astype(np.int64)
-    return np.array(tokens, dtype=np.int64)
 
 
 def token_array32(tokens: Sequence[int]) -> np.ndarray:

@@ -202,7 +202,6 @@ class Prefixes:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self.hits = 0
         self._buckets: OrderedDict[_Bucket, list[_Prefix]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -212,9 +211,7 @@ class Prefixes:
             return None
         with self._lock:
             candidates = list(self._buckets.get(bucket, ()))
-        found = next((c for c in candidates if body.startswith(c.raw)), None)
-        self.hits += found is not None
-        return found
+        return next((c for c in candidates if body.startswith(c.raw)), None)
 
     def keep(self, prefix: _Prefix, replacing: _Prefix | None) -> None:
         if prefix.nbytes > self.max_bytes:
