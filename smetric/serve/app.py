@@ -277,11 +277,13 @@ class Router:
         check = self.intake.check_size
         check(request.content_length or 0)
         deadline = self.settings.body_timeout_s
+        content = request.content
         pieces: list[bytes] = []
         size = 0
         try:
-            async with asyncio.timeout(deadline):
-                async for piece in request.content.iter_any():
+            # A body that came whole with its headers has no wait to bound.
+            async with asyncio.timeout(None if content.is_eof() else deadline):
+                async for piece in content.iter_any():
                     size += len(piece)
                     check(size)
                     await hold.grow(size)

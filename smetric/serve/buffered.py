@@ -39,6 +39,7 @@ class ByteBudget:
         self.used = 0
         self.report = report
         self._freed = asyncio.Event()
+        self._waiting = 0  # requests waiting for room: only they need waking
 
     def fits(self, held: int, size: int) -> bool:
         """Whether a request holding ``held`` bytes may hold ``size`` in all."""
@@ -60,7 +61,7 @@ class ByteBudget:
         self.used += size
         if self.report is not None:
             self.report(self.used)
-        if size < 0:
+        if size < 0 and self._waiting:
             # Wake this generation's waiters; later ones wait on a fresh event.
             freed, self._freed = self._freed, asyncio.Event()
             freed.set()
@@ -85,6 +86,7 @@ class Hold:
             budget._add(size - self.size)
             self.size = size
             return
+        budget._waiting += 1
         try:
             async with asyncio.timeout(budget.wait_s):
                 while not budget.fits(self.size, size):
@@ -97,6 +99,8 @@ class Hold:
                 f"{budget.limit}: retry shortly",
                 retry_after_s=1,
             ) from None
+        finally:
+            budget._waiting -= 1
         budget._add(size - self.size)
         self.size = size
 

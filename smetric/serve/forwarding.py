@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import msgspec
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -360,6 +361,9 @@ class Tries:
         return self.failure
 
 
+_decode = msgspec.json.Decoder().decode
+
+
 class UsageTap:
     """Finds the cached prompt tokens an engine reports in a passing response: OpenAI's
     ``usage.prompt_tokens_details.cached_tokens``, the Responses API's
@@ -417,9 +421,9 @@ class UsageTap:
                 if b'"usage"' not in piece:
                     continue
                 try:
-                    data = json.loads(piece)
+                    data = _decode(piece)
                     usage = data.get("usage") or (data.get("response") or {}).get("usage")
-                except (ValueError, AttributeError):
+                except (msgspec.DecodeError, AttributeError):
                     continue
                 if isinstance(usage, dict):
                     self._parsed.append(usage)

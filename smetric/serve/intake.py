@@ -116,7 +116,8 @@ class Intake:
                     path,
                     decoded_raw,
                     self._within_limit(facts),
-                    identity_of(headers, envelope.prompt_cache_key),
+                    # Headers name a session first; a cache key only where they name none.
+                    sender if sender.session else identity_of(headers, envelope.prompt_cache_key),
                     stream=envelope.stream,
                     trigger=message_trigger(chat.last_message()),
                     previous=envelope.previous_response_id,

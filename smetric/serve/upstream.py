@@ -17,9 +17,8 @@ surface as connection errors in aiohttp) by which call raised.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -155,17 +154,11 @@ class Attempt:
         if self._wait is not None and not self._wait.expired():
             self._wait.reschedule(asyncio.get_running_loop().time())
 
-    @contextlib.asynccontextmanager
-    async def _timeout(self, seconds: float) -> AsyncIterator[None]:
+    def _timeout(self, seconds: float) -> _Wait:
         """A wait on the engine of at most ``seconds``, which ``cut`` can end early
         while it lasts (none when the attempt was cut already)."""
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout_at(loop.time() if self._cut else loop.time() + seconds) as wait:
-            self._wait = wait
-            try:
-                yield
-            finally:
-                self._wait = None
+        return _Wait(self, loop.time() if self._cut else loop.time() + seconds)
 
     async def deliver(self, write: Awaitable[None]) -> None:
         """Await ``write``, a write of the engine's bytes to the client. However long a
@@ -235,7 +228,32 @@ class Attempt:
         return chunk
 
     async def read_all(self) -> bytes:
-        parts = []
-        while chunk := await self.read():
-            parts.append(chunk)
+        """The whole body: no wait on the engine once it said the body ended."""
+        assert self.response is not None, "send() first"
+        content = self.response.content
+        parts = [await self.read()]
+        while parts[-1] and not content.at_eof():
+            parts.append(await self.read())
         return b"".join(parts)
+
+
+class _Wait:
+    """An attempt's wait in progress, known to it while it lasts so that ``Attempt.cut``
+    can end it (a class, not a generator, since every request waits a few times)."""
+
+    def __init__(self, attempt: Attempt, when: float) -> None:
+        self.attempt = attempt
+        self.timeout = asyncio.timeout_at(when)
+
+    async def __aenter__(self) -> None:
+        await self.timeout.__aenter__()
+        self.attempt._wait = self.timeout
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.attempt._wait = None
+        await self.timeout.__aexit__(exc_type, exc, tb)
