@@ -148,7 +148,7 @@ def test_harness_headers_label_decisions_metrics_and_records_and_hints_reach_the
             assert record.identity == AgentIdentity("claude-code", "s-1", "a-7", "a-1")
             assert record.outcome == "completed" and record.status == 200
             assert record.cached_tokens == 3 and record.ttft_s is not None
-            assert record.engine is not None and record.branch is not None
+            assert record.engine is not None and record.routed is not None
         assert (first.facts.turn, follow_up.facts.turn) == (0, 1)
         async with client.get(url + "/metrics") as response:
             text = await response.text()

@@ -144,8 +144,9 @@ class Picker:
         admitted = await self.router.intake.admit(path, headers, raw)
         facts, identity = admitted.facts, admitted.identity
         engines = self.candidates(subset)  # health may have changed meanwhile
-        completion = Completion(admitted.api, path, admitted.stream, facts, identity)
-        completion.trigger = admitted.trigger
+        completion = Completion(
+            admitted.api, path, admitted.stream, facts, identity, admitted.trigger
+        )
         previous = admitted.previous_response_id if admitted.api == "responses" else None
         if previous is not None:
             holding = await self._holder(engines, previous, headers, "previous_response_id")
@@ -153,9 +154,8 @@ class Picker:
         else:
             decision = self.router.wiring.decide(facts, engines, identity=identity)
             engine, predicted = decision.engine, decision.predicted_hit_tokens
-            completion.branch = decision.branch
+            completion.routed = decision.routed()
         load = Lease(engine, facts.prompt_tokens, facts.prompt_tokens - predicted)
-        completion.predicted_hit_tokens = predicted
         completion.engine = engine.url
         pick = Pick(
             engine, endpoint_of(engine.url), admitted.api, predicted, facts, load, completion

@@ -247,8 +247,9 @@ class Router:
             if pinned is None:
                 raise not_found(previous, "previous_response_id")
             dispatcher = Colocated(self.wiring)
-        completion = Completion(api, path, admitted.stream, admitted.facts, admitted.identity)
-        completion.trigger = admitted.trigger
+        completion = Completion(
+            api, path, admitted.stream, admitted.facts, admitted.identity, admitted.trigger
+        )
         call = Call(request, admitted, completion, pinned)
         try:
             response = await dispatcher.dispatch(call)
@@ -336,7 +337,7 @@ class Router:
                 turn=facts.turn,
                 conversation=facts.session_key,
                 engine=engine,
-                branch=completion.branch or "",
+                branch=completion.routed.branch if completion.routed else "",
                 trigger=completion.trigger,
                 session=identity.session,
                 agent=identity.agent,

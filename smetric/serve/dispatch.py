@@ -26,7 +26,7 @@ from smetric.serve.identity import ANONYMOUS, AgentIdentity
 from smetric.serve.intake import Admitted
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.pool import EnginePool
-from smetric.serve.routing import Decision, RoutingCore, explain
+from smetric.serve.routing import Decision, Routed, RoutingCore, explain
 
 log = logging.getLogger("smetric.serve")
 
@@ -79,20 +79,15 @@ class Wiring:
 
     def decide_call(self, call: Call, engines: list[Engine]) -> Decision:
         """``decide`` for a dispatched call, noted in its completion record."""
-        completion = call.completion
-        decision = self.decide(call.admitted.facts, engines, completion.identity)
-        completion.branch = decision.branch
-        completion.predicted_hit_tokens = decision.predicted_hit_tokens
-        chosen = engines.index(decision.engine)
-        completion.predicted_local_tokens = decision.hits[chosen]
-        completion.queued_tokens = decision.view.unprefilled_tokens[chosen]
+        decision = self.decide(call.admitted.facts, engines, call.completion.identity)
+        call.completion.routed = decision.routed()
         return decision
 
     def pin(self, completion: Completion, engine: Engine) -> tuple[Engine, int]:
         """The engine holding a request's stored response as its decision, counted and
         logged as decisions are. Nothing is predicted: the router sees only the request's
         new input, not the stored conversation before it."""
-        completion.branch = STORED_BRANCH
+        completion.routed = Routed(STORED_BRANCH)
         self.metrics.decisions.labels(STORED_BRANCH).inc()
         if log.isEnabledFor(logging.INFO):
             labels = completion.identity.labels(completion.facts.turn)

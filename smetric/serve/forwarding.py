@@ -36,6 +36,7 @@ from smetric.serve.identity import ANONYMOUS, IDENTITY_HEADERS, AgentIdentity
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.pool import EnginePool
 from smetric.serve.refusals import Refusal
+from smetric.serve.routing import Routed
 from smetric.serve.upstream import Attempt, EngineFault, Timeouts
 from smetric.trace.schema import Trigger
 
@@ -73,18 +74,18 @@ class Completion:
     stream: bool
     facts: RequestFacts
     identity: AgentIdentity = ANONYMOUS
+    # Who sent it, by its last message: a user, or the agent loop with a tool result.
+    trigger: Trigger = Trigger.UNKNOWN
     # Unix time the router received the request, and its monotonic twin.
     received_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)
+    # Written once, where the router decided; None if it never did (refused first).
+    routed: Routed | None = None
     engine: str | None = None
     prefill_engine: str | None = None
-    branch: str | None = None
-    predicted_hit_tokens: int = 0
     cached_tokens: int | None = None
     output_tokens: int | None = None
     prefill_cached_tokens: int | None = None
-    # Who sent it, by its last message: a user, or the agent loop with a tool result.
-    trigger: Trigger = Trigger.UNKNOWN
     status: int = 0
     # Set by whatever ends the request; None only while it runs.
     outcome: Outcome | None = None
@@ -92,12 +93,9 @@ class Completion:
     ttft_s: float | None = None
     # Seconds between successive chunks of a stream, after the first.
     chunk_gaps_s: list[float] = field(default_factory=list)
-    # What the router counted on the chosen engine, for learning prices (serve/prices.py):
-    # when routed, its predicted local hit and the unprefilled tokens queued there; at the
-    # first chunk, the prompt tokens in flight there and the unprefilled tokens ever
+    # What the router counted on the chosen engine at the first chunk, for learning prices
+    # (serve/prices.py): the prompt tokens in flight there and the unprefilled tokens ever
     # routed there.
-    predicted_local_tokens: int = 0
-    queued_tokens: float = 0.0
     first_token_tokens: float = math.nan
     first_token_routed: float = math.nan
     duration_s: float = 0.0

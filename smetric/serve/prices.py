@@ -85,7 +85,8 @@ def observed(completion: forwarding.Completion, engine: Engine | None) -> Observ
     done = completion.outcome is forwarding.Outcome.COMPLETED
     if not done or completion.prefill_engine is not None:
         return None
-    if cached is None or ttft is None or engine is None:
+    routed = completion.routed
+    if cached is None or ttft is None or engine is None or routed is None:
         return None
     prompt = completion.facts.prompt_tokens
     gaps = completion.chunk_gaps_s
@@ -93,8 +94,8 @@ def observed(completion: forwarding.Completion, engine: Engine | None) -> Observ
     return Observation(
         prompt_tokens=prompt,
         cached_tokens=cached,
-        predicted_local_tokens=completion.predicted_local_tokens,
-        queued_tokens=completion.queued_tokens,
+        predicted_local_tokens=routed.predicted_local_tokens,
+        queued_tokens=routed.queued_tokens,
         ttft_s=ttft,
         output_tokens=len(gaps) + 1 if streamed else 0,
         decode_s=sum(gaps) if streamed else math.nan,

@@ -27,6 +27,18 @@ from smetric.serve.identity import ANONYMOUS, AgentIdentity
 
 
 @dataclass(frozen=True, slots=True)
+class Routed:
+    """What the router decided for one request, as its completion record keeps it."""
+
+    branch: str
+    predicted_hit_tokens: int = 0
+    # For learning prices (serve/prices.py): the predicted local hit on the chosen engine
+    # and the unprefilled tokens queued there when it was chosen.
+    predicted_local_tokens: int = 0
+    queued_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """Where a request goes, why, and what the router expects the engine to hold."""
 
@@ -36,6 +48,16 @@ class Decision:
     view: ClusterView
     hits: list[int]
     global_hit_tokens: int | None
+    chosen: int  # the engine's place in the candidates and the view
+
+    def routed(self) -> Routed:
+        chosen = self.chosen
+        return Routed(
+            self.branch,
+            self.predicted_hit_tokens,
+            self.hits[chosen],
+            self.view.unprefilled_tokens[chosen],
+        )
 
 
 class RoutingCore:
@@ -100,7 +122,10 @@ class RoutingCore:
         predicted = hits[choice.instance]
         if global_hit is not None:
             predicted = max(predicted, global_hit)
-        return Decision(engines[choice.instance], choice.branch, predicted, view, hits, global_hit)
+        instance = choice.instance
+        return Decision(
+            engines[instance], choice.branch, predicted, view, hits, global_hit, instance
+        )
 
     def served(self, engine: Engine, blocks: np.ndarray) -> None:
         """The engine prefilled these blocks: it now caches them, and a global tier that
