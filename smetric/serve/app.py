@@ -267,7 +267,8 @@ class Router:
             completion.outcome = Outcome.ENGINE_ERROR
             raise
         finally:
-            self.metrics.latency.labels(api).observe(time.perf_counter() - completion.started)
+            latency = self.metrics.child(self.metrics.latency, api)
+            latency.observe(time.perf_counter() - completion.started)
             self.forwarder.completed(completion)
 
     async def _read(self, request: web.Request, hold: Hold) -> bytes:
@@ -283,7 +284,8 @@ class Router:
         size = 0
         try:
             # A body that came whole with its headers has no wait to bound.
-            async with asyncio.timeout(None if content.is_eof() else deadline):
+            waiting = contextlib.nullcontext() if content.is_eof() else asyncio.timeout(deadline)
+            async with waiting:
                 async for piece in content.iter_any():
                     size += len(piece)
                     check(size)

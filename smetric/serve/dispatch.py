@@ -72,7 +72,8 @@ class Wiring:
     ) -> Decision:
         """The core's decision, counted and logged (every front door's decisions alike)."""
         decision = self.core.decide(facts, engines)
-        self.metrics.decisions.labels(decision.branch).inc()
+        metrics = self.metrics
+        metrics.child(metrics.decisions, decision.branch).inc()
         if log.isEnabledFor(logging.INFO):  # the line costs more than the decision
             log.info(json.dumps(explain(decision, facts, identity)))
         return decision
@@ -98,7 +99,8 @@ class Wiring:
     def record_served(self, engine: Engine, facts: RequestFacts, predicted: int) -> None:
         """The engine took the request and prefilled it: it now caches the prompt."""
         self.core.served(engine, facts.blocks)
-        self.metrics.predicted.labels(engine.url).inc(predicted)
+        metrics = self.metrics
+        metrics.child(metrics.predicted, engine.url).inc(predicted)
 
 
 class Colocated:

@@ -275,7 +275,8 @@ class Forwarder:
         """The cached prompt tokens the engine reported, counted in the metrics."""
         cached = usage.cached_tokens()
         if cached is not None:
-            self.metrics.reported.labels(engine.url).inc(cached)
+            metrics = self.metrics
+            metrics.child(metrics.reported, engine.url).inc(cached)
         return cached
 
     def completed(self, completion: Completion) -> None:

@@ -110,7 +110,8 @@ class Intake:
             if read is not None and self._forwardable(read[0].envelope):
                 chat, facts = read
                 envelope = chat.envelope
-                self.metrics.reads.labels("prefix" if chat.known else "envelope").inc()
+                metrics = self.metrics
+                metrics.child(metrics.reads, "prefix" if chat.known else "envelope").inc()
                 return self._admitted(
                     api,
                     path,
@@ -122,7 +123,7 @@ class Intake:
                     trigger=message_trigger(chat.last_message()),
                     previous=envelope.previous_response_id,
                 )
-        self.metrics.reads.labels("whole").inc()
+        self.metrics.child(self.metrics.reads, "whole").inc()
         body = self._object(decoded_raw)
         forwarded = decoded_raw
         if not self.allow_client_transfer:
@@ -158,9 +159,9 @@ class Intake:
         previous: object,
         rewritten: bool = False,
     ) -> Admitted:
-        self.metrics.agent_requests.labels(
-            identity.harness or "none", identity.role, identity.call(facts.turn)
-        ).inc()
+        metrics = self.metrics
+        call = identity.call(facts.turn)
+        metrics.child(metrics.agent_requests, identity.harness or "none", identity.role, call).inc()
         previous_id = previous if isinstance(previous, str) and previous else None
         return Admitted(
             api, path, forwarded, facts, identity, stream is True, trigger, previous_id, rewritten

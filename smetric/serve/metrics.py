@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,12 +31,15 @@ from prometheus_client import (
     values,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber, SubscriberCounters
 
 _shared_dir: Path | None = None
+
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
 
 
 def share_metrics_between_processes() -> Path:
@@ -62,6 +66,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.shared_dir = _shared_dir
         self._own_collectors: list[Collector] = []
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.learned_price = Gauge(
             "smetric_learned_price",
             "Each parameter the routing policy learns online from the engines' replies "
@@ -243,8 +248,19 @@ class RouterMetrics:
         self.registry.register(collector)
         self._own_collectors.append(collector)
 
+    def child(self, metric: _Metric, *values: str) -> _Metric:
+        """``metric.labels(*values)``, kept: ``labels`` takes a lock and builds its key
+        on each call, and every request counts itself in several metrics. Label values
+        are bounded (engines, branches, known harnesses), and so is what is kept."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def engine_left(self, url: str) -> None:
         """Its series go: a removed engine's last values would read as current."""
+        self._children.clear()
         for name in self._PER_ENGINE:
             with contextlib.suppress(KeyError):
                 getattr(self, name).remove(url)
