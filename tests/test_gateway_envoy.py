@@ -504,27 +504,32 @@ async def _burst(url: str, count: int) -> list[tuple[int, str, bytes]]:
     return answers
 
 
-def test_the_picker_caps_the_bodies_it_holds_at_once_through_envoy(scratch: Path) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_the_picker_caps_the_bodies_it_holds_at_once_through_envoy(
+    scratch: Path, streamed: bool
+) -> None:
     """``pick --max-buffered-bytes 3000000`` behind Envoy: two requests whose bodies are on
     the way hold the 1 MB each their Content-Length promises; a chunked body holds what has
-    arrived, and the piece that would take the picker past the cap gets a 503 in the
-    route's shape (Anthropic's here) with Retry-After, from the picker, never the engine;
-    a client that leaves mid-body (Envoy resets the stream), a refusal and a request
-    served each give their bytes back."""
+    reached the picker (all of it at once when Envoy sends bodies whole, each piece as it
+    arrives when it streams them), and the body that would take the picker past the cap
+    gets a 503 in the route's shape (Anthropic's here) with Retry-After, from the picker,
+    never the engine; a client that leaves mid-body (Envoy resets the stream), a refusal
+    and a request served each give their bytes back."""
     (mock,) = engines(scratch, 1, speed="0.0001")
     try:
         args = ["-e", mock.url, "--health-interval", "0.2", "--max-buffered-bytes", "3000000"]
         with run_picker(args) as picker:
             mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
-                asyncio.run(_capped(envoy.url, picker))
+            config = gateway_config(picker.grpc_port, [mock.url], streamed=streamed)
+            with run_envoy(config) as envoy:
+                asyncio.run(_capped(envoy.url, picker, streamed))
             assert metric(mock.metrics(), "vllm:request_success_total") == 1
     finally:
         mock.stop()
 
 
-async def _capped(url: str, picker) -> None:
+async def _capped(url: str, picker, streamed: bool) -> None:
     port = int(url.rsplit(":", 1)[1])
 
     def held() -> float:
@@ -550,9 +555,15 @@ async def _capped(url: str, picker) -> None:
     reader, writer = await opened(b"/v1/messages", b"Transfer-Encoding: chunked\r\n")
     piece = b"x" * 600_000
     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-    await until(2_600_000)  # counted as it arrived, not the per-request limit
+    if streamed:
+        await until(2_600_000)  # counted as it arrived, not the per-request limit
+    else:  # Envoy holds it until it is whole: none of it is the picker's yet
+        await asyncio.sleep(0.5)
+        assert held() == 2_000_000
     started = time.monotonic()
     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    if not streamed:  # the picker sees the body once it is whole
+        writer.write(b"0\r\n\r\n")
     status = await asyncio.wait_for(reader.readline(), 30)
     assert status.startswith(b"HTTP/1.1 503"), status
     head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
