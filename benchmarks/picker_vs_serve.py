@@ -10,8 +10,8 @@ rotating order so that every path sees the same machine state:
 - **envoy**: client, Envoy (the shipped configuration less its ext_proc filter, round robin
   over the engines), engine: what the gateway costs by itself;
 - **serve**: client, ``smetric serve``, engine;
-- **pick**: client, Envoy, ext_proc to ``smetric pick`` (the body streamed there and back
-  over gRPC, the decision made), engine.
+- **pick**: client, Envoy, ext_proc to ``smetric pick`` (the body sent there whole over
+  gRPC, the decision made, Envoy forwarding its own copy), engine.
 
 Bodies are coding-agent sessions (``agentic_bodies.py``): the last turns of sessions of
 about ``--body-kb`` KB each, resent as an agent resends them. Each round measures every
