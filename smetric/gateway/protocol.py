@@ -49,8 +49,8 @@ Phase = Literal["request", "response"]
 @dataclass(frozen=True)
 class Modes:
     """How Envoy sends one stream's bodies, as its first message says
-    (``protocol_config``); a stream that does not say is taken to stream both ways, the
-    mode gateways configure for the endpoint-picker protocol."""
+    (``protocol_config``); a stream that does not say (an Envoy before 1.34) is taken to
+    stream both ways, full duplex."""
 
     # BUFFERED: the request body comes in one message, once the headers are answered.
     whole_request: bool = False

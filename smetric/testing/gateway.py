@@ -46,8 +46,8 @@ STREAMED_MODE = {
     "request_trailer_mode": "SEND",
     "response_trailer_mode": "SEND",
 }
-"""The bodies streamed both ways, full duplex: how gateways that implement the
-endpoint-picker protocol themselves configure ``ext_proc``."""
+"""The bodies streamed both ways, full duplex, as some gateways that configure
+``ext_proc`` themselves send them."""
 
 
 def gateway_config(
