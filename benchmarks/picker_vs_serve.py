@@ -10,16 +10,18 @@ rotating order so that every path sees the same machine state:
 - **envoy**: client, Envoy (the shipped configuration less its ext_proc filter, round robin
   over the engines), engine: what the gateway costs by itself;
 - **serve**: client, ``smetric serve``, engine;
-- **pick**: client, Envoy, ext_proc to ``smetric pick`` (the body streamed there and back
-  over gRPC, the decision made), engine.
+- **pick**: client, Envoy, ext_proc to ``smetric pick`` (the body sent there whole over
+  gRPC, the decision made, Envoy forwarding its own copy), engine.
 
 Bodies are coding-agent sessions (``agentic_bodies.py``): the last turns of sessions of
 about ``--body-kb`` KB each, resent as an agent resends them. Each round measures every
 path's throughput (closed loop, ``--concurrency`` clients; one request is one routing
 decision for serve and pick) and its latency at concurrency 1. Reported: the median over
-rounds and the spread (min to max); the added latency of each path over direct; and the
-gRPC hop's cost, pick's latency less Envoy's and less the picker's own analysis and
-decision, timed in this process on the same bodies with the same routing core.
+rounds and the spread (min to max); the added latency of each path over direct; the gRPC
+hop's cost, pick's latency less Envoy's and less the picker's own analysis and decision,
+timed in this process on the same bodies with the same routing core; and the CPU each
+process on a path spends per request in the throughput phases (from ``/proc``, Linux),
+which, unlike the rates, hardly moves with what else the machine runs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -44,6 +47,9 @@ from smetric.testing.gateway import gateway_config, run_envoy, run_picker
 
 TRIVIAL = Path(__file__).resolve().parent / "trivial_engine.py"
 PATHS = ("direct", "envoy", "serve", "pick")
+ROLES = ("envoy", "router", "engines")
+"""The processes a path's CPU is counted for: Envoy, the router (serve or the picker), and
+the engines."""
 
 
 def bodies(sessions: int, turns: int, body_kb: int) -> list[bytes]:
@@ -113,13 +119,36 @@ async def decision_cost(engines: Sequence[str], payloads: Sequence[bytes]) -> fl
     return statistics.median(costs[len(costs) // 4 :])  # past the first, memo-cold quarter
 
 
-def spread(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User and system CPU the processes ``pids`` (all their threads) have used so far;
+    NaN where ``/proc`` is not there to read."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
-async def measure(args: argparse.Namespace, urls: dict[str, str], payloads: list[bytes]) -> dict:
+def spread(values: Sequence[float], digits: int = 1) -> str:
+    low, mid, high = (
+        f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values))
+    )
+    return f"{mid} ({low}-{high})"
+
+
+async def measure(
+    args: argparse.Namespace,
+    urls: dict[str, str],
+    payloads: list[bytes],
+    pids: dict[str, dict[str, list[int]]],
+) -> dict:
+    """Each path's rates, latencies and CPU per request by role (``pids``: path, role,
+    its processes), round by round."""
     results: dict[str, dict[str, list[float]]] = {
-        p: {"rps": [], "p50": [], "p99": []} for p in PATHS
+        p: {"rps": [], "p50": [], "p99": [], **{r: [] for r in ROLES}} for p in PATHS
     }
     single = payloads[: args.latency_requests]
     for path in PATHS:  # warm every path (connections, the routers' memos) before measuring
@@ -127,7 +156,11 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], payloads: list
     for round_ in range(args.rounds):
         order = PATHS[round_ % len(PATHS) :] + PATHS[: round_ % len(PATHS)]
         for path in order:
+            before = {role: cpu_seconds(pids[path].get(role, [])) for role in ROLES}
             rps, _ = await drive(urls[path], payloads, args.concurrency)
+            for role in ROLES:
+                used = cpu_seconds(pids[path].get(role, [])) - before[role]
+                results[path][role].append(used / len(payloads) * 1000)
             _, latencies = await drive(urls[path], single, 1)
             results[path]["rps"].append(rps)
             results[path]["p50"].append(quantile_ms(latencies, 0.5))
@@ -153,6 +186,14 @@ def report(args: argparse.Namespace, results: dict, decision_ms: float, size_kb:
             f"| {path} | {spread(row['rps'])} | {spread(row['p50'])} | {spread(row['p99'])} "
             f"| {added_text} |"
         )
+    print("\nCPU ms per request (c=8), median over rounds (min-max)\n")
+    print("| path | " + " | ".join(ROLES) + " | all |")
+    print("|---" * (len(ROLES) + 2) + "|")
+    for path in PATHS:
+        row = results[path]
+        total = [sum(parts) for parts in zip(*(row[r] for r in ROLES), strict=True)]
+        cells = [spread(row[r], 2) if any(row[r]) else "-" for r in ROLES]
+        print(f"| {path} | " + " | ".join(cells) + f" | {spread(total, 2)} |")
     pick_over_envoy = [
         p - e for p, e in zip(results["pick"]["p50"], results["envoy"]["p50"], strict=True)
     ]
@@ -177,11 +218,12 @@ def main() -> None:
     payloads = bodies(args.sessions, turns, args.body_kb)[: args.requests]
     size_kb = statistics.mean(len(p) for p in payloads) / 1000
     with processes() as procs:
-        engines = []
-        for _ in range(2):
-            engines.append(procs.start_listening([sys.executable, str(TRIVIAL), "0"])[0])
+        started = [procs.start_listening([sys.executable, str(TRIVIAL), "0"]) for _ in range(2)]
+        engines = [url for url, _ in started]
         serve_args = ["serve", "--policy", "smetric", "--log-level", "warning"]
-        serve, _ = procs.start_smetric([*serve_args, *(a for e in engines for a in ("-e", e))])
+        serve, serving = procs.start_smetric(
+            [*serve_args, *(a for e in engines for a in ("-e", e))]
+        )
         urls = {"direct": engines[0], "serve": serve}
         asyncio.run(wait_ready([*engines, urls["serve"]]))
         pick_args = [a for e in engines for a in ("-e", e)]
@@ -191,7 +233,14 @@ def main() -> None:
             run_envoy(envoy_only(engines)) as plain,
         ):
             urls |= {"pick": gateway.url, "envoy": plain.url}
-            results = asyncio.run(measure(args, urls, payloads))
+            both = {"engines": [proc.pid for _, proc in started]}
+            pids = {
+                "direct": {"engines": both["engines"][:1]},
+                "envoy": {**both, "envoy": [plain.process.pid]},
+                "serve": {**both, "router": [serving.pid]},
+                "pick": {**both, "envoy": [gateway.process.pid], "router": [picker.process.pid]},
+            }
+            results = asyncio.run(measure(args, urls, payloads, pids))
         decision_ms = asyncio.run(decision_cost(engines, payloads)) * 1000
     report(args, results, decision_ms, size_kb)
 

@@ -4,24 +4,35 @@ and back, streaming and not, on loopback: Envoy runs the configuration the docs 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
+import hashlib
 import json
 import re
 import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import aiohttp
 import grpc
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from grpc_health.v1 import health_pb2
 from test_serve_hostile import Listener, steering
 
-from smetric.gateway.picker import endpoint_of
+from smetric.gateway import protocol
+from smetric.gateway import server as gateway_server
+from smetric.gateway.extproc import ExternalProcessor
+from smetric.gateway.picker import Picker, endpoint_of
+from smetric.gateway.server import PickerServer
+from smetric.serve.app import Router, RouterSettings
+from smetric.serve.engines import Engine
 from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
 from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
@@ -504,27 +515,32 @@ async def _burst(url: str, count: int) -> list[tuple[int, str, bytes]]:
     return answers
 
 
-def test_the_picker_caps_the_bodies_it_holds_at_once_through_envoy(scratch: Path) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_the_picker_caps_the_bodies_it_holds_at_once_through_envoy(
+    scratch: Path, streamed: bool
+) -> None:
     """``pick --max-buffered-bytes 3000000`` behind Envoy: two requests whose bodies are on
     the way hold the 1 MB each their Content-Length promises; a chunked body holds what has
-    arrived, and the piece that would take the picker past the cap gets a 503 in the
-    route's shape (Anthropic's here) with Retry-After, from the picker, never the engine;
-    a client that leaves mid-body (Envoy resets the stream), a refusal and a request
-    served each give their bytes back."""
+    reached the picker (all of it at once when Envoy sends bodies whole, each piece as it
+    arrives when it streams them), and the body that would take the picker past the cap
+    gets a 503 in the route's shape (Anthropic's here) with Retry-After, from the picker,
+    never the engine; a client that leaves mid-body (Envoy resets the stream), a refusal
+    and a request served each give their bytes back."""
     (mock,) = engines(scratch, 1, speed="0.0001")
     try:
         args = ["-e", mock.url, "--health-interval", "0.2", "--max-buffered-bytes", "3000000"]
         with run_picker(args) as picker:
             mock.wait_ready(60)
             wait_until(lambda: http_get(picker.metrics_url + "/health")[0] == 200)
-            with run_envoy(gateway_config(picker.grpc_port, [mock.url])) as envoy:
-                asyncio.run(_capped(envoy.url, picker))
+            config = gateway_config(picker.grpc_port, [mock.url], streamed=streamed)
+            with run_envoy(config) as envoy:
+                asyncio.run(_capped(envoy.url, picker, streamed))
             assert metric(mock.metrics(), "vllm:request_success_total") == 1
     finally:
         mock.stop()
 
 
-async def _capped(url: str, picker) -> None:
+async def _capped(url: str, picker, streamed: bool) -> None:
     port = int(url.rsplit(":", 1)[1])
 
     def held() -> float:
@@ -550,9 +566,15 @@ async def _capped(url: str, picker) -> None:
     reader, writer = await opened(b"/v1/messages", b"Transfer-Encoding: chunked\r\n")
     piece = b"x" * 600_000
     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-    await until(2_600_000)  # counted as it arrived, not the per-request limit
+    if streamed:
+        await until(2_600_000)  # counted as it arrived, not the per-request limit
+    else:  # Envoy holds it until it is whole: none of it is the picker's yet
+        await asyncio.sleep(0.5)
+        assert held() == 2_000_000
     started = time.monotonic()
     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    if not streamed:  # the picker sees the body once it is whole
+        writer.write(b"0\r\n\r\n")
     status = await asyncio.wait_for(reader.readline(), 30)
     assert status.startswith(b"HTTP/1.1 503"), status
     head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
@@ -574,3 +596,189 @@ async def _capped(url: str, picker) -> None:
     await until(1_000_000)
     holders.pop()[1].close()
     await until(0)
+
+
+class _Keeper(BaseHTTPRequestHandler):
+    """An engine that keeps the length and digest of every body it is sent and answers at
+    once: a chat completion, or, asked to stream, three events written one by one."""
+
+    protocol_version = "HTTP/1.1"
+    bodies: ClassVar[list[tuple[int, str]]] = []
+
+    def do_GET(self) -> None:
+        models = {"object": "list", "data": [{"id": "m"}]}
+        self._answer(200, json.dumps(models).encode(), "application/json")
+
+    def do_POST(self) -> None:
+        raw = self._body()
+        self.bodies.append((len(raw), hashlib.sha256(raw).hexdigest()))
+        usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+        if not json.loads(raw).get("stream"):
+            answer = {"object": "chat.completion", "choices": [], "usage": usage}
+            self._answer(200, json.dumps(answer).encode(), "application/json")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = [{"choices": [{"delta": {"content": "ok"}}]}, {"choices": [], "usage": usage}]
+        for event in [*(f"data: {json.dumps(e)}\n\n" for e in events), "data: [DONE]\n\n"]:
+            data = event.encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+            time.sleep(0.05)  # a piece at a time, as tokens come
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _body(self) -> bytes:
+        if "Content-Length" in self.headers:
+            return self.rfile.read(int(self.headers["Content-Length"]))
+        pieces = []  # chunked: Envoy sends a body it streamed so
+        while size := int(self.rfile.readline(), 16):
+            pieces.append(self.rfile.read(size))
+            self.rfile.readline()
+        self.rfile.readline()
+        return b"".join(pieces)
+
+    def _answer(self, status: int, body: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+Stream = list[tuple[ext_proc.ProcessingRequest, list[ext_proc.ProcessingResponse]]]
+
+
+class _Recording(ExternalProcessor):
+    """The picker's ext_proc service, keeping each stream's messages and its answers."""
+
+    streams: ClassVar[list[Stream]] = []
+
+    async def Process(self, request_iterator, context):
+        stream: Stream = []
+        self.streams.append(stream)
+
+        async def recorded() -> AsyncIterator[ext_proc.ProcessingRequest]:
+            async for message in request_iterator:
+                stream.append((message, []))
+                yield message
+
+        async for reply in super().Process(recorded(), context):
+            stream[-1][1].append(reply)
+            yield reply
+
+
+def test_envoy_sends_the_picker_each_body_whole_once_and_forwards_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shipped configuration: the picker gets the request body in one message, after
+    answering the headers, and answers it with the pick and no body, yet the engine gets
+    the body byte for byte (a 5 MB one too, past gRPC's default message size); the
+    response's pieces reach the picker as they arrive and go on without a copy. A chunked
+    body over the route's limit gets Envoy's 413 in the route's shape before the picker
+    sees a byte of it; one whose Content-Length is over gets the picker's own."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Keeper)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(gateway_server, "ExternalProcessor", _Recording)
+    monkeypatch.setattr(_Keeper, "bodies", [])
+    monkeypatch.setattr(_Recording, "streams", [])
+    try:
+        asyncio.run(_whole(f"http://127.0.0.1:{server.server_address[1]}"))
+    finally:
+        server.shutdown()
+
+
+async def _whole(engine: str) -> None:
+    router = Router([Engine(engine, 16384)], RouterSettings(health_interval_s=0.2))
+    service = PickerServer(Picker(router), "127.0.0.1", 0, 0)
+    await service.start()
+    try:
+        with contextlib.ExitStack() as stack:
+            config = gateway_config(service.grpc_port, [engine])
+            envoy = await asyncio.to_thread(stack.enter_context, run_envoy(config))
+            await _through_envoy(envoy.url)
+    finally:
+        await service.stop(1)
+    assert router.buffered.used == 0
+
+
+async def _through_envoy(url: str) -> None:
+    big = json.dumps({"model": "m", "messages": conversation(3, 20, filler=420_000)}).encode()
+    small = json.dumps({"model": "m", "messages": conversation(4, 1), "stream": True}).encode()
+    assert len(big) > 5_000_000
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
+        for raw in (big, small):
+            async with client.post(
+                url + "/v1/chat/completions", data=raw, headers={"content-type": "application/json"}
+            ) as response:
+                answer = await response.read()
+                assert response.status == 200, answer[:300]
+        assert answer.rstrip().endswith(b"data: [DONE]")
+    sent = [(len(raw), hashlib.sha256(raw).hexdigest()) for raw in (big, small)]
+    assert _Keeper.bodies == sent  # Envoy forwarded its own copy, whole
+    for stream, raw in zip(_Recording.streams, (big, small), strict=True):
+        kinds = [message.WhichOneof("request") for message, _ in stream]
+        assert kinds[:3] == ["request_headers", "request_body", "response_headers"], kinds
+        assert set(kinds[3:]) == {"response_body"}
+        (headers, (headers_reply,)), (body, (body_reply,)) = stream[:2]
+        assert headers.protocol_config.request_body_mode == ProcessingMode.BUFFERED
+        # The headers are let through untouched: the pick waits for the body...
+        assert not headers_reply.request_headers.response.header_mutation.set_headers
+        # ... which comes in one message, and is answered with the pick and no body.
+        assert body.request_body.body == raw and body.request_body.end_of_stream
+        common = body_reply.request_body.response
+        assert not common.HasField("body_mutation") and common.clear_route_cache
+        named = {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
+        lb = body_reply.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value
+        assert named[protocol.DESTINATION].decode() == lb.fields[protocol.DESTINATION].string_value
+        for _, replies in stream[3:]:  # the response's pieces go on as Envoy holds them
+            assert [r.response_body.response.HasField("body_mutation") for r in replies] == [False]
+    assert len(_Recording.streams[1]) >= 6  # the streamed answer reached it piece by piece
+    port = int(url.rsplit(":", 1)[1])
+    for path, shape in (("/v1/messages", "request_too_large"), ("/v1/chat/completions", None)):
+        status, error = await _oversized(port, path, chunked=True)
+        assert status == 413
+        if shape:  # Anthropic's shape on its route, OpenAI's elsewhere
+            assert error["type"] == "error" and error["error"]["type"] == shape, error
+        else:
+            assert error["error"]["code"] == 413, error
+        assert "request_body_buffer_limit" in json.dumps(error)
+    status, error = await _oversized(port, "/v1/chat/completions", chunked=False)
+    assert status == 413 and "--max-body-bytes" in error["error"]["message"]
+    assert len(_Keeper.bodies) == 2  # no engine saw any of them
+    for stream in _Recording.streams[2:]:
+        assert "request_body" not in [message.WhichOneof("request") for message, _ in stream]
+
+
+async def _oversized(port: int, path: str, chunked: bool) -> tuple[int, dict]:
+    """A body 1 MiB over the shipped 32 MiB limit: its status and error."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    size = 33 << 20
+    framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % size
+    writer.write(b"POST %s HTTP/1.1\r\nHost: gateway\r\n%s\r\n\r\n" % (path.encode(), framing))
+
+    async def send() -> None:
+        piece = b" " * (1 << 20)
+        with contextlib.suppress(ConnectionError):  # Envoy may answer and close first
+            for _ in range(size // len(piece)):
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                await writer.drain()
+
+    sending = asyncio.create_task(send())
+    try:
+        status = int((await asyncio.wait_for(reader.readline(), 30)).split()[1])
+        head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+        if "transfer-encoding: chunked" in head:
+            length = int(await reader.readline(), 16)
+        else:
+            match = re.search(r"content-length: (\d+)", head)
+            assert match is not None, head
+            length = int(match.group(1))
+        return status, json.loads(await reader.readexactly(length))
+    finally:
+        sending.cancel()
+        writer.close()

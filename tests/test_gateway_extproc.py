@@ -4,6 +4,7 @@ load each exchange holds until it ends."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import textwrap
@@ -11,6 +12,7 @@ from typing import Any
 
 import yaml
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from google.protobuf import struct_pb2
 
@@ -323,3 +325,86 @@ def test_a_token_count_the_engine_does_not_serve_is_the_router_s() -> None:
         assert all(e.inflight == 0 for e in chooser.router.engines)
 
     run(go)
+
+
+def whole(values: dict[str, str]) -> ext_proc.ProcessingRequest:
+    """Request headers as the shipped configuration sends them: the body to come whole, the
+    response's pieces to be read and not sent back."""
+    message = headers(values)
+    message.protocol_config.request_body_mode = ProcessingMode.BUFFERED
+    message.protocol_config.response_body_mode = ProcessingMode.STREAMED
+    return message
+
+
+def test_a_whole_body_is_answered_with_the_pick_and_no_copy() -> None:
+    async def go() -> None:
+        exchange = Exchange(picker())
+        (reply,) = await exchange.on(whole(POST))
+        # The headers go on untouched: Envoy then sends the body, and holds the headers
+        # until the body's answer.
+        untouched = reply.request_headers.response
+        assert not untouched.header_mutation.set_headers and not untouched.clear_route_cache
+        assert exchange.pick is None
+        (reply,) = await exchange.on(body(chat_body(), True))
+        common = reply.request_body.response
+        assert not common.HasField("body_mutation")  # Envoy forwards its own copy
+        assert common.clear_route_cache
+        endpoint = {
+            h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
+        }[protocol.DESTINATION]
+        metadata = reply.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value
+        assert metadata.fields[protocol.DESTINATION].string_value == endpoint
+        assert exchange.picker.router.buffered.used == 0  # the body is not the picker's now
+        pick = exchange.pick
+        assert pick is not None and pick.endpoint == endpoint
+        await exchange.on(response_headers(200))
+        usage = {"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 16}}}
+        for piece, end in (
+            (b'data: {"choices": []}\n\n', False),
+            (f"data: {json.dumps(usage)}\n\n".encode(), True),
+        ):
+            (reply,) = await exchange.on(body(piece, end, phase="response"))
+            assert not reply.response_body.response.HasField("body_mutation")
+        engine = pick.engine
+        assert (engine.inflight, engine.inflight_tokens) == (0, 0)
+        assert exchange.picker.router.metrics.reported.labels(engine.url)._value.get() == 16
+
+    run(go)
+
+
+def test_a_whole_body_rewritten_goes_in_the_answer_with_its_length() -> None:
+    async def go() -> None:
+        exchange = Exchange(picker())
+        # A client's kv_transfer_params never reach an engine: the body is rewritten.
+        steered = {**json.loads(chat_body()), "kv_transfer_params": {"remote_host": "10.9.9.9"}}
+        await exchange.on(whole({**POST, "content-encoding": "gzip"}))
+        (reply,) = await exchange.on(body(gzip.compress(json.dumps(steered).encode()), True))
+        common = reply.request_body.response
+        rewritten = json.loads(common.body_mutation.body)  # inflated, as plain JSON
+        assert "kv_transfer_params" not in rewritten and rewritten["messages"]
+        named = {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
+        assert named["content-length"] == str(len(common.body_mutation.body)).encode()
+        assert list(common.header_mutation.remove_headers) == ["content-encoding"]
+        exchange.close(complete=False)
+
+    run(go)
+
+
+def test_a_whole_body_the_engines_should_not_see_is_refused() -> None:
+    async def go() -> None:
+        exchange = Exchange(picker())
+        await exchange.on(whole({**POST, ":path": "/v1/messages"}))
+        (reply,) = await exchange.on(body(b"[1]", True))
+        assert reply.immediate_response.status.code == 400 and exchange.answered
+
+    run(go)
+
+
+def test_the_shipped_envoy_holds_bodies_up_to_the_router_s_limit() -> None:
+    """Envoy's 413 and the picker's (and ``serve``'s) start at the same size."""
+    from smetric.testing.gateway import GATEWAY_CONFIG
+
+    config = yaml.safe_load(GATEWAY_CONFIG.read_text())
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (route,) = manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["request_body_buffer_limit"] == RouterSettings().max_body_bytes

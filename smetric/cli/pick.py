@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 def pick(given: Given, config: ConfigOpt = None) -> None:
     """Pick engines for an Envoy gateway (Gateway API Inference Extension protocol).
 
-    Envoy's ext_proc filter streams each request here; the picker routes it with the same
+    Envoy's ext_proc filter sends each request here; the picker routes it with the same
     policies, KV views, load accounting, decision log and metrics as 'smetric serve', names
     the engine in 'x-gateway-destination-endpoint' and the 'envoy.lb' metadata, and Envoy
     sends the request there. No engine ready: 503; every engine at --max-inflight: 429.

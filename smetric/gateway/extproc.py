@@ -1,12 +1,16 @@
 """One ``ext_proc`` stream per HTTP request: hold the request until its body is whole,
-pick, send the body back; then pass the response through, charging it to its engine.
+pick, let the body go on; then pass the response through, charging it to its engine.
 
-Envoy sends the request headers, then the body in pieces (``FULL_DUPLEX_STREAMED``), then
-trailers if any. The picker answers the headers only once the body is whole (the decision
-needs it), with the engine named in a header and in the dynamic metadata, and then echoes
-every piece: Envoy forwards only what comes back. A request the engines should not see gets
-an ``ImmediateResponse`` instead, and the stream ends. The response's pieces are echoed as
-they arrive, so streaming tokens are not held back.
+Envoy sends the request headers, then the body: whole, once the headers are answered
+(``BUFFERED``, the shipped configuration), or in pieces as they arrive
+(``FULL_DUPLEX_STREAMED``), then trailers if any. A whole body is answered with the pick
+(the engine named in a header and in the dynamic metadata, which Envoy applies to the
+headers it held) and no copy of it: Envoy forwards its own. A streamed one is held until
+it is whole; then the headers are answered with the pick and every piece is echoed, since
+Envoy forwards only what comes back. A request the engines should not see gets an
+``ImmediateResponse`` instead, and the stream ends. The response's pieces are answered as
+they arrive (echoed when Envoy streams them full duplex), so streaming tokens are not held
+back.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Exchange:
         # The body's bytes in the router-wide budget, from its headers until the pick.
         self.hold = Hold(picker.router.buffered)
         self.pick: Pick | None = None
+        self.modes = protocol.Modes()
         self.refused = False
         # The picker answered the client itself (a refusal, a token count): the stream
         # is over.
@@ -47,6 +52,8 @@ class Exchange:
 
     async def on(self, message: ext_proc.ProcessingRequest) -> Replies:
         kind = message.WhichOneof("request")
+        if message.HasField("protocol_config"):  # the stream's first message
+            self.modes = protocol.modes(message.protocol_config)
         if kind == "request_headers":
             self.headers = protocol.header_map(message.request_headers.headers)
             self.subset = protocol.subset_hint(message.metadata_context)
@@ -58,6 +65,8 @@ class Exchange:
                 return self._refuse(refusal)
             if message.request_headers.end_of_stream:
                 return await self._decide([], end_of_stream=True, with_body=False)
+            if self.modes.whole_request:  # Envoy sends the body once this is answered
+                return [protocol.continue_headers("request", {})]
             return []
         if kind == "request_body":
             return await self._request_body(message.request_body)
@@ -82,7 +91,7 @@ class Exchange:
             return self._refuse(refusal)
         self.body.append(body.body)
         self.size += len(body.body)
-        if body.end_of_stream:
+        if self.modes.whole_request or body.end_of_stream:  # whole: trailers may follow
             return await self._decide(self.body, end_of_stream=True)
         return []
 
@@ -106,7 +115,7 @@ class Exchange:
             return self._refuse(refusal)
         self.pick = pick
         self.body = []
-        # The body goes back to Envoy with these replies; only a token count's stays.
+        # The body goes on with these replies; only a token count's stays.
         self.hold.shrink(len(pick.count_body or b""))
         headers = {protocol.DESTINATION: pick.endpoint}
         removed: tuple[str, ...] = ()
@@ -119,6 +128,8 @@ class Exchange:
         if auth:
             headers |= {name.lower(): value for name, value in auth.items()}
             removed += ("x-api-key",)
+        if with_body and self.modes.whole_request:
+            return [protocol.continue_body("request", headers, pick.endpoint, removed, pick.body)]
         replies = [protocol.continue_headers("request", headers, pick.endpoint, removed)]
         if with_body and (pieces or end_of_stream):
             replies += protocol.body_chunks("request", pieces, end_of_stream)
@@ -165,7 +176,9 @@ class Exchange:
             self.picker.streamed(self.pick, body.body)
             if body.end_of_stream:
                 self.close(complete=True)
-        return protocol.body_chunks("response", [body.body], body.end_of_stream)
+        if self.modes.echo_response:
+            return protocol.body_chunks("response", [body.body], body.end_of_stream)
+        return [protocol.continue_body("response")]
 
     def close(self, complete: bool) -> None:
         """The exchange is over: the response ended, or the stream did (client gone,

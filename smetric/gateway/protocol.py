@@ -11,17 +11,22 @@ Envoy's ``ext_proc`` messages:
   in the metadata ``envoy.lb`` (or, from a plain Envoy, as a response header);
 - a refusal is an ``ImmediateResponse``: 503 when no engine is ready, 429 to shed load.
 
-Bodies are ``FULL_DUPLEX_STREAMED``: Envoy sends them in pieces and forwards only what the
-picker sends back (``streamed_response``), so every piece must be echoed.
+How bodies travel is the gateway's choice (``Modes``, from the stream's first message): a
+``BUFFERED`` request body comes whole, after the headers' answer, and Envoy forwards its own
+copy, so the pick goes in the body's answer (Envoy holds the headers until then); a
+``FULL_DUPLEX_STREAMED`` body comes in pieces and Envoy forwards only what the picker sends
+back (``streamed_response``), so every piece must be echoed.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -39,6 +44,25 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 
 Phase = Literal["request", "response"]
+
+
+@dataclass(frozen=True)
+class Modes:
+    """How Envoy sends one stream's bodies, as its first message says
+    (``protocol_config``); a stream that does not say (an Envoy before 1.34) is taken to
+    stream both ways, full duplex."""
+
+    # BUFFERED: the request body comes in one message, once the headers are answered.
+    whole_request: bool = False
+    # FULL_DUPLEX_STREAMED: the response goes on only as the picker sends it back.
+    echo_response: bool = True
+
+
+def modes(config: ext_proc.ProtocolConfiguration) -> Modes:
+    return Modes(
+        whole_request=config.request_body_mode == ProcessingMode.BUFFERED,
+        echo_response=config.response_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED,
+    )
 
 
 def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
@@ -110,6 +134,27 @@ def _header_mutation(
     )
 
 
+def _common(
+    headers: Mapping[str, str], removed: Iterable[str], destination: str | None, body: bytes | None
+) -> ext_proc.CommonResponse:
+    common = ext_proc.CommonResponse(header_mutation=_header_mutation(headers, removed))
+    if destination is not None:
+        # A gateway may route on the destination header: it must see the one just set.
+        common.clear_route_cache = True
+    if body is not None:
+        common.body_mutation.body = body
+    return common
+
+
+def _reply(
+    field: str, response: ext_proc.HeadersResponse | ext_proc.BodyResponse, destination: str | None
+) -> ext_proc.ProcessingResponse:
+    reply = ext_proc.ProcessingResponse(**{field: response})
+    if destination is not None:
+        reply.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: destination}})
+    return reply
+
+
 def continue_headers(
     phase: Phase,
     headers: Mapping[str, str],
@@ -118,13 +163,22 @@ def continue_headers(
 ) -> ext_proc.ProcessingResponse:
     """Let the headers through with ``headers`` set on them and ``removed`` gone; on the
     request, name the ``destination`` in the header and the ``envoy.lb`` metadata alike."""
-    common = ext_proc.CommonResponse(header_mutation=_header_mutation(headers, removed))
-    reply = ext_proc.ProcessingResponse(
-        **{f"{phase}_headers": ext_proc.HeadersResponse(response=common)}
-    )
-    if destination is not None:
-        reply.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: destination}})
-    return reply
+    common = _common(headers, removed, destination, None)
+    return _reply(f"{phase}_headers", ext_proc.HeadersResponse(response=common), destination)
+
+
+def continue_body(
+    phase: Phase,
+    headers: Mapping[str, str] | None = None,
+    destination: str | None = None,
+    removed: Iterable[str] = (),
+    body: bytes | None = None,
+) -> ext_proc.ProcessingResponse:
+    """Let a body Envoy holds go on as it is, or as ``body``; for a whole (``BUFFERED``)
+    request, whose headers Envoy holds until this answer, with ``headers``, ``removed``
+    and the ``destination`` as ``continue_headers`` applies them."""
+    common = _common(headers or {}, removed, destination, body)
+    return _reply(f"{phase}_body", ext_proc.BodyResponse(response=common), destination)
 
 
 def body_chunks(

@@ -25,6 +25,7 @@ from smetric.serve.http_errors import JsonErrorRunner
 
 EXT_PROC_SERVICE = ext_proc.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+MESSAGE_OVERHEAD = 1 << 20
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -53,7 +54,10 @@ class PickerServer:
         site = web.TCPSite(self.runner, self.host, self.metrics_port)
         await site.start()
         self.metrics_port = self.runner.addresses[0][1]
-        self.server = grpc.aio.server()
+        # A whole (BUFFERED) body comes in one message: room for the largest body the
+        # router accepts, and its headers and metadata besides (gRPC's default is 4 MiB).
+        largest = min(router.settings.max_body_bytes + MESSAGE_OVERHEAD, 2**31 - 1)
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", largest)])
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.picker), self.server
         )

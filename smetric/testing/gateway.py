@@ -40,15 +40,30 @@ def _socket(address: dict[str, Any], port: int) -> None:
     address["socket_address"] = {"address": "127.0.0.1", "port_value": port}
 
 
+STREAMED_MODE = {
+    "request_body_mode": "FULL_DUPLEX_STREAMED",
+    "response_body_mode": "FULL_DUPLEX_STREAMED",
+    "request_trailer_mode": "SEND",
+    "response_trailer_mode": "SEND",
+}
+"""The bodies streamed both ways, full duplex, as some gateways that configure
+``ext_proc`` themselves send them."""
+
+
 def gateway_config(
-    picker_port: int, engines: list[str], fail_open: bool = False, original_dst: bool = False
+    picker_port: int,
+    engines: list[str],
+    fail_open: bool = False,
+    original_dst: bool = False,
+    streamed: bool = False,
 ) -> dict[str, Any]:
     """The shipped configuration on loopback, sending to the picker on ``picker_port``,
     its ``engines`` cluster listing ``engines`` (their URLs, ``http://IP:PORT``) in place
     of its examples.
 
     ``original_dst``: the guide's alternative instead, an ``ORIGINAL_DST`` cluster that
-    connects to whatever address the picker names and lists no engine.
+    connects to whatever address the picker names and lists no engine. ``streamed``:
+    the bodies go to the picker in pieces (``STREAMED_MODE``), not whole.
     """
     config = yaml.safe_load(GATEWAY_CONFIG.read_text())
     _socket(config["admin"]["address"], 0)
@@ -65,6 +80,8 @@ def gateway_config(
         f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
     )
     ext_proc["typed_config"]["failure_mode_allow"] = fail_open
+    if streamed:
+        ext_proc["typed_config"]["processing_mode"].update(STREAMED_MODE)
     index = next(i for i, c in enumerate(clusters) if c["name"] == "engines")
     if original_dst:
         clusters[index] = ORIGINAL_DST_CLUSTER
