@@ -157,6 +157,9 @@ def test_follow_ups_stick_and_the_served_engine_is_charged() -> None:
         assert follow.pick is not None
         assert follow.pick.engine is home  # sticky: the prefix is cached there
         assert follow.pick.predicted > 0
+        # The decision is recorded as serve records it: price learning reads the local hit.
+        routed = follow.pick.completion.routed if follow.pick.completion else None
+        assert routed is not None and routed.predicted_local_tokens == follow.pick.predicted
         # Envoy sent it elsewhere (a retry, a fallback): the load moves with it.
         other = next(e for e in chooser.router.engines if e is not home)
         reply = await follow.on(response_headers(200, served=endpoint_of(other.url)))
