@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, cast
 
 import jinja2.ext
 import numpy as np
@@ -58,6 +58,18 @@ from smetric.core.openai_api import chat_messages, completion_prompt
 from smetric.core.parsing import Message, RequestError, digest, kind, to_json
 from smetric.core.policies import RoutingRequest
 from smetric.core.responses_api import responses_instructions, responses_messages
+from smetric.core.template_splice import (
+    Kept,
+    Kind,
+    Request,
+    Spliced,
+    TemplateSplicer,
+    common_prefix_length,
+    identify,
+    kept_of,
+    probe,
+    splice,
+)
 
 __all__ = ["Api", "ChatTemplate", "RequestError", "RequestFacts", "analyze_request"]
 
@@ -247,7 +259,9 @@ class ChatTemplate:
     (part lists flattened), which suits text-only templates.
     """
 
-    def __init__(self, template: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(
+        self, template: str, bos_token: str = "", eos_token: str = "", keep_bytes: int = 64 << 20
+    ) -> None:
         environment = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
@@ -257,6 +271,8 @@ class ChatTemplate:
         self._template = environment.from_string(template)
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # The renderings follow-ups are spliced onto, bounded by ``keep_bytes``.
+        self.splicer = TemplateSplicer(keep_bytes)
 
     def render(
         self,
@@ -268,7 +284,9 @@ class ChatTemplate:
         """The rendered prompt cut after each message's content and where the history ends.
 
         ``extra`` carries the request's ``chat_template_kwargs`` (``enable_thinking``, ...);
-        it cannot override the messages, tools or special tokens.
+        it cannot override the messages, tools or special tokens. A follow-up of a
+        conversation rendered before is spliced onto that rendering where the template
+        allows it (``core.template_splice``); the result is the same.
         """
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
@@ -278,13 +296,120 @@ class ChatTemplate:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         }
+        last = _last_assistant(messages)
+        request = identify(messages, [tools, extra])
+        kept = None if request is None else self.splicer.find(request, len(messages))
+        if kept is not None and kept.count == len(messages):
+            return cast(Rendering, kept.rendering)  # the same conversation again
+        if kept is not None:
+            assert request is not None
+            spliced = self._splice(messages, context, kept, last, request)
+            if spliced is not None:
+                self.splicer.keep(request, spliced[1], kept)
+                return spliced[0]
+        rendering, made = self._whole(messages, context, last, request)
+        if request is not None and made is not None:
+            self.splicer.keep(request, made, kept)
+        return rendering
+
+    def _whole(
+        self,
+        messages: Sequence[Message],
+        context: dict[str, Any],
+        last: int,
+        request: Request | None = None,
+    ) -> tuple[Rendering, Kept | None]:
+        """The whole render, and what to keep of it for follow-ups (given ``request``)."""
         full = self._render(messages, True, context)
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         history_end = 0
         if last >= 0:
             history = self._render(messages[: last + 1], False, context)
-            history_end = _common_prefix_length(history, full)
-        return _cut(full, _content_ends(full, messages), history_end)
+            history_end = common_prefix_length(history, full)
+        ends = _content_ends(full, messages)
+        rendering = _cut(full, ends, history_end)
+        if request is None:
+            return rendering, None
+        made = kept_of(
+            request, len(messages), full, ends, history_end, rendering, rendering.segments
+        )
+        return rendering, made
+
+    def _splice(
+        self,
+        messages: Sequence[Message],
+        context: dict[str, Any],
+        kept: Kept,
+        last: int,
+        request: Request,
+    ) -> tuple[Rendering, Kept] | None:
+        """The rendering of a follow-up of ``kept``'s conversation, spliced onto it where
+        the template allows (probed once, sampled since), else None."""
+        added = messages[kept.count :]
+        kind: Kind = "tools" if all(m["role"] in ("assistant", "tool") for m in added) else "any"
+        splicer = self.splicer
+        if not splicer.allowed(kind, self._probe):
+            return None
+
+        def render(window: Sequence[Message], add_generation_prompt: bool) -> str:
+            return self._template.render(
+                context, messages=window, add_generation_prompt=add_generation_prompt
+            )
+
+        try:
+            spliced = splice(render, messages, kept, last)
+        except Exception:
+            return None  # a window the template refuses: the whole render decides
+        if spliced is None:
+            return None
+        rendering, ends = _spliced_rendering(spliced, messages)
+        if splicer.sampled():
+            whole, _ = self._whole(messages, context, last)
+            if whole != rendering:
+                splicer.refute(kind)
+                return None
+        made = kept_of(
+            request,
+            len(messages),
+            spliced.text,
+            ends,
+            spliced.history_end,
+            rendering,
+            rendering.segments,
+        )
+        return rendering, made
+
+    def _probe(self) -> dict[Kind, bool]:
+        """Which kinds of extension this template splices exactly (``template_splice.probe``)."""
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+
+        def check(
+            tools: list[Any] | None, messages: list[dict[str, Any]], previous: int
+        ) -> bool | None:
+            here = {**context, "tools": tools}
+            try:
+                _, made = self._whole(
+                    messages[:previous], here, _last_assistant(messages[:previous]), _PROBE
+                )
+                whole, _ = self._whole(messages, here, _last_assistant(messages))
+            except RequestError:
+                return None
+            assert made is not None
+            try:
+                spliced = splice(
+                    lambda window, add: self._template.render(
+                        here, messages=window, add_generation_prompt=add
+                    ),
+                    messages,
+                    made,
+                    _last_assistant(messages),
+                )
+            except Exception:
+                return None
+            if spliced is None:
+                return None
+            return _spliced_rendering(spliced, messages)[0] == whole
+
+        return probe(check)
 
     def _render(
         self, messages: Sequence[Message], add_generation_prompt: bool, context: dict[str, Any]
@@ -317,36 +442,61 @@ def _raise_exception(message: str) -> NoReturn:
     raise TemplateError(message)
 
 
-def _content_ends(text: str, messages: Sequence[Message]) -> list[int]:
-    """Where each message's content ends in ``text``, for those found verbatim in order.
+def _content_ends(
+    text: str, messages: Sequence[Message], known: Sequence[int] = (), cursor: int = 0
+) -> list[int]:
+    """Where each message's content ends in ``text``, -1 for one not found verbatim in order.
 
     Templates put a message's closing markup (usually a special token) right after its
     content, so these are cuts a tokeniser makes anyway. A content the template changed
     (older reasoning dropped, say) must start a bounded distance ahead, and is simply not
-    a cut when missing.
+    a cut when missing. ``known``: the ends of the first messages, found before in a text
+    equal to this one as far as they decide (``_spliced_rendering``); ``cursor``: the last.
     """
-    ends, cursor = [], 0
-    for message in messages:
+    ends = list(known)
+    for message in messages[len(known) :]:
         content = message["content"]
-        if not content:
-            continue
-        # Find a short probe (memchr-fast), then compare the whole content in place: a
-        # find of the whole content preprocesses all of it on every call.
-        probe, limit = content[:64], cursor + _MARKUP_WINDOW + 64
-        at = text.find(probe, cursor, limit)
-        while at >= 0 and not text.startswith(content, at):
-            at = text.find(probe, at + 1, limit)
+        at = -1
+        if content:
+            # Find a short probe (memchr-fast), then compare the whole content in place: a
+            # find of the whole content preprocesses all of it on every call.
+            probe, limit = content[:64], cursor + _MARKUP_WINDOW + 64
+            at = text.find(probe, cursor, limit)
+            while at >= 0 and not text.startswith(content, at):
+                at = text.find(probe, at + 1, limit)
         if at >= 0:
             cursor = at + len(content)
-            ends.append(cursor)
+        ends.append(cursor if at >= 0 else -1)
     return ends
 
 
-def _cut(text: str, ends: list[int], history_end: int) -> Rendering:
-    """``text`` cut at ``ends`` and ``history_end``, which closes the history."""
-    cuts = sorted({*ends, history_end} - {0, len(text)})
+def _cut(
+    text: str,
+    ends: list[int],
+    history_end: int,
+    previous: Rendering | None = None,
+    shared: int = 0,
+) -> Rendering:
+    """``text`` cut at ``ends`` and ``history_end``, which closes the history.
+
+    ``previous``, a rendering whose text equals this one for ``shared`` characters, lends
+    its segment strings there: the block memo then finds them by identity, without hashing
+    their text again.
+    """
+    cuts = sorted({*ends, history_end} - {-1, 0, len(text)})
     starts = [0, *cuts]
-    segments = [text[a:b] for a, b in zip(starts, [*cuts, len(text)], strict=True)]
+    lent: dict[int, str] = {}
+    if previous is not None:
+        at = 0
+        for segment in previous.segments:
+            if at + len(segment) > shared:
+                break
+            lent[at] = segment
+            at += len(segment)
+    segments = []
+    for a, b in zip(starts, [*cuts, len(text)], strict=True):
+        borrowed = lent.get(a)
+        segments.append(borrowed if borrowed is not None and len(borrowed) == b - a else text[a:b])
     if history_end == 0:
         return Rendering(segments, 0)
     return Rendering(
@@ -354,19 +504,34 @@ def _cut(text: str, ends: list[int], history_end: int) -> Rendering:
     )
 
 
-def _common_prefix_length(a: str, b: str) -> int:
-    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    # Invariant: a[:low] == b[:low] and a[:high] != b[:high].
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
+def _spliced_rendering(
+    spliced: Spliced, messages: Sequence[Message]
+) -> tuple[Rendering, list[int]]:
+    """A spliced text cut as the whole render cuts it, and its content ends.
+
+    A kept content end at or before ``shared`` was found by a search that read nothing
+    past it (the candidates it passed over end before it), so it stands in the spliced
+    text, which equals the kept one that far. A content not found was searched for up to
+    a window past the cursor, so the search starts again from the first such message.
+    """
+    kept, known, cursor = spliced.kept, [], 0
+    for message, end in zip(messages, kept.ends, strict=False):
+        if end > spliced.shared or (end < 0 and message["content"]):
+            break
+        known.append(end)
+        cursor = max(cursor, end)
+    ends = _content_ends(spliced.text, messages, known, cursor)
+    rendering = _cut(spliced.text, ends, spliced.history_end, kept.rendering, spliced.shared)
+    return rendering, ends
+
+
+def _last_assistant(messages: Sequence[Message]) -> int:
+    """The index of the last assistant message, -1 without one."""
+    return max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+
+
+# What the probe's renderings are kept as: never looked up.
+_PROBE = Request(b"", b"", 0)
 
 
 # --- Completions and shared helpers ------------------------------------------------------

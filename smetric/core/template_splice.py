@@ -1,0 +1,425 @@
+"""A follow-up's chat-template rendering from the previous turn's, rendering only its end.
+
+An agent resends its whole conversation on every call, and a model's Jinja template renders
+all of it at once: at 300 messages that is milliseconds per render, nearly all of it the
+sandbox's checks on every attribute the template reads, for text the router rendered one
+turn earlier. ``TemplateSplicer`` keeps the last whole rendering of each conversation it saw
+(bounded in bytes, least recently used first out) and renders a follow-up as an edit of it:
+
+- a **window** of the follow-up's messages is rendered twice, once as the previous request
+  had it and once as it is now: the leading system messages, the last user message before
+  the window's start (an anchor: templates such as Qwen3's treat what follows the last
+  user query differently) and the last few messages of the previous request onwards, with
+  the window's first message at the same index parity as in the conversation (templates
+  that check alternation compare ``loop.index0 % 2``);
+- where the two window texts part, the old one's remainder must end the previous rendering
+  (checked); the new rendering is the previous one up to there followed by the new
+  window's remainder. The history's rendering (up to the last assistant message, without
+  the generation prompt) is spliced the same way from a third window render.
+
+**Soundness.** The splice equals the whole render for a template whose output for a
+conversation's tail does not depend on how many messages lie before the window, nor do
+earlier messages render differently because messages were appended. No check on one pair
+of texts can prove that of arbitrary template code, so it is established by checking, per
+template and per kind of extension (tool turns, which add only assistant and tool messages,
+versus extensions that add a user or other message):
+
+1. a **probe**, on first use, splices every extension of one to three messages of several
+   synthetic conversations (system or not, tools or not, tool calls with arguments,
+   parallel calls, reasoning, consecutive tool results, strict user/assistant alternation)
+   and compares each with the whole render: any mismatch, or a window the template refuses
+   where the whole render passes, turns that kind off (tool turns off turns both off);
+2. a **sample** of the spliced renderings in use (one in ``SAMPLE``) is compared with the
+   whole render; a mismatch turns that kind off for good, is counted and logged once.
+
+What is off renders whole, as it always did, so a template the checks reject costs what it
+cost before and is never wrong because of this module. Qwen3 (reasoning dropped before the
+last user query), Mistral (tools rendered before the last user message) and Llama 3 (tools
+in the first user message) keep tool turns incremental and render user turns whole; plain
+ChatML keeps both. The messages a kept rendering was made from are compared as MessagePack
+bytes, which tell ``true`` from ``1`` and ``1`` from ``1.0`` and keep key order, as
+``tojson`` would (Python's ``==`` does neither), at memory speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import xxhash
+
+from smetric.core.parsing import Message
+
+__all__ = ["Kept", "Spliced", "TemplateSplicer"]
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["tools", "any"]
+# Render ``messages`` with or without the generation prompt (raises on a refusal).
+Render = Callable[[Sequence[Message], bool], str]
+
+# One spliced rendering in this many is checked against the whole render: under 1 %, so a
+# check's cost (the whole render) stays out of the 99th percentile.
+SAMPLE = 128
+# Messages of the previous request the window takes again, so that a template looking a
+# few messages back or ahead (Qwen's consecutive tool results) sees them in both windows.
+_LOOKBACK = 4
+# A window longer than this is not worth it: the conversation renders whole.
+_MAX_WINDOW = 64
+# Entries per bucket (conversations opening alike), most recent first.
+_BUCKET = 8
+_ENTRY_OVERHEAD = 500
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A conversation's whole rendering, kept for its follow-ups.
+
+    ``items``: the messages as MessagePack (each message's encoding, concatenated; prefix
+    free, so equal leading bytes are equal leading messages). ``ends``: per message, where
+    its content ends in ``text`` (-1 where it is not a cut). ``rendering``: the segments
+    made of it, whose strings a follow-up reuses (the block memo finds them by identity).
+    """
+
+    context: bytes
+    items: bytes
+    count: int
+    text: str
+    ends: list[int]
+    history_end: int
+    rendering: Any
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Spliced:
+    """A follow-up's rendering from a kept one: ``text`` equals ``kept.text`` up to
+    ``shared``; ``history_end`` as the whole render would find it."""
+
+    kept: Kept
+    text: str
+    shared: int
+    history_end: int
+    kind: Kind
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request's messages as the splicer identifies them."""
+
+    context: bytes
+    items: bytes
+    bucket: int
+
+
+def identify(messages: Sequence[Message], context: object) -> Request | None:
+    """MessagePack of the messages and of the rest of what the template sees; None where
+    something does not encode (a client's 2**70 integer), which then renders whole."""
+    try:
+        packed = _ENCODER.encode(messages)
+        context_bytes = _ENCODER.encode(context)
+        first = _ENCODER.encode(messages[0]) if messages else b""
+    except (TypeError, OverflowError, ValueError, RecursionError):
+        return None
+    items = packed[_array_header(len(messages)) :]
+    return Request(context_bytes, items, xxhash.xxh3_64_intdigest(context_bytes + first))
+
+
+def _array_header(count: int) -> int:
+    """Bytes of MessagePack's header for an array of ``count`` items."""
+    return 1 if count < 16 else 3 if count < 1 << 16 else 5
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    # Invariant: a[:low] == b[:low] and a[:high] != b[:high].
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def window(messages: Sequence[Message], previous: int, last_assistant: int) -> list[int] | None:
+    """The indices of the messages the splice renders (see the module's docstring), or None
+    where the window would be (nearly) the whole conversation anyway."""
+    heads = 0
+    while heads < len(messages) and messages[heads]["role"] == "system":
+        heads += 1
+    start = previous - _LOOKBACK
+    if last_assistant >= 0:
+        start = min(start, last_assistant)
+    while start > heads:
+        anchor = next(
+            (i for i in range(start - 1, heads - 1, -1) if messages[i]["role"] == "user"), None
+        )
+        first = heads + (anchor is not None)
+        if (start - first) % 2:
+            start -= 1
+            continue
+        if start == first or len(messages) - start + first > _MAX_WINDOW:
+            return None  # the whole conversation, or most of a long one
+        return [
+            *range(heads),
+            *([anchor] if anchor is not None else []),
+            *range(start, len(messages)),
+        ]
+    return None
+
+
+def splice(
+    render: Render, messages: Sequence[Message], kept: Kept, last_assistant: int
+) -> Spliced | None:
+    """The rendering of ``messages`` (which extend ``kept``'s) as an edit of ``kept.text``,
+    or None where no window fits or the old window's remainder does not end the kept text.
+    ``render``'s refusals propagate."""
+    indices = window(messages, kept.count, last_assistant)
+    if indices is None:
+        return None
+    old = render([messages[i] for i in indices if i < kept.count], True)
+    new = render([messages[i] for i in indices], True)
+    edit = _edit_at(kept.text, old, new)
+    if edit is None:
+        return None
+    shared, common = edit
+    text = kept.text[:shared] + new[common:]
+    history_end = 0
+    if last_assistant >= 0:
+        history = render([messages[i] for i in indices if i <= last_assistant], False)
+        edit = _edit_at(kept.text, old, history)
+        if edit is None:
+            return None
+        upto, common = edit
+        start = min(shared, upto)
+        tail = kept.text[start:upto] + history[common:]
+        history_end = start + common_prefix_length(tail, text[start:])
+    kind: Kind = (
+        "tools"
+        if all(m["role"] in ("assistant", "tool") for m in messages[kept.count :])
+        else "any"
+    )
+    return Spliced(kept, text, shared, history_end, kind)
+
+
+def _edit_at(text: str, old: str, new: str) -> tuple[int, int] | None:
+    """Where the edit from window text ``old`` to ``new`` begins in ``text`` and in the
+    windows; None where ``old``'s changed remainder does not end ``text``."""
+    common = common_prefix_length(old, new)
+    if not text.endswith(old[common:]):
+        return None
+    return len(text) - (len(old) - common), common
+
+
+class TemplateSplicer:
+    """The kept renderings of one template and its verdicts; safe across threads.
+
+    ``whole`` renders a conversation whole as ``ChatTemplate`` does (text, content ends,
+    history end): the reference every splice is checked against.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.spliced = 0
+        self.mismatches = 0
+        self._allowed: dict[Kind, bool] | None = None
+        self._buckets: OrderedDict[int, list[Kept]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def allowed(self, kind: Kind, probe: Callable[[], dict[Kind, bool]]) -> bool:
+        """Whether ``kind`` of extension may be spliced, probing once on first use."""
+        if self._allowed is None:
+            verdict = probe()
+            with self._lock:
+                if self._allowed is None:
+                    self._allowed = verdict
+        return self._allowed[kind]
+
+    def sampled(self) -> bool:
+        """Whether this splice is one checked against the whole render (every SAMPLE-th)."""
+        with self._lock:
+            self.spliced += 1
+            return self.spliced % SAMPLE == 0
+
+    def refute(self, kind: Kind) -> None:
+        """A spliced rendering differed from the whole one: that kind renders whole for good."""
+        with self._lock:
+            self.mismatches += 1
+            first = self.mismatches == 1
+            assert self._allowed is not None
+            self._allowed[kind] = False
+            if kind == "tools":
+                self._allowed["any"] = False
+        if first:
+            log.warning(
+                "the chat template's incremental rendering differed from the whole render; "
+                "%s extensions now render whole",
+                "all" if kind == "tools" else "user-turn",
+            )
+
+    def find(self, request: Request, count: int) -> Kept | None:
+        """The longest kept rendering of the same context whose messages lead ``request``'s
+        (at most ``count`` of them)."""
+        with self._lock:
+            bucket = self._buckets.get(request.bucket)
+            if bucket is None:
+                return None
+            self._buckets.move_to_end(request.bucket)
+            candidates = list(bucket)
+        best = None
+        for kept in candidates:
+            if (
+                kept.count <= count
+                and (best is None or kept.count > best.count)
+                and kept.context == request.context
+                and request.items.startswith(kept.items)
+            ):
+                best = kept
+        return best
+
+    def keep(self, request: Request, kept: Kept, replacing: Kept | None) -> None:
+        """Keep ``kept`` (made from ``request``) in place of the rendering it extended."""
+        if kept.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            bucket = self._buckets.setdefault(request.bucket, [])
+            self._buckets.move_to_end(request.bucket)
+            for old in [e for e in bucket if e is replacing or e.items == kept.items]:
+                bucket.remove(old)
+                self.nbytes -= old.nbytes
+            bucket.insert(0, kept)
+            self.nbytes += kept.nbytes
+            while len(bucket) > _BUCKET:
+                self.nbytes -= bucket.pop().nbytes
+            while self.nbytes > self.max_bytes and self._buckets:
+                key, oldest = next(iter(self._buckets.items()))
+                if not oldest:
+                    del self._buckets[key]
+                    continue
+                self.nbytes -= oldest.pop().nbytes
+
+
+def kept_of(
+    request: Request,
+    count: int,
+    text: str,
+    ends: list[int],
+    history_end: int,
+    rendering: Any,
+    segments: Sequence[str],
+) -> Kept:
+    """A rendering to keep, with what it costs in memory."""
+    nbytes = (
+        sys.getsizeof(text)
+        + len(request.items)
+        + len(request.context)
+        + 8 * len(ends)
+        + sum(map(sys.getsizeof, segments))
+        + _ENTRY_OVERHEAD
+    )
+    return Kept(request.context, request.items, count, text, ends, history_end, rendering, nbytes)
+
+
+def _call(i: int) -> dict[str, Any]:
+    arguments = f'{{"path": "src/m{i}.py"}}'
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "read", "arguments": arguments},
+    }
+
+
+def _probe_conversations() -> list[tuple[list[Any] | None, list[dict[str, Any]]]]:
+    """Synthetic conversations (with their tools) in the shapes agents and chats send."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read",
+                "description": "Read a file.",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+    agent: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
+    for i in range(3):
+        agent += [
+            {
+                "role": "assistant",
+                "content": "" if i else "Looking.",
+                "reasoning_content": f"Step {i}.",
+                "tool_calls": [_call(i)],
+            },
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": f"def f{i}(): pass"},
+        ]
+    agent += [
+        {"role": "assistant", "content": "Fixed.", "reasoning_content": "Done."},
+        {"role": "user", "content": "Now run the tests."},
+        {"role": "assistant", "content": "", "tool_calls": [_call(7)]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "<tool_response>ok"},
+        {"role": "assistant", "content": "All pass."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    parallel: list[dict[str, Any]] = [
+        {"role": "user", "content": "Read both files."},
+        {"role": "assistant", "content": "", "tool_calls": [_call(1), _call(2)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "one"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "two"},
+        {"role": "assistant", "content": "Both read."},
+        {"role": "user", "content": "Good."},
+        {"role": "assistant", "content": "", "tool_calls": [_call(3)]},
+        {"role": "tool", "tool_call_id": "call_3", "content": "three"},
+    ]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6."},
+        {"role": "user", "content": "Bye."},
+    ]
+    plain = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Message {i}."}
+        for i in range(9)
+    ]
+    return [(tools, agent), (tools, parallel), (None, chat), (None, plain)]
+
+
+def probe(
+    check: Callable[[list[Any] | None, list[dict[str, Any]], int], bool | None],
+) -> dict[Kind, bool]:
+    """The verdict per kind of extension: ``check(tools, messages, previous)`` splices the
+    first ``previous`` of ``messages`` to all of them and says whether that equals the whole
+    render (None: no evidence, as where either render is refused or no window fits)."""
+    allowed: dict[Kind, bool] = {"tools": True, "any": True}
+    for tools, messages in _probe_conversations():
+        for previous in range(1, len(messages)):
+            for added in (1, 2, 3):
+                if previous + added > len(messages):
+                    break
+                new = messages[previous : previous + added]
+                kind: Kind = (
+                    "tools" if all(m["role"] in ("assistant", "tool") for m in new) else "any"
+                )
+                if check(tools, messages[: previous + added], previous) is False:
+                    allowed[kind] = False
+                    if kind == "tools":
+                        allowed["any"] = False
+    return allowed
