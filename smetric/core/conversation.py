@@ -41,6 +41,8 @@ memo (``core/block_memo``) skip the history a follow-up re-sends.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +81,8 @@ _GENERATION_PROMPT = "<|assistant|>\n"
 # How far past a message's content ``ChatTemplate`` looks for the next one: template markup
 # between two messages (headers, tool schemas) is far shorter.
 _MARKUP_WINDOW = 64 << 10
+# How much of the markup on each side of the history end identifies the end of a turn.
+_SIGNATURE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,12 +329,13 @@ class ChatTemplate:
         if last >= 0:
             history = self._render(messages[: last + 1], False, context)
             history_end = common_prefix_length(history, full)
-        ends = _content_ends(full, messages)
-        rendering = _cut(full, ends, history_end)
+        ends, lost = _content_ends(full, messages)
+        signature, turns = _like_the_history_end(full, messages, ends, history_end)
+        rendering = _cut(full, ends, turns, history_end)
         if request is None:
             return rendering, None
         made = kept_of(
-            request, len(messages), full, ends, history_end, rendering, rendering.segments
+            request, len(messages), full, ends, lost, signature, turns, history_end, rendering
         )
         return rendering, made
 
@@ -361,21 +366,13 @@ class ChatTemplate:
             return None  # a window the template refuses: the whole render decides
         if spliced is None:
             return None
-        rendering, ends = _spliced_rendering(spliced, messages)
+        rendering, cuts = _spliced_rendering(spliced, messages)
         if splicer.sampled():
             whole, _ = self._whole(messages, context, last)
             if whole != rendering:
                 splicer.refute(kind)
                 return None
-        made = kept_of(
-            request,
-            len(messages),
-            spliced.text,
-            ends,
-            spliced.history_end,
-            rendering,
-            rendering.segments,
-        )
+        made = kept_of(request, len(messages), spliced.text, *cuts, spliced.history_end, rendering)
         return rendering, made
 
     def _probe(self) -> dict[Kind, bool]:
@@ -443,20 +440,24 @@ def _raise_exception(message: str) -> NoReturn:
 
 
 def _content_ends(
-    text: str, messages: Sequence[Message], known: Sequence[int] = (), cursor: int = 0
-) -> list[int]:
-    """Where each message's content ends in ``text``, -1 for one not found verbatim in order.
+    text: str, messages: Sequence[Message], known: Sequence[int] = ()
+) -> tuple[list[int], int]:
+    """Where each message's content ends in ``text``, for those found verbatim in order.
 
     Templates put a message's closing markup (usually a special token) right after its
     content, so these are cuts a tokeniser makes anyway. A content the template changed
     (older reasoning dropped, say) must start a bounded distance ahead, and is simply not
-    a cut when missing. ``known``: the ends of the first messages, found before in a text
-    equal to this one as far as they decide (``_spliced_rendering``); ``cursor``: the last.
+    a cut when missing. Per message, the offset the search reached after it (so a message
+    not found repeats the one before, and the list never decreases), and the index of the
+    first message with content not found (``len(messages)`` if none). ``known``: the ends
+    of the first messages, all found or empty, from a text equal to this one as far as
+    their searches read (``_spliced_rendering``).
     """
     ends = list(known)
-    for message in messages[len(known) :]:
-        content = message["content"]
-        at = -1
+    cursor = ends[-1] if ends else 0
+    lost = len(messages)
+    for i in range(len(ends), len(messages)):
+        content = messages[i]["content"]
         if content:
             # Find a short probe (memchr-fast), then compare the whole content in place: a
             # find of the whole content preprocesses all of it on every call.
@@ -464,39 +465,37 @@ def _content_ends(
             at = text.find(probe, cursor, limit)
             while at >= 0 and not text.startswith(content, at):
                 at = text.find(probe, at + 1, limit)
-        if at >= 0:
-            cursor = at + len(content)
-        ends.append(cursor if at >= 0 else -1)
-    return ends
+            if at >= 0:
+                cursor = at + len(content)
+            else:
+                lost = min(lost, i)
+        ends.append(cursor)
+    return ends, lost
 
 
 def _cut(
     text: str,
     ends: list[int],
+    turns: list[int],
     history_end: int,
     previous: Rendering | None = None,
     shared: int = 0,
 ) -> Rendering:
-    """``text`` cut at ``ends`` and ``history_end``, which closes the history.
+    """``text`` cut at ``ends``, at ``history_end``, which closes the history, and where
+    earlier turns closed alike (``turns``, from ``_like_the_history_end``).
 
     ``previous``, a rendering whose text equals this one for ``shared`` characters, lends
-    its segment strings there: the block memo then finds them by identity, without hashing
-    their text again.
+    its leading segments as far as both cut alike there: the block memo then finds them by
+    identity, without hashing their text again.
     """
-    cuts = sorted({*ends, history_end} - {-1, 0, len(text)})
-    starts = [0, *cuts]
-    lent: dict[int, str] = {}
+    cuts = sorted({*ends, *turns, history_end} - {0, len(text)})
+    starts, stops = [0, *cuts], [*cuts, len(text)]
+    lent: list[str] = []
     if previous is not None:
-        at = 0
-        for segment in previous.segments:
-            if at + len(segment) > shared:
-                break
-            lent[at] = segment
-            at += len(segment)
-    segments = []
-    for a, b in zip(starts, [*cuts, len(text)], strict=True):
-        borrowed = lent.get(a)
-        segments.append(borrowed if borrowed is not None and len(borrowed) == b - a else text[a:b])
+        old = list(itertools.accumulate(map(len, previous.segments)))
+        lent = previous.segments[: common_prefix_length(old[: bisect.bisect(old, shared)], stops)]
+    pairs = zip(starts[len(lent) :], stops[len(lent) :], strict=True)
+    segments = lent + [text[a:b] for a, b in pairs]
     if history_end == 0:
         return Rendering(segments, 0)
     return Rendering(
@@ -504,30 +503,77 @@ def _cut(
     )
 
 
+def _like_the_history_end(
+    text: str,
+    messages: Sequence[Message],
+    ends: list[int],
+    history_end: int,
+    kept: Kept | None = None,
+    shared: int = 0,
+) -> tuple[str, list[int]]:
+    """The markup around the history end (from the content end before it to the next
+    content's start, at most ``_SIGNATURE`` characters each side) and the offsets where
+    ``text`` reads the same way, the history end's among them.
+
+    The history end closes an assistant message and opens the next one; every earlier
+    assistant message closed alike was a request's history end when it was the last, so
+    cutting there too keeps the segments a follow-up shares with its previous turn (the
+    tool result after it, above all) the same strings, which the block memo then finds
+    instead of tokenising them again. The cut is as safe for the tokeniser as the history
+    end's own: the same characters around it. ``kept``, a rendering whose text equals this
+    one for ``shared`` characters, lends what it found there when its markup was the same.
+    """
+    if history_end in (0, len(text)):
+        return "", []
+    at = bisect.bisect_left(ends, history_end)
+    closing = text[max(ends[at - 1] if at else 0, history_end - _SIGNATURE) : history_end]
+    start = history_end + _SIGNATURE
+    for i in range(bisect.bisect_right(ends, history_end), len(ends)):
+        if ends[i] > (ends[i - 1] if i else 0):  # found: its content starts the next one
+            start = min(start, ends[i] - len(messages[i]["content"]))
+            break
+    opening = text[history_end:start]
+    if not closing or not opening:
+        return "", []
+    signature, found, at = closing + opening, [], 0
+    if kept is not None and kept.signature == signature:
+        # Occurrences ending by ``shared`` lie in the text both share.
+        limit = shared - len(signature)
+        found = kept.turns[: bisect.bisect(kept.turns, limit + len(closing))]
+        at = limit + 1
+    at = text.find(signature, max(at, 0))
+    while at >= 0:
+        found.append(at + len(closing))
+        at = text.find(signature, at + 1)
+    return signature, found
+
+
 def _spliced_rendering(
     spliced: Spliced, messages: Sequence[Message]
-) -> tuple[Rendering, list[int]]:
-    """A spliced text cut as the whole render cuts it, and its content ends.
+) -> tuple[Rendering, tuple[list[int], int, str, list[int]]]:
+    """A spliced text cut as the whole render cuts it, and where (``kept_of``'s ends,
+    lost, signature and turns).
 
     A kept content end at or before ``shared`` was found by a search that read nothing
     past it (the candidates it passed over end before it), so it stands in the spliced
     text, which equals the kept one that far. A content not found was searched for up to
     a window past the cursor, so the search starts again from the first such message.
     """
-    kept, known, cursor = spliced.kept, [], 0
-    for message, end in zip(messages, kept.ends, strict=False):
-        if end > spliced.shared or (end < 0 and message["content"]):
-            break
-        known.append(end)
-        cursor = max(cursor, end)
-    ends = _content_ends(spliced.text, messages, known, cursor)
-    rendering = _cut(spliced.text, ends, spliced.history_end, kept.rendering, spliced.shared)
-    return rendering, ends
+    kept, text, shared = spliced.kept, spliced.text, spliced.shared
+    known = bisect.bisect(kept.ends, shared, 0, kept.lost)
+    ends, lost = _content_ends(text, messages, kept.ends[:known])
+    signature, turns = _like_the_history_end(
+        text, messages, ends, spliced.history_end, kept, shared
+    )
+    rendering = _cut(text, ends, turns, spliced.history_end, kept.rendering, shared)
+    return rendering, (ends, lost, signature, turns)
 
 
 def _last_assistant(messages: Sequence[Message]) -> int:
     """The index of the last assistant message, -1 without one."""
-    return max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return next(
+        (i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), -1
+    )
 
 
 # What the probe's renderings are kept as: never looked up.

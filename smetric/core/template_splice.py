@@ -49,7 +49,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import xxhash
@@ -61,6 +61,7 @@ __all__ = ["Kept", "Spliced", "TemplateSplicer"]
 log = logging.getLogger(__name__)
 
 Kind = Literal["tools", "any"]
+_Sliced = TypeVar("_Sliced", str, list[int])
 # Render ``messages`` with or without the generation prompt (raises on a refusal).
 Render = Callable[[Sequence[Message], bool], str]
 
@@ -83,9 +84,12 @@ class Kept:
     """A conversation's whole rendering, kept for its follow-ups.
 
     ``items``: the messages as MessagePack (each message's encoding, concatenated; prefix
-    free, so equal leading bytes are equal leading messages). ``ends``: per message, where
-    its content ends in ``text`` (-1 where it is not a cut). ``rendering``: the segments
-    made of it, whose strings a follow-up reuses (the block memo finds them by identity).
+    free, so equal leading bytes are equal leading messages). ``ends`` and ``lost``: where
+    each message's content ends in ``text`` and the first one not found there, as
+    ``conversation._content_ends`` gives them; ``signature`` and ``turns``: the markup
+    around the history end and where else it was found (``_like_the_history_end``).
+    ``rendering``: the segments made of it,
+    whose strings a follow-up reuses (the block memo finds them by identity).
     """
 
     context: bytes
@@ -93,6 +97,9 @@ class Kept:
     count: int
     text: str
     ends: list[int]
+    lost: int
+    signature: str
+    turns: list[int]
     history_end: int
     rendering: Any
     nbytes: int
@@ -137,7 +144,7 @@ def _array_header(count: int) -> int:
     return 1 if count < 16 else 3 if count < 1 << 16 else 5
 
 
-def common_prefix_length(a: str, b: str) -> int:
+def common_prefix_length(a: _Sliced, b: _Sliced) -> int:
     """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
     low, high = 0, min(len(a), len(b))
     if a[:high] == b[:high]:
@@ -316,20 +323,34 @@ def kept_of(
     count: int,
     text: str,
     ends: list[int],
+    lost: int,
+    signature: str,
+    turns: list[int],
     history_end: int,
     rendering: Any,
-    segments: Sequence[str],
 ) -> Kept:
     """A rendering to keep, with what it costs in memory."""
     nbytes = (
         sys.getsizeof(text)
         + len(request.items)
         + len(request.context)
-        + 8 * len(ends)
-        + sum(map(sys.getsizeof, segments))
+        + 8 * (len(ends) + len(turns))
+        + sum(map(sys.getsizeof, rendering.segments))
         + _ENTRY_OVERHEAD
     )
-    return Kept(request.context, request.items, count, text, ends, history_end, rendering, nbytes)
+    return Kept(
+        request.context,
+        request.items,
+        count,
+        text,
+        ends,
+        lost,
+        signature,
+        turns,
+        history_end,
+        rendering,
+        nbytes,
+    )
 
 
 def _call(i: int) -> dict[str, Any]:
