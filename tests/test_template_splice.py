@@ -283,3 +283,25 @@ def test_any_conversation_splices_as_it_renders_whole(
     for n in sorted({min(c, len(messages)) for c in cuts} | {len(messages)}):
         body = {"messages": messages[:n], "tools": TOOLS}
         same(analyze_request(body, "chat", TOKENIZER, 4, spliced, memo), whole(name, body))
+
+
+SMOLLM2 = Path("~/.cache/smetric/engines/smollm2-135m-instruct").expanduser()
+
+
+@pytest.mark.skipif(
+    not (SMOLLM2 / "tokenizer.json").is_file(), reason="SmolLM2 is installed by the engine setup"
+)
+def test_smollm2_follow_ups_tokenise_as_the_whole_prompt() -> None:
+    from smetric.serve.tokenizers import load_hf_tokenizer
+
+    tokenizer, loaded = load_hf_tokenizer(SMOLLM2)
+    assert loaded is not None
+    memo = BlockMemo(tokenizer, 16)
+    for messages in requests(agent_session(10)):
+        body = {"messages": messages, "tools": TOOLS}
+        facts = analyze_request(body, "chat", tokenizer, 16, loaded, memo)
+        text = loaded.render(messages, tools=TOOLS).text
+        assert facts.token_ids.tolist() == tokenizer.encode(text)
+        fresh = analyze_request(body, "chat", tokenizer, 16, template("smollm2"))
+        same(facts, fresh)
+    assert loaded.splicer.spliced > 0

@@ -261,6 +261,13 @@ class ChatTemplate:
     matching. ``est_hit_tokens`` is an estimate either way, and the SMetric policy tolerates
     drift through its ``HIT_RATIO``. Message content reaches the template as plain text
     (part lists flattened), which suits text-only templates.
+
+    The text is cut after each message's content, at the history end, and wherever an
+    earlier turn closed as the history end does (``_like_the_history_end``), so a
+    follow-up's segments are the previous turn's plus its own. A follow-up of a
+    conversation rendered before renders only its last messages, spliced onto the kept
+    rendering where this template has been checked to allow it (``core.template_splice``,
+    which argues why that equals the whole render); otherwise it renders whole, as above.
     """
 
     def __init__(
@@ -277,6 +284,12 @@ class ChatTemplate:
         self.eos_token = eos_token
         # The renderings follow-ups are spliced onto, bounded by ``keep_bytes``.
         self.splicer = TemplateSplicer(keep_bytes)
+
+    def prepare(self, keep_bytes: int) -> None:
+        """Bound the kept renderings by ``keep_bytes`` and probe the template now (a few
+        dozen small renders), at start-up rather than on the first follow-up."""
+        self.splicer.max_bytes = keep_bytes
+        self.splicer.allowed("tools", self._probe)
 
     def render(
         self,
