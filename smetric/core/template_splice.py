@@ -3,42 +3,47 @@
 An agent resends its whole conversation on every call, and a model's Jinja template renders
 all of it at once: at 300 messages that is milliseconds per render, nearly all of it the
 sandbox's checks on every attribute the template reads, for text the router rendered one
-turn earlier. ``TemplateSplicer`` keeps the last whole rendering of each conversation it saw
+turn earlier. ``TemplateSplicer`` keeps the last rendering of each conversation it saw
 (bounded in bytes, least recently used first out) and renders a follow-up as an edit of it:
 
-- a **window** of the follow-up's messages is rendered twice, once as the previous request
-  had it and once as it is now: the leading system messages, the last user message before
-  the window's start (an anchor: templates such as Qwen3's treat what follows the last
-  user query differently) and the last few messages of the previous request onwards, with
-  the window's first message at the same index parity as in the conversation (templates
-  that check alternation compare ``loop.index0 % 2``);
-- where the two window texts part, the old one's remainder must end the previous rendering
-  (checked); the new rendering is the previous one up to there followed by the new
-  window's remainder. The history's rendering (up to the last assistant message, without
-  the generation prompt) is spliced the same way from a third window render.
+- a **window** of the messages is rendered as the previous request had them and as they
+  are now: the leading system messages, the last user message before the window's start
+  (an anchor: templates such as Qwen3's and Mistral's treat the last user query apart) and
+  the last few messages of the previous request onwards, the window's first message at
+  the same index parity as in the conversation (templates that check alternation compare
+  ``loop.index0 % 2``);
+- where the two window texts part, the old one's remainder must end the kept rendering
+  (checked); the new rendering is the kept one up to there followed by the new window's
+  remainder. The history (up to the last assistant message, without the generation
+  prompt) is spliced the same way from a third window render, so no render reads the
+  whole conversation.
 
-**Soundness.** The splice equals the whole render for a template whose output for a
-conversation's tail does not depend on how many messages lie before the window, nor do
-earlier messages render differently because messages were appended. No check on one pair
-of texts can prove that of arbitrary template code, so it is established by checking, per
-template and per kind of extension (tool turns, which add only assistant and tool messages,
-versus extensions that add a user or other message):
+**Soundness.** Checked on every request: the kept rendering's messages are, byte for
+byte, the first of the request's (as MessagePack, which tells ``true`` from ``1`` and
+``1`` from ``1.0`` and keeps key order, as ``tojson`` does and Python's ``==`` does not),
+with the same tools and template arguments; the edit between the windows falls at the end
+of the kept text. What makes the splice equal to the whole render is a property of the
+template: the rendering of a conversation's last messages does not depend on what lies
+before the window beyond the system messages and the anchor, and appending messages does
+not change how earlier ones render. No check on one pair of texts proves that of arbitrary
+template code, so it is established per template and per kind of extension (tool turns,
+which add only assistant and tool messages; other extensions, which add a user message):
 
-1. a **probe**, on first use, splices every extension of one to three messages of several
-   synthetic conversations (system or not, tools or not, tool calls with arguments,
-   parallel calls, reasoning, consecutive tool results, strict user/assistant alternation)
-   and compares each with the whole render: any mismatch, or a window the template refuses
-   where the whole render passes, turns that kind off (tool turns off turns both off);
+1. a **probe**, at start-up, splices every extension by one to three messages of several
+   synthetic conversations (system or not, tools or not, tool calls, parallel calls,
+   reasoning, consecutive tool results, strict user/assistant alternation) and compares
+   each with the whole render; a mismatch turns that kind off (tool turns off, both off);
 2. a **sample** of the spliced renderings in use (one in ``SAMPLE``) is compared with the
    whole render; a mismatch turns that kind off for good, is counted and logged once.
 
-What is off renders whole, as it always did, so a template the checks reject costs what it
-cost before and is never wrong because of this module. Qwen3 (reasoning dropped before the
-last user query), Mistral (tools rendered before the last user message) and Llama 3 (tools
-in the first user message) keep tool turns incremental and render user turns whole; plain
-ChatML keeps both. The messages a kept rendering was made from are compared as MessagePack
-bytes, which tell ``true`` from ``1`` and ``1`` from ``1.0`` and keep key order, as
-``tojson`` would (Python's ``==`` does neither), at memory speed.
+What is off renders whole, as before, and so does a request whose window the template
+refuses. Qwen3 (reasoning dropped before the last user query) splices tool turns and
+renders user turns whole; ChatML, Llama 3.1 (tools in the first user message) and Mistral
+(tools before the last user message: the anchor) splice both. A template that passes the
+probe yet depends on the whole conversation in a way no probe conversation shows (on how
+many messages there are, say) splices wrongly until a sample catches it: the checks make
+that unlikely, not impossible. A wrong rendering costs routing quality for that request
+(its blocks and hit estimate), never a wrong answer: the engine renders the request itself.
 """
 
 from __future__ import annotations
