@@ -92,8 +92,8 @@ CASES = [
     ("smollm2", None, {"tools": True, "any": True}),
     ("qwen3", TOOLS, {"tools": True, "any": False}),
     ("llama3.1", TOOLS, {"tools": True, "any": True}),
-    # Tools move to the last user message: the anchor, inside the window.
-    ("mistral_tools", TOOLS, {"tools": True, "any": True}),
+    # Tools go before every user message equal to the last one, wherever it is.
+    ("mistral_tools", TOOLS, {"tools": True, "any": False}),
 ]
 
 
@@ -196,14 +196,14 @@ def test_a_sampled_mismatch_turns_splicing_off_for_good(
     # Every user tag starred once the conversation is longer than any probe's and than
     # any window: the probe cannot see it, the sampled comparison does.
     late = (
-        "{% set long = messages | length > 20 %}"
+        "{% set long = messages | length > 90 %}"
         "{% for m in messages %}<{{ m.role }}{{ '*' if long and m.role == 'user' else '' }}>"
         "{{ m.content }}</{{ m.role }}>{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     monkeypatch.setattr(template_splice, "SAMPLE", 1)
     spliced = ChatTemplate(late)
-    for messages in requests(agent_session(14)):
+    for messages in requests(agent_session(48)):
         body = {"messages": messages}
         same(
             analyze_request(body, "chat", TOKENIZER, 4, spliced),
@@ -252,37 +252,59 @@ def test_equal_numbers_of_another_type_or_key_order_are_another_conversation() -
     )
 
 
-ROLES = st.sampled_from(["user", "assistant", "tool", "assistant-call"])
 # Texts that collide with markup and with each other, to trip the content search.
-TEXTS = st.sampled_from(["", "x", "<|im_end|>", "user", "\n", "<tool_response>a</tool_response>"])
+TEXTS = st.one_of(
+    st.sampled_from(["", "x", "<|im_end|>", "user", "\n", "<tool_response>a</tool_response>"]),
+    st.text(max_size=12),
+)
 
 
 @st.composite
-def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
+def conversations(draw: st.DrawFn) -> list[list[dict[str, Any]]]:
+    """A conversation as the requests of its session: steps of tool turns (one or two
+    results), user messages and plain answers, a request after any step."""
     messages: list[dict[str, Any]] = []
     if draw(st.booleans()):
         messages.append({"role": "system", "content": draw(TEXTS)})
-    for i in range(draw(st.integers(2, 24))):
-        role = draw(ROLES)
-        text = draw(st.one_of(TEXTS, st.text(max_size=12)))
-        if role == "assistant-call":
-            messages.append({"role": "assistant", "content": text, "tool_calls": [call(i)]})
+    messages.append({"role": "user", "content": draw(TEXTS)})
+    requests = [list(messages)]
+    for i in range(draw(st.integers(1, 14))):
+        step = draw(st.sampled_from(["tool", "tool", "tools", "user", "answer"]))
+        if step == "user":
+            messages.append({"role": "user", "content": draw(TEXTS)})
+        elif step == "answer":
+            messages.append({"role": "assistant", "content": draw(TEXTS)})
         else:
-            messages.append({"role": role, "content": text})
-    return messages
+            calls = [call(i)] if step == "tool" else [call(i), call(100 + i)]
+            messages.append({"role": "assistant", "content": draw(TEXTS), "tool_calls": calls})
+            messages += [{"role": "tool", "content": draw(TEXTS)} for _ in calls]
+        if draw(st.booleans()):
+            requests.append(list(messages))
+    return requests
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(messages=conversations(), cuts=st.lists(st.integers(1, 24), max_size=6))
+SHARED: dict[str, ChatTemplate] = {}
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama3.1", "mistral_tools"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(session=conversations())
 def test_any_conversation_splices_as_it_renders_whole(
-    name: str, messages: list[dict[str, Any]], cuts: list[int]
+    name: str, session: list[list[dict[str, Any]]]
 ) -> None:
-    spliced = template(name)
+    # One template across examples, as a router keeps it: what it kept of other
+    # conversations must not matter.
+    spliced = SHARED.setdefault(name, template(name))
     memo = BlockMemo(TOKENIZER, 4)
-    for n in sorted({min(c, len(messages)) for c in cuts} | {len(messages)}):
-        body = {"messages": messages[:n], "tools": TOOLS}
-        same(analyze_request(body, "chat", TOKENIZER, 4, spliced, memo), whole(name, body))
+    for messages in session:
+        body = {"messages": messages, "tools": TOOLS}
+        try:
+            expected = whole(name, body)
+        except RequestError:  # Llama 3.1 refuses parallel tool calls: so must the splice
+            with pytest.raises(RequestError):
+                analyze_request(body, "chat", TOKENIZER, 4, spliced, memo)
+            continue
+        same(analyze_request(body, "chat", TOKENIZER, 4, spliced, memo), expected)
 
 
 SMOLLM2 = Path("~/.cache/smetric/engines/smollm2-135m-instruct").expanduser()

@@ -69,6 +69,7 @@ from smetric.core.template_splice import (
     common_prefix_length,
     identify,
     kept_of,
+    kind_of,
     probe,
     splice,
 )
@@ -338,17 +339,27 @@ class ChatTemplate:
     ) -> tuple[Rendering, Kept | None]:
         """The whole render, and what to keep of it for follow-ups (given ``request``)."""
         full = self._render(messages, True, context)
-        history_end = 0
+        history_end, history_tail = 0, ""
         if last >= 0:
             history = self._render(messages[: last + 1], False, context)
             history_end = common_prefix_length(history, full)
+            history_tail = history[history_end:]
         ends, lost = _content_ends(full, messages)
         signature, turns = _like_the_history_end(full, messages, ends, history_end)
         rendering = _cut(full, ends, turns, history_end)
         if request is None:
             return rendering, None
         made = kept_of(
-            request, len(messages), full, ends, lost, signature, turns, history_end, rendering
+            request,
+            len(messages),
+            full,
+            ends,
+            lost,
+            signature,
+            turns,
+            history_end,
+            history_tail,
+            rendering,
         )
         return rendering, made
 
@@ -362,8 +373,7 @@ class ChatTemplate:
     ) -> tuple[Rendering, Kept] | None:
         """The rendering of a follow-up of ``kept``'s conversation, spliced onto it where
         the template allows (probed once, sampled since), else None."""
-        added = messages[kept.count :]
-        kind: Kind = "tools" if all(m["role"] in ("assistant", "tool") for m in added) else "any"
+        kind = kind_of(messages[kept.count :])
         splicer = self.splicer
         if not splicer.allowed(kind, self._probe):
             return None
@@ -385,7 +395,15 @@ class ChatTemplate:
             if whole != rendering:
                 splicer.refute(kind)
                 return None
-        made = kept_of(request, len(messages), spliced.text, *cuts, spliced.history_end, rendering)
+        made = kept_of(
+            request,
+            len(messages),
+            spliced.text,
+            *cuts,
+            spliced.history_end,
+            spliced.history_tail,
+            rendering,
+        )
         return rendering, made
 
     def _probe(self) -> dict[Kind, bool]:

@@ -37,9 +37,9 @@ which add only assistant and tool messages; other extensions, which add a user m
    whole render; a mismatch turns that kind off for good, is counted and logged once.
 
 What is off renders whole, as before, and so does a request whose window the template
-refuses. Qwen3 (reasoning dropped before the last user query) splices tool turns and
-renders user turns whole; ChatML, Llama 3.1 (tools in the first user message) and Mistral
-(tools before the last user message: the anchor) splice both. A template that passes the
+refuses. Qwen3 (reasoning dropped before the last user query) and Mistral (tools before
+every user message equal to the last one) splice tool turns and render user turns whole;
+ChatML and Llama 3.1 (tools in the first user message) splice both. A template that passes the
 probe yet depends on the whole conversation in a way no probe conversation shows (on how
 many messages there are, say) splices wrongly until a sample catches it: the checks make
 that unlikely, not impossible. A wrong rendering costs routing quality for that request
@@ -93,7 +93,8 @@ class Kept:
     each message's content ends in ``text`` and the first one not found there, as
     ``conversation._content_ends`` gives them; ``signature`` and ``turns``: the markup
     around the history end and where else it was found (``_like_the_history_end``).
-    ``rendering``: the segments made of it,
+    ``history_tail``: the history's rendering after ``history_end``, where it parts from
+    ``text``. ``rendering``: the segments made of it,
     whose strings a follow-up reuses (the block memo finds them by identity).
     """
 
@@ -106,6 +107,7 @@ class Kept:
     signature: str
     turns: list[int]
     history_end: int
+    history_tail: str
     rendering: Any
     nbytes: int
 
@@ -113,13 +115,14 @@ class Kept:
 @dataclass(frozen=True, slots=True)
 class Spliced:
     """A follow-up's rendering from a kept one: ``text`` equals ``kept.text`` up to
-    ``shared``; ``history_end`` as the whole render would find it."""
+    ``shared``; ``history_end`` as the whole render would find it, and the history's
+    rendering after it."""
 
     kept: Kept
     text: str
     shared: int
     history_end: int
-    kind: Kind
+    history_tail: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,11 @@ def identify(messages: Sequence[Message], context: object) -> Request | None:
     return Request(context_bytes, items, xxhash.xxh3_64_intdigest(context_bytes + first))
 
 
+def kind_of(added: Sequence[Message]) -> Kind:
+    """The kind of an extension: tool turns add only assistant and tool messages."""
+    return "tools" if all(m["role"] in ("assistant", "tool") for m in added) else "any"
+
+
 def _array_header(count: int) -> int:
     """Bytes of MessagePack's header for an array of ``count`` items."""
     return 1 if count < 16 else 3 if count < 1 << 16 else 5
@@ -164,15 +172,14 @@ def common_prefix_length(a: _Sliced, b: _Sliced) -> int:
     return low
 
 
-def window(messages: Sequence[Message], previous: int, last_assistant: int) -> list[int] | None:
-    """The indices of the messages the splice renders (see the module's docstring), or None
-    where the window would be (nearly) the whole conversation anyway."""
+def window(messages: Sequence[Message], previous: int, start: int) -> tuple[list[int], int] | None:
+    """The indices of the messages the splice renders (see the module's docstring), starting
+    at or before ``start``, and how many of them come before it (the system messages and the
+    anchor); None where the window would be (nearly) the whole conversation anyway."""
     heads = 0
     while heads < len(messages) and messages[heads]["role"] == "system":
         heads += 1
-    start = previous - _LOOKBACK
-    if last_assistant >= 0:
-        start = min(start, last_assistant)
+    start = min(start, previous - _LOOKBACK)
     while start > heads:
         anchor = next(
             (i for i in range(start - 1, heads - 1, -1) if messages[i]["role"] == "user"), None
@@ -183,11 +190,8 @@ def window(messages: Sequence[Message], previous: int, last_assistant: int) -> l
             continue
         if start == first or len(messages) - start + first > _MAX_WINDOW:
             return None  # the whole conversation, or most of a long one
-        return [
-            *range(heads),
-            *([anchor] if anchor is not None else []),
-            *range(start, len(messages)),
-        ]
+        before = [*range(heads), *([anchor] if anchor is not None else [])]
+        return [*before, *range(start, len(messages))], len(before)
     return None
 
 
@@ -195,43 +199,91 @@ def splice(
     render: Render, messages: Sequence[Message], kept: Kept, last_assistant: int
 ) -> Spliced | None:
     """The rendering of ``messages`` (which extend ``kept``'s) as an edit of ``kept.text``,
-    or None where no window fits or the old window's remainder does not end the kept text.
-    ``render``'s refusals propagate."""
-    indices = window(messages, kept.count, last_assistant)
-    if indices is None:
+    or None where no window fits or a window does not reproduce the end of the kept
+    renderings. ``render``'s refusals propagate.
+
+    Each window of the previous messages must end as the kept rendering does from the
+    first content after its context (the system messages and the anchor) on: the full
+    prompt's window as ``kept.text`` and the history's as the kept history, which is where
+    a window missing something the template reads of earlier messages (the user message
+    it counts reasoning from, say) shows.
+    """
+    prior = _last_assistant(messages, kept.count)
+    # Both histories' last assistant messages lie in the window.
+    start = min((i for i in (last_assistant, prior) if i >= 0), default=kept.count)
+    found = window(messages, kept.count, start)
+    if found is None:
         return None
+    indices, before = found
+    context = [messages[i] for i in indices[:before]]
+    shown = [messages[i] for i in indices[before:] if i < kept.count]
     old = render([messages[i] for i in indices if i < kept.count], True)
     new = render([messages[i] for i in indices], True)
-    edit = _edit_at(kept.text, old, new)
+    reach = _reach(old, context, shown)
+    edit = _edit_at(kept.text, old, new, reach)
     if edit is None:
         return None
     shared, common = edit
     text = kept.text[:shared] + new[common:]
-    history_end = 0
+    if prior >= 0:
+        old_history = render([messages[i] for i in indices if i <= prior], False)
+        if not _ends_history(kept, old_history[_reach(old_history, context, shown) :]):
+            return None
+    history_end, history_tail = 0, ""
     if last_assistant >= 0:
         history = render([messages[i] for i in indices if i <= last_assistant], False)
-        edit = _edit_at(kept.text, old, history)
+        edit = _edit_at(kept.text, old, history, reach)
         if edit is None:
             return None
         upto, common = edit
         start = min(shared, upto)
         tail = kept.text[start:upto] + history[common:]
         history_end = start + common_prefix_length(tail, text[start:])
-    kind: Kind = (
-        "tools"
-        if all(m["role"] in ("assistant", "tool") for m in messages[kept.count :])
-        else "any"
-    )
-    return Spliced(kept, text, shared, history_end, kind)
+        history_tail = tail[history_end - start :]
+    return Spliced(kept, text, shared, history_end, history_tail)
 
 
-def _edit_at(text: str, old: str, new: str) -> tuple[int, int] | None:
+def _last_assistant(messages: Sequence[Message], count: int) -> int:
+    """The index of the last assistant message among the first ``count``, -1 without one."""
+    return next((i for i in range(count - 1, -1, -1) if messages[i]["role"] == "assistant"), -1)
+
+
+def _reach(text: str, context: Sequence[Message], rest: Sequence[Message]) -> int:
+    """Where in a window's ``text`` the first content of ``rest`` starts (after the contents
+    of its ``context`` messages, found in order), from which on the window renders as
+    the whole conversation does; the message's opening markup may differ, since it can
+    depend on the message before it, which the window replaces by its context."""
+    reach = 0
+    for message in context:
+        content = message["content"]
+        at = text.find(content, reach) if content else -1
+        if at >= 0:
+            reach = at + len(content)
+    for message in rest:
+        content = message["content"]
+        at = text.find(content, reach) if content else -1
+        if at >= 0:
+            return at
+    return len(text)
+
+
+def _edit_at(text: str, old: str, new: str, reach: int) -> tuple[int, int] | None:
     """Where the edit from window text ``old`` to ``new`` begins in ``text`` and in the
-    windows; None where ``old``'s changed remainder does not end ``text``."""
+    windows; None where ``text`` does not end with ``old`` from ``reach`` (or from where
+    the windows part, if earlier)."""
     common = common_prefix_length(old, new)
-    if not text.endswith(old[common:]):
+    if not text.endswith(old[min(common, reach) :]):
         return None
     return len(text) - (len(old) - common), common
+
+
+def _ends_history(kept: Kept, suffix: str) -> bool:
+    """Whether the kept conversation's history rendering ends with ``suffix``."""
+    tail = kept.history_tail
+    if len(suffix) <= len(tail):
+        return tail.endswith(suffix)
+    head = suffix[: len(suffix) - len(tail)]
+    return suffix.endswith(tail) and kept.text.startswith(head, kept.history_end - len(head))
 
 
 class TemplateSplicer:
@@ -332,11 +384,13 @@ def kept_of(
     signature: str,
     turns: list[int],
     history_end: int,
+    history_tail: str,
     rendering: Any,
 ) -> Kept:
     """A rendering to keep, with what it costs in memory."""
     nbytes = (
         sys.getsizeof(text)
+        + sys.getsizeof(history_tail)
         + len(request.items)
         + len(request.context)
         + 8 * (len(ends) + len(turns))
@@ -353,6 +407,7 @@ def kept_of(
         signature,
         turns,
         history_end,
+        history_tail,
         rendering,
         nbytes,
     )
@@ -367,8 +422,9 @@ def _call(i: int) -> dict[str, Any]:
     }
 
 
-def _probe_conversations() -> list[tuple[list[Any] | None, list[dict[str, Any]]]]:
-    """Synthetic conversations (with their tools) in the shapes agents and chats send."""
+def _probe_conversations() -> list[tuple[list[Any] | None, list[dict[str, Any]], int]]:
+    """Synthetic conversations in the shapes agents and chats send, with their tools and
+    the first length to extend from."""
     tools = [
         {
             "type": "function",
@@ -421,11 +477,25 @@ def _probe_conversations() -> list[tuple[list[Any] | None, list[dict[str, Any]]]
         {"role": "assistant", "content": "6."},
         {"role": "user", "content": "Bye."},
     ]
+    # A user repeating earlier words: templates that find the last user message by
+    # equality (Mistral's) mark every message equal to it, out of any window.
+    said = ["Go on.", "Why?", "Stop.", "Again."]
     plain = [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Message {i}."}
-        for i in range(9)
+        {"role": "user", "content": said[i // 2 % 4]}
+        if i % 2 == 0
+        else {"role": "assistant", "content": f"Message {i}."}
+        for i in range(17)
     ]
-    return [(tools, agent), (tools, parallel), (None, chat), (None, plain)]
+    # Longer than a window many times over, extended only at its end: templates that
+    # change with the conversation's length show here.
+    long = agent[:2] + [dict(m) for _ in range(12) for m in agent[2:8]] + agent[8:]
+    return [
+        (tools, agent, 1),
+        (tools, parallel, 1),
+        (None, chat, 1),
+        (tools, plain, 1),
+        (tools, long, len(long) - 6),
+    ]
 
 
 def probe(
@@ -435,15 +505,12 @@ def probe(
     first ``previous`` of ``messages`` to all of them and says whether that equals the whole
     render (None: no evidence, as where either render is refused or no window fits)."""
     allowed: dict[Kind, bool] = {"tools": True, "any": True}
-    for tools, messages in _probe_conversations():
-        for previous in range(1, len(messages)):
+    for tools, messages, first in _probe_conversations():
+        for previous in range(first, len(messages)):
             for added in (1, 2, 3):
                 if previous + added > len(messages):
                     break
-                new = messages[previous : previous + added]
-                kind: Kind = (
-                    "tools" if all(m["role"] in ("assistant", "tool") for m in new) else "any"
-                )
+                kind = kind_of(messages[previous : previous + added])
                 if check(tools, messages[: previous + added], previous) is False:
                     allowed[kind] = False
                     if kind == "tools":
