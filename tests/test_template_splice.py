@@ -88,29 +88,32 @@ def whole(name: str, body: dict[str, Any]) -> RequestFacts:
 
 
 CASES = [
-    # name, tools, verdict: which kinds of extension the probe lets splice
-    ("smollm2", None, {"tools": True, "any": True}),
-    ("qwen3", TOOLS, {"tools": True, "any": False}),
-    ("llama3.1", TOOLS, {"tools": True, "any": True}),
-    # Tools go before every user message equal to the last one, wherever it is.
-    ("mistral_tools", TOOLS, {"tools": True, "any": False}),
+    # name, tools, verdict (which kinds of extension the probe lets splice), and how many
+    # of the session's 10 requests splice at least (the first are too short for a window)
+    ("smollm2", None, {"tools": True, "any": True}, 6),
+    ("qwen3", TOOLS, {"tools": True, "any": False}, 5),
+    ("llama3.1", TOOLS, {"tools": True, "any": True}, 6),
+    # Tools go before every user message equal to the last one, wherever it is; an
+    # assistant message without content leaves the window's check no content to start
+    # from, and the anchor's closing markup is not a tool result's.
+    ("mistral_tools", TOOLS, {"tools": True, "any": False}, 2),
 ]
 
 
-@pytest.mark.parametrize(("name", "tools", "verdict"), CASES)
+@pytest.mark.parametrize(("name", "tools", "verdict", "spliced"), CASES)
 def test_agent_sessions_splice_turn_by_turn_as_the_whole_render(
-    name: str, tools: list[Any] | None, verdict: dict[str, bool]
+    name: str, tools: list[Any] | None, verdict: dict[str, bool], spliced: int
 ) -> None:
-    spliced = template(name)
+    chat = template(name)
     memo = BlockMemo(TOKENIZER, 4)
     for messages in requests(agent_session(8)):
         body = {"messages": messages, "tools": tools}
-        same(analyze_request(body, "chat", TOKENIZER, 4, spliced, memo), whole(name, body))
+        same(analyze_request(body, "chat", TOKENIZER, 4, chat, memo), whole(name, body))
         # A retry of the same request is the kept rendering itself.
-        same(analyze_request(body, "chat", TOKENIZER, 4, spliced, memo), whole(name, body))
-    assert spliced.splicer._allowed == verdict
-    assert spliced.splicer.spliced >= 4
-    assert spliced.splicer.mismatches == 0
+        same(analyze_request(body, "chat", TOKENIZER, 4, chat, memo), whole(name, body))
+    assert chat.splicer._allowed == verdict
+    assert chat.splicer.spliced >= spliced
+    assert chat.splicer.mismatches == 0
 
 
 def test_a_system_prompt_kwargs_and_anthropic_bodies_splice_exactly() -> None:
@@ -159,7 +162,7 @@ def test_a_template_rendering_earlier_turns_anew_is_caught_by_the_probe() -> Non
         "{% endif %}{% endfor %}"
         "{%- for m in messages %}<{{ m.role }}>"
         "{%- if m.role == 'assistant' and loop.index0 > ns.last %}"
-        "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}<end>{% endfor %}"
         "{%- if add_generation_prompt %}<assistant>{% endif %}"
     )
     spliced = ChatTemplate(dropping)
@@ -177,7 +180,7 @@ def test_a_template_whose_window_is_not_the_kept_texts_end_renders_whole() -> No
     # The count heads the text, so no window's text ends the kept one: nothing splices.
     counting = (
         "{{ messages | length }} messages\n"
-        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}<end>{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     spliced = ChatTemplate(counting)
@@ -194,11 +197,12 @@ def test_a_sampled_mismatch_turns_splicing_off_for_good(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Every user tag starred once the conversation is longer than any probe's and than
-    # any window: the probe cannot see it, the sampled comparison does.
+    # any window: neither the probe nor the windows' checks can see it when the
+    # conversation crosses the line, the sampled comparison does.
     late = (
         "{% set long = messages | length > 90 %}"
         "{% for m in messages %}<{{ m.role }}{{ '*' if long and m.role == 'user' else '' }}>"
-        "{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "{{ m.content }}<end>{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     monkeypatch.setattr(template_splice, "SAMPLE", 1)

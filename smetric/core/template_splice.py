@@ -75,7 +75,7 @@ Render = Callable[[Sequence[Message], bool], str]
 SAMPLE = 128
 # Messages of the previous request the window takes again, so that a template looking a
 # few messages back or ahead (Qwen's consecutive tool results) sees them in both windows.
-_LOOKBACK = 4
+_LOOKBACK = 2
 # A window longer than this is not worth it: the conversation renders whole.
 _MAX_WINDOW = 64
 # Entries per bucket (conversations opening alike), most recent first.
@@ -202,24 +202,27 @@ def splice(
     or None where no window fits or a window does not reproduce the end of the kept
     renderings. ``render``'s refusals propagate.
 
-    Each window of the previous messages must end as the kept rendering does from the
-    first content after its context (the system messages and the anchor) on: the full
+    Each window of the previous messages must end as the kept rendering does from the end
+    of the content of its first message after the context (the system messages and the
+    anchor) on: the full
     prompt's window as ``kept.text`` and the history's as the kept history, which is where
     a window missing something the template reads of earlier messages (the user message
     it counts reasoning from, say) shows.
     """
     prior = _last_assistant(messages, kept.count)
-    # Both histories' last assistant messages lie in the window.
+    # Both histories' last assistant messages lie in the window, after its first message.
     start = min((i for i in (last_assistant, prior) if i >= 0), default=kept.count)
-    found = window(messages, kept.count, start)
+    found = window(messages, kept.count, start - 1)
     if found is None:
         return None
     indices, before = found
-    context = [messages[i] for i in indices[:before]]
-    shown = [messages[i] for i in indices[before:] if i < kept.count]
+    # The anchor, not the system messages: a long system prompt would cost a search per
+    # window, and starting early only makes the checks stricter.
+    context = [messages[i] for i in indices[:before] if messages[i]["role"] != "system"]
+    first = messages[indices[before]] if indices[before] < kept.count else None
     old = render([messages[i] for i in indices if i < kept.count], True)
     new = render([messages[i] for i in indices], True)
-    reach = _reach(old, context, shown)
+    reach = _reach(old, context, first)
     edit = _edit_at(kept.text, old, new, reach)
     if edit is None:
         return None
@@ -227,7 +230,7 @@ def splice(
     text = kept.text[:shared] + new[common:]
     if prior >= 0:
         old_history = render([messages[i] for i in indices if i <= prior], False)
-        if not _ends_history(kept, old_history[_reach(old_history, context, shown) :]):
+        if not _ends_history(kept, old_history[_reach(old_history, context, first) :]):
             return None
     history_end, history_tail = 0, ""
     if last_assistant >= 0:
@@ -248,23 +251,22 @@ def _last_assistant(messages: Sequence[Message], count: int) -> int:
     return next((i for i in range(count - 1, -1, -1) if messages[i]["role"] == "assistant"), -1)
 
 
-def _reach(text: str, context: Sequence[Message], rest: Sequence[Message]) -> int:
-    """Where in a window's ``text`` the first content of ``rest`` starts (after the contents
-    of its ``context`` messages, found in order), from which on the window renders as
-    the whole conversation does; the message's opening markup may differ, since it can
-    depend on the message before it, which the window replaces by its context."""
+def _reach(text: str, context: Sequence[Message], first: Message | None) -> int:
+    """Where in a window's ``text`` the content of its ``first`` message after the context
+    ends (searched after the contents of ``context``), from which on the window must
+    render as the whole conversation does. That message renders as the window's first,
+    after the context rather than after its own predecessor, so its opening markup and
+    whatever a template puts before the content may differ; what follows may not. Without
+    a content to find, where the context's contents end (so that message is checked too)."""
     reach = 0
     for message in context:
         content = message["content"]
         at = text.find(content, reach) if content else -1
         if at >= 0:
             reach = at + len(content)
-    for message in rest:
-        content = message["content"]
-        at = text.find(content, reach) if content else -1
-        if at >= 0:
-            return at
-    return len(text)
+    content = first["content"] if first is not None else ""
+    at = text.find(content, reach) if content else -1
+    return at + len(content) if at >= 0 else reach
 
 
 def _edit_at(text: str, old: str, new: str, reach: int) -> tuple[int, int] | None:
