@@ -8,41 +8,46 @@ turn earlier. ``TemplateSplicer`` keeps the last rendering of each conversation 
 
 - a **window** of the messages is rendered as the previous request had them and as they
   are now: the leading system messages, the last user message before the window's start
-  (an anchor: templates such as Qwen3's and Mistral's treat the last user query apart) and
-  the last few messages of the previous request onwards, the window's first message at
-  the same index parity as in the conversation (templates that check alternation compare
+  (an anchor: templates such as Qwen3's and Mistral's treat the last user query apart)
+  and the messages from one before the last assistant message of either request (and at
+  least two of the previous request) onwards, the window's first message at the same
+  index parity as in the conversation (templates that check alternation compare
   ``loop.index0 % 2``);
-- where the two window texts part, the old one's remainder must end the kept rendering
-  (checked); the new rendering is the kept one up to there followed by the new window's
-  remainder. The history (up to the last assistant message, without the generation
-  prompt) is spliced the same way from a third window render, so no render reads the
-  whole conversation.
+- where the two window texts part, the kept rendering is cut and the new window's
+  remainder appended. The history (up to the last assistant message, without the
+  generation prompt) is spliced the same way from a window render of its own, so no
+  render reads the whole conversation.
 
 **Soundness.** Checked on every request: the kept rendering's messages are, byte for
 byte, the first of the request's (as MessagePack, which tells ``true`` from ``1`` and
 ``1`` from ``1.0`` and keeps key order, as ``tojson`` does and Python's ``==`` does not),
-with the same tools and template arguments; the edit between the windows falls at the end
-of the kept text. What makes the splice equal to the whole render is a property of the
-template: the rendering of a conversation's last messages does not depend on what lies
-before the window beyond the system messages and the anchor, and appending messages does
-not change how earlier ones render. No check on one pair of texts proves that of arbitrary
-template code, so it is established per template and per kind of extension (tool turns,
-which add only assistant and tool messages; other extensions, which add a user message):
+with the same tools and template arguments; and the windows of the previous messages
+reproduce the kept renderings, the full prompt's and the history's, from the end of the
+window's first message's content on (everything after the context the window replaced),
+so a window missing something the template reads of earlier messages shows there (the
+user message Qwen3 counts reasoning from, for one). What remains assumed is that the new
+messages render in the window as in the whole conversation, and that appending them does
+not change how messages before the window render. No check on a pair of texts proves
+that of arbitrary template code, so it is established per template and per kind of
+extension (tool turns, which add only assistant and tool messages; other extensions,
+which add a user message):
 
 1. a **probe**, at start-up, splices every extension by one to three messages of several
    synthetic conversations (system or not, tools or not, tool calls, parallel calls,
-   reasoning, consecutive tool results, strict user/assistant alternation) and compares
-   each with the whole render; a mismatch turns that kind off (tool turns off, both off);
+   reasoning, consecutive tool results, strict user/assistant alternation, a user
+   repeating earlier words, one long conversation) and compares each with the whole
+   render; a mismatch turns that kind off (tool turns off, both off);
 2. a **sample** of the spliced renderings in use (one in ``SAMPLE``) is compared with the
    whole render; a mismatch turns that kind off for good, is counted and logged once.
 
 What is off renders whole, as before, and so does a request whose window the template
-refuses. Qwen3 (reasoning dropped before the last user query) and Mistral (tools before
-every user message equal to the last one) splice tool turns and render user turns whole;
-ChatML and Llama 3.1 (tools in the first user message) splice both. A template that passes the
-probe yet depends on the whole conversation in a way no probe conversation shows (on how
-many messages there are, say) splices wrongly until a sample catches it: the checks make
-that unlikely, not impossible. A wrong rendering costs routing quality for that request
+refuses or whose checks fail. Qwen3 (reasoning dropped before the last user query) and
+Mistral (tools before every user message equal to the last one) splice tool turns and
+render user turns whole; ChatML and Llama 3.1 (tools in the first user message) splice
+both. A template that passes the probe yet depends on the whole conversation in a way no
+probe conversation and no window shows (a line crossed at some number of messages, say)
+splices wrongly until a sample catches it: the checks make that unlikely, not
+impossible. A wrong rendering costs routing quality for that request
 (its blocks and hit estimate), never a wrong answer: the engine renders the request itself.
 """
 
