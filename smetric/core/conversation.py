@@ -63,6 +63,7 @@ from smetric.core.responses_api import responses_instructions, responses_message
 from smetric.core.template_splice import (
     Kept,
     Kind,
+    Render,
     Request,
     Spliced,
     TemplateSplicer,
@@ -378,13 +379,8 @@ class ChatTemplate:
         if not splicer.allowed(kind, self._probe):
             return None
 
-        def render(window: Sequence[Message], add_generation_prompt: bool) -> str:
-            return self._template.render(
-                context, messages=window, add_generation_prompt=add_generation_prompt
-            )
-
         try:
-            spliced = splice(render, messages, kept, last)
+            spliced = splice(self._windows(context), messages, kept, last)
         except Exception:
             return None  # a window the template refuses: the whole render decides
         if spliced is None:
@@ -423,14 +419,7 @@ class ChatTemplate:
                 return None
             assert made is not None
             try:
-                spliced = splice(
-                    lambda window, add: self._template.render(
-                        here, messages=window, add_generation_prompt=add
-                    ),
-                    messages,
-                    made,
-                    _last_assistant(messages),
-                )
+                spliced = splice(self._windows(here), messages, made, _last_assistant(messages))
             except Exception:
                 return None
             if spliced is None:
@@ -438,6 +427,16 @@ class ChatTemplate:
             return _spliced_rendering(spliced, messages)[0] == whole
 
         return probe(check)
+
+    def _windows(self, context: dict[str, Any]) -> Render:
+        """What renders a splice's windows: the template as it is, its refusals raised."""
+
+        def render(window: Sequence[Message], add_generation_prompt: bool) -> str:
+            return self._template.render(
+                context, messages=window, add_generation_prompt=add_generation_prompt
+            )
+
+        return render
 
     def _render(
         self, messages: Sequence[Message], add_generation_prompt: bool, context: dict[str, Any]
