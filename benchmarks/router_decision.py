@@ -4,17 +4,20 @@
 
 In process, no HTTP; each body read as ``smetric serve`` reads it (``core.envelope``: with
 the generic rendering, from its envelope and the prefixes kept of earlier bodies; with a
-chat template, decoded and analysed whole). For each tokenizer (bytes; a Hugging Face one,
-given or SmolLM2's when the real-engine setup left it in ~/.cache/smetric, with the generic
-rendering and with the model's chat template) and prompt size, one agent session
-(``agent_bodies``) is decided turn by turn as the router decides it:
+chat template, decoded whole, a follow-up's last messages rendered and spliced onto the
+rendering kept of its previous turn, ``core.template_splice``). For each tokenizer (bytes;
+a Hugging Face one, given or SmolLM2's when the real-engine setup left it in
+~/.cache/smetric, with the generic rendering and with the model's chat template) and
+prompt size, one agent session (``agent_bodies``) is decided turn by turn as the router
+decides it:
 
 - *cold*: the last, largest request with an empty memo (a conversation the router has
-  never seen, or a replica that just started);
+  never seen, or a replica that just started; a chat template keeping no renderings);
 - *follow-up*: the last 20 turns, each after the router decided every earlier turn (so the
   memo holds the history, the earlier body's prefix is kept, and one engine's index holds
   the previous prompt);
-- *uncached*: the same follow-ups decoded and analysed whole with the memo off, which is
+- *uncached*: the same follow-ups decoded and analysed whole with the memo off (and a
+  chat template that keeps no renderings, so it renders the whole conversation), which is
   what every request cost before the memo (with the faster hash already);
 - *new*: tokenising only the messages a follow-up adds, which no cache can spare;
 - *route*: matching the follow-up against every engine's index and choosing (p50).
@@ -62,10 +65,12 @@ def decide(
     memo: BlockMemo | None,
     clock: Callable[[], float],
     reader: ChatReader | None = None,
+    template: ChatTemplate | None = None,
 ) -> tuple[float, RequestFacts]:
     """Seconds to decide one request (from its raw body), and its facts: read as
     ``smetric serve`` reads it (``reader``: its envelope and kept prefixes, with the
-    generic rendering), or decoded and analysed whole."""
+    generic rendering), or decoded and analysed whole (with ``template`` in place of the
+    router's, if given)."""
     started = clock()
     size = router.settings.block_size
     if reader is not None and router.template is None:
@@ -74,7 +79,8 @@ def decide(
         facts = reader.facts(read, "chat", router.tokenizer, size, memo)
     else:
         body = decode_body(raw)
-        facts = analyze_request(body, "chat", router.tokenizer, size, router.template, memo)
+        chosen = template or router.template
+        facts = analyze_request(body, "chat", router.tokenizer, size, chosen, memo)
     router.core.decide(facts, router.engines)
     return clock() - started, facts
 
@@ -93,7 +99,9 @@ def run(
     template: ChatTemplate | None,
     engines: int,
     clock: Callable[[], float],
+    whole: ChatTemplate | None = None,
 ) -> None:
+    """One row per prompt size; ``whole``: the template again, keeping nothing (uncached)."""
     sample = prose(random.Random(1), 50_000)
     ratio = len(sample) / len(tokenizer.encode(sample))
     for tokens in PROMPTS:
@@ -107,7 +115,7 @@ def run(
         )
         gc.freeze()  # as ``smetric serve`` does once started
         cold = [
-            decide(router, raws[-1], BlockMemo(tokenizer, 16), clock, ChatReader(MEMO))[0]
+            decide(router, raws[-1], BlockMemo(tokenizer, 16), clock, ChatReader(MEMO), whole)[0]
             for _ in range(10)
         ]
         memo, reader = BlockMemo(tokenizer, 16), ChatReader(MEMO)
@@ -116,7 +124,7 @@ def run(
             seconds, facts = decide(router, raw, memo, clock, reader)
             if i >= len(raws) - FOLLOW_UPS:
                 warm.append(seconds)
-                uncached.append(decide(router, raw, None, clock)[0])
+                uncached.append(decide(router, raw, None, clock, template=whole)[0])
                 fresh.append(encode_seconds(tokenizer, turns[i][len(turns[i - 1]) :], clock))
                 started = clock()
                 router.core.decide(facts, router.engines)
@@ -153,7 +161,10 @@ def main() -> None:
         tokenizer, template = make_tokenizer(spec)
         run("hf", tokenizer, None, args.engines, clock)
         if template is not None:
-            run("hf+tmpl", tokenizer, template, args.engines, clock)
+            _, whole = make_tokenizer(spec)
+            assert whole is not None
+            whole.prepare(keep_bytes=0)
+            run("hf+tmpl", tokenizer, template, args.engines, clock, whole)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,42 @@ def test_segments_cut_at_special_tokens_tokenise_as_the_whole_prompt(qwen_dir: P
     assert len(template.render(TURN_2).segments) > 3
 
 
+class Counting:
+    """A tokenizer that notes how many characters it was asked to encode."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self.tokenizer, self.name, self.chars = tokenizer, tokenizer.name, 0
+
+    def encode(self, text: str) -> list[int]:
+        self.chars += len(text)
+        return self.tokenizer.encode(text)
+
+
+def test_a_follow_up_encodes_what_it_adds_and_tokenises_as_the_whole_prompt(
+    qwen_dir: Path,
+) -> None:
+    """Turn by turn through an agent session: the segments (spliced onto the previous
+    turn's rendering, cut where earlier turns closed) still tokenise as the whole prompt,
+    and the memo leaves only the new messages to encode."""
+    tokenizer, template = load_hf_tokenizer(qwen_dir)
+    assert template is not None
+    counting = Counting(tokenizer)
+    memo = BlockMemo(counting, BS)
+    messages = list(TURN_1)
+    for i in range(8):
+        added = [
+            {"role": "assistant", "content": SENTENCES[i % 4]},
+            {"role": "tool", "content": " ".join(SENTENCES[: 1 + i % 4])},
+        ]
+        messages += added
+        before = counting.chars
+        facts = analyze_request({"messages": messages}, "chat", counting, BS, template, memo)
+        assert facts.token_ids.tolist() == tokenizer.encode(template.render(messages).text)
+        if i:  # the markup around the new messages, and their contents
+            assert counting.chars - before <= sum(len(m["content"]) + 50 for m in added)
+    assert template.splicer.spliced > 0
+
+
 def test_est_hit_counts_history_rendering(qwen_dir: Path) -> None:
     tokenizer, template = load_hf_tokenizer(qwen_dir)
     facts = analyze_request({"messages": TURN_2}, "chat", tokenizer, BS, template)

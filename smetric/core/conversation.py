@@ -41,10 +41,12 @@ memo (``core/block_memo``) skip the history a follow-up re-sends.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, cast
 
 import jinja2.ext
 import numpy as np
@@ -58,6 +60,20 @@ from smetric.core.openai_api import chat_messages, completion_prompt
 from smetric.core.parsing import Message, RequestError, digest, kind, to_json
 from smetric.core.policies import RoutingRequest
 from smetric.core.responses_api import responses_instructions, responses_messages
+from smetric.core.template_splice import (
+    Kept,
+    Kind,
+    Render,
+    Request,
+    Spliced,
+    TemplateSplicer,
+    common_prefix_length,
+    identify,
+    kept_of,
+    kind_of,
+    probe,
+    splice,
+)
 
 __all__ = ["Api", "ChatTemplate", "RequestError", "RequestFacts", "analyze_request"]
 
@@ -67,6 +83,8 @@ _GENERATION_PROMPT = "<|assistant|>\n"
 # How far past a message's content ``ChatTemplate`` looks for the next one: template markup
 # between two messages (headers, tool schemas) is far shorter.
 _MARKUP_WINDOW = 64 << 10
+# How much of the markup on each side of the history end identifies the end of a turn.
+_SIGNATURE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +263,18 @@ class ChatTemplate:
     matching. ``est_hit_tokens`` is an estimate either way, and the SMetric policy tolerates
     drift through its ``HIT_RATIO``. Message content reaches the template as plain text
     (part lists flattened), which suits text-only templates.
+
+    The text is cut after each message's content, at the history end, and wherever an
+    earlier turn closed as the history end does (``_like_the_history_end``), so a
+    follow-up's segments are the previous turn's plus its own. A follow-up of a
+    conversation rendered before renders only its last messages, spliced onto the kept
+    rendering where this template has been checked to allow it (``core.template_splice``,
+    which argues why that equals the whole render); otherwise it renders whole, as above.
     """
 
-    def __init__(self, template: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(
+        self, template: str, bos_token: str = "", eos_token: str = "", keep_bytes: int = 64 << 20
+    ) -> None:
         environment = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
@@ -257,6 +284,14 @@ class ChatTemplate:
         self._template = environment.from_string(template)
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # The renderings follow-ups are spliced onto, bounded by ``keep_bytes``.
+        self.splicer = TemplateSplicer(keep_bytes)
+
+    def prepare(self, keep_bytes: int) -> None:
+        """Bound the kept renderings by ``keep_bytes`` and probe the template now (a few
+        dozen small renders), at start-up rather than on the first follow-up."""
+        self.splicer.max_bytes = keep_bytes
+        self.splicer.allowed("tools", self._probe)
 
     def render(
         self,
@@ -268,7 +303,9 @@ class ChatTemplate:
         """The rendered prompt cut after each message's content and where the history ends.
 
         ``extra`` carries the request's ``chat_template_kwargs`` (``enable_thinking``, ...);
-        it cannot override the messages, tools or special tokens.
+        it cannot override the messages, tools or special tokens. A follow-up of a
+        conversation rendered before is spliced onto that rendering where the template
+        allows it (``core.template_splice``); the result is the same.
         """
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
@@ -278,13 +315,128 @@ class ChatTemplate:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         }
+        last = _last_assistant(messages)
+        request = identify(messages, [tools, extra])
+        kept = None if request is None else self.splicer.find(request, len(messages))
+        if kept is not None and kept.count == len(messages):
+            return cast(Rendering, kept.rendering)  # the same conversation again
+        if kept is not None:
+            assert request is not None
+            spliced = self._splice(messages, context, kept, last, request)
+            if spliced is not None:
+                self.splicer.keep(request, spliced[1], kept)
+                return spliced[0]
+        rendering, made = self._whole(messages, context, last, request)
+        if request is not None and made is not None:
+            self.splicer.keep(request, made, kept)
+        return rendering
+
+    def _whole(
+        self,
+        messages: Sequence[Message],
+        context: dict[str, Any],
+        last: int,
+        request: Request | None = None,
+    ) -> tuple[Rendering, Kept | None]:
+        """The whole render, and what to keep of it for follow-ups (given ``request``)."""
         full = self._render(messages, True, context)
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        history_end = 0
+        history_end, history_tail = 0, ""
         if last >= 0:
             history = self._render(messages[: last + 1], False, context)
-            history_end = _common_prefix_length(history, full)
-        return _cut(full, _content_ends(full, messages), history_end)
+            history_end = common_prefix_length(history, full)
+            history_tail = history[history_end:]
+        ends, lost = _content_ends(full, messages)
+        signature, turns = _like_the_history_end(full, messages, ends, history_end)
+        rendering = _cut(full, ends, turns, history_end)
+        if request is None:
+            return rendering, None
+        made = kept_of(
+            request,
+            len(messages),
+            full,
+            ends,
+            lost,
+            signature,
+            turns,
+            history_end,
+            history_tail,
+            rendering,
+        )
+        return rendering, made
+
+    def _splice(
+        self,
+        messages: Sequence[Message],
+        context: dict[str, Any],
+        kept: Kept,
+        last: int,
+        request: Request,
+    ) -> tuple[Rendering, Kept] | None:
+        """The rendering of a follow-up of ``kept``'s conversation, spliced onto it where
+        the template allows (probed once, sampled since), else None."""
+        kind = kind_of(messages[kept.count :])
+        splicer = self.splicer
+        if not splicer.allowed(kind, self._probe):
+            return None
+
+        try:
+            spliced = splice(self._windows(context), messages, kept, last)
+        except Exception:
+            return None  # a window the template refuses: the whole render decides
+        if spliced is None:
+            return None
+        rendering, cuts = _spliced_rendering(spliced, messages)
+        if splicer.sampled():
+            whole, _ = self._whole(messages, context, last)
+            if whole != rendering:
+                splicer.refute(kind)
+                return None
+        made = kept_of(
+            request,
+            len(messages),
+            spliced.text,
+            *cuts,
+            spliced.history_end,
+            spliced.history_tail,
+            rendering,
+        )
+        return rendering, made
+
+    def _probe(self) -> dict[Kind, bool]:
+        """Which kinds of extension this template splices exactly (``template_splice.probe``)."""
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+
+        def check(
+            tools: list[Any] | None, messages: list[dict[str, Any]], previous: int
+        ) -> bool | None:
+            here = {**context, "tools": tools}
+            try:
+                _, made = self._whole(
+                    messages[:previous], here, _last_assistant(messages[:previous]), _PROBE
+                )
+                whole, _ = self._whole(messages, here, _last_assistant(messages))
+            except RequestError:
+                return None
+            assert made is not None
+            try:
+                spliced = splice(self._windows(here), messages, made, _last_assistant(messages))
+            except Exception:
+                return None
+            if spliced is None:
+                return None
+            return _spliced_rendering(spliced, messages)[0] == whole
+
+        return probe(check)
+
+    def _windows(self, context: dict[str, Any]) -> Render:
+        """What renders a splice's windows: the template as it is, its refusals raised."""
+
+        def render(window: Sequence[Message], add_generation_prompt: bool) -> str:
+            return self._template.render(
+                context, messages=window, add_generation_prompt=add_generation_prompt
+            )
+
+        return render
 
     def _render(
         self, messages: Sequence[Message], add_generation_prompt: bool, context: dict[str, Any]
@@ -317,36 +469,63 @@ def _raise_exception(message: str) -> NoReturn:
     raise TemplateError(message)
 
 
-def _content_ends(text: str, messages: Sequence[Message]) -> list[int]:
+def _content_ends(
+    text: str, messages: Sequence[Message], known: Sequence[int] = ()
+) -> tuple[list[int], int]:
     """Where each message's content ends in ``text``, for those found verbatim in order.
 
     Templates put a message's closing markup (usually a special token) right after its
     content, so these are cuts a tokeniser makes anyway. A content the template changed
     (older reasoning dropped, say) must start a bounded distance ahead, and is simply not
-    a cut when missing.
+    a cut when missing. Per message, the offset the search reached after it (so a message
+    not found repeats the one before, and the list never decreases), and the index of the
+    first message with content not found (``len(messages)`` if none). ``known``: the ends
+    of the first messages, all found or empty, from a text equal to this one as far as
+    their searches read (``_spliced_rendering``).
     """
-    ends, cursor = [], 0
-    for message in messages:
-        content = message["content"]
-        if not content:
-            continue
-        # Find a short probe (memchr-fast), then compare the whole content in place: a
-        # find of the whole content preprocesses all of it on every call.
-        probe, limit = content[:64], cursor + _MARKUP_WINDOW + 64
-        at = text.find(probe, cursor, limit)
-        while at >= 0 and not text.startswith(content, at):
-            at = text.find(probe, at + 1, limit)
-        if at >= 0:
-            cursor = at + len(content)
-            ends.append(cursor)
-    return ends
+    ends = list(known)
+    cursor = ends[-1] if ends else 0
+    lost = len(messages)
+    for i in range(len(ends), len(messages)):
+        content = messages[i]["content"]
+        if content:
+            # Find a short probe (memchr-fast), then compare the whole content in place: a
+            # find of the whole content preprocesses all of it on every call.
+            probe, limit = content[:64], cursor + _MARKUP_WINDOW + 64
+            at = text.find(probe, cursor, limit)
+            while at >= 0 and not text.startswith(content, at):
+                at = text.find(probe, at + 1, limit)
+            if at >= 0:
+                cursor = at + len(content)
+            else:
+                lost = min(lost, i)
+        ends.append(cursor)
+    return ends, lost
 
 
-def _cut(text: str, ends: list[int], history_end: int) -> Rendering:
-    """``text`` cut at ``ends`` and ``history_end``, which closes the history."""
-    cuts = sorted({*ends, history_end} - {0, len(text)})
-    starts = [0, *cuts]
-    segments = [text[a:b] for a, b in zip(starts, [*cuts, len(text)], strict=True)]
+def _cut(
+    text: str,
+    ends: list[int],
+    turns: list[int],
+    history_end: int,
+    previous: Rendering | None = None,
+    shared: int = 0,
+) -> Rendering:
+    """``text`` cut at ``ends``, at ``history_end``, which closes the history, and where
+    earlier turns closed alike (``turns``, from ``_like_the_history_end``).
+
+    ``previous``, a rendering whose text equals this one for ``shared`` characters, lends
+    its leading segments as far as both cut alike there: the block memo then finds them by
+    identity, without hashing their text again.
+    """
+    cuts = sorted({*ends, *turns, history_end} - {0, len(text)})
+    starts, stops = [0, *cuts], [*cuts, len(text)]
+    lent: list[str] = []
+    if previous is not None:
+        old = list(itertools.accumulate(map(len, previous.segments)))
+        lent = previous.segments[: common_prefix_length(old[: bisect.bisect(old, shared)], stops)]
+    pairs = zip(starts[len(lent) :], stops[len(lent) :], strict=True)
+    segments = lent + [text[a:b] for a, b in pairs]
     if history_end == 0:
         return Rendering(segments, 0)
     return Rendering(
@@ -354,19 +533,81 @@ def _cut(text: str, ends: list[int], history_end: int) -> Rendering:
     )
 
 
-def _common_prefix_length(a: str, b: str) -> int:
-    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    # Invariant: a[:low] == b[:low] and a[:high] != b[:high].
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
+def _like_the_history_end(
+    text: str,
+    messages: Sequence[Message],
+    ends: list[int],
+    history_end: int,
+    kept: Kept | None = None,
+    shared: int = 0,
+) -> tuple[str, list[int]]:
+    """The markup around the history end (from the content end before it to the next
+    content's start, at most ``_SIGNATURE`` characters each side) and the offsets where
+    ``text`` reads the same way, the history end's among them.
+
+    The history end closes an assistant message and opens the next one; every earlier
+    assistant message closed alike was a request's history end when it was the last, so
+    cutting there too keeps the segments a follow-up shares with its previous turn (the
+    tool result after it, above all) the same strings, which the block memo then finds
+    instead of tokenising them again. The cut is as safe for the tokeniser as the history
+    end's own: the same characters around it. ``kept``, a rendering whose text equals this
+    one for ``shared`` characters, lends what it found there when its markup was the same.
+    """
+    if history_end in (0, len(text)):
+        return "", []
+    at = bisect.bisect_left(ends, history_end)
+    closing = text[max(ends[at - 1] if at else 0, history_end - _SIGNATURE) : history_end]
+    start = history_end + _SIGNATURE
+    for i in range(bisect.bisect_right(ends, history_end), len(ends)):
+        if ends[i] > (ends[i - 1] if i else 0):  # found: its content starts the next one
+            start = min(start, ends[i] - len(messages[i]["content"]))
+            break
+    opening = text[history_end:start]
+    if not closing or not opening:
+        return "", []
+    signature, found, at = closing + opening, [], 0
+    if kept is not None and kept.signature == signature:
+        # Occurrences ending by ``shared`` lie in the text both share.
+        limit = shared - len(signature)
+        found = kept.turns[: bisect.bisect(kept.turns, limit + len(closing))]
+        at = limit + 1
+    at = text.find(signature, max(at, 0))
+    while at >= 0:
+        found.append(at + len(closing))
+        at = text.find(signature, at + 1)
+    return signature, found
+
+
+def _spliced_rendering(
+    spliced: Spliced, messages: Sequence[Message]
+) -> tuple[Rendering, tuple[list[int], int, str, list[int]]]:
+    """A spliced text cut as the whole render cuts it, and where (``kept_of``'s ends,
+    lost, signature and turns).
+
+    A kept content end at or before ``shared`` was found by a search that read nothing
+    past it (the candidates it passed over end before it), so it stands in the spliced
+    text, which equals the kept one that far. A content not found was searched for up to
+    a window past the cursor, so the search starts again from the first such message.
+    """
+    kept, text, shared = spliced.kept, spliced.text, spliced.shared
+    known = bisect.bisect(kept.ends, shared, 0, kept.lost)
+    ends, lost = _content_ends(text, messages, kept.ends[:known])
+    signature, turns = _like_the_history_end(
+        text, messages, ends, spliced.history_end, kept, shared
+    )
+    rendering = _cut(text, ends, turns, spliced.history_end, kept.rendering, shared)
+    return rendering, (ends, lost, signature, turns)
+
+
+def _last_assistant(messages: Sequence[Message]) -> int:
+    """The index of the last assistant message, -1 without one."""
+    return next(
+        (i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), -1
+    )
+
+
+# What the probe's renderings are kept as: never looked up.
+_PROBE = Request(b"", b"", 0)
 
 
 # --- Completions and shared helpers ------------------------------------------------------

@@ -55,6 +55,9 @@ class Analyzer:
         self.memo = BlockMemo(memo_tokenizer, block_size, memo_bytes)
         # The bodies' prefixes and what each message renders to, found by their bytes.
         self.reader = ChatReader(memo_bytes)
+        if template is not None:
+            # Follow-ups are spliced onto the renderings kept of earlier turns.
+            template.prepare(memo_bytes)
 
     def max_prompt_tokens(self) -> int:
         """The configured cap, else the longest context an engine reported (0: none yet)."""
