@@ -18,7 +18,8 @@ decides it:
   the previous prompt);
 - *uncached*: the same follow-ups decoded and analysed whole with the memo off (and a
   chat template that keeps no renderings, so it renders the whole conversation), which is
-  what every request cost before the memo (with the faster hash already);
+  what every request cost before the memo (with the faster hash already), timed after
+  the follow-ups rather than between them;
 - *new*: tokenising only the messages a follow-up adds, which no cache can spare;
 - *route*: matching the follow-up against every engine's index and choosing (p50).
 
@@ -124,13 +125,17 @@ def run(
             seconds, facts = decide(router, raw, memo, clock, reader)
             if i >= len(raws) - FOLLOW_UPS:
                 warm.append(seconds)
-                uncached.append(decide(router, raw, None, clock, template=whole)[0])
                 fresh.append(encode_seconds(tokenizer, turns[i][len(turns[i - 1]) :], clock))
                 started = clock()
                 router.core.decide(facts, router.engines)
                 matching.append(clock() - started)
             router.engines[i % 2].remember(facts.blocks)
             size = facts.prompt_tokens
+        # Apart from the follow-ups: a whole analysis between two of them would leave the
+        # next one the CPU caches full of its own data, which no neighbour in a router
+        # serving follow-ups does.
+        for raw in raws[-FOLLOW_UPS:]:
+            uncached.append(decide(router, raw, None, clock, template=whole)[0])
         row = [np.percentile(x, q) * 1e3 for x in (cold, warm, uncached) for q in (50, 99)]
         print(
             f"{label:<10} {size:>8,} {len(raws[-1]) / 1e3:>7.0f}"
