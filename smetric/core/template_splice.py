@@ -294,11 +294,9 @@ def _ends_history(kept: Kept, suffix: str) -> bool:
 
 
 class TemplateSplicer:
-    """The kept renderings of one template and its verdicts; safe across threads.
-
-    ``whole`` renders a conversation whole as ``ChatTemplate`` does (text, content ends,
-    history end): the reference every splice is checked against.
-    """
+    """The kept renderings of one template, bounded in bytes, and its verdicts on which
+    kinds of extension splice exactly (probed once, refuted by a sampled whole render);
+    safe across threads."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes

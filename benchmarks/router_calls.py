@@ -1,0 +1,91 @@
+"""Python function calls per tiny request: ``smetric serve`` against the bare pass-through.
+
+    python benchmarks/router_calls.py [--duration 4]
+
+Each target runs under ``cProfile`` behind two trivial engines while ``wrk`` sends tiny
+chat bodies at 32 connections (as ``router_throughput.py`` does); on SIGTERM it writes its
+profile. Printed: the calls per request (all calls over the requests wrk counted) and,
+for the router, by where the called function lives, counting only functions called at
+least every other request so that start-up stays out. Calls are deterministic where
+timings are not, so this says what a request costs the interpreter on any machine; the
+profiler itself slows both targets alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from router_overhead import Processes, processes, wait_ready
+from router_throughput import HERE, Target, start_trivial_engine, write_script
+from router_vs_sglang import routes_chat
+
+
+def profiled(procs: Processes, out: Path, args: list[str]) -> tuple[Target, subprocess.Popen]:
+    url, proc = procs.start_listening([sys.executable, "-m", "cProfile", "-o", str(out), *args])
+    return Target(url, proc.pid), proc
+
+
+def requests_sent(target: Target, script: Path, seconds: int) -> int:
+    args = ["wrk", "-t1", "-c32", f"-d{seconds}s", "-s", str(script), target.url]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise RuntimeError(f"{target.url}: errors under load:\n{out}")
+    return int(out.split(" requests in")[0].split()[-1])
+
+
+def stop(proc: subprocess.Popen, out: Path) -> pstats.Stats:
+    proc.terminate()  # both servers end gracefully on SIGTERM, so cProfile writes
+    proc.wait(30)
+    return pstats.Stats(str(out))
+
+
+def where(filename: str) -> str:
+    if "/smetric/" in filename:
+        return "smetric"
+    if "site-packages/" in filename:
+        return filename.split("site-packages/")[1].split("/")[0].removesuffix(".py")
+    return "builtins" if filename == "~" else "standard library"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, processes() as procs:
+        folder = Path(tmp)
+        script = write_script(folder, "tiny", [])
+        urls = [start_trivial_engine(procs).url for _ in range(2)]
+        asyncio.run(wait_ready(urls))
+        engines = [arg for url in urls for arg in ("-e", url)]
+        commands = {
+            "smetric serve": ["-m", "smetric", "serve", "--log-level", "warning", *engines],
+            "pass-through": [str(HERE / "passthrough.py"), "0", "1", *urls],
+        }
+        for name, command in commands.items():
+            out = folder / f"{name}.prof"
+            if name == "smetric serve":
+                command = [*command, "--port", "0"]
+            target, proc = profiled(procs, out, command)
+            asyncio.run(routes_chat(target.url))
+            time.sleep(0.5)
+            sent = requests_sent(target, script, args.duration)
+            stats = stop(proc, out).stats  # type: ignore[attr-defined]
+            total = sum(calls for _, calls, *_ in stats.values())
+            by: collections.Counter[str] = collections.Counter()
+            for (filename, *_), (_, calls, *_) in stats.items():
+                if calls >= sent // 2:
+                    by[where(filename)] += calls
+            parts = ", ".join(f"{key} {count / sent:.0f}" for key, count in by.most_common(6))
+            print(f"{name:<14} {sent:>7,} requests  {total / sent:>6.0f} calls each  ({parts})")
+
+
+if __name__ == "__main__":
+    main()
