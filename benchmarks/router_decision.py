@@ -2,10 +2,10 @@
 
     python benchmarks/router_decision.py [--engines 16] [--tokenizer hf:/path] [--clock cpu]
 
-In process, no HTTP; each body read as ``smetric serve`` reads it (``core.envelope``: with
-the generic rendering, from its envelope and the prefixes kept of earlier bodies; with a
-chat template, decoded whole, a follow-up's last messages rendered and spliced onto the
-rendering kept of its previous turn, ``core.template_splice``). For each tokenizer (bytes;
+In process, no HTTP; each body read as ``smetric serve`` reads it (``core.envelope``: from
+its envelope and the prefixes kept of earlier bodies; with a chat template, a follow-up's
+last messages rendered and spliced onto the rendering kept of its previous turn,
+``core.template_splice``). For each tokenizer (bytes;
 a Hugging Face one, given or SmolLM2's when the real-engine setup left it in
 ~/.cache/smetric, with the generic rendering and with the model's chat template) and
 prompt size, one agent session (``agent_bodies``) is decided turn by turn as the router
@@ -70,11 +70,11 @@ def decide(
 ) -> tuple[float, RequestFacts]:
     """Seconds to decide one request (from its raw body), and its facts: read as
     ``smetric serve`` reads it (``reader``: its envelope and kept prefixes, with the
-    generic rendering), or decoded and analysed whole (with ``template`` in place of the
+    router's rendering), or decoded and analysed whole (with ``template`` in place of the
     router's, if given)."""
     started = clock()
     size = router.settings.block_size
-    if reader is not None and router.template is None:
+    if reader is not None:
         read = reader.read(raw, "chat", None)
         assert read is not None
         facts = reader.facts(read, "chat", router.tokenizer, size, memo)
@@ -116,10 +116,10 @@ def run(
         )
         gc.freeze()  # as ``smetric serve`` does once started
         cold = [
-            decide(router, raws[-1], BlockMemo(tokenizer, 16), clock, ChatReader(MEMO), whole)[0]
+            decide(router, raws[-1], BlockMemo(tokenizer, 16), clock, ChatReader(MEMO, whole))[0]
             for _ in range(10)
         ]
-        memo, reader = BlockMemo(tokenizer, 16), ChatReader(MEMO)
+        memo, reader = BlockMemo(tokenizer, 16), ChatReader(MEMO, template)
         warm, uncached, fresh, matching, size = [], [], [], [], 0
         for i, raw in enumerate(raws):
             seconds, facts = decide(router, raw, memo, clock, reader)

@@ -104,6 +104,29 @@ def test_segments_hash_as_their_encodings_concatenated(
     assert hashed.ends == (np.cumsum([len(p) for p in parts]).tolist() if segments else [0])
 
 
+@given(
+    earlier=st.lists(st.text(max_size=40), max_size=6),
+    shared=st.integers(0, 6),
+    added=st.lists(st.text(max_size=40), max_size=4),
+    block_size=st.integers(1, 8),
+)
+def test_a_known_run_lends_exactly_the_segments_a_prompt_starts_with(
+    earlier: list[str], shared: int, added: list[str], block_size: int
+) -> None:
+    """A follow-up's rendering shares the previous one's segments up to where it parts:
+    those are taken from the previous run, the rest encoded; the result is the uncached one."""
+    run = hash_segments(earlier, TOKENIZER, block_size).run(earlier)
+    segments = [*earlier[:shared], *added]
+    tokenizer = CountingTokenizer()
+    lent = hash_segments(segments, tokenizer, block_size, known=run)
+    fresh = hash_segments(segments, TOKENIZER, block_size)
+    assert lent.blocks.tolist() == fresh.blocks.tolist() and lent.ends == fresh.ends
+    assert [p.tolist() for p in lent.token_parts] == [p.tolist() for p in fresh.token_parts]
+    reused = run.leading(segments, block_size)
+    assert tokenizer.encoded == sum(map(len, segments[len(reused.segments) :]))
+    assert len(reused.segments) >= min(shared, len(earlier))
+
+
 def test_a_follow_up_encodes_only_its_new_messages() -> None:
     tokenizer = CountingTokenizer()
     memo = BlockMemo(tokenizer, 16)

@@ -4,6 +4,7 @@ body, and a follow-up that renders only what it adds."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from test_block_memo import TOKENIZER, CountingTokenizer, same
 
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import Tokenizer
-from smetric.core.conversation import RequestError, analyze_request
+from smetric.core.conversation import ChatTemplate, RequestError, analyze_request
 from smetric.core.envelope import ChatReader, read_envelope
 
 texts = st.text(max_size=20)
@@ -121,6 +122,43 @@ def test_the_envelope_finds_the_whole_body_s_facts_for_any_body(
             continue
         assert fast is not None and same(fast, whole)
         assert reader.segments.nbytes <= cache_bytes and reader.prefixes.nbytes <= cache_bytes
+
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+
+def chat_template(name: str, keep_bytes: int = 1 << 20) -> ChatTemplate:
+    source = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    return ChatTemplate(source, bos_token="<s>", eos_token="</s>", keep_bytes=keep_bytes)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama3.1"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    api=st.sampled_from(["chat", "messages"]),
+    sessions=st.lists(conversations(), min_size=1, max_size=2),
+)
+def test_with_a_model_s_template_the_envelope_finds_the_whole_render_s_facts(
+    name: str, api: str, sessions: list[list[bytes]]
+) -> None:
+    """The same with a model's chat template: read from the envelope and kept prefixes,
+    spliced onto kept renderings where the template allows, against a template that keeps
+    nothing and renders every body whole."""
+    spliced, rendered_whole = chat_template(name), chat_template(name, keep_bytes=0)
+    memo, reader = BlockMemo(TOKENIZER, 4), ChatReader(1 << 20, spliced)
+    bodies = [body for session in sessions for body in session]
+    for raw in [*bodies, *bodies]:
+        try:
+            fast = analyze(reader, raw, api, 4, memo)
+        except RequestError:
+            fast = None
+        try:
+            body = json.loads(raw)
+            whole = analyze_request(body, api, TOKENIZER, 4, rendered_whole)  # type: ignore[arg-type]
+        except RequestError:
+            assert fast is None
+            continue
+        assert fast is not None and same(fast, whole)
 
 
 def agent_turn(k: int) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from smetric.core import template_splice
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import ChatTemplate, RequestError, RequestFacts, analyze_request
+from smetric.core.envelope import ChatReader
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 TOKENIZER = ByteTokenizer()
@@ -114,6 +115,28 @@ def test_agent_sessions_splice_turn_by_turn_as_the_whole_render(
     assert chat.splicer._allowed == verdict
     assert chat.splicer.spliced >= spliced
     assert chat.splicer.mismatches == 0
+
+
+@pytest.mark.parametrize(("name", "tools", "verdict", "spliced"), CASES)
+def test_agent_bodies_read_from_their_kept_prefixes_splice_as_the_whole_render(
+    name: str, tools: list[Any] | None, verdict: dict[str, bool], spliced: int
+) -> None:
+    """As ``smetric serve`` reads them: each follow-up's earlier messages come from the
+    previous body's kept bytes (only its tail is decoded), and its rendering from the
+    previous turn's."""
+    chat = template(name)
+    memo, reader = BlockMemo(TOKENIZER, 4), ChatReader(1 << 20, chat)
+    session = agent_session(8)
+    session[0] = {"role": "system", "content": "You are a coding agent. " * 200}  # kept
+    extended = 0
+    for messages in requests(session):
+        body = {"model": "m", "messages": messages, "tools": tools}
+        read = reader.read(json.dumps(body).encode(), "chat", None)
+        assert read is not None
+        extended += read.known is not None
+        same(reader.facts(read, "chat", TOKENIZER, 4, memo), whole(name, body))
+    assert extended == len(requests(session)) - 1
+    assert chat.splicer.spliced >= spliced and chat.splicer.mismatches == 0
 
 
 def test_a_system_prompt_kwargs_and_anthropic_bodies_splice_exactly() -> None:

@@ -51,6 +51,7 @@ class _Node(NamedTuple):
     last: int | None  # id of the last full block so far, None before the first
     tail: np.ndarray  # tokens after the last full block, fewer than a block
     nbytes: int
+    held: int  # the bytes of this node and of every node before it in its run
 
     def extend(self, text: str, tokenizer: Tokenizer, block_size: int) -> _Node:
         """The node for this node's segments followed by ``text``."""
@@ -59,7 +60,8 @@ class _Node(NamedTuple):
         blocks = chained(data, block_size, parent=self.last)
         last = int(blocks[-1]) if len(blocks) else self.last
         tail = data[len(blocks) * block_size :].copy()
-        return _node(tokens, blocks, self.end + len(tokens), last, tail, sys.getsizeof(text))
+        end = self.end + len(tokens)
+        return _node(tokens, blocks, end, last, tail, sys.getsizeof(text), self.held)
 
 
 def _node(
@@ -69,12 +71,13 @@ def _node(
     last: int | None,
     tail: np.ndarray,
     text_bytes: int,
+    before: int,
 ) -> _Node:
     nbytes = tokens.nbytes + blocks.nbytes + tail.nbytes + text_bytes + _ENTRY_OVERHEAD
-    return _Node(next(_ids), tokens, blocks, end, last, tail, nbytes)
+    return _Node(next(_ids), tokens, blocks, end, last, tail, nbytes, before + nbytes)
 
 
-_ROOT = _node(_EMPTY_TOKENS, _EMPTY_BLOCKS, 0, None, _EMPTY_TOKENS, 0)
+_ROOT = _node(_EMPTY_TOKENS, _EMPTY_BLOCKS, 0, None, _EMPTY_TOKENS, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +91,24 @@ class Run:
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes + sum(n.nbytes for n in self.nodes)
+        return self.blocks.nbytes + (self.nodes[-1].held - _ROOT.held if self.nodes else 0)
 
-    def leads(self, segments: Sequence[str]) -> bool:
-        """Whether ``segments`` start with this run's (compared by identity first)."""
-        n = len(self.segments)
-        return len(segments) >= n and all(
-            a is b or a == b for a, b in zip(self.segments, segments[:n], strict=True)
-        )
+    def leading(self, segments: Sequence[str], block_size: int) -> Run:
+        """The part of this run that ``segments`` start with (compared by identity first):
+        a follow-up's rendering shares the previous one's segments up to where it parts."""
+        count = 0
+        for mine, theirs in zip(self.segments, segments, strict=False):
+            if mine is not theirs and mine != theirs:
+                break
+            count += 1
+        if count == len(self.segments):
+            return self
+        if count == 0:
+            return _EMPTY_RUN
+        # A node's tokens so far, less its tail, are whole blocks.
+        last = self.nodes[count - 1]
+        blocks = (last.end - len(last.tail)) // block_size
+        return Run(self.segments[:count], self.nodes[:count], self.blocks[:blocks])
 
 
 _EMPTY_RUN = Run((), (), _EMPTY_BLOCKS)
@@ -111,11 +124,9 @@ class PromptBlocks:
     ends: list[int]
     nodes: list[_Node]
 
-    def run(self, segments: Sequence[str], count: int) -> Run:
-        """The run of the first ``count`` of ``segments``, which this prompt hashed."""
-        nodes = self.nodes[:count]
-        ends = sum(len(n.blocks) for n in nodes)
-        return Run(tuple(segments[:count]), tuple(nodes), self.blocks[:ends])
+    def run(self, segments: Sequence[str]) -> Run:
+        """The run of ``segments``, which this prompt hashed."""
+        return Run(tuple(segments), tuple(self.nodes), self.blocks)
 
 
 class BlockMemo:
@@ -190,12 +201,13 @@ def hash_segments(
 
     With ``memo`` (made for the same tokenizer and block size) the leading segments it holds
     are not encoded or hashed again, and the new ones are remembered; the result is the same.
-    ``known``, a run these segments start with, is taken as it is (neither looked up nor
-    touched in the memo): a follow-up's history costs nothing then.
+    ``known``, a run hashed before (with the same tokenizer and block size), lends the part
+    these segments start with as it is (neither looked up nor touched in the memo): a
+    follow-up's history costs nothing then.
     """
     if memo is not None and (memo.tokenizer is not tokenizer or memo.block_size != block_size):
         raise ValueError("the memo was made for another tokenizer or block size")
-    run = known if known is not None and known.leads(segments) else _EMPTY_RUN
+    run = known.leading(segments, block_size) if known is not None else _EMPTY_RUN
     rest = segments[len(run.segments) :]
     nodes = [] if memo is None else memo._known(rest, run.nodes[-1] if run.nodes else _ROOT)
     held = len(nodes)

@@ -63,6 +63,7 @@ from smetric.core.responses_api import responses_instructions, responses_message
 from smetric.core.template_splice import (
     Kept,
     Kind,
+    Packed,
     Render,
     Request,
     Spliced,
@@ -71,6 +72,7 @@ from smetric.core.template_splice import (
     identify,
     kept_of,
     kind_of,
+    packed,
     probe,
     splice,
 )
@@ -299,16 +301,23 @@ class ChatTemplate:
         system: str | None = None,
         tools: list[Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        known: Packed | None = None,
     ) -> Rendering:
         """The rendered prompt cut after each message's content and where the history ends.
 
         ``extra`` carries the request's ``chat_template_kwargs`` (``enable_thinking``, ...);
         it cannot override the messages, tools or special tokens. A follow-up of a
         conversation rendered before is spliced onto that rendering where the template
-        allows it (``core.template_splice``); the result is the same.
+        allows it (``core.template_splice``); the result is the same. ``known``: the
+        messages and tools already packed, as the splicer identifies them (else they are
+        packed here).
         """
+        if known is None:
+            known = Packed([packed(m) for m in messages], packed(tools))
+        items = known.messages
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
+            items = [packed(messages[0]), *items]
         context = {
             **(extra or {}),
             "tools": tools,
@@ -316,7 +325,7 @@ class ChatTemplate:
             "eos_token": self.eos_token,
         }
         last = _last_assistant(messages)
-        request = identify(messages, [tools, extra])
+        request = identify(items, [known.tools, packed(extra)])
         kept = None if request is None else self.splicer.find(request, len(messages))
         if kept is not None and kept.count == len(messages):
             return cast(Rendering, kept.rendering)  # the same conversation again

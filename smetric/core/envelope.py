@@ -17,13 +17,15 @@ memo's lookup does not hash the text again (a string keeps its hash). Everything
 by content: a prefix is looked up in a bucket named by the body's first bytes and the
 sender's session (a hint only: a candidate counts only if the body starts with its bytes).
 
-This covers the generic rendering of OpenAI chat and Anthropic Messages bodies, where a
-message renders alone; a model's template renders the whole conversation at once, and the
-Responses API groups items into messages, so those bodies are analysed whole
-(``conversation.analyze_request``). The facts are equal either way by construction: every
-piece is rendered by the functions ``render_chat`` uses, which the tests check on arbitrary
-conversations. A body the envelope cannot take, or one with a fault, is left to the
-whole-body analysis, which also words every error.
+This covers OpenAI chat and Anthropic Messages bodies; the Responses API groups items into
+messages, so its bodies are analysed whole (``conversation.analyze_request``). With the
+generic rendering a message renders alone, so what is kept per message is its segment;
+a model's template renders the whole conversation at once, so what is kept is the message
+as the template reads it, and the template splices a follow-up onto the previous turn's
+rendering (``core.template_splice``). The facts are equal either way: every piece is made
+by the functions the whole-body analysis uses, which the tests check on arbitrary
+conversations and real templates. A body the envelope cannot take, or one with a fault,
+is left to the whole-body analysis, which also words every error.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from smetric.core.anthropic_api import anthropic_message, anthropic_system
 from smetric.core.block_memo import BlockMemo, Run, hash_segments
 from smetric.core.blocks import Tokenizer
 from smetric.core.conversation import (
+    ChatTemplate,
     RequestFacts,
     checked_tools,
     facts_of,
@@ -54,6 +57,7 @@ from smetric.core.conversation import (
 )
 from smetric.core.openai_api import chat_message
 from smetric.core.parsing import Message, RequestError
+from smetric.core.template_splice import Packed, packed
 
 ChatApi = Literal["chat", "messages"]
 _PARSERS: dict[ChatApi, Callable[[object, int], Message]] = {
@@ -111,21 +115,33 @@ def decoded(raw: msgspec.Raw) -> Any:
 @dataclass(frozen=True, slots=True)
 class Rendered:
     """What one raw JSON value renders to: its role (messages only), its segments, and the
-    text a session key digests (the system prompt's)."""
+    text a session key digests (the system prompt's). For a model's template, which
+    renders the conversation at once: the value as the template reads it (a message, the
+    tools), and that as the splicer identifies it (``template_splice.packed``)."""
 
     raw: msgspec.Raw
     role: str
     segments: tuple[str, ...]
     text: str | None
+    value: Any
+    packed: bytes | None
     nbytes: int
 
 
-def _rendered(raw: msgspec.Raw, role: str, segments: list[str], text: str | None) -> Rendered:
-    size = len(raw) + sum(map(sys.getsizeof, segments)) + _ENTRY_OVERHEAD
-    return Rendered(raw.copy(), role, tuple(segments), text, size)
+def _rendered(
+    raw: msgspec.Raw,
+    role: str,
+    segments: list[str],
+    text: str | None,
+    value: Any = None,
+    encoded: bytes | None = None,
+) -> Rendered:
+    # An encoding counts twice: itself and the value it encodes, about as large.
+    size = len(raw) + sum(map(sys.getsizeof, segments)) + 2 * len(encoded or b"")
+    return Rendered(raw.copy(), role, tuple(segments), text, value, encoded, size + _ENTRY_OVERHEAD)
 
 
-_NONE = Rendered(_ABSENT, "", (), None, 0)
+_NONE = Rendered(_ABSENT, "", (), None, None, packed(None), 0)
 
 
 class SegmentCache:
@@ -258,11 +274,19 @@ class ChatBody:
 
 
 class ChatReader:
-    """Reads chat and Messages bodies, remembering what their messages render to."""
+    """Reads chat and Messages bodies, remembering what their messages render to, with
+    the generic rendering or ``template``.
 
-    def __init__(self, max_bytes: int) -> None:
+    With a model's template a message's segment depends on the whole conversation, so
+    what is remembered is each message as the template reads it, and the rendering is the
+    template's (spliced onto the previous turn's, ``core.template_splice``); a follow-up
+    still decodes only its tail, and hashes only what its rendering does not share with
+    the previous turn's."""
+
+    def __init__(self, max_bytes: int, template: ChatTemplate | None = None) -> None:
         self.segments = SegmentCache(max_bytes)
         self.prefixes = Prefixes(max_bytes)
+        self.template = template
 
     def read(self, body: bytes, api: ChatApi, session: str | None) -> ChatBody | None:
         """The body read; None where the envelope cannot take it (the whole-body path
@@ -292,6 +316,8 @@ class ChatReader:
     ) -> list[Rendered]:
         def render(raw: msgspec.Raw) -> Rendered:
             message = parse(msgspec.json.decode(raw), 0)
+            if self.template is not None:
+                return _rendered(raw, message["role"], [], None, message, packed(message))
             return _rendered(raw, message["role"], [message_segment(message)], None)
 
         return [self.segments.get(api, raw, render) for raw in raws]
@@ -304,8 +330,8 @@ class ChatReader:
         block_size: int,
         memo: BlockMemo | None,
     ) -> RequestFacts:
-        """The facts ``analyze_request`` finds in the whole body, for the generic
-        rendering; the body's prefix is kept for the bodies that extend it."""
+        """The facts ``analyze_request`` finds in the whole body (with this reader's
+        template, if any); the body's prefix is kept for the bodies that extend it."""
         envelope = read.envelope
         extra = envelope.chat_template_kwargs
         if extra is not None and not isinstance(extra, dict):
@@ -316,8 +342,13 @@ class ChatReader:
         if api == "messages":
             system = self.segments.get("system", envelope.system, _render_system)
         messages = read.messages
-        head = [*tools.segments, *system.segments]
-        rendering = rendering_of(head, [(m.role, m.segments[0]) for m in messages])
+        if self.template is None:
+            head = [*tools.segments, *system.segments]
+            rendering = rendering_of(head, [(m.role, m.segments[0]) for m in messages])
+        else:
+            parsed = [m.value for m in messages]
+            identity = Packed([m.packed for m in messages], tools.packed)
+            rendering = self.template.render(parsed, system.text, tools.value, extra, identity)
         known = read.known.run if read.known is not None else None
         prompt = hash_segments(rendering.segments, tokenizer, block_size, memo, known)
         turn = sum(m.role == "assistant" for m in messages)
@@ -330,7 +361,8 @@ class ChatReader:
         grown = read.known is None or read.cut > len(read.known.raw)
         if read.head is not None and read.cut > _HEAD_BYTES and grown:
             kept = messages[:-1]
-            run = prompt.run(rendering.segments, len(head) + len(kept))
+            # All of it: the next turn's rendering shares as much of it as it can.
+            run = prompt.run(rendering.segments)
             opening = (system.text, session) if any(m.role == "user" for m in kept) else None
             prefix = _prefix(
                 read.body[: read.cut], read.head, tuple(kept), run, read.bucket, opening
@@ -422,7 +454,8 @@ def _session(
 
 
 def _render_tools(raw: msgspec.Raw) -> Rendered:
-    return _rendered(raw, "", tools_segments(checked_tools(decoded(raw))), None)
+    tools = checked_tools(decoded(raw))
+    return _rendered(raw, "", tools_segments(tools), None, tools, packed(tools))
 
 
 def _render_system(raw: msgspec.Raw) -> Rendered:

@@ -59,14 +59,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import msgspec
 import xxhash
 
 from smetric.core.parsing import Message
 
-__all__ = ["Kept", "Spliced", "TemplateSplicer"]
+__all__ = ["Kept", "Packed", "Spliced", "TemplateSplicer", "identify", "packed"]
 
 log = logging.getLogger(__name__)
 
@@ -139,27 +139,39 @@ class Request:
     bucket: int
 
 
-def identify(messages: Sequence[Message], context: object) -> Request | None:
-    """MessagePack of the messages and of the rest of what the template sees; None where
-    something does not encode (a client's 2**70 integer), which then renders whole."""
+def packed(value: object) -> bytes | None:
+    """``value`` as MessagePack; None where it does not encode (a client's 2**70 integer)."""
     try:
-        packed = _ENCODER.encode(messages)
-        context_bytes = _ENCODER.encode(context)
-        first = _ENCODER.encode(messages[0]) if messages else b""
+        return _ENCODER.encode(value)
     except (TypeError, OverflowError, ValueError, RecursionError):
         return None
-    items = packed[_array_header(len(messages)) :]
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A request's messages (each alone) and tools as MessagePack (``packed``), where the
+    caller holds them already: a follow-up's earlier messages were packed when first seen."""
+
+    messages: Sequence[bytes | None]
+    tools: bytes | None
+
+
+def identify(messages: Sequence[bytes | None], context: Sequence[bytes | None]) -> Request | None:
+    """A request from its messages and the rest of what the template sees (tools, template
+    arguments), each packed alone (``packed``): encodings are prefix free, so joined they
+    tell where each part ends. None where a part did not encode: the request renders
+    whole."""
+    if None in messages or None in context:
+        return None
+    items = b"".join(cast("Sequence[bytes]", messages))
+    context_bytes = b"".join(cast("Sequence[bytes]", context))
+    first = cast(bytes, messages[0]) if messages else b""
     return Request(context_bytes, items, xxhash.xxh3_64_intdigest(context_bytes + first))
 
 
 def kind_of(added: Sequence[Message]) -> Kind:
     """The kind of an extension: tool turns add only assistant and tool messages."""
     return "tools" if all(m["role"] in ("assistant", "tool") for m in added) else "any"
-
-
-def _array_header(count: int) -> int:
-    """Bytes of MessagePack's header for an array of ``count`` items."""
-    return 1 if count < 16 else 3 if count < 1 << 16 else 5
 
 
 def common_prefix_length(a: _Sliced, b: _Sliced) -> int:

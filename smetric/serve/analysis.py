@@ -54,7 +54,7 @@ class Analyzer:
         memo_tokenizer: Tokenizer = EngineTokens() if engine_tokenizer else self.tokenizer
         self.memo = BlockMemo(memo_tokenizer, block_size, memo_bytes)
         # The bodies' prefixes and what each message renders to, found by their bytes.
-        self.reader = ChatReader(memo_bytes)
+        self.reader = ChatReader(memo_bytes, template)
         if template is not None:
             # Follow-ups are spliced onto the renderings kept of earlier turns.
             template.prepare(memo_bytes)
@@ -78,8 +78,8 @@ class Analyzer:
 
     def reads_envelope(self, api: Api) -> bool:
         """Whether ``api``'s bodies are analysed from their envelope: chat and Messages
-        with the generic rendering and the router's own tokenizer (``core.envelope``)."""
-        return api in ("chat", "messages") and self.template is None and not self.engine_tokenizer
+        with the router's own tokenizer (``core.envelope``)."""
+        return api in ("chat", "messages") and not self.engine_tokenizer
 
     def chat_now(
         self, body: bytes, api: Api, session: str | None
