@@ -46,7 +46,7 @@ import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, cast
+from typing import Any, Literal, NoReturn
 
 import jinja2.ext
 import numpy as np
@@ -59,6 +59,7 @@ from smetric.core.blocks import Tokenizer, chain_hashes
 from smetric.core.openai_api import chat_messages, completion_prompt
 from smetric.core.parsing import Message, RequestError, digest, kind, to_json
 from smetric.core.policies import RoutingRequest
+from smetric.core.rendering import Rendering
 from smetric.core.responses_api import responses_instructions, responses_messages
 from smetric.core.template_splice import (
     Kept,
@@ -118,27 +119,6 @@ class RequestFacts:
             est_hit_tokens=self.est_hit_tokens,
             session_key=self.session_key,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Rendering:
-    """A rendered prompt cut into segments, each tokenised on its own (``core/block_memo``).
-
-    Cuts fall at message boundaries, where a model's template puts special tokens that
-    tokenisers split at anyway, and where the history ends: the first ``history`` segments
-    are the history.
-    """
-
-    segments: list[str]
-    history: int
-
-    @property
-    def text(self) -> str:
-        return "".join(self.segments)
-
-    def history_end(self) -> int:
-        """The offset in ``text`` where the history ends (0 without one)."""
-        return sum(map(len, self.segments[: self.history]))
 
 
 def analyze_request(
@@ -328,7 +308,7 @@ class ChatTemplate:
         request = identify(items, [known.tools, packed(extra)])
         kept = None if request is None else self.splicer.find(request, len(messages))
         if kept is not None and kept.count == len(messages):
-            return cast(Rendering, kept.rendering)  # the same conversation again
+            return kept.rendering  # the same conversation again
         if kept is not None:
             assert request is not None
             spliced = self._splice(messages, context, kept, last, request)

@@ -65,6 +65,7 @@ import msgspec
 import xxhash
 
 from smetric.core.parsing import Message
+from smetric.core.rendering import Rendering
 
 __all__ = ["Kept", "Packed", "Spliced", "TemplateSplicer", "identify", "packed"]
 
@@ -113,7 +114,7 @@ class Kept:
     turns: list[int]
     history_end: int
     history_tail: str
-    rendering: Any
+    rendering: Rendering
     nbytes: int
 
 
@@ -402,7 +403,7 @@ def kept_of(
     turns: list[int],
     history_end: int,
     history_tail: str,
-    rendering: Any,
+    rendering: Rendering,
 ) -> Kept:
     """A rendering to keep, with what it costs in memory."""
     nbytes = (
