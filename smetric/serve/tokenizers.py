@@ -37,14 +37,16 @@ class HFTokenizer:
         self.name = name
 
     def encode(self, text: str) -> list[int]:
-        # No special tokens: the rendered template carries them (see the protocol).
+        # No special tokens: the rendered template carries them (see the protocol). The
+        # batch call without offsets finds the same ids a fifth faster than ``encode``,
+        # which also works out where each token lies in the text.
         try:
-            return self._tokenizer.encode(text, add_special_tokens=False).ids
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         except TypeError:
             # The Rust side refuses lone surrogates, which JSON can carry ("\ud800"); the
             # engine cannot prefill them either, so any stable stand-in will do.
             clean = text.encode("utf-8", "replace").decode("utf-8")
-            return self._tokenizer.encode(clean, add_special_tokens=False).ids
+            return self._tokenizer.encode_batch_fast([clean], add_special_tokens=False)[0].ids
 
 
 def load_hf_tokenizer(path: Path) -> tuple[HFTokenizer, ChatTemplate | None]:
