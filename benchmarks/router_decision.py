@@ -21,6 +21,10 @@ decides it:
   what every request cost before the memo (with the faster hash already), timed after
   the follow-ups rather than between them;
 - *new*: tokenising only the messages a follow-up adds, which no cache can spare;
+- *rest*: a follow-up's time less its *new* time, the router's own share (p99);
+- *checks*: how many of the timed follow-ups were a chat template's sampled check, one
+  splice in ``template_splice.SAMPLE`` rendered whole as well (its p99 is the worst of 20,
+  so one check sets it);
 - *route*: matching the follow-up against every engine's index and choosing (p50).
 
 Prints p50 and p99 in milliseconds, the target being follow-ups p99 <= 2 ms and cold
@@ -46,6 +50,7 @@ from smetric.core.blocks import ByteTokenizer, Tokenizer
 from smetric.core.conversation import ChatTemplate, RequestFacts, analyze_request
 from smetric.core.envelope import ChatReader
 from smetric.core.parsing import decode_body
+from smetric.core.template_splice import SAMPLE
 from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.serve.tokenizers import make_tokenizer
@@ -97,15 +102,17 @@ def encode_seconds(tokenizer: Tokenizer, messages: list[dict], clock: Callable[[
 def run(
     label: str,
     tokenizer: Tokenizer,
-    template: ChatTemplate | None,
     engines: int,
     clock: Callable[[], float],
-    whole: ChatTemplate | None = None,
+    template_of: Callable[[int], ChatTemplate] | None = None,
 ) -> None:
-    """One row per prompt size; ``whole``: the template again, keeping nothing (uncached)."""
+    """One row per prompt size, each decided by a fresh router; ``template_of(keep_bytes)``
+    makes the model's template anew (keeping nothing for the uncached analyses)."""
     sample = prose(random.Random(1), 50_000)
     ratio = len(sample) / len(tokenizer.encode(sample))
     for tokens in PROMPTS:
+        template = template_of(MEMO) if template_of is not None else None
+        whole = template_of(0) if template_of is not None else None
         turns = session_turns(agent_messages(int(tokens * ratio)))
         raws = [json.dumps(chat_body(m)).encode() for m in turns]
         router = Router(
@@ -120,11 +127,15 @@ def run(
             for _ in range(10)
         ]
         memo, reader = BlockMemo(tokenizer, 16), ChatReader(MEMO, template)
-        warm, uncached, fresh, matching, size = [], [], [], [], 0
+        warm, uncached, fresh, matching, size, checks = [], [], [], [], 0, 0
+        first = max(1, len(raws) - FOLLOW_UPS)  # the timed follow-ups: never the first turn
         for i, raw in enumerate(raws):
+            spliced = template.splicer.spliced if template is not None else 0
             seconds, facts = decide(router, raw, memo, clock, reader)
-            if i >= len(raws) - FOLLOW_UPS:
+            if i >= first:
                 warm.append(seconds)
+                if template is not None and template.splicer.spliced > spliced:
+                    checks += template.splicer.spliced % SAMPLE == 0
                 fresh.append(encode_seconds(tokenizer, turns[i][len(turns[i - 1]) :], clock))
                 started = clock()
                 router.core.decide(facts, router.engines)
@@ -134,14 +145,15 @@ def run(
         # Apart from the follow-ups: a whole analysis between two of them would leave the
         # next one the CPU caches full of its own data, which no neighbour in a router
         # serving follow-ups does.
-        for raw in raws[-FOLLOW_UPS:]:
+        for raw in raws[first:]:
             uncached.append(decide(router, raw, None, clock, template=whole)[0])
         row = [np.percentile(x, q) * 1e3 for x in (cold, warm, uncached) for q in (50, 99)]
         print(
             f"{label:<10} {size:>8,} {len(raws[-1]) / 1e3:>7.0f}"
             + "".join(f"{v:>9.2f}" for v in row)
             + f"{row[4] / row[2]:>9.1f}{np.percentile(fresh, 50) * 1e3:>9.2f}"
-            + f"{np.percentile(matching, 50) * 1e3:>9.2f}"
+            + f"{np.percentile(np.subtract(warm, fresh), 99) * 1e3:>9.2f}"
+            + f"{np.percentile(matching, 50) * 1e3:>9.2f}{checks:>7}"
         )
 
 
@@ -159,17 +171,24 @@ def main() -> None:
     print(
         f"{'tokenizer':<10} {'tokens':>8} {'KB':>7}"
         + "".join(f"{h:>9}" for h in ("cold p50", "cold p99", "foll p50", "foll p99"))
-        + "".join(f"{h:>9}" for h in ("unc p50", "unc p99", "unc/foll", "new p50", "route"))
+        + "".join(
+            f"{h:>9}" for h in ("unc p50", "unc p99", "unc/foll", "new p50", "rest p99", "route")
+        )
+        + f"{'checks':>7}"
     )
-    run("bytes", ByteTokenizer(), None, args.engines, clock)
+    run("bytes", ByteTokenizer(), args.engines, clock)
     for spec in specs:
         tokenizer, template = make_tokenizer(spec)
-        run("hf", tokenizer, None, args.engines, clock)
+        run("hf", tokenizer, args.engines, clock)
         if template is not None:
-            _, whole = make_tokenizer(spec)
-            assert whole is not None
-            whole.prepare(keep_bytes=0)
-            run("hf+tmpl", tokenizer, template, args.engines, clock, whole)
+
+            def template_of(keep_bytes: int, spec: str = spec) -> ChatTemplate:
+                made = make_tokenizer(spec)[1]
+                assert made is not None
+                made.prepare(keep_bytes)
+                return made
+
+            run("hf+tmpl", tokenizer, args.engines, clock, template_of)
 
 
 if __name__ == "__main__":
