@@ -240,6 +240,8 @@ def test_knee_finds_each_policys_peak_and_names_the_best_baseline(tmp_path: Path
     assert "vs best baseline" in (tmp_path / "knee.md").read_text()
 
 
+# A run this short ends within its warm-up: its figures must say so, not warn.
+@pytest.mark.filterwarnings("error")
 def test_rescoring_a_run_under_its_own_slo_gives_its_numbers(tmp_path: Path) -> None:
     import importlib.util
 

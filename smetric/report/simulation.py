@@ -223,14 +223,17 @@ def _heatmaps_figure(summaries: Summaries, colors: Mapping[str, str]) -> Figure:
         p99 = float(np.percentile(heat, 99)) if heat.size else 0.0
         start = first * window_s / 60
         minutes = start + (heat.shape[1] * window_s / 60 if heat.ndim == 2 else 1)
-        ax.imshow(
-            heat / p99 if p99 > 0 else heat,
-            aspect="auto",
-            interpolation="nearest",
-            cmap=scale.cmap,
-            norm=scale.norm,
-            extent=(start, minutes, heat.shape[0] - 0.5 if heat.ndim == 2 else 0.5, -0.5),
-        )
+        if minutes > start:
+            ax.imshow(
+                heat / p99 if p99 > 0 else heat,
+                aspect="auto",
+                interpolation="nearest",
+                cmap=scale.cmap,
+                norm=scale.norm,
+                extent=(start, minutes, heat.shape[0] - 0.5 if heat.ndim == 2 else 0.5, -0.5),
+            )
+        else:  # a run no longer than its warm-up
+            ax.text(0.5, 0.5, "no windows after the warm-up", ha="center", transform=ax.transAxes)
         ax.grid(False)
         ax.set_title(f"{policy} ({_mean_imbalance(summary.imbalance)})", fontsize=10)
         ax.title.set_color(colors[policy])
