@@ -15,10 +15,10 @@ and analysed whole, which also words every refusal.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -29,7 +29,7 @@ from smetric.core.parsing import decode_body
 from smetric.record.trigger import body_trigger, message_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.backends import without_client_transfer
-from smetric.serve.identity import AgentIdentity, identity_of
+from smetric.serve.identity import AgentIdentity, identity_of, keyed_by, named_by
 from smetric.serve.limits import BodyError, PromptTooLong, body_too_large_message, decoded_body
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.refusals import Refusal
@@ -103,7 +103,7 @@ class Intake:
         decoded_raw = self.inflated(headers, raw)
         large = len(decoded_raw) > OFF_LOOP_BYTES
         if self.analyzer.reads_envelope(api):
-            sender = identity_of(headers)
+            sender = named_by(headers)
             hint = f"{sender.harness}:{sender.session}" if sender.session else None
             with self._refusals():
                 read = await self.analyzer.analyze_chat(decoded_raw, api, hint, large=large)
@@ -118,7 +118,7 @@ class Intake:
                     decoded_raw,
                     self._within_limit(facts),
                     # Headers name a session first; a cache key only where they name none.
-                    sender if sender.session else identity_of(headers, envelope.prompt_cache_key),
+                    sender if sender.session else keyed_by(envelope.prompt_cache_key),
                     stream=envelope.stream,
                     trigger=message_trigger(chat.last_message()),
                     previous=envelope.previous_response_id,
@@ -194,18 +194,9 @@ class Intake:
             facts = await self.analyzer.analyze(body, api, large=large)
         return self._within_limit(facts)
 
-    @contextlib.contextmanager
-    def _refusals(self) -> Iterator[None]:
-        """An analysis's faults as refusals."""
-        try:
-            yield
-        except PromptTooLong as exc:
-            raise Refusal(400, "prompt_too_long", self._too_long(str(exc))) from None
-        except RequestError as exc:
-            raise Refusal(400, "bad_request", str(exc)) from None
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            message = f"tokenising with the engine failed: {exc}"
-            raise Refusal(502, "tokenizer_failed", message) from None
+    def _refusals(self) -> _AnalysisFaults:
+        """An analysis's faults as refusals, in a ``with`` block."""
+        return _AnalysisFaults(self)
 
     def _within_limit(self, facts: RequestFacts) -> RequestFacts:
         limit = self.analyzer.max_prompt_tokens()
@@ -215,3 +206,28 @@ class Intake:
 
     def _too_long(self, what: str) -> str:
         return f"prompt too long: {what}, over {self.analyzer.prompt_limit()}"
+
+
+class _AnalysisFaults:
+    """``Intake._refusals``'s block (a class, not a generator, since every request enters
+    one)."""
+
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, PromptTooLong):
+            raise Refusal(400, "prompt_too_long", self.intake._too_long(str(exc))) from None
+        if isinstance(exc, RequestError):
+            raise Refusal(400, "bad_request", str(exc)) from None
+        if isinstance(exc, TimeoutError | aiohttp.ClientError | OSError | ValueError):
+            message = f"tokenising with the engine failed: {exc}"
+            raise Refusal(502, "tokenizer_failed", message) from None
