@@ -21,9 +21,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import TracebackType
 
 import msgspec
 from aiohttp import web
@@ -309,30 +310,24 @@ class Tries:
         next: none once the retries are spent."""
         return [] if self.spent else [e for e in engines if e.url not in self.tried]
 
-    @contextlib.asynccontextmanager
-    async def on(
-        self, engine: Engine, prompt_tokens: int, predicted: int
-    ) -> AsyncIterator[Attempt]:
-        """An ``Attempt`` on ``engine``, predicted to hold ``predicted`` of the prompt's
-        tokens. Its ``EngineFault`` is noted here, not raised: the caller goes on to the
-        next engine, or gives up."""
+    def on(self, engine: Engine, prompt_tokens: int, predicted: int) -> _Try:
+        """An ``Attempt`` on ``engine`` for an ``async with`` block, predicted to hold
+        ``predicted`` of the prompt's tokens. Its ``EngineFault`` is noted, not raised:
+        the caller goes on to the next engine, or gives up."""
         forwarder, completion = self.forwarder, self.completion
         pool = forwarder.pool
         self.tried.add(engine.url)
         completion.attempts += 1
         unprefilled = prompt_tokens - predicted
-        async with Attempt(
+        attempt = Attempt(
             engine,
             pool.client(),
             forwarder.timeouts,
             prompt_tokens,
             unprefilled,
             auth=pool.auth(engine),
-        ) as attempt:
-            try:
-                yield attempt
-            except EngineFault as fault:
-                self._failed(engine, fault)
+        )
+        return _Try(self, attempt)
 
     def _failed(self, engine: Engine, fault: EngineFault) -> None:
         self.forwarder.pool.failed(engine, fault)
@@ -358,6 +353,32 @@ class Tries:
             raise Refusal(503, "no_healthy_engine", message)
         self.completion.outcome = Outcome.ENGINE_ERROR
         return self.failure
+
+
+class _Try:
+    """``Tries.on``'s block: its attempt, whose ``EngineFault`` is noted before the attempt
+    ends (a class, not a generator, since every request makes one)."""
+
+    def __init__(self, tries: Tries, attempt: Attempt) -> None:
+        self.tries = tries
+        self.attempt = attempt
+
+    async def __aenter__(self) -> Attempt:
+        return await self.attempt.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            if isinstance(exc, EngineFault):
+                self.tries._failed(self.attempt.engine, exc)
+                return True
+            return False
+        finally:
+            await self.attempt.__aexit__(exc_type, exc, tb)
 
 
 _decode = msgspec.json.Decoder().decode
