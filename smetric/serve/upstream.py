@@ -17,6 +17,7 @@ surface as connection errors in aiohttp) by which call raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
@@ -213,10 +214,14 @@ class Attempt:
         """The next piece of the body as it arrives, b"" at its end. A wait longer than
         ``timeout_s`` (``idle_s`` by default) or a body cut short is the engine's fault."""
         assert self.response is not None, "send() first"
+        content = self.response.content
         wait = self.timeouts.idle_s if timeout_s is None else timeout_s
         try:
-            async with self._timeout(wait):
-                chunk = await self.response.content.readany()
+            # A body whose end has come (a small reply, whole with its headers) has no wait
+            # to bound.
+            waiting = contextlib.nullcontext() if content.is_eof() else self._timeout(wait)
+            async with waiting:
+                chunk = await content.readany()
         except TimeoutError:
             raise self._stalled() or EngineFault(f"silent for {wait:g} s", timeout=True) from None
         except aiohttp.ClientError as exc:
