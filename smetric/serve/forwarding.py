@@ -182,7 +182,8 @@ class Forwarder:
         engine, upstream = attempt.engine, attempt.response
         assert upstream is not None
         completion.engine = engine.url
-        stream = upstream.status < 400 and upstream.content_type == "text/event-stream"
+        content_type = upstream.content_type
+        stream = upstream.status < 400 and content_type == "text/event-stream"
         if stream:
             data = await attempt.read(self.timeouts.first_byte_s)
             completion.first_token_tokens = engine.total_inflight_tokens()
@@ -190,7 +191,7 @@ class Forwarder:
             self.pool.succeeded(engine)
         else:
             data = await self.read_whole(attempt)
-        reply = Reply(upstream.status, upstream.content_type, stream, data)
+        reply = Reply(upstream.status, content_type, stream, data)
         if reply.took:
             completion.ttft_s = time.perf_counter() - completion.started
         return reply
@@ -211,17 +212,16 @@ class Forwarder:
             return await self._relay(request, attempt, reply, tags, completion)
         if not reply.took:  # the request's fault: pass it on, in the API's shape
             response = dialect_for(completion.path).engine_error(reply.status, reply.data)
+            response.headers.update(tags)
             completion.error = f"engine answered {reply.status}"
             completion.outcome = Outcome.ENGINE_ERROR
-        else:
-            usage = UsageTap.of(reply.data)
-            completion.cached_tokens = self.count_cached(attempt.engine, usage)
-            completion.output_tokens = usage.output_tokens()
-            completion.outcome = Outcome.COMPLETED
-            response = web.Response(body=reply.data, status=reply.status)
-            response.content_type = reply.content_type or "application/json"
-        response.headers.update(tags)
-        return response
+            return response
+        usage = UsageTap.of(reply.data)
+        completion.cached_tokens = self.count_cached(attempt.engine, usage)
+        completion.output_tokens = usage.output_tokens()
+        completion.outcome = Outcome.COMPLETED
+        headers = {"Content-Type": reply.content_type or "application/json", **tags}
+        return web.Response(body=reply.data, status=reply.status, headers=headers)
 
     async def _relay(
         self,
@@ -235,9 +235,8 @@ class Forwarder:
         event and no ``data: [DONE]``; a client that hung up ends it quietly, the engine
         blameless."""
         engine = attempt.engine
-        response = web.StreamResponse(status=reply.status)
-        response.content_type = reply.content_type
-        response.headers.update(tags)
+        headers = {"Content-Type": reply.content_type, **tags}
+        response = web.StreamResponse(status=reply.status, headers=headers)
         chunk, last = reply.data, time.perf_counter()
         gaps = completion.chunk_gaps_s
         usage = UsageTap()

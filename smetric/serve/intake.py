@@ -224,6 +224,8 @@ class _AnalysisFaults:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc is None:
+            return
         if isinstance(exc, PromptTooLong):
             raise Refusal(400, "prompt_too_long", self.intake._too_long(str(exc))) from None
         if isinstance(exc, RequestError):

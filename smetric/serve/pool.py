@@ -99,7 +99,8 @@ class EnginePool:
         self.metrics.engine_joined(engine.url, engine.healthy)
 
     def get(self, url: str) -> Engine | None:
-        return next((e for e in self.engines if e.url == url.rstrip("/")), None)
+        url = url.rstrip("/")
+        return next((e for e in self.engines if e.url == url), None)
 
     def healthy(self, urls: frozenset[str] | None = None) -> list[Engine]:
         """The engines that may take traffic now (of ``urls`` only, if given)."""
