@@ -123,9 +123,9 @@ class Attempt:
         # The wait in progress, which ``cut`` ends at once; why it was cut.
         self._wait: asyncio.Timeout | None = None
         self._cut: str | None = None
-        # Handing the engine's bytes to the client: the engine waits on the client now,
-        # not the client on the engine, so its silence is not a stall.
-        self.delivering = False
+        # False while the engine's bytes are handed to the client: the engine waits on
+        # the client then, not the client on the engine, so its silence is not a stall.
+        self.waits_on_engine = True
 
     async def __aenter__(self) -> Attempt:
         engine = self.engine
@@ -167,18 +167,14 @@ class Attempt:
         router to read, and the pool's stall watch leaves it be (``waits_on_engine``).
         Unless another attempt waits on it, its silence starts again once the client
         took the bytes, as an idle engine's does at a new attempt."""
-        self.delivering = True
+        self.waits_on_engine = False
         try:
             await write
         finally:
-            self.delivering = False
+            self.waits_on_engine = True
             others = (a for a in self.engine.attempts if a is not self)
             if not any(a.waits_on_engine for a in others):
                 self.engine.progressed_at = time.monotonic()
-
-    @property
-    def waits_on_engine(self) -> bool:
-        return not self.delivering
 
     def _stalled(self) -> EngineFault | None:
         return None if self._cut is None else EngineFault(self._cut, stalled=True)
