@@ -202,8 +202,12 @@ class Engine:
 
     def charge(self, requests: int, unprefilled: int, tokens: int) -> None:
         """Add to this worker's load here (take off, when negative): requests in flight,
-        their unprefilled tokens and their prompt tokens, one write for all three."""
-        self._load[self._row] += (requests, unprefilled, tokens)
+        their unprefilled tokens and their prompt tokens, its row found once for all three
+        (element by element: a tuple added to the row costs numpy a conversion)."""
+        mine = self._load[self._row]
+        mine[INFLIGHT] += requests
+        mine[UNPREFILLED] += unprefilled
+        mine[INFLIGHT_TOKENS] += tokens
 
     def totals(self) -> list[int]:
         """Every worker's load here, by column (``INFLIGHT``, ``UNPREFILLED``,
