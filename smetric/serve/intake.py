@@ -88,6 +88,7 @@ class Intake:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.allow_client_transfer = allow_client_transfer
+        self.analysis_faults = _AnalysisFaults(self)
 
     def check_size(self, size: int) -> None:
         """Refuse a body of ``size`` bytes before reading the rest of it."""
@@ -105,7 +106,7 @@ class Intake:
         if self.analyzer.reads_envelope(api):
             sender = named_by(headers)
             hint = f"{sender.harness}:{sender.session}" if sender.session else None
-            with self._refusals():
+            with self.analysis_faults:
                 read = await self.analyzer.analyze_chat(decoded_raw, api, hint, large=large)
             if read is not None and self._forwardable(read[0].envelope):
                 chat, facts = read
@@ -190,13 +191,9 @@ class Intake:
 
     async def facts_of(self, body: dict[str, Any], api: Api, large: bool) -> RequestFacts:
         """The facts of ``body``, its prompt within the token limit."""
-        with self._refusals():
+        with self.analysis_faults:
             facts = await self.analyzer.analyze(body, api, large=large)
         return self._within_limit(facts)
-
-    def _refusals(self) -> _AnalysisFaults:
-        """An analysis's faults as refusals, in a ``with`` block."""
-        return _AnalysisFaults(self)
 
     def _within_limit(self, facts: RequestFacts) -> RequestFacts:
         limit = self.analyzer.max_prompt_tokens()
@@ -209,8 +206,8 @@ class Intake:
 
 
 class _AnalysisFaults:
-    """``Intake._refusals``'s block (a class, not a generator, since every request enters
-    one)."""
+    """A ``with`` block that turns an analysis's faults into refusals; one for every
+    request (a class, not a generator, which would be made anew each time)."""
 
     def __init__(self, intake: Intake) -> None:
         self.intake = intake
