@@ -55,6 +55,8 @@ _PASSED_HEADERS = (
     "tracestate",
     *IDENTITY_HEADERS,
 )
+# Header mappings that are looked up case-insensitively already.
+_CASE_INSENSITIVE = (CIMultiDictProxy, CIMultiDict)
 
 
 class Outcome(StrEnum):
@@ -137,22 +139,18 @@ class Forwarder:
         self.metrics = metrics
         self.timeouts = timeouts
         self.retries = retries
-        self.pass_auth = pass_auth
+        # The client headers an engine gets: its key too where the router has none.
+        self.passed = (*_CLIENT_KEYS, *_PASSED_HEADERS) if pass_auth else _PASSED_HEADERS
         self.observers: list[CompletionObserver] = []
 
     def upstream_headers(self, received: Mapping[str, str]) -> dict[str, str]:
         """What of a client's headers (``serve``'s request, or those Envoy hands the
         picker) reaches an engine: the passed ones, and the client's key only when the
         router has none of its own."""
-        lookup = (
-            received
-            if isinstance(received, CIMultiDictProxy | CIMultiDict)
-            else CIMultiDict(received)
-        )
+        lookup = received if isinstance(received, _CASE_INSENSITIVE) else CIMultiDict(received)
         # Uncompressed replies: the router reads them (errors, usage) and passes them on.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-        names = (*_CLIENT_KEYS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
-        for name in names:
+        for name in self.passed:
             value = lookup.get(name)
             if value is not None:
                 headers[name] = value
