@@ -220,5 +220,5 @@ def hash_segments(
     every = [*run.nodes, *nodes]
     if not every:
         return PromptBlocks([_EMPTY_TOKENS], _EMPTY_BLOCKS.copy(), [0], [])
-    blocks = np.concatenate([run.blocks, *(n.blocks for n in nodes)])
+    blocks = np.concatenate([run.blocks] + [n.blocks for n in nodes])
     return PromptBlocks([n.tokens for n in every], blocks, [n.end for n in every], every)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -269,9 +268,9 @@ class Router:
             completion.outcome = Outcome.ENGINE_ERROR
             raise
         finally:
-            latency = self.metrics.child(self.metrics.latency, api)
-            latency.observe(time.perf_counter() - completion.started)
             self.forwarder.completed(completion)
+            latency = self.metrics.child(self.metrics.latency, api)
+            latency.observe(completion.duration_s)
 
     async def _read(self, request: web.Request, hold: Hold) -> bytes:
         """The body as sent, ``hold`` grown as it arrives: one over the limit is refused
@@ -288,7 +287,8 @@ class Router:
             # A body that came whole with its headers has no wait to bound.
             waiting = contextlib.nullcontext() if content.is_eof() else asyncio.timeout(deadline)
             async with waiting:
-                async for piece in content.iter_any():
+                while not content.at_eof():
+                    piece = await content.readany()
                     size += len(piece)
                     check(size)
                     await hold.grow(size)

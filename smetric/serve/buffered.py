@@ -13,8 +13,8 @@ others to give bytes back, then gets a 503 with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from types import TracebackType
 
 from smetric.serve.refusals import Refusal
 
@@ -46,16 +46,10 @@ class ByteBudget:
         others = self.used - held
         return others == 0 or others + size <= self.limit
 
-    @contextlib.asynccontextmanager
-    async def held(self, size: int = 0) -> AsyncIterator[Hold]:
-        """A request's ``Hold``, of ``size`` bytes to start with, for the block; given back
-        on every exit."""
-        hold = Hold(self)
-        try:
-            await hold.grow(size)
-            yield hold
-        finally:
-            hold.shrink(0)
+    def held(self, size: int = 0) -> _Held:
+        """A request's ``Hold``, of ``size`` bytes to start with, for an ``async with``
+        block; given back on every exit."""
+        return _Held(Hold(self), size)
 
     def _add(self, size: int) -> None:
         self.used += size
@@ -110,3 +104,24 @@ class Hold:
             return
         self.budget._add(size - self.size)
         self.size = size
+
+
+class _Held:
+    """``ByteBudget.held``'s block (a class, not a generator, since every request enters
+    one)."""
+
+    def __init__(self, hold: Hold, size: int) -> None:
+        self.hold = hold
+        self.size = size
+
+    async def __aenter__(self) -> Hold:
+        await self.hold.grow(self.size)  # holds nothing more unless it returns
+        return self.hold
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.hold.shrink(0)

@@ -200,6 +200,15 @@ class Engine:
     def inflight_tokens(self, value: int) -> None:
         self._load[self._row, INFLIGHT_TOKENS] = value
 
+    def charge(self, requests: int, unprefilled: int, tokens: int) -> None:
+        """Add to this worker's load here (take off, when negative): requests in flight,
+        their unprefilled tokens and their prompt tokens, its row found once for all three
+        (element by element: a tuple added to the row costs numpy a conversion)."""
+        mine = self._load[self._row]
+        mine[INFLIGHT] += requests
+        mine[UNPREFILLED] += unprefilled
+        mine[INFLIGHT_TOKENS] += tokens
+
     def totals(self) -> list[int]:
         """Every worker's load here, by column (``INFLIGHT``, ``UNPREFILLED``,
         ``INFLIGHT_TOKENS``): one read for a decision, not one numpy sum per figure."""
@@ -287,33 +296,16 @@ class Engine:
         return True
 
 
-class QueuedPrefill:
-    """One routed request's share of its engine's ``unprefilled`` tokens.
-
-    Added when the request is routed and given back once, at its first token or at
-    whatever ends it first (a failed connection, a client that leaves, an error), so the
-    count cannot drift however the request ends.
-    """
-
-    __slots__ = ("engine", "tokens")
-
-    def __init__(self, engine: Engine, tokens: int) -> None:
-        self.engine = engine
-        self.tokens = tokens
-        engine.unprefilled += tokens
-        engine.routed_unprefilled += tokens
-
-    def done(self) -> None:
-        """The prompt is prefilled, or never will be; safe to call again."""
-        self.engine.unprefilled -= self.tokens
-        self.tokens = 0
-
-
 class Lease:
     """One request's load on the engine it is charged to, for every front door: in
     flight, its prompt tokens, and its unprefilled tokens until the prompt is prefilled
     (``prefilled``: its first byte). Moves with the request when another engine serves
-    it (``move_to``: a gateway's retry); released once, however the request ends."""
+    it (``move_to``: a gateway's retry); released once, however the request ends.
+
+    The unprefilled tokens are given back once, at the first token or at whatever ends
+    the request first (a failed connection, a client that leaves, an error), so the count
+    cannot drift however the request ends.
+    """
 
     def __init__(self, engine: Engine, prompt_tokens: int, unprefilled: int) -> None:
         self.prompt_tokens = prompt_tokens
@@ -322,16 +314,14 @@ class Lease:
 
     def _take(self, engine: Engine, unprefilled: int) -> None:
         self.engine = engine
-        engine.inflight += 1
-        engine.inflight_tokens += self.prompt_tokens
-        self.prefill = QueuedPrefill(engine, unprefilled)
+        self.unprefilled = unprefilled
+        engine.routed_unprefilled += unprefilled
+        engine.charge(1, unprefilled, self.prompt_tokens)
 
     def _give_back(self) -> int:
         """Take the load off its engine; the unprefilled tokens it still held."""
-        self.engine.inflight -= 1
-        self.engine.inflight_tokens -= self.prompt_tokens
-        unprefilled = self.prefill.tokens
-        self.prefill.done()
+        unprefilled, self.unprefilled = self.unprefilled, 0
+        self.engine.charge(-1, -unprefilled, -self.prompt_tokens)
         return unprefilled
 
     def move_to(self, engine: Engine) -> None:
@@ -339,7 +329,10 @@ class Lease:
             self._take(engine, self._give_back())
 
     def prefilled(self) -> None:
-        self.prefill.done()
+        """The prompt is prefilled: its tokens are no longer queued; safe to call again."""
+        if self.unprefilled:
+            self.engine.charge(0, -self.unprefilled, 0)
+            self.unprefilled = 0
 
     def release(self) -> None:
         if not self.released:

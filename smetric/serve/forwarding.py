@@ -21,9 +21,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import TracebackType
 
 import msgspec
 from aiohttp import web
@@ -54,6 +55,8 @@ _PASSED_HEADERS = (
     "tracestate",
     *IDENTITY_HEADERS,
 )
+# Header mappings that are looked up case-insensitively already.
+_CASE_INSENSITIVE = (CIMultiDictProxy, CIMultiDict)
 
 
 class Outcome(StrEnum):
@@ -136,22 +139,18 @@ class Forwarder:
         self.metrics = metrics
         self.timeouts = timeouts
         self.retries = retries
-        self.pass_auth = pass_auth
+        # The client headers an engine gets: its key too where the router has none.
+        self.passed = (*_CLIENT_KEYS, *_PASSED_HEADERS) if pass_auth else _PASSED_HEADERS
         self.observers: list[CompletionObserver] = []
 
     def upstream_headers(self, received: Mapping[str, str]) -> dict[str, str]:
         """What of a client's headers (``serve``'s request, or those Envoy hands the
         picker) reaches an engine: the passed ones, and the client's key only when the
         router has none of its own."""
-        lookup = (
-            received
-            if isinstance(received, CIMultiDictProxy | CIMultiDict)
-            else CIMultiDict(received)
-        )
+        lookup = received if isinstance(received, _CASE_INSENSITIVE) else CIMultiDict(received)
         # Uncompressed replies: the router reads them (errors, usage) and passes them on.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-        names = (*_CLIENT_KEYS, *_PASSED_HEADERS) if self.pass_auth else _PASSED_HEADERS
-        for name in names:
+        for name in self.passed:
             value = lookup.get(name)
             if value is not None:
                 headers[name] = value
@@ -181,7 +180,8 @@ class Forwarder:
         engine, upstream = attempt.engine, attempt.response
         assert upstream is not None
         completion.engine = engine.url
-        stream = upstream.status < 400 and upstream.content_type == "text/event-stream"
+        content_type = upstream.content_type
+        stream = upstream.status < 400 and content_type == "text/event-stream"
         if stream:
             data = await attempt.read(self.timeouts.first_byte_s)
             completion.first_token_tokens = engine.total_inflight_tokens()
@@ -189,7 +189,7 @@ class Forwarder:
             self.pool.succeeded(engine)
         else:
             data = await self.read_whole(attempt)
-        reply = Reply(upstream.status, upstream.content_type, stream, data)
+        reply = Reply(upstream.status, content_type, stream, data)
         if reply.took:
             completion.ttft_s = time.perf_counter() - completion.started
         return reply
@@ -210,17 +210,16 @@ class Forwarder:
             return await self._relay(request, attempt, reply, tags, completion)
         if not reply.took:  # the request's fault: pass it on, in the API's shape
             response = dialect_for(completion.path).engine_error(reply.status, reply.data)
+            response.headers.update(tags)
             completion.error = f"engine answered {reply.status}"
             completion.outcome = Outcome.ENGINE_ERROR
-        else:
-            usage = UsageTap.of(reply.data)
-            completion.cached_tokens = self.count_cached(attempt.engine, usage)
-            completion.output_tokens = usage.output_tokens()
-            completion.outcome = Outcome.COMPLETED
-            response = web.Response(body=reply.data, status=reply.status)
-            response.content_type = reply.content_type or "application/json"
-        response.headers.update(tags)
-        return response
+            return response
+        usage = UsageTap.of(reply.data)
+        completion.cached_tokens = self.count_cached(attempt.engine, usage)
+        completion.output_tokens = usage.output_tokens()
+        completion.outcome = Outcome.COMPLETED
+        headers = {"Content-Type": reply.content_type or "application/json", **tags}
+        return web.Response(body=reply.data, status=reply.status, headers=headers)
 
     async def _relay(
         self,
@@ -234,9 +233,8 @@ class Forwarder:
         event and no ``data: [DONE]``; a client that hung up ends it quietly, the engine
         blameless."""
         engine = attempt.engine
-        response = web.StreamResponse(status=reply.status)
-        response.content_type = reply.content_type
-        response.headers.update(tags)
+        headers = {"Content-Type": reply.content_type, **tags}
+        response = web.StreamResponse(status=reply.status, headers=headers)
         chunk, last = reply.data, time.perf_counter()
         gaps = completion.chunk_gaps_s
         usage = UsageTap()
@@ -309,30 +307,24 @@ class Tries:
         next: none once the retries are spent."""
         return [] if self.spent else [e for e in engines if e.url not in self.tried]
 
-    @contextlib.asynccontextmanager
-    async def on(
-        self, engine: Engine, prompt_tokens: int, predicted: int
-    ) -> AsyncIterator[Attempt]:
-        """An ``Attempt`` on ``engine``, predicted to hold ``predicted`` of the prompt's
-        tokens. Its ``EngineFault`` is noted here, not raised: the caller goes on to the
-        next engine, or gives up."""
+    def on(self, engine: Engine, prompt_tokens: int, predicted: int) -> _Try:
+        """An ``Attempt`` on ``engine`` for an ``async with`` block, predicted to hold
+        ``predicted`` of the prompt's tokens. Its ``EngineFault`` is noted, not raised:
+        the caller goes on to the next engine, or gives up."""
         forwarder, completion = self.forwarder, self.completion
         pool = forwarder.pool
         self.tried.add(engine.url)
         completion.attempts += 1
         unprefilled = prompt_tokens - predicted
-        async with Attempt(
+        attempt = Attempt(
             engine,
             pool.client(),
             forwarder.timeouts,
             prompt_tokens,
             unprefilled,
             auth=pool.auth(engine),
-        ) as attempt:
-            try:
-                yield attempt
-            except EngineFault as fault:
-                self._failed(engine, fault)
+        )
+        return _Try(self, attempt)
 
     def _failed(self, engine: Engine, fault: EngineFault) -> None:
         self.forwarder.pool.failed(engine, fault)
@@ -358,6 +350,32 @@ class Tries:
             raise Refusal(503, "no_healthy_engine", message)
         self.completion.outcome = Outcome.ENGINE_ERROR
         return self.failure
+
+
+class _Try:
+    """``Tries.on``'s block: its attempt, whose ``EngineFault`` is noted before the attempt
+    ends (a class, not a generator, since every request makes one)."""
+
+    def __init__(self, tries: Tries, attempt: Attempt) -> None:
+        self.tries = tries
+        self.attempt = attempt
+
+    async def __aenter__(self) -> Attempt:
+        return await self.attempt.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            if isinstance(exc, EngineFault):
+                self.tries._failed(self.attempt.engine, exc)
+                return True
+            return False
+        finally:
+            await self.attempt.__aexit__(exc_type, exc, tb)
 
 
 _decode = msgspec.json.Decoder().decode

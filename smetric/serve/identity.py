@@ -81,6 +81,12 @@ ANONYMOUS = AgentIdentity()
 def identity_of(headers: Mapping[str, str], prompt_cache_key: object = None) -> AgentIdentity:
     """The sender's identity from ``headers`` (case-insensitive mapping), else from the
     body's ``prompt_cache_key``."""
+    named = named_by(headers)
+    return named if named.session else keyed_by(prompt_cache_key)
+
+
+def named_by(headers: Mapping[str, str]) -> AgentIdentity:
+    """The identity the headers name, ``ANONYMOUS`` if they name no session."""
     for harness, session_header, agent_header, parent_header in _HARNESSES:
         session = headers.get(session_header)
         if session:
@@ -90,6 +96,11 @@ def identity_of(headers: Mapping[str, str], prompt_cache_key: object = None) -> 
                 _clip(headers.get(agent_header)) if agent_header else None,
                 _clip(headers.get(parent_header)) if parent_header else None,
             )
+    return ANONYMOUS
+
+
+def keyed_by(prompt_cache_key: object) -> AgentIdentity:
+    """The identity a body's ``prompt_cache_key`` names, ``ANONYMOUS`` if none."""
     if isinstance(prompt_cache_key, str) and prompt_cache_key:
         return AgentIdentity("openai", _clip(prompt_cache_key))
     return ANONYMOUS

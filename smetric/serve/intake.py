@@ -15,10 +15,10 @@ and analysed whole, which also words every refusal.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -29,7 +29,7 @@ from smetric.core.parsing import decode_body
 from smetric.record.trigger import body_trigger, message_trigger
 from smetric.serve.analysis import OFF_LOOP_BYTES, Analyzer
 from smetric.serve.backends import without_client_transfer
-from smetric.serve.identity import AgentIdentity, identity_of
+from smetric.serve.identity import AgentIdentity, identity_of, keyed_by, named_by
 from smetric.serve.limits import BodyError, PromptTooLong, body_too_large_message, decoded_body
 from smetric.serve.metrics import RouterMetrics
 from smetric.serve.refusals import Refusal
@@ -88,6 +88,7 @@ class Intake:
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.allow_client_transfer = allow_client_transfer
+        self.analysis_faults = _AnalysisFaults(self)
 
     def check_size(self, size: int) -> None:
         """Refuse a body of ``size`` bytes before reading the rest of it."""
@@ -103,9 +104,9 @@ class Intake:
         decoded_raw = self.inflated(headers, raw)
         large = len(decoded_raw) > OFF_LOOP_BYTES
         if self.analyzer.reads_envelope(api):
-            sender = identity_of(headers)
+            sender = named_by(headers)
             hint = f"{sender.harness}:{sender.session}" if sender.session else None
-            with self._refusals():
+            with self.analysis_faults:
                 read = await self.analyzer.analyze_chat(decoded_raw, api, hint, large=large)
             if read is not None and self._forwardable(read[0].envelope):
                 chat, facts = read
@@ -118,7 +119,7 @@ class Intake:
                     decoded_raw,
                     self._within_limit(facts),
                     # Headers name a session first; a cache key only where they name none.
-                    sender if sender.session else identity_of(headers, envelope.prompt_cache_key),
+                    sender if sender.session else keyed_by(envelope.prompt_cache_key),
                     stream=envelope.stream,
                     trigger=message_trigger(chat.last_message()),
                     previous=envelope.previous_response_id,
@@ -190,22 +191,9 @@ class Intake:
 
     async def facts_of(self, body: dict[str, Any], api: Api, large: bool) -> RequestFacts:
         """The facts of ``body``, its prompt within the token limit."""
-        with self._refusals():
+        with self.analysis_faults:
             facts = await self.analyzer.analyze(body, api, large=large)
         return self._within_limit(facts)
-
-    @contextlib.contextmanager
-    def _refusals(self) -> Iterator[None]:
-        """An analysis's faults as refusals."""
-        try:
-            yield
-        except PromptTooLong as exc:
-            raise Refusal(400, "prompt_too_long", self._too_long(str(exc))) from None
-        except RequestError as exc:
-            raise Refusal(400, "bad_request", str(exc)) from None
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            message = f"tokenising with the engine failed: {exc}"
-            raise Refusal(502, "tokenizer_failed", message) from None
 
     def _within_limit(self, facts: RequestFacts) -> RequestFacts:
         limit = self.analyzer.max_prompt_tokens()
@@ -215,3 +203,30 @@ class Intake:
 
     def _too_long(self, what: str) -> str:
         return f"prompt too long: {what}, over {self.analyzer.prompt_limit()}"
+
+
+class _AnalysisFaults:
+    """A ``with`` block that turns an analysis's faults into refusals; one for every
+    request (a class, not a generator, which would be made anew each time)."""
+
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            return
+        if isinstance(exc, PromptTooLong):
+            raise Refusal(400, "prompt_too_long", self.intake._too_long(str(exc))) from None
+        if isinstance(exc, RequestError):
+            raise Refusal(400, "bad_request", str(exc)) from None
+        if isinstance(exc, TimeoutError | aiohttp.ClientError | OSError | ValueError):
+            message = f"tokenising with the engine failed: {exc}"
+            raise Refusal(502, "tokenizer_failed", message) from None

@@ -77,6 +77,8 @@ class EnginePool:
         self.engines: list[Engine] = []
         # The longest context each engine's /v1/models reported (0: it reports none).
         self.context_lengths: dict[str, int] = {}
+        # Their longest, which caps every prompt: kept, not found per request.
+        self._max_context = 0
         self._next_number = 0
         self._client: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -97,7 +99,8 @@ class EnginePool:
         self.metrics.engine_joined(engine.url, engine.healthy)
 
     def get(self, url: str) -> Engine | None:
-        return next((e for e in self.engines if e.url == url.rstrip("/")), None)
+        url = url.rstrip("/")
+        return next((e for e in self.engines if e.url == url), None)
 
     def healthy(self, urls: frozenset[str] | None = None) -> list[Engine]:
         """The engines that may take traffic now (of ``urls`` only, if given)."""
@@ -121,7 +124,7 @@ class EnginePool:
             return None
         self.engines.remove(engine)
         engine.healthy = False
-        self.context_lengths.pop(engine.url, None)
+        self._context_length(engine.url, None)
         subscriber = self.subscribers.pop(engine.url, None)
         if subscriber is not None:
             await subscriber.close()
@@ -170,7 +173,15 @@ class EnginePool:
 
     def max_context(self) -> int:
         """The longest context an engine reported (0: none yet)."""
-        return max(self.context_lengths.values(), default=0)
+        return self._max_context
+
+    def _context_length(self, url: str, length: int | None) -> None:
+        """Note an engine's longest context (None: it left)."""
+        if length is None:
+            self.context_lengths.pop(url, None)
+        else:
+            self.context_lengths[url] = length
+        self._max_context = max(self.context_lengths.values(), default=0)
 
     # -- passive health ----------------------------------------------------------------------
 
@@ -341,5 +352,5 @@ class EnginePool:
         entries = data.get("data") if isinstance(data, dict) else None
         models = [m for m in entries or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
         if engine in self.engines:
-            self.context_lengths[engine.url] = engine.backend.context_length(models)
+            self._context_length(engine.url, engine.backend.context_length(models))
         return models

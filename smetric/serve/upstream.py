@@ -17,6 +17,7 @@ surface as connection errors in aiohttp) by which call raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
@@ -122,9 +123,9 @@ class Attempt:
         # The wait in progress, which ``cut`` ends at once; why it was cut.
         self._wait: asyncio.Timeout | None = None
         self._cut: str | None = None
-        # Handing the engine's bytes to the client: the engine waits on the client now,
-        # not the client on the engine, so its silence is not a stall.
-        self.delivering = False
+        # False while the engine's bytes are handed to the client: the engine waits on
+        # the client then, not the client on the engine, so its silence is not a stall.
+        self.waits_on_engine = True
 
     async def __aenter__(self) -> Attempt:
         engine = self.engine
@@ -166,18 +167,14 @@ class Attempt:
         router to read, and the pool's stall watch leaves it be (``waits_on_engine``).
         Unless another attempt waits on it, its silence starts again once the client
         took the bytes, as an idle engine's does at a new attempt."""
-        self.delivering = True
+        self.waits_on_engine = False
         try:
             await write
         finally:
-            self.delivering = False
+            self.waits_on_engine = True
             others = (a for a in self.engine.attempts if a is not self)
             if not any(a.waits_on_engine for a in others):
                 self.engine.progressed_at = time.monotonic()
-
-    @property
-    def waits_on_engine(self) -> bool:
-        return not self.delivering
 
     def _stalled(self) -> EngineFault | None:
         return None if self._cut is None else EngineFault(self._cut, stalled=True)
@@ -213,10 +210,14 @@ class Attempt:
         """The next piece of the body as it arrives, b"" at its end. A wait longer than
         ``timeout_s`` (``idle_s`` by default) or a body cut short is the engine's fault."""
         assert self.response is not None, "send() first"
+        content = self.response.content
         wait = self.timeouts.idle_s if timeout_s is None else timeout_s
         try:
-            async with self._timeout(wait):
-                chunk = await self.response.content.readany()
+            # A body whose end has come (a small reply, whole with its headers) has no wait
+            # to bound.
+            waiting = contextlib.nullcontext() if content.is_eof() else self._timeout(wait)
+            async with waiting:
+                chunk = await content.readany()
         except TimeoutError:
             raise self._stalled() or EngineFault(f"silent for {wait:g} s", timeout=True) from None
         except aiohttp.ClientError as exc:
