@@ -2,12 +2,13 @@
 
     python benchmarks/router_calls.py [--duration 4]
 
-Each target runs under ``cProfile`` behind two trivial engines while ``wrk`` sends tiny
-chat bodies at 32 connections (as ``router_throughput.py`` does); on SIGTERM it writes its
-profile. Printed: the calls per request (all calls over the requests wrk counted) and,
-for the router, by where the called function lives, counting only functions called at
-least every other request so that start-up stays out. Calls are deterministic where
-timings are not, so this says what a request costs the interpreter on any machine; the
+Each target runs behind two trivial engines while ``wrk`` sends tiny chat bodies at 32
+connections (as ``router_throughput.py`` does): a second of warm-up, then ``cProfile``
+switched on for the timed run alone (``profile_on_signal.py``), so that start-up and
+warm-up stay out. Printed: the calls per request (all calls over the requests wrk
+counted) and by where the called function lives. Calls are deterministic where timings
+are not, so this says what a request costs the interpreter on any machine (within a few
+calls: background work such as the engines' scrapes falls in the window or not); the
 profiler itself slows both targets alike.
 """
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import pstats
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,9 @@ from router_vs_sglang import routes_chat
 
 
 def profiled(procs: Processes, out: Path, args: list[str]) -> tuple[Target, subprocess.Popen]:
-    url, proc = procs.start_listening([sys.executable, "-m", "cProfile", "-o", str(out), *args])
+    """A target started with its profiler off (``profile_on_signal.py``)."""
+    command = [sys.executable, str(HERE / "profile_on_signal.py"), str(out), *args]
+    url, proc = procs.start_listening(command)
     return Target(url, proc.pid), proc
 
 
@@ -41,10 +46,16 @@ def requests_sent(target: Target, script: Path, seconds: int) -> int:
     return int(out.split(" requests in")[0].split()[-1])
 
 
-def stop(proc: subprocess.Popen, out: Path) -> pstats.Stats:
-    proc.terminate()  # both servers end gracefully on SIGTERM, so cProfile writes
-    proc.wait(30)
-    return pstats.Stats(str(out))
+def steady(target: Target, script: Path, out: Path, seconds: int) -> tuple[int, pstats.Stats]:
+    """The requests of a timed run after a second's warm-up, and its profile alone."""
+    requests_sent(target, script, 1)
+    os.kill(target.pid, signal.SIGUSR1)
+    sent = requests_sent(target, script, seconds)
+    os.kill(target.pid, signal.SIGUSR2)
+    done = out.with_name(out.name + ".done")
+    while not done.exists():
+        time.sleep(0.05)
+    return sent, pstats.Stats(str(out))
 
 
 def where(filename: str) -> str:
@@ -75,14 +86,13 @@ def main() -> None:
                 command = [*command, "--port", "0"]
             target, proc = profiled(procs, out, command)
             asyncio.run(routes_chat(target.url))
-            time.sleep(0.5)
-            sent = requests_sent(target, script, args.duration)
-            stats = stop(proc, out).stats  # type: ignore[attr-defined]
+            sent, profile = steady(target, script, out, args.duration)
+            proc.terminate()
+            stats = profile.stats  # type: ignore[attr-defined]
             total = sum(calls for _, calls, *_ in stats.values())
             by: collections.Counter[str] = collections.Counter()
             for (filename, *_), (_, calls, *_) in stats.items():
-                if calls >= sent // 2:
-                    by[where(filename)] += calls
+                by[where(filename)] += calls
             parts = ", ".join(f"{key} {count / sent:.0f}" for key, count in by.most_common(6))
             print(f"{name:<14} {sent:>7,} requests  {total / sent:>6.0f} calls each  ({parts})")
 
