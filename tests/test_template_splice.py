@@ -354,3 +354,20 @@ def test_smollm2_follow_ups_tokenise_as_the_whole_prompt() -> None:
         fresh = analyze_request(body, "chat", tokenizer, 16, template("smollm2"))
         same(facts, fresh)
     assert loaded.splicer.spliced > 0
+
+
+@given(
+    shared=st.lists(st.integers(0, 2), max_size=40),
+    a=st.lists(st.integers(0, 2), max_size=20),
+    b=st.lists(st.integers(0, 2), max_size=20),
+)
+def test_the_common_prefix_is_found_wherever_two_sequences_part(
+    shared: list[int], a: list[int], b: list[int]
+) -> None:
+    first, second = shared + a, shared + b
+    expected = next(
+        (i for i, (x, y) in enumerate(zip(first, second)) if x != y), min(len(first), len(second))
+    )
+    assert template_splice.common_prefix_length(first, second) == expected
+    as_text = "".join(map(str, first)), "".join(map(str, second))
+    assert template_splice.common_prefix_length(*as_text) == expected

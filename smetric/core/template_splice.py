@@ -176,11 +176,20 @@ def kind_of(added: Sequence[Message]) -> Kind:
 
 
 def common_prefix_length(a: _Sliced, b: _Sliced) -> int:
-    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
+    """Length of the longest common prefix, by C-speed slice comparisons: back from the end
+    in doubling steps (renderings of one conversation part near their end), then by
+    bisection."""
     low, high = 0, min(len(a), len(b))
     if a[:high] == b[:high]:
         return high
     # Invariant: a[:low] == b[:low] and a[:high] != b[:high].
+    step = 1
+    while high - step > low:
+        if a[: high - step] == b[: high - step]:
+            low = high - step
+            break
+        high -= step
+        step *= 2
     while high - low > 1:
         middle = (low + high) // 2
         if a[:middle] == b[:middle]:
