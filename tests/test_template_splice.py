@@ -365,9 +365,8 @@ def test_the_common_prefix_is_found_wherever_two_sequences_part(
     shared: list[int], a: list[int], b: list[int]
 ) -> None:
     first, second = shared + a, shared + b
-    expected = next(
-        (i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y), min(len(first), len(second))
-    )
+    pairs = enumerate(zip(first, second, strict=False))
+    expected = next((i for i, (x, y) in pairs if x != y), min(len(first), len(second)))
     assert template_splice.common_prefix_length(first, second) == expected
     as_text = "".join(map(str, first)), "".join(map(str, second))
     assert template_splice.common_prefix_length(*as_text) == expected
