@@ -87,6 +87,8 @@ _MAX_WINDOW = 64
 # Entries per bucket (conversations opening alike), most recent first.
 _BUCKET = 8
 _ENTRY_OVERHEAD = 500
+# The most a string's header costs (a non-ASCII one's; an ASCII one's is 49 bytes).
+_STR_HEADER = 80
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -416,12 +418,14 @@ def kept_of(
 ) -> Kept:
     """A rendering to keep, with what it costs in memory."""
     nbytes = (
-        sys.getsizeof(text)
+        # The text, and its segments: pieces of it, none wider per character, each with
+        # a string's header (an upper bound, without a pass over the segments).
+        2 * sys.getsizeof(text)
+        + _STR_HEADER * len(rendering.segments)
         + sys.getsizeof(history_tail)
         + len(request.items)
         + len(request.context)
         + 8 * (len(ends) + len(turns))
-        + sum(map(sys.getsizeof, rendering.segments))
         + _ENTRY_OVERHEAD
     )
     return Kept(
