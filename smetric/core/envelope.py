@@ -57,6 +57,7 @@ from smetric.core.conversation import (
 )
 from smetric.core.openai_api import chat_message
 from smetric.core.parsing import Message, RequestError
+from smetric.core.rendering import Rendering
 from smetric.core.template_splice import Packed, packed
 
 ChatApi = Literal["chat", "messages"]
@@ -342,13 +343,7 @@ class ChatReader:
         if api == "messages":
             system = self.segments.get("system", envelope.system, _render_system)
         messages = read.messages
-        if self.template is None:
-            head = [*tools.segments, *system.segments]
-            rendering = rendering_of(head, [(m.role, m.segments[0]) for m in messages])
-        else:
-            parsed = [m.value for m in messages]
-            identity = Packed([m.packed for m in messages], tools.packed)
-            rendering = self.template.render(parsed, system.text, tools.value, extra, identity)
+        rendering = self._rendering(messages, tools, system, extra)
         known = read.known.run if read.known is not None else None
         prompt = hash_segments(rendering.segments, tokenizer, block_size, memo, known)
         turn = sum(m.role == "assistant" for m in messages)
@@ -369,6 +364,19 @@ class ChatReader:
             )
             self.prefixes.keep(prefix, read.known)
         return facts
+
+    def _rendering(
+        self, messages: Sequence[Rendered], tools: Rendered, system: Rendered, extra: Any
+    ) -> Rendering:
+        """The prompt: each message's kept segment after the tools' and the system
+        prompt's, or the model's template over the messages it reads (spliced onto the
+        previous turn's rendering where it allows)."""
+        if self.template is None:
+            head = [*tools.segments, *system.segments]
+            return rendering_of(head, [(m.role, m.segments[0]) for m in messages])
+        parsed = [m.value for m in messages]
+        identity = Packed([m.packed for m in messages], tools.packed)
+        return self.template.render(parsed, system.text, tools.value, extra, identity)
 
 
 _ADDED = "smetric.added"
