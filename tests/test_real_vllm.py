@@ -59,6 +59,9 @@ def test_follow_ups_hit_where_routed_and_the_router_predicts_vllm_s_hits(cluster
     assert_counted_where_routed(cluster, HITS, before, replies)
 
     text = cluster.router_metrics()
+    # With the model's tokenizer and chat template, the bodies were read from their
+    # envelope (messages left raw, found again by their bytes), not decoded whole.
+    assert metric(text, "smetric_request_reads_total", how="envelope") >= len(replies)
     for engine in cluster.engines:
         assert metric(text, "smetric_engine_kv_view_exact", engine=engine.url) == 1.0
         assert metric(text, "smetric_engine_kv_view_blocks", engine=engine.url) > 0
