@@ -71,7 +71,6 @@ from smetric.core.template_splice import (
     TemplateSplicer,
     common_prefix_length,
     identify,
-    kept_of,
     kind_of,
     packed,
     probe,
@@ -313,11 +312,11 @@ class ChatTemplate:
             assert request is not None
             spliced = self._splice(messages, context, kept, last, request)
             if spliced is not None:
-                self.splicer.keep(request, spliced[1], kept)
+                self.splicer.keep(spliced[1], kept)
                 return spliced[0]
         rendering, made = self._whole(messages, context, last, request)
-        if request is not None and made is not None:
-            self.splicer.keep(request, made, kept)
+        if made is not None:  # made only for an identified request
+            self.splicer.keep(made, kept)
         return rendering
 
     def _whole(
@@ -339,7 +338,7 @@ class ChatTemplate:
         rendering = _cut(full, ends, turns, history_end)
         if request is None:
             return rendering, None
-        made = kept_of(
+        made = Kept(
             request,
             len(messages),
             full,
@@ -380,7 +379,7 @@ class ChatTemplate:
             if whole != rendering:
                 splicer.refute(kind)
                 return None
-        made = kept_of(
+        made = Kept(
             request,
             len(messages),
             spliced.text,
@@ -570,7 +569,7 @@ def _like_the_history_end(
 def _spliced_rendering(
     spliced: Spliced, messages: Sequence[Message]
 ) -> tuple[Rendering, tuple[list[int], int, str, list[int]]]:
-    """A spliced text cut as the whole render cuts it, and where (``kept_of``'s ends,
+    """A spliced text cut as the whole render cuts it, and where (``Kept``'s ends,
     lost, signature and turns).
 
     A kept content end at or before ``shared`` was found by a search that read nothing

@@ -451,11 +451,12 @@ def _head(body: bytes, first: int) -> Envelope | None:
 def _session(
     parse: Callable[[object, int], Message], messages: Sequence[Rendered], system: str | None
 ) -> str:
-    """The session key, from the messages through the first user one, decoded again (an
-    opening is a message or two)."""
+    """The session key, from the messages through the first user one: as the template
+    read them, else decoded again (an opening is a message or two)."""
     opening = []
     for i, message in enumerate(messages):
-        opening.append(parse(msgspec.json.decode(message.raw), i))
+        value = message.value
+        opening.append(value if value is not None else parse(msgspec.json.decode(message.raw), i))
         if message.role == "user":
             break
     return session_key(opening, system)

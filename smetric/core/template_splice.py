@@ -96,8 +96,9 @@ _ENCODER = msgspec.msgpack.Encoder()
 class Kept:
     """A conversation's whole rendering, kept for its follow-ups.
 
-    ``items``: the messages as MessagePack (each message's encoding, concatenated; prefix
-    free, so equal leading bytes are equal leading messages). ``ends`` and ``lost``: where
+    ``request``: its messages and context as the splicer identifies them (``identify``;
+    the messages' encodings are prefix free, so equal leading bytes are equal leading
+    messages). ``ends`` and ``lost``: where
     each message's content ends in ``text`` and the first one not found there, as
     ``conversation._content_ends`` gives them; ``signature`` and ``turns``: the markup
     around the history end and where else it was found (``_like_the_history_end``).
@@ -106,8 +107,7 @@ class Kept:
     whose strings a follow-up reuses (the block memo finds them by identity).
     """
 
-    context: bytes
-    items: bytes
+    request: Request
     count: int
     text: str
     ends: list[int]
@@ -117,7 +117,21 @@ class Kept:
     history_end: int
     history_tail: str
     rendering: Rendering
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """What it costs in memory: the text, and its segments (pieces of it, none wider
+        per character, each with a string's header: an upper bound, without a pass over
+        the segments), the history's tail, the identity, the offsets."""
+        return (
+            2 * sys.getsizeof(self.text)
+            + _STR_HEADER * len(self.rendering.segments)
+            + sys.getsizeof(self.history_tail)
+            + len(self.request.items)
+            + len(self.request.context)
+            + 8 * (len(self.ends) + len(self.turns))
+            + _ENTRY_OVERHEAD
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,20 +390,21 @@ class TemplateSplicer:
             if (
                 kept.count <= count
                 and (best is None or kept.count > best.count)
-                and kept.context == request.context
-                and request.items.startswith(kept.items)
+                and kept.request.context == request.context
+                and request.items.startswith(kept.request.items)
             ):
                 best = kept
         return best
 
-    def keep(self, request: Request, kept: Kept, replacing: Kept | None) -> None:
-        """Keep ``kept`` (made from ``request``) in place of the rendering it extended."""
+    def keep(self, kept: Kept, replacing: Kept | None) -> None:
+        """Keep ``kept`` in place of the rendering it extended."""
         if kept.nbytes > self.max_bytes:
             return
+        items, key = kept.request.items, kept.request.bucket
         with self._lock:
-            bucket = self._buckets.setdefault(request.bucket, [])
-            self._buckets.move_to_end(request.bucket)
-            for old in [e for e in bucket if e is replacing or e.items == kept.items]:
+            bucket = self._buckets.setdefault(key, [])
+            self._buckets.move_to_end(key)
+            for old in [e for e in bucket if e is replacing or e.request.items == items]:
                 bucket.remove(old)
                 self.nbytes -= old.nbytes
             bucket.insert(0, kept)
@@ -402,46 +417,6 @@ class TemplateSplicer:
                     del self._buckets[key]
                     continue
                 self.nbytes -= oldest.pop().nbytes
-
-
-def kept_of(
-    request: Request,
-    count: int,
-    text: str,
-    ends: list[int],
-    lost: int,
-    signature: str,
-    turns: list[int],
-    history_end: int,
-    history_tail: str,
-    rendering: Rendering,
-) -> Kept:
-    """A rendering to keep, with what it costs in memory."""
-    nbytes = (
-        # The text, and its segments: pieces of it, none wider per character, each with
-        # a string's header (an upper bound, without a pass over the segments).
-        2 * sys.getsizeof(text)
-        + _STR_HEADER * len(rendering.segments)
-        + sys.getsizeof(history_tail)
-        + len(request.items)
-        + len(request.context)
-        + 8 * (len(ends) + len(turns))
-        + _ENTRY_OVERHEAD
-    )
-    return Kept(
-        request.context,
-        request.items,
-        count,
-        text,
-        ends,
-        lost,
-        signature,
-        turns,
-        history_end,
-        history_tail,
-        rendering,
-        nbytes,
-    )
 
 
 def _call(i: int) -> dict[str, Any]:
