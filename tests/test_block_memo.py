@@ -99,9 +99,11 @@ def test_segments_hash_as_their_encodings_concatenated(
     hashed = hash_segments(segments, TOKENIZER, block_size)
     parts = [token_array32(TOKENIZER.encode(s)) for s in segments]
     tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-    assert np.concatenate(hashed.token_parts).tolist() == tokens.tolist()
+    assert [p.tolist() for p in hashed.token_parts] == [p.tolist() for p in parts]
     assert hashed.blocks.tolist() == chain_hashes(tokens, block_size).tolist()
-    assert hashed.ends == (np.cumsum([len(p) for p in parts]).tolist() if segments else [0])
+    counts = [hashed.tokens_in(k) for k in range(len(parts) + 1)]
+    assert counts == [0, *np.cumsum([len(p) for p in parts]).tolist()]
+    assert hashed.tokens == len(tokens)
 
 
 @given(
@@ -120,7 +122,8 @@ def test_a_known_run_lends_exactly_the_segments_a_prompt_starts_with(
     tokenizer = CountingTokenizer()
     lent = hash_segments(segments, tokenizer, block_size, known=run)
     fresh = hash_segments(segments, TOKENIZER, block_size)
-    assert lent.blocks.tolist() == fresh.blocks.tolist() and lent.ends == fresh.ends
+    assert lent.blocks.tolist() == fresh.blocks.tolist()
+    assert [n.end for n in lent.nodes] == [n.end for n in fresh.nodes]
     assert [p.tolist() for p in lent.token_parts] == [p.tolist() for p in fresh.token_parts]
     reused = run.leading(segments, block_size)
     assert tokenizer.encoded == sum(map(len, segments[len(reused.segments) :]))

@@ -103,3 +103,15 @@ def test_byte_tokenizer_is_utf8_and_keeps_lone_surrogates() -> None:
     assert list(tokenizer.encode("hé")) == [104, 0xC3, 0xA9]
     assert token_array32(tokenizer.encode("hé")).tolist() == [104, 0xC3, 0xA9]
     assert tokenizer.encode("a\ud800") != tokenizer.encode("a\ud801")
+
+
+@pytest.mark.parametrize("tokens", [[-1], [5, 2**32], [2**70]])
+def test_a_tokenizer_s_ids_outside_uint32_are_refused(tokens: list[int]) -> None:
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        token_array32(tokens)
+
+
+def test_a_tokenizer_s_ids_become_little_endian_uint32_as_they_are() -> None:
+    array = token_array32([0, 7, 2**32 - 1])
+    assert array.dtype == np.dtype("<u4")
+    assert array.tolist() == [0, 7, 2**32 - 1]

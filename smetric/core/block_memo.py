@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -114,15 +114,49 @@ class Run:
 _EMPTY_RUN = Run((), (), _EMPTY_BLOCKS)
 
 
+class TokenParts(Sequence[np.ndarray]):
+    """A prompt's tokens per segment (uint32), read off its nodes when asked: only an engine
+    asks, so a routed request never gathers them."""
+
+    __slots__ = ("_nodes",)
+
+    def __init__(self, nodes: Sequence[_Node]) -> None:
+        self._nodes = nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
+
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(index, slice):
+            return [node.tokens for node in self._nodes[index]]
+        return self._nodes[index].tokens
+
+
 @dataclass(frozen=True, slots=True)
 class PromptBlocks:
-    """A prompt's tokens (uint32, one array per segment), its block ids, and the token
-    count after each segment; ``nodes``, to make a ``Run`` of its leading segments."""
+    """A prompt's block ids, and the nodes its segments hashed to: their tokens, the token
+    count so far, and a ``Run`` of its leading segments."""
 
-    token_parts: list[np.ndarray]
     blocks: np.ndarray
-    ends: list[int]
     nodes: list[_Node]
+
+    @property
+    def token_parts(self) -> TokenParts:
+        return TokenParts(self.nodes)
+
+    def tokens_in(self, segments: int) -> int:
+        """The tokens of the first ``segments`` segments."""
+        return self.nodes[segments - 1].end if segments else 0
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_in(len(self.nodes))
 
     def run(self, segments: Sequence[str]) -> Run:
         """The run of ``segments``, which this prompt hashed."""
@@ -217,8 +251,5 @@ def hash_segments(
         nodes.append(node)
     if memo is not None:
         memo._keep(rest, nodes, held, run.nodes[-1] if run.nodes else _ROOT)
-    every = [*run.nodes, *nodes]
-    if not every:
-        return PromptBlocks([_EMPTY_TOKENS], _EMPTY_BLOCKS.copy(), [0], [])
     blocks = np.concatenate([run.blocks] + [n.blocks for n in nodes])
-    return PromptBlocks([n.tokens for n in every], blocks, [n.end for n in every], every)
+    return PromptBlocks(blocks, [*run.nodes, *nodes])

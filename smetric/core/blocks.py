@@ -60,10 +60,11 @@ def token_array32(tokens: Sequence[int]) -> np.ndarray:
     ids outside ``[0, 2**32)`` are refused."""
     if isinstance(tokens, bytes):
         return np.frombuffer(tokens, dtype=np.uint8).astype("<u4")
-    array = np.array(tokens, dtype=np.int64)
-    if len(array) and (int(array.min()) < 0 or int(array.max()) >= _UINT32_LIMIT):
-        raise ValueError("token ids must lie in [0, 2**32)")
-    return array.astype("<u4")
+    try:
+        # numpy converts Python ints straight to uint32, refusing those out of its range.
+        return np.array(tokens, dtype="<u4")
+    except OverflowError as error:
+        raise ValueError("token ids must lie in [0, 2**32)") from error
 
 
 def chain_hashes(

@@ -42,8 +42,8 @@ memo (``core/block_memo``) skip the history a follow-up re-sends.
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
@@ -72,6 +72,7 @@ from smetric.core.template_splice import (
     common_prefix_length,
     identify,
     kind_of,
+    last_of,
     packed,
     probe,
     splice,
@@ -106,9 +107,10 @@ class RequestFacts:
     @property
     def token_ids(self) -> np.ndarray:
         """The prompt's token ids, int64."""
-        if len(self.token_parts) == 1:
-            return self.token_parts[0].astype(np.int64)
-        return np.concatenate(self.token_parts).astype(np.int64)
+        parts = self.token_parts
+        if len(parts) <= 1:
+            return parts[0].astype(np.int64) if parts else np.empty(0, dtype=np.int64)
+        return np.concatenate(list(parts)).astype(np.int64)
 
     def routing_request(self) -> RoutingRequest:
         """The subset a policy sees."""
@@ -169,8 +171,8 @@ def facts_of(rendering: Rendering, turn: int, session: str, prompt: PromptBlocks
     """The facts of a rendered conversation, ``prompt`` its segments hashed."""
     return RequestFacts(
         turn=turn,
-        prompt_tokens=prompt.ends[-1],
-        est_hit_tokens=prompt.ends[rendering.history - 1] if rendering.history else 0,
+        prompt_tokens=prompt.tokens,
+        est_hit_tokens=prompt.tokens_in(rendering.history),
         session_key=session,
         blocks=prompt.blocks,
         token_parts=prompt.token_parts,
@@ -263,6 +265,9 @@ class ChatTemplate:
         environment.globals["raise_exception"] = _raise_exception
         # Compiling here makes a broken template fail at start-up, not on every request.
         self._template = environment.from_string(template)
+        # Its globals as one dict: Jinja's view over its own and the environment's is
+        # flattened again on every render otherwise, and neither changes from here on.
+        self._template.globals = dict(self._template.globals)
         self.bos_token = bos_token
         self.eos_token = eos_token
         # The renderings follow-ups are spliced onto, bounded by ``keep_bytes``.
@@ -303,7 +308,7 @@ class ChatTemplate:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         }
-        last = _last_assistant(messages)
+        last = last_of(messages, "assistant")
         request = identify(items, [known.tools, packed(extra)])
         kept = None if request is None else self.splicer.find(request, len(messages))
         if kept is not None and kept.count == len(messages):
@@ -335,20 +340,22 @@ class ChatTemplate:
             history_tail = history[history_end:]
         ends, lost = _content_ends(full, messages)
         signature, turns = _like_the_history_end(full, messages, ends, history_end)
-        rendering = _cut(full, ends, turns, history_end)
+        rendering, stops = _cut(full, ends, turns, history_end)
         if request is None:
             return rendering, None
         made = Kept(
-            request,
-            len(messages),
-            full,
-            ends,
-            lost,
-            signature,
-            turns,
-            history_end,
-            history_tail,
-            rendering,
+            request=request,
+            count=len(messages),
+            text=full,
+            ends=ends,
+            lost=lost,
+            signature=signature,
+            turns=turns,
+            stops=stops,
+            last_user=last_of(messages, "user"),
+            history_end=history_end,
+            history_tail=history_tail,
+            rendering=rendering,
         )
         return rendering, made
 
@@ -373,20 +380,26 @@ class ChatTemplate:
             return None  # a window the template refuses: the whole render decides
         if spliced is None:
             return None
-        rendering, cuts = _spliced_rendering(spliced, messages)
+        rendering, (ends, lost, signature, turns, stops) = _spliced_rendering(spliced, messages)
         if splicer.sampled():
             whole, _ = self._whole(messages, context, last)
             if whole != rendering:
                 splicer.refute(kind)
                 return None
+        added_user = last_of(messages[kept.count :], "user")
         made = Kept(
-            request,
-            len(messages),
-            spliced.text,
-            *cuts,
-            spliced.history_end,
-            spliced.history_tail,
-            rendering,
+            request=request,
+            count=len(messages),
+            text=spliced.text,
+            ends=ends,
+            lost=lost,
+            signature=signature,
+            turns=turns,
+            stops=stops,
+            last_user=kept.count + added_user if added_user >= 0 else kept.last_user,
+            history_end=spliced.history_end,
+            history_tail=spliced.history_tail,
+            rendering=rendering,
         )
         return rendering, made
 
@@ -400,14 +413,16 @@ class ChatTemplate:
             here = {**context, "tools": tools}
             try:
                 _, made = self._whole(
-                    messages[:previous], here, _last_assistant(messages[:previous]), _PROBE
+                    messages[:previous], here, last_of(messages[:previous], "assistant"), _PROBE
                 )
-                whole, _ = self._whole(messages, here, _last_assistant(messages))
+                whole, _ = self._whole(messages, here, last_of(messages, "assistant"))
             except RequestError:
                 return None
             assert made is not None
             try:
-                spliced = splice(self._windows(here), messages, made, _last_assistant(messages))
+                spliced = splice(
+                    self._windows(here), messages, made, last_of(messages, "assistant")
+                )
             except Exception:
                 return None
             if spliced is None:
@@ -496,29 +511,50 @@ def _cut(
     ends: list[int],
     turns: list[int],
     history_end: int,
-    previous: Rendering | None = None,
-    shared: int = 0,
-) -> Rendering:
+    lent: Lent | None = None,
+) -> tuple[Rendering, list[int]]:
     """``text`` cut at ``ends``, at ``history_end``, which closes the history, and where
-    earlier turns closed alike (``turns``, from ``_like_the_history_end``).
+    earlier turns closed alike (``turns``, from ``_like_the_history_end``); and where each
+    segment stops.
 
-    ``previous``, a rendering whose text equals this one for ``shared`` characters, lends
-    its leading segments as far as both cut alike there: the block memo then finds them by
-    identity, without hashing their text again.
+    ``lent``, a rendering that cuts as this one up to an offset, lends its segments that
+    stop by then as they are: the block memo then finds them by identity, without hashing
+    their text again, and only the cuts after them are sorted out here.
     """
-    cuts = sorted({*ends, *turns, history_end} - {0, len(text)})
-    starts, stops = [0, *cuts], [*cuts, len(text)]
-    lent: list[str] = []
-    if previous is not None:
-        old = list(itertools.accumulate(map(len, previous.segments)))
-        lent = previous.segments[: common_prefix_length(old[: bisect.bisect(old, shared)], stops)]
-    pairs = zip(starts[len(lent) :], stops[len(lent) :], strict=True)
-    segments = lent + [text[a:b] for a, b in pairs]
+    count, after = 0, 0
+    if lent is not None:
+        count = bisect.bisect(lent.stops, lent.upto)
+        after = lent.stops[count - 1] if count else 0
+    later = {*ends[bisect.bisect(ends, after) :], *turns[bisect.bisect(turns, after) :]}
+    if history_end > after:
+        later.add(history_end)
+    later.discard(len(text))
+    cuts = sorted(later)
+    stops = [*cuts, len(text)]
+    segments = [text[a:b] for a, b in zip([after, *cuts], stops, strict=True)]
+    if lent is not None:
+        segments[:0] = lent.rendering.segments[:count]
+        stops[:0] = lent.stops[:count]
     if history_end == 0:
-        return Rendering(segments, 0)
-    return Rendering(
-        segments, len(segments) if history_end == len(text) else starts.index(history_end)
-    )
+        return Rendering(segments, 0), stops
+    # The segment after the one that stops at the history end opens the rest.
+    return Rendering(segments, bisect.bisect_left(stops, history_end) + 1), stops
+
+
+@dataclass(frozen=True, slots=True)
+class Lent:
+    """A rendering (with where its segments stop) whose cuts equal another's up to ``upto``."""
+
+    rendering: Rendering
+    stops: list[int]
+    upto: int
+
+
+def _agreed(new: list[int], old: list[int]) -> int:
+    """The offset through which two nondecreasing lists of offsets hold the same values."""
+    same = common_prefix_length(new, old)
+    firsts = [offsets[same] for offsets in (new, old) if same < len(offsets)]
+    return min(firsts) - 1 if firsts else sys.maxsize
 
 
 def _like_the_history_end(
@@ -568,9 +604,9 @@ def _like_the_history_end(
 
 def _spliced_rendering(
     spliced: Spliced, messages: Sequence[Message]
-) -> tuple[Rendering, tuple[list[int], int, str, list[int]]]:
+) -> tuple[Rendering, tuple[list[int], int, str, list[int], list[int]]]:
     """A spliced text cut as the whole render cuts it, and where (``Kept``'s ends,
-    lost, signature and turns).
+    lost, signature, turns and stops).
 
     A kept content end at or before ``shared`` was found by a search that read nothing
     past it (the candidates it passed over end before it), so it stands in the spliced
@@ -583,19 +619,23 @@ def _spliced_rendering(
     signature, turns = _like_the_history_end(
         text, messages, ends, spliced.history_end, kept, shared
     )
-    rendering = _cut(text, ends, turns, spliced.history_end, kept.rendering, shared)
-    return rendering, (ends, lost, signature, turns)
-
-
-def _last_assistant(messages: Sequence[Message]) -> int:
-    """The index of the last assistant message, -1 without one."""
-    return next(
-        (i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), -1
+    # Cut alike as far as both texts, their content ends and their turns agree, and short of
+    # either history end (each a cut of one text only) and of either text's end.
+    upto = min(
+        shared,
+        len(text) - 1,
+        len(kept.text) - 1,
+        _agreed(ends, kept.ends),
+        _agreed(turns, kept.turns),
+        *(end - 1 for end in (spliced.history_end, kept.history_end) if end > 0),
     )
+    lent = Lent(kept.rendering, kept.stops, upto)
+    rendering, stops = _cut(text, ends, turns, spliced.history_end, lent)
+    return rendering, (ends, lost, signature, turns, stops)
 
 
 # What the probe's renderings are kept as: never looked up.
-_PROBE = Request(b"", b"", 0)
+_PROBE = Request(b"", (), 0, 0)
 
 
 # --- Completions and shared helpers ------------------------------------------------------

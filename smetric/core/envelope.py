@@ -182,14 +182,46 @@ class SegmentCache:
 
 
 @dataclass(frozen=True, slots=True)
-class _Prefix:
-    """A body's bytes through all its messages but the last, the top-level fields before
-    its messages, those messages rendered, and the run its segments hashed to (its tools
-    and system headers first)."""
+class Conversation:
+    """A body's messages rendered, with what a rendering reads of every one of them
+    gathered: a follow-up's extends its kept prefix's, so gathering costs what it adds, not
+    what the conversation holds. ``values`` and ``packs``: as a model's template reads them
+    and as its splicer identifies them (None each with the generic rendering); ``turns``:
+    the assistant messages among them."""
 
-    raw: bytes
+    messages: tuple[Rendered, ...] = ()
+    values: tuple[Any, ...] = ()
+    packs: tuple[bytes | None, ...] = ()
+    turns: int = 0
+
+    def extended(self, added: Sequence[Rendered]) -> Conversation:
+        return Conversation(
+            self.messages + tuple(added),
+            self.values + tuple(m.value for m in added),
+            self.packs + tuple(m.packed for m in added),
+            self.turns + sum(m.role == "assistant" for m in added),
+        )
+
+    def without_last(self) -> Conversation:
+        last = self.messages[-1]
+        turns = self.turns - (last.role == "assistant")
+        return Conversation(self.messages[:-1], self.values[:-1], self.packs[:-1], turns)
+
+
+_EMPTY = Conversation()
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefix:
+    """A body kept for its bytes through all its messages but the last (the first
+    ``length``; kept whole, as slicing it would copy it), the top-level fields before its
+    messages, those messages rendered, and the run its segments hashed to (its tools and
+    system headers first)."""
+
+    body: bytes
+    length: int
     head: Envelope
-    messages: tuple[Rendered, ...]
+    conversation: Conversation
     run: Run
     bucket: _Bucket
     # The session key under the system prompt it was digested with, once a user message
@@ -198,17 +230,22 @@ class _Prefix:
     # Its bytes, the run's (whose nodes the block memo may hold too) and the rest.
     nbytes: int
 
+    def starts(self, body: bytes) -> bool:
+        """Whether ``body`` begins with this prefix's bytes (a ``memcmp``, no copy)."""
+        return body.startswith(memoryview(self.body)[: self.length])
+
 
 def _prefix(
-    raw: bytes,
+    body: bytes,
+    length: int,
     head: Envelope,
-    messages: tuple[Rendered, ...],
+    conversation: Conversation,
     run: Run,
     bucket: _Bucket,
     session: tuple[str | None, str] | None,
 ) -> _Prefix:
-    size = len(raw) + 8 * len(messages) + run.nbytes + _ENTRY_OVERHEAD
-    return _Prefix(raw, head, messages, run, bucket, session, size)
+    size = len(body) + 24 * len(conversation.messages) + run.nbytes + _ENTRY_OVERHEAD
+    return _Prefix(body, length, head, conversation, run, bucket, session, size)
 
 
 class Prefixes:
@@ -228,14 +265,14 @@ class Prefixes:
             return None
         with self._lock:
             candidates = list(self._buckets.get(bucket, ()))
-        return next((c for c in candidates if body.startswith(c.raw)), None)
+        return next((c for c in candidates if c.starts(body)), None)
 
     def keep(self, prefix: _Prefix, replacing: _Prefix | None) -> None:
         if prefix.nbytes > self.max_bytes:
             return
         with self._lock:
             bucket = self._buckets.pop(prefix.bucket, [])
-            others = [p for p in bucket if p is not replacing and p.raw != prefix.raw]
+            others = [p for p in bucket if p is not replacing and not _same(p, prefix)]
             kept = [prefix, *others][:_BUCKET]
             self.nbytes += sum(p.nbytes for p in kept) - sum(p.nbytes for p in bucket)
             self._buckets[prefix.bucket] = kept
@@ -245,6 +282,10 @@ class Prefixes:
 
 
 _Bucket = tuple[str, str | None, int]
+
+
+def _same(a: _Prefix, b: _Prefix) -> bool:
+    return a.length == b.length and a.starts(b.body)
 
 
 def _bucket(body: bytes, api: ChatApi, session: str | None) -> _Bucket:
@@ -264,14 +305,14 @@ class ChatBody:
 
     body: bytes
     envelope: Envelope
-    messages: list[Rendered]
+    conversation: Conversation
     known: _Prefix | None
     head: Envelope | None
     cut: int
     bucket: _Bucket
 
     def last_message(self) -> Any:
-        return decoded(self.messages[-1].raw)
+        return decoded(self.conversation.messages[-1].raw)
 
 
 class ChatReader:
@@ -295,22 +336,22 @@ class ChatReader:
         parse = _PARSERS[api]
         bucket = _bucket(body, api, session)
         known = self.prefixes.find(body, bucket)
-        if known is not None and (tail := _tail(body, len(known.raw))) is not None:
-            messages = [*known.messages, *self._render(api, parse, tail.added)]
-            cut = _ends(body, len(known.raw), tail.added[:-1])
+        if known is not None and (tail := _tail(body, known.length)) is not None:
+            conversation = known.conversation.extended(self._render(api, parse, tail.added))
+            cut = _ends(body, known.length, tail.added[:-1])
             return ChatBody(
-                body, _merged(known.head, tail), messages, known, known.head, cut, bucket
+                body, _merged(known.head, tail), conversation, known, known.head, cut, bucket
             )
         envelope = read_envelope(body)
         if envelope is None:
             return None
         if not envelope.messages:
             raise RequestError("the request has no messages")
-        messages = self._render(api, parse, envelope.messages)
+        conversation = _EMPTY.extended(self._render(api, parse, envelope.messages))
         first = body.find(envelope.messages[0])
         head = _head(body, first)
         cut = _ends(body, first, envelope.messages[:-1]) if head is not None else 0
-        return ChatBody(body, envelope, messages, None, head, cut, bucket)
+        return ChatBody(body, envelope, conversation, None, head, cut, bucket)
 
     def _render(
         self, api: ChatApi, parse: Callable[[object, int], Message], raws: Sequence[msgspec.Raw]
@@ -342,41 +383,39 @@ class ChatReader:
         system = _NONE
         if api == "messages":
             system = self.segments.get("system", envelope.system, _render_system)
-        messages = read.messages
-        rendering = self._rendering(messages, tools, system, extra)
+        conversation = read.conversation
+        rendering = self._rendering(conversation, tools, system, extra)
         known = read.known.run if read.known is not None else None
         prompt = hash_segments(rendering.segments, tokenizer, block_size, memo, known)
-        turn = sum(m.role == "assistant" for m in messages)
         opened = read.known.session if read.known is not None else None
         if opened is not None and opened[0] == system.text:
             session = opened[1]
         else:
-            session = _session(_PARSERS[api], messages, system.text)
-        facts = facts_of(rendering, turn, session, prompt)
-        grown = read.known is None or read.cut > len(read.known.raw)
+            session = _session(_PARSERS[api], conversation.messages, system.text)
+        facts = facts_of(rendering, conversation.turns, session, prompt)
+        grown = read.known is None or read.cut > read.known.length
         if read.head is not None and read.cut > _HEAD_BYTES and grown:
-            kept = messages[:-1]
+            kept = conversation.without_last()
             # All of it: the next turn's rendering shares as much of it as it can.
             run = prompt.run(rendering.segments)
-            opening = (system.text, session) if any(m.role == "user" for m in kept) else None
-            prefix = _prefix(
-                read.body[: read.cut], read.head, tuple(kept), run, read.bucket, opening
-            )
+            users = (m.role == "user" for m in kept.messages)
+            opening = (system.text, session) if any(users) else None
+            prefix = _prefix(read.body, read.cut, read.head, kept, run, read.bucket, opening)
             self.prefixes.keep(prefix, read.known)
         return facts
 
     def _rendering(
-        self, messages: Sequence[Rendered], tools: Rendered, system: Rendered, extra: Any
+        self, conversation: Conversation, tools: Rendered, system: Rendered, extra: Any
     ) -> Rendering:
         """The prompt: each message's kept segment after the tools' and the system
         prompt's, or the model's template over the messages it reads (spliced onto the
         previous turn's rendering where it allows)."""
         if self.template is None:
             head = [*tools.segments, *system.segments]
-            return rendering_of(head, [(m.role, m.segments[0]) for m in messages])
-        parsed = [m.value for m in messages]
-        identity = Packed([m.packed for m in messages], tools.packed)
-        return self.template.render(parsed, system.text, tools.value, extra, identity)
+            parts = [(m.role, m.segments[0]) for m in conversation.messages]
+            return rendering_of(head, parts)
+        identity = Packed(conversation.packs, tools.packed)
+        return self.template.render(conversation.values, system.text, tools.value, extra, identity)
 
 
 _ADDED = "smetric.added"

@@ -67,7 +67,7 @@ import xxhash
 from smetric.core.parsing import Message
 from smetric.core.rendering import Rendering
 
-__all__ = ["Kept", "Packed", "Spliced", "TemplateSplicer", "identify", "packed"]
+__all__ = ["Kept", "Packed", "Spliced", "TemplateSplicer", "identify", "last_of", "packed"]
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +96,15 @@ _ENCODER = msgspec.msgpack.Encoder()
 class Kept:
     """A conversation's whole rendering, kept for its follow-ups.
 
-    ``request``: its messages and context as the splicer identifies them (``identify``;
-    the messages' encodings are prefix free, so equal leading bytes are equal leading
-    messages). ``ends`` and ``lost``: where
-    each message's content ends in ``text`` and the first one not found there, as
-    ``conversation._content_ends`` gives them; ``signature`` and ``turns``: the markup
-    around the history end and where else it was found (``_like_the_history_end``).
-    ``history_tail``: the history's rendering after ``history_end``, where it parts from
-    ``text``. ``rendering``: the segments made of it,
-    whose strings a follow-up reuses (the block memo finds them by identity).
+    ``request``: its messages and context as the splicer identifies them (``identify``).
+    ``ends`` and ``lost``: where each message's content ends in ``text`` and the first one
+    not found there, as ``conversation._content_ends`` gives them; ``signature`` and
+    ``turns``: the markup around the history end and where else it was found
+    (``_like_the_history_end``); ``stops``: where each of the rendering's segments stops in
+    ``text``; ``last_user``: the index of its last user message (-1: none).
+    ``history_tail``: the history's rendering after ``history_end``, where it
+    parts from ``text``. ``rendering``: the segments made of it, whose strings a follow-up
+    reuses (the block memo finds them by identity).
     """
 
     request: Request
@@ -114,6 +114,8 @@ class Kept:
     lost: int
     signature: str
     turns: list[int]
+    stops: list[int]
+    last_user: int
     history_end: int
     history_tail: str
     rendering: Rendering
@@ -127,9 +129,9 @@ class Kept:
             2 * sys.getsizeof(self.text)
             + _STR_HEADER * len(self.rendering.segments)
             + sys.getsizeof(self.history_tail)
-            + len(self.request.items)
+            + self.request.nbytes
             + len(self.request.context)
-            + 8 * (len(self.ends) + len(self.turns))
+            + 8 * (len(self.ends) + len(self.turns) + len(self.stops))
             + _ENTRY_OVERHEAD
         )
 
@@ -149,10 +151,13 @@ class Spliced:
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """A request's messages as the splicer identifies them."""
+    """A request's messages as the splicer identifies them: each packed alone (a follow-up's
+    earlier ones the very objects its previous turn packed, so comparing them is mostly
+    comparing pointers), and what they take in bytes."""
 
     context: bytes
-    items: bytes
+    items: tuple[bytes, ...]
+    nbytes: int
     bucket: int
 
 
@@ -175,15 +180,16 @@ class Packed:
 
 def identify(messages: Sequence[bytes | None], context: Sequence[bytes | None]) -> Request | None:
     """A request from its messages and the rest of what the template sees (tools, template
-    arguments), each packed alone (``packed``): encodings are prefix free, so joined they
-    tell where each part ends. None where a part did not encode: the request renders
-    whole."""
+    arguments), each packed alone (``packed``): encodings are prefix free, so the context's
+    joined still tell where each part ends. None where a part did not encode: the request
+    renders whole."""
     if None in messages or None in context:
         return None
-    items = b"".join(cast("Sequence[bytes]", messages))
+    items = tuple(cast("Sequence[bytes]", messages))
     context_bytes = b"".join(cast("Sequence[bytes]", context))
-    first = cast(bytes, messages[0]) if messages else b""
-    return Request(context_bytes, items, xxhash.xxh3_64_intdigest(context_bytes + first))
+    first = items[0] if items else b""
+    nbytes = sum(map(len, items)) + 8 * len(items)
+    return Request(context_bytes, items, nbytes, xxhash.xxh3_64_intdigest(context_bytes + first))
 
 
 def kind_of(added: Sequence[Message]) -> Kind:
@@ -215,18 +221,22 @@ def common_prefix_length(a: _Sliced, b: _Sliced) -> int:
     return low
 
 
-def window(messages: Sequence[Message], previous: int, start: int) -> tuple[list[int], int] | None:
+def window(
+    messages: Sequence[Message], previous: int, start: int, last_user: int
+) -> tuple[list[int], int] | None:
     """The indices of the messages the splice renders (see the module's docstring), starting
     at or before ``start``, and how many of them come before it (the system messages and the
-    anchor); None where the window would be (nearly) the whole conversation anyway."""
+    anchor); None where the window would be (nearly) the whole conversation anyway.
+    ``last_user``: the last user message among the first ``previous`` (-1: none), the anchor
+    unless the window starts before it, found without walking back over an agent's tool
+    loop."""
     heads = 0
     while heads < len(messages) and messages[heads]["role"] == "system":
         heads += 1
     start = min(start, previous - _LOOKBACK)
     while start > heads:
-        anchor = next(
-            (i for i in range(start - 1, heads - 1, -1) if messages[i]["role"] == "user"), None
-        )
+        found = last_user if last_user < start else last_of(messages, "user", start)
+        anchor = found if found >= 0 else None
         first = heads + (anchor is not None)
         if (start - first) % 2:
             start -= 1
@@ -252,10 +262,10 @@ def splice(
     a window missing something the template reads of earlier messages (the user message
     it counts reasoning from, say) shows.
     """
-    prior = _last_assistant(messages, kept.count)
+    prior = last_of(messages, "assistant", kept.count)
     # Both histories' last assistant messages lie in the window, after its first message.
     start = min((i for i in (last_assistant, prior) if i >= 0), default=kept.count)
-    found = window(messages, kept.count, start - 1)
+    found = window(messages, kept.count, start - 1, kept.last_user)
     if found is None:
         return None
     indices, before = found
@@ -270,7 +280,8 @@ def splice(
     if edit is None:
         return None
     shared, common = edit
-    text = kept.text[:shared] + new[common:]
+    text = kept.text[:shared]
+    text += new[common:]  # in place: the slice is this frame's alone, so no second copy
     if prior >= 0:
         old_history = render([messages[i] for i in indices if i <= prior], False)
         if not _ends_history(kept, old_history[_reach(old_history, context, first) :]):
@@ -289,9 +300,10 @@ def splice(
     return Spliced(kept, text, shared, history_end, history_tail)
 
 
-def _last_assistant(messages: Sequence[Message], count: int) -> int:
-    """The index of the last assistant message among the first ``count``, -1 without one."""
-    return next((i for i in range(count - 1, -1, -1) if messages[i]["role"] == "assistant"), -1)
+def last_of(messages: Sequence[Message], role: str, count: int | None = None) -> int:
+    """The index of the last ``role`` message (among the first ``count``), -1 without one."""
+    top = len(messages) if count is None else count
+    return next((i for i in range(top - 1, -1, -1) if messages[i]["role"] == role), -1)
 
 
 def _reach(text: str, context: Sequence[Message], first: Message | None) -> int:
@@ -391,7 +403,7 @@ class TemplateSplicer:
                 kept.count <= count
                 and (best is None or kept.count > best.count)
                 and kept.request.context == request.context
-                and request.items.startswith(kept.request.items)
+                and request.items[: kept.count] == kept.request.items
             ):
                 best = kept
         return best
