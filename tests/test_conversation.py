@@ -536,6 +536,24 @@ def test_template_failures_are_request_errors() -> None:
         analyze({"messages": [user("hi")]}, template=mutating)
 
 
+def test_the_sandbox_refuses_alike_however_often_it_is_asked() -> None:
+    """The sandbox's verdicts are remembered per type and attribute: an allowed read stays
+    allowed, and an internal or mutating one is refused on every request, not only the first."""
+    reading = ChatTemplate(
+        "{% for m in messages %}{{ loop.index0 }}{{ m.content.upper() }}{% endfor %}"
+    )
+    probing = ChatTemplate("{{ messages[0].content.__class__.__mro__ }}")
+    internal = ChatTemplate("{% for m in messages %}{{ m.content.upper.__self__.__mro__ }}{% endfor %}")
+    mutating = ChatTemplate("{% for m in messages %}{{ m.update(role='x') }}{% endfor %}")
+    body: dict[str, Any] = {"messages": [user("hi"), assistant("yo"), user("bye")]}
+    for _ in range(3):
+        assert text_of(analyze(body, template=reading)) == "0HI1YO2BYE"
+        for refused in (probing, internal, mutating):
+            with pytest.raises(RequestError, match="chat template"):
+                analyze(body, template=refused)
+    assert body["messages"][0]["role"] == "user"
+
+
 def test_a_broken_template_fails_when_loaded() -> None:
     with pytest.raises(jinja2.TemplateSyntaxError):
         ChatTemplate("{% if %}")

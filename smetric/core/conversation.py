@@ -229,6 +229,34 @@ def rendering_of(head: list[str], messages: Sequence[tuple[str, str]]) -> Render
     return Rendering(segments, history)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox (which Hugging Face and vLLM render chat templates in),
+    remembering its verdict on each attribute a template reads.
+
+    The verdict depends on the object's type and the attribute's name alone
+    (``is_internal_attribute``, ``modifies_known_mutable``: ``isinstance`` tests and name
+    sets), and a template asks the same few for every message it renders (``loop.first``):
+    asking again was nearly half of a short render's time. Only attributes an object has
+    are asked about, so the types and names seen bound the verdicts; ``_VERDICTS`` bounds
+    them anyway."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = super().is_safe_attribute(obj, attr, value)
+            if len(self._verdicts) < _VERDICTS:
+                self._verdicts[key] = verdict
+        return verdict
+
+
+_VERDICTS = 4096
+
+
 class ChatTemplate:
     """A model's own chat template (the Jinja string in its ``tokenizer_config.json``).
 
@@ -258,7 +286,7 @@ class ChatTemplate:
     def __init__(
         self, template: str, bos_token: str = "", eos_token: str = "", keep_bytes: int = 64 << 20
     ) -> None:
-        environment = ImmutableSandboxedEnvironment(
+        environment = _Sandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
         environment.filters["tojson"] = _tojson
