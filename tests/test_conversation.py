@@ -543,7 +543,9 @@ def test_the_sandbox_refuses_alike_however_often_it_is_asked() -> None:
         "{% for m in messages %}{{ loop.index0 }}{{ m.content.upper() }}{% endfor %}"
     )
     probing = ChatTemplate("{{ messages[0].content.__class__.__mro__ }}")
-    internal = ChatTemplate("{% for m in messages %}{{ m.content.upper.__self__.__mro__ }}{% endfor %}")
+    internal = ChatTemplate(
+        "{% for m in messages %}{{ m.content.upper.__self__.__mro__ }}{% endfor %}"
+    )
     mutating = ChatTemplate("{% for m in messages %}{{ m.update(role='x') }}{% endfor %}")
     body: dict[str, Any] = {"messages": [user("hi"), assistant("yo"), user("bye")]}
     for _ in range(3):

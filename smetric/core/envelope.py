@@ -4,9 +4,10 @@ An agent's follow-up resends every earlier message byte for byte, and decoding a
 into Python objects, flattening and rendering each message again was most of the router's
 own work per request. Two memories spare it:
 
-- ``Prefixes`` keeps each body's bytes through its last message with what they held. A
-  follow-up that starts with those bytes is a comparison of them (``memcmp``) and a decode
-  of its tail alone: the new messages and the fields after them.
+- ``Prefixes`` keeps each body's bytes through its last message with what they held,
+  what a rendering reads of those messages gathered (``Conversation``). A follow-up that
+  starts with those bytes is a comparison of them (``memcmp``) and a decode of its tail
+  alone: the new messages and the fields after them.
 - ``SegmentCache`` maps a message's raw JSON to its rendered segment, for a body whose
   prefix is not held (another replica served the turn before, or it was evicted): the top
   level is decoded with each message left raw (``msgspec.Raw``: checked, nothing built),
