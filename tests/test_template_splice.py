@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smetric.core import template_splice
+from smetric.core import conversation, template_splice
 from smetric.core.block_memo import BlockMemo
 from smetric.core.blocks import ByteTokenizer
 from smetric.core.conversation import ChatTemplate, RequestError, RequestFacts, analyze_request
@@ -370,3 +370,61 @@ def test_the_common_prefix_is_found_wherever_two_sequences_part(
     assert template_splice.common_prefix_length(first, second) == expected
     as_text = "".join(map(str, first)), "".join(map(str, second))
     assert template_splice.common_prefix_length(*as_text) == expected
+
+
+def _offsets(data: st.DataObject, low: int, high: int) -> list[int]:
+    """A nondecreasing list of offsets in ``[low, high]``, repeats allowed (content ends)."""
+    return sorted(data.draw(st.lists(st.integers(low, high), max_size=8)))
+
+
+def _cuts(ends: list[int], turns: list[int], history_end: int, length: int) -> set[int]:
+    return {*ends, *turns, history_end} - {0, length}
+
+
+@given(data=st.data())
+def test_a_rendering_cut_with_the_previous_one_lent_equals_it_cut_afresh(
+    data: st.DataObject,
+) -> None:
+    """The previous rendering lends the segments that stop by an offset up to which both
+    texts and their cuts agree; the result is the rendering cut from nothing."""
+    old = data.draw(st.text("ab<|>", min_size=1, max_size=40))
+    shared = data.draw(st.integers(0, len(old)))
+    new = old[:shared] + data.draw(st.text("ab<|>", max_size=20))
+    if not new:
+        return
+    old_ends, old_turns = _offsets(data, 0, len(old)), sorted(set(_offsets(data, 0, len(old))))
+    old_history = data.draw(st.integers(0, len(old)))
+    # The new text keeps some of the old offsets, then finds its own after them.
+    keep_ends = data.draw(st.integers(0, len(old_ends)))
+    ends = [e for e in old_ends[:keep_ends] if e <= shared]
+    ends += _offsets(data, ends[-1] if ends else 0, len(new))
+    turns = [t for t in old_turns if t <= data.draw(st.integers(0, shared))]
+    turns += sorted({t for t in _offsets(data, turns[-1] + 1 if turns else 0, len(new))})
+    history = data.draw(st.integers(0, len(new)))
+    old_cut, old_stops = conversation._cut(old, old_ends, old_turns, old_history)
+    fresh = conversation._cut(new, ends, turns, history)
+    # The furthest offset where the texts and their cut sets still agree, found by trying.
+    old_cuts, new_cuts = (
+        _cuts(old_ends, old_turns, old_history, len(old)),
+        _cuts(ends, turns, history, len(new)),
+    )
+    bound = 0
+    for upto in range(min(shared, len(new) - 1, len(old) - 1) + 1):
+        if {c for c in old_cuts if c <= upto} != {c for c in new_cuts if c <= upto}:
+            break
+        bound = upto
+    upto = data.draw(st.integers(0, bound))
+    lent = conversation.Lent(old_cut, old_stops, upto)
+    assert conversation._cut(new, ends, turns, history, lent) == fresh
+    assert fresh[1] == [*sorted(new_cuts), len(new)]
+
+
+@given(
+    a=st.lists(st.integers(0, 30), max_size=10).map(sorted),
+    b=st.lists(st.integers(0, 30), max_size=10).map(sorted),
+)
+def test_two_lists_of_offsets_agree_up_to_where_they_are_said_to(
+    a: list[int], b: list[int]
+) -> None:
+    agreed = conversation._agreed(a, b)
+    assert {x for x in a if x <= agreed} == {x for x in b if x <= agreed}
