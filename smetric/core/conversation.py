@@ -62,6 +62,7 @@ from smetric.core.policies import RoutingRequest
 from smetric.core.rendering import Rendering
 from smetric.core.responses_api import responses_instructions, responses_messages
 from smetric.core.template_splice import (
+    Cuts,
     Kept,
     Kind,
     Packed,
@@ -366,20 +367,14 @@ class ChatTemplate:
             history = self._render(messages[: last + 1], False, context)
             history_end = common_prefix_length(history, full)
             history_tail = history[history_end:]
-        ends, lost = _content_ends(full, messages)
-        signature, turns = _like_the_history_end(full, messages, ends, history_end)
-        rendering, stops = _cut(full, ends, turns, history_end)
+        rendering, cuts = _cut_text(full, messages, history_end)
         if request is None:
             return rendering, None
         made = Kept(
             request=request,
             count=len(messages),
             text=full,
-            ends=ends,
-            lost=lost,
-            signature=signature,
-            turns=turns,
-            stops=stops,
+            cuts=cuts,
             last_user=last_of(messages, "user"),
             history_end=history_end,
             history_tail=history_tail,
@@ -408,7 +403,7 @@ class ChatTemplate:
             return None  # a window the template refuses: the whole render decides
         if spliced is None:
             return None
-        rendering, (ends, lost, signature, turns, stops) = _spliced_rendering(spliced, messages)
+        rendering, cuts = _cut_text(spliced.text, messages, spliced.history_end, spliced)
         if splicer.sampled():
             whole, _ = self._whole(messages, context, last)
             if whole != rendering:
@@ -419,11 +414,7 @@ class ChatTemplate:
             request=request,
             count=len(messages),
             text=spliced.text,
-            ends=ends,
-            lost=lost,
-            signature=signature,
-            turns=turns,
-            stops=stops,
+            cuts=cuts,
             last_user=kept.count + added_user if added_user >= 0 else kept.last_user,
             history_end=spliced.history_end,
             history_tail=spliced.history_tail,
@@ -455,7 +446,7 @@ class ChatTemplate:
                 return None
             if spliced is None:
                 return None
-            return _spliced_rendering(spliced, messages)[0] == whole
+            return _cut_text(spliced.text, messages, spliced.history_end, spliced)[0] == whole
 
         return probe(check)
 
@@ -512,7 +503,7 @@ def _content_ends(
     not found repeats the one before, and the list never decreases), and the index of the
     first message with content not found (``len(messages)`` if none). ``known``: the ends
     of the first messages, all found or empty, from a text equal to this one as far as
-    their searches read (``_spliced_rendering``).
+    their searches read (``_cut_text``).
     """
     ends = list(known)
     cursor = ends[-1] if ends else 0
@@ -618,10 +609,11 @@ def _like_the_history_end(
     if not closing or not opening:
         return "", []
     signature, found, at = closing + opening, [], 0
-    if kept is not None and kept.signature == signature:
+    if kept is not None and kept.cuts.signature == signature:
         # Occurrences ending by ``shared`` lie in the text both share.
         limit = shared - len(signature)
-        found = kept.turns[: bisect.bisect(kept.turns, limit + len(closing))]
+        turns = kept.cuts.turns
+        found = turns[: bisect.bisect(turns, limit + len(closing))]
         at = limit + 1
     at = text.find(signature, max(at, 0))
     while at >= 0:
@@ -630,36 +622,40 @@ def _like_the_history_end(
     return signature, found
 
 
-def _spliced_rendering(
-    spliced: Spliced, messages: Sequence[Message]
-) -> tuple[Rendering, tuple[list[int], int, str, list[int], list[int]]]:
-    """A spliced text cut as the whole render cuts it, and where (``Kept``'s ends,
-    lost, signature, turns and stops).
+def _cut_text(
+    text: str, messages: Sequence[Message], history_end: int, spliced: Spliced | None = None
+) -> tuple[Rendering, Cuts]:
+    """``text`` (a whole render, or ``spliced``'s) cut as the whole render cuts it, and
+    where.
 
-    A kept content end at or before ``shared`` was found by a search that read nothing
-    past it (the candidates it passed over end before it), so it stands in the spliced
-    text, which equals the kept one that far. A content not found was searched for up to
-    a window past the cursor, so the search starts again from the first such message.
+    Spliced, it starts from the kept rendering's cuts. A kept content end at or before
+    ``shared`` was found by a search that read nothing past it (the candidates it passed
+    over end before it), so it stands in the spliced text, which equals the kept one that
+    far. A content not found was searched for up to a window past the cursor, so the
+    search starts again from the first such message.
     """
-    kept, text, shared = spliced.kept, spliced.text, spliced.shared
-    known = bisect.bisect(kept.ends, shared, 0, kept.lost)
-    ends, lost = _content_ends(text, messages, kept.ends[:known])
-    signature, turns = _like_the_history_end(
-        text, messages, ends, spliced.history_end, kept, shared
+    if spliced is None:
+        ends, lost = _content_ends(text, messages)
+        signature, turns = _like_the_history_end(text, messages, ends, history_end)
+        rendering, stops = _cut(text, ends, turns, history_end)
+        return rendering, Cuts(ends, lost, signature, turns, stops)
+    kept, shared, old = spliced.kept, spliced.shared, spliced.kept.cuts
+    ends, lost = _content_ends(
+        text, messages, old.ends[: bisect.bisect(old.ends, shared, 0, old.lost)]
     )
+    signature, turns = _like_the_history_end(text, messages, ends, history_end, kept, shared)
     # Cut alike as far as both texts, their content ends and their turns agree, and short of
     # either history end (each a cut of one text only) and of either text's end.
     upto = min(
         shared,
         len(text) - 1,
         len(kept.text) - 1,
-        _agreed(ends, kept.ends),
-        _agreed(turns, kept.turns),
-        *(end - 1 for end in (spliced.history_end, kept.history_end) if end > 0),
+        _agreed(ends, old.ends),
+        _agreed(turns, old.turns),
+        *(end - 1 for end in (history_end, kept.history_end) if end > 0),
     )
-    lent = Lent(kept.rendering, kept.stops, upto)
-    rendering, stops = _cut(text, ends, turns, spliced.history_end, lent)
-    return rendering, (ends, lost, signature, turns, stops)
+    rendering, stops = _cut(text, ends, turns, history_end, Lent(kept.rendering, old.stops, upto))
+    return rendering, Cuts(ends, lost, signature, turns, stops)
 
 
 # What the probe's renderings are kept as: never looked up.

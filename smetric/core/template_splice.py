@@ -67,7 +67,7 @@ import xxhash
 from smetric.core.parsing import Message
 from smetric.core.rendering import Rendering
 
-__all__ = ["Kept", "Packed", "Spliced", "TemplateSplicer", "identify", "last_of", "packed"]
+__all__ = ["Cuts", "Kept", "Packed", "Spliced", "TemplateSplicer", "identify", "last_of", "packed"]
 
 log = logging.getLogger(__name__)
 
@@ -93,28 +93,35 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
-class Kept:
-    """A conversation's whole rendering, kept for its follow-ups.
+class Cuts:
+    """Where a rendering's text was cut, and what found those places, which a follow-up's
+    rendering starts from: ``ends`` and ``lost``, where each message's content ends and
+    the first one not found (``conversation._content_ends``); ``signature`` and ``turns``,
+    the markup around the history end and where else it was found
+    (``_like_the_history_end``); ``stops``, where each segment stops."""
 
-    ``request``: its messages and context as the splicer identifies them (``identify``).
-    ``ends`` and ``lost``: where each message's content ends in ``text`` and the first one
-    not found there, as ``conversation._content_ends`` gives them; ``signature`` and
-    ``turns``: the markup around the history end and where else it was found
-    (``_like_the_history_end``); ``stops``: where each of the rendering's segments stops in
-    ``text``; ``last_user``: the index of its last user message (-1: none).
-    ``history_tail``: the history's rendering after ``history_end``, where it
-    parts from ``text``. ``rendering``: the segments made of it, whose strings a follow-up
-    reuses (the block memo finds them by identity).
-    """
-
-    request: Request
-    count: int
-    text: str
     ends: list[int]
     lost: int
     signature: str
     turns: list[int]
     stops: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A conversation's whole rendering, kept for its follow-ups.
+
+    ``request``: its messages and context as the splicer identifies them (``identify``).
+    ``cuts``: where ``text`` was cut into ``rendering``'s segments, whose strings a
+    follow-up reuses (the block memo finds them by identity). ``last_user``: the index of
+    its last user message (-1: none). ``history_tail``: the history's rendering after
+    ``history_end``, where it parts from ``text``.
+    """
+
+    request: Request
+    count: int
+    text: str
+    cuts: Cuts
     last_user: int
     history_end: int
     history_tail: str
@@ -131,7 +138,7 @@ class Kept:
             + sys.getsizeof(self.history_tail)
             + self.request.nbytes
             + len(self.request.context)
-            + 8 * (len(self.ends) + len(self.turns) + len(self.stops))
+            + 8 * (len(self.cuts.ends) + len(self.cuts.turns) + len(self.cuts.stops))
             + _ENTRY_OVERHEAD
         )
 
