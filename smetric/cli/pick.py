@@ -20,6 +20,7 @@ from smetric.cli.serve import (
 from smetric.cli.settings_options import Given, with_setting_flags
 from smetric.core.errors import UserError
 from smetric.gateway.options import PickConfig, PickOptions
+from smetric.serve import collector
 from smetric.serve.app import Router
 from smetric.serve.config import engines_from, router_settings
 from smetric.serve.logs import log_to_stderr
@@ -72,6 +73,7 @@ def pick(given: Given, config: ConfigOpt = None) -> None:
         picker = Picker(router, max_inflight=options.max_inflight)
     log_to_stderr(log_level(options))
     server = PickerServer(picker, options.host, options.port, options.metrics_port)
+    collector.settle()
     with user_errors():
         asyncio.run(_serve(server, options.drain_timeout_s, options.policy, len(engines)))
 

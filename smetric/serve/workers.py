@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import mmap
@@ -39,6 +38,7 @@ import numpy as np
 from aiohttp import web
 
 from smetric.core.errors import ConfigError
+from smetric.serve import collector
 from smetric.serve.app import Router
 from smetric.serve.engines import LOAD_COLUMNS, Engine
 from smetric.serve.global_tier import ServedPrompts
@@ -87,10 +87,7 @@ def _run(app: web.Application, sock: socket.socket, drain_s: float) -> None:
     """Serve until SIGINT or SIGTERM, then drain: the socket closes at once (no new
     connections), the requests in flight get ``drain_s`` to finish before they are cut,
     and the engines' checks and subscriptions stop last."""
-    # What exists by now (modules, the configuration) lives as long as the process: left
-    # out of the collector's full passes, which otherwise cost milliseconds every few
-    # hundred requests (the p99 of a decision).
-    gc.freeze()
+    collector.settle()
     # A client that goes away cancels its handler, so its request stops counting at once.
     run_app(
         app,
