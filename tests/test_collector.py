@@ -52,7 +52,7 @@ def test_enough_allocations_start_a_young_pass_on_their_own(restored: None) -> N
 
     gc.callbacks.append(count)
     try:
-        kept = [[] for _ in range(collector.YOUNG + 100)]
+        kept: list[list[int]] = [[] for _ in range(collector.YOUNG + 100)]
     finally:
         gc.callbacks.remove(count)
     assert kept and passes[0] >= 1
