@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from agentic_bodies import agent_messages
-from router_overhead import processes, wait_ready
-from router_throughput import Cell, Target, start_trivial_engine, write_script, wrk
+from router_interpreters import bodies_and_engines, print_cells, side_by_side
+from router_overhead import processes
+from router_throughput import Target
 from router_vs_sglang import routes_chat
 
 # Run before ``smetric serve``: the collector's setting, and a record of every pass
@@ -65,10 +64,6 @@ runpy.run_module("smetric", run_name="__main__")
 SETTINGS = ("settled", "default", "off")
 
 
-def spread(values: list[float], width: int) -> str:
-    return f"{statistics.median(values):>{width},.0f} ({min(values):,.0f}-{max(values):,.0f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -76,12 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         folder = Path(tmp)
-        bodies = {
-            "tiny": write_script(folder, "tiny", []),
-            "agent": write_script(folder, "agent", agent_messages(414_000)),
-        }
-        urls = [start_trivial_engine(procs).url for _ in range(2)]
-        asyncio.run(wait_ready(urls))
+        bodies, urls = bodies_and_engines(procs, folder)
         engines = [arg for url in urls for arg in ("-e", url)]
         targets: dict[str, tuple[Target, Path]] = {}
         servers: list[subprocess.Popen[bytes]] = []
@@ -93,27 +83,18 @@ def main() -> None:
             asyncio.run(routes_chat(url))
             targets[setting] = (Target(url, proc.pid), out)
             servers.append(proc)
-        cells: dict[tuple[str, str], list[Cell]] = {}
-        served = dict.fromkeys(SETTINGS, 0.0)
-        for body, script in bodies.items():
-            for target, _ in targets.values():
-                wrk(target, script, 32, 1)  # warm-up
-            for round_ in range(args.rounds):
-                order = list(targets.items())
-                order = order[round_ % len(order) :] + order[: round_ % len(order)]
-                for setting, (target, _) in order:
-                    cell = wrk(target, script, 32, args.duration)
-                    cells.setdefault((body, setting), []).append(cell)
-                    served[setting] += cell.rps * args.duration
+        cells = side_by_side(
+            {s: t for s, (t, _) in targets.items()}, bodies, args.rounds, args.duration
+        )
         for server in servers:  # a clean exit writes the passes
             server.terminate()
             server.wait(30)
         passes = {s: json.loads(out.read_text()) for s, (_, out) in targets.items()}
     print(f"wrk -c32, {args.duration} s per cell, {args.rounds} rounds; median (range) over rounds")
-    print(f"{'body':<6} {'collector':<10} {'req/s':>22} {'CPU us/req':>20}")
-    for (body, setting), runs in cells.items():
-        rps, cpu = [c.rps for c in runs], [c.cpu_us for c in runs]
-        print(f"{body:<6} {setting:<10} {spread(rps, 8)} {spread(cpu, 7)}")
+    print_cells(cells, "collector", 10)
+    served = dict.fromkeys(SETTINGS, 0.0)
+    for (_, setting), runs in cells.items():
+        served[setting] += sum(cell.rps for cell in runs) * args.duration
     print("\ncollector passes over the whole run (warm-ups included, about as many requests)")
     print(f"{'collector':<10} {'generation':>10} {'per 1,000 requests':>20} {'mean CPU ms':>12}")
     for setting, generations in passes.items():

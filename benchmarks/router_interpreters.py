@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from agentic_bodies import agent_messages
-from router_overhead import processes, wait_ready
+from router_overhead import Processes, processes, wait_ready
 from router_throughput import HERE, Cell, Target, start_trivial_engine, write_script, wrk
 from router_vs_sglang import routes_chat
 
@@ -44,6 +44,42 @@ def spread(values: list[float], width: int) -> str:
     return f"{statistics.median(values):>{width},.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
+def bodies_and_engines(procs: Processes, folder: Path) -> tuple[dict[str, Path], list[str]]:
+    """The wrk scripts of a tiny and an agent body, and two trivial engines' URLs."""
+    bodies = {
+        "tiny": write_script(folder, "tiny", []),
+        "agent": write_script(folder, "agent", agent_messages(414_000)),
+    }
+    urls = [start_trivial_engine(procs).url for _ in range(2)]
+    asyncio.run(wait_ready(urls))
+    return bodies, urls
+
+
+def side_by_side(
+    targets: dict[str, Target], bodies: dict[str, Path], rounds: int, duration: int
+) -> dict[tuple[str, str], list[Cell]]:
+    """Each body to every target at 32 connections, after a warm-up, in an order that
+    rotates round by round so that none always runs first: cells by (body, target)."""
+    cells: dict[tuple[str, str], list[Cell]] = {}
+    for body, script in bodies.items():
+        for target in targets.values():
+            wrk(target, script, 32, 1)  # warm-up
+        for round_ in range(rounds):
+            order = list(targets.items())
+            order = order[round_ % len(order) :] + order[: round_ % len(order)]
+            for label, target in order:
+                cells.setdefault((body, label), []).append(wrk(target, script, 32, duration))
+    return cells
+
+
+def print_cells(cells: dict[tuple[str, str], list[Cell]], label: str, width: int) -> None:
+    """Requests/s and CPU time per request, median and range over rounds, per cell."""
+    print(f"{'body':<6} {label:<{width}} {'req/s':>22} {'CPU us/req':>20}")
+    for (body, name), runs in cells.items():
+        rps, cpu = [c.rps for c in runs], [c.cpu_us for c in runs]
+        print(f"{body:<6} {name:<{width}} {spread(rps, 8)} {spread(cpu, 7)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", action="append", default=[], help="NAME=PATH (repeatable)")
@@ -52,13 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     pythons = interpreters(args.python)
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
-        folder = Path(tmp)
-        bodies = {
-            "tiny": write_script(folder, "tiny", []),
-            "agent": write_script(folder, "agent", agent_messages(414_000)),
-        }
-        urls = [start_trivial_engine(procs).url for _ in range(2)]
-        asyncio.run(wait_ready(urls))
+        bodies, urls = bodies_and_engines(procs, Path(tmp))
         engines = [arg for url in urls for arg in ("-e", url)]
         targets: dict[str, Target] = {}
         for name, python in pythons.items():
@@ -80,21 +110,9 @@ def main() -> None:
                 url, proc = procs.start_listening(command)
                 asyncio.run(routes_chat(url))
                 targets[label] = Target(url, proc.pid)
-        cells: dict[tuple[str, str], list[Cell]] = {}
-        for body, script in bodies.items():
-            for target in targets.values():
-                wrk(target, script, 32, 1)  # warm-up
-            for round_ in range(args.rounds):
-                order = list(targets.items())
-                order = order[round_ % len(order) :] + order[: round_ % len(order)]
-                for label, target in order:
-                    cell = wrk(target, script, 32, args.duration)
-                    cells.setdefault((body, label), []).append(cell)
+        cells = side_by_side(targets, bodies, args.rounds, args.duration)
     print(f"wrk -c32, {args.duration} s per cell, {args.rounds} rounds; median (range) over rounds")
-    print(f"{'body':<6} {'target':<22} {'req/s':>22} {'CPU us/req':>20}")
-    for (body, label), runs in cells.items():
-        rps, cpu = [c.rps for c in runs], [c.cpu_us for c in runs]
-        print(f"{body:<6} {label:<22} {spread(rps, 8)} {spread(cpu, 7)}")
+    print_cells(cells, "target", 22)
 
 
 if __name__ == "__main__":
