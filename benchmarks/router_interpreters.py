@@ -44,12 +44,17 @@ def spread(values: list[float], width: int) -> str:
     return f"{statistics.median(values):>{width},.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
-def bodies_and_engines(procs: Processes, folder: Path) -> tuple[dict[str, Path], list[str]]:
-    """The wrk scripts of a tiny and an agent body, and two trivial engines' URLs."""
+def bodies_and_engines(
+    procs: Processes, folder: Path, stream: bool = False
+) -> tuple[dict[str, Path], list[str]]:
+    """The wrk scripts of a tiny and an agent body (``stream``: and of a tiny body whose
+    reply streams), and two trivial engines' URLs."""
     bodies = {
         "tiny": write_script(folder, "tiny", []),
         "agent": write_script(folder, "agent", agent_messages(414_000)),
     }
+    if stream:
+        bodies["stream"] = write_script(folder, "stream", [], stream=True)
     urls = [start_trivial_engine(procs).url for _ in range(2)]
     asyncio.run(wait_ready(urls))
     return bodies, urls

@@ -101,10 +101,12 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def write_script(folder: Path, name: str, messages: list[dict]) -> Path:
-    """A wrk script sending ``messages`` plus a user turn numbered per request."""
+def write_script(folder: Path, name: str, messages: list[dict], stream: bool = False) -> Path:
+    """A wrk script sending ``messages`` plus a user turn numbered per request (``stream``:
+    asking for a stream, last in the body, where the trivial engine looks)."""
     marker = "@@N@@"
-    body = json.dumps(chat_body([*messages, {"role": "user", "content": f"next {marker}"}]))
+    fields = chat_body([*messages, {"role": "user", "content": f"next {marker}"}])
+    body = json.dumps({**fields, "stream": True} if stream else fields)
     prefix, suffix = body.split(marker)
     (folder / f"{name}.prefix").write_text(prefix)
     (folder / f"{name}.suffix").write_text(suffix)

@@ -1,5 +1,8 @@
 """A stand-in engine that answers every completion at once: it reads the body and replies
 with a fixed chat completion, so a benchmark through it measures the router, not the engine.
+A body that ends by asking for a stream (``"stream": true`` last, as ``router_throughput``
+writes it) gets ``STREAM_CHUNKS`` chunks of one token each, a millisecond apart as a
+decode's tokens are spaced, so that the router reads each on its own.
 
     python benchmarks/trivial_engine.py PORT
 
@@ -11,6 +14,7 @@ It also answers what routers probe at start (``/health``, ``/model_info``,
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 
@@ -23,9 +27,31 @@ COMPLETION = (
 )
 
 
-async def complete(request: web.Request) -> web.Response:
-    await request.read()
-    return web.Response(body=COMPLETION, content_type="application/json")
+STREAM_CHUNKS = 64
+CHUNK = (
+    b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+    b'"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
+)
+LAST = (
+    b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+    b'"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":'
+    + str(STREAM_CHUNKS).encode()
+    + b',"total_tokens":65}}\n\ndata: [DONE]\n\n'
+)
+
+
+async def complete(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    if b'"stream": true' not in body[-32:]:  # only the tail: a stand-in costs next to nothing
+        return web.Response(body=COMPLETION, content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for _ in range(STREAM_CHUNKS):
+        await response.write(CHUNK)
+        await asyncio.sleep(0.001)
+    await response.write(LAST)
+    await response.write_eof()
+    return response
 
 
 async def info(request: web.Request) -> web.Response:
