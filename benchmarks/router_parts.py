@@ -1,0 +1,93 @@
+"""What parts of ``smetric serve``'s request path cost, by taking each out in turn.
+
+    python benchmarks/router_parts.py [--rounds 5] [--duration 4] [--body tiny|agent|stream]
+
+Every target is the same ``smetric serve`` (one worker, as shipped) in front of one pair
+of trivial engines, but for one part replaced by a stand-in that does nothing, so that
+the difference in CPU time per request is what the part costs, measured where it runs
+(with the caches, the allocator and the loop as they are under load) rather than
+estimated from a profile:
+
+- *waits' timeouts*: an attempt's waits on the engine unbounded (``Attempt._timeout``);
+- *metrics*: prometheus_client's counters, gauges and histograms updated by nothing;
+- *usage*: the reply's ``usage`` not parsed (no cached or output tokens counted);
+- *collector*: the garbage collector off once serving (the floor its passes allow).
+
+Such a router is not one to run: each stand-in breaks what the part is for. ``wrk`` sends
+the chosen body at 32 connections to each target in a rotating order, as
+``router_throughput.py`` does; printed per target: requests/s, CPU time per request
+(median and range over rounds), and the median of each round's difference from the
+router as shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from router_interpreters import bodies_and_engines, print_cells, side_by_side
+from router_overhead import processes
+from router_throughput import Target
+from router_vs_sglang import routes_chat
+
+# Run before ``smetric serve``, each taking one part out.
+STAND_INS = {
+    "as shipped": "",
+    "no waits' timeouts": (
+        "import contextlib\n"
+        "from smetric.serve import upstream\n"
+        "upstream.Attempt._timeout = lambda self, seconds: contextlib.nullcontext()\n"
+    ),
+    "no metrics": (
+        "from prometheus_client import metrics, values\n"
+        "for name in ('inc', 'set'):\n"
+        "    setattr(values.MutexValue, name, lambda self, *args, **kwargs: None)\n"
+        "metrics.Histogram.observe = lambda self, *args, **kwargs: None\n"
+    ),
+    "no usage": (
+        "from smetric.serve import forwarding\nforwarding.UsageTap._usages = lambda self: []\n"
+    ),
+    "no collector": (
+        "import gc\n"
+        "from smetric.serve import collector\n"
+        "collector.settle = lambda: (gc.freeze(), gc.disable())\n"
+    ),
+}
+SERVE = (
+    "import runpy, sys\nsys.argv[0] = 'smetric'\nrunpy.run_module('smetric', run_name='__main__')\n"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--duration", type=int, default=4)
+    parser.add_argument("--body", choices=("tiny", "agent", "stream"), default="tiny")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, processes() as procs:
+        bodies, urls = bodies_and_engines(procs, Path(tmp), stream=args.body == "stream")
+        engines = [arg for url in urls for arg in ("-e", url)]
+        targets: dict[str, Target] = {}
+        for name, stand_in in STAND_INS.items():
+            command = [sys.executable, "-c", stand_in + SERVE, "serve", "--log-level", "warning"]
+            url, proc = procs.start_listening([*command, *engines, "--port", "0"])
+            asyncio.run(routes_chat(url))
+            targets[name] = Target(url, proc.pid)
+        body = {args.body: bodies[args.body]}
+        cells = side_by_side(targets, body, args.rounds, args.duration)
+    print(f"wrk -c32, {args.duration} s per cell, {args.rounds} rounds; median (range) over rounds")
+    print_cells(cells, "target", 20)
+    shipped = cells[(args.body, "as shipped")]
+    print("\nwhat the part costs a request: the median of each round's CPU us difference")
+    for (_, name), runs in cells.items():
+        if name != "as shipped":
+            saved = [a.cpu_us - b.cpu_us for a, b in zip(shipped, runs, strict=True)]
+            print(f"{name:<20} {statistics.median(saved):>8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
