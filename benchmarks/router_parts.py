@@ -11,7 +11,10 @@ estimated from a profile:
 - *waits' timeouts*: an attempt's waits on the engine unbounded (``Attempt._timeout``);
 - *metrics*: prometheus_client's counters, gauges and histograms updated by nothing;
 - *usage*: the reply's ``usage`` not parsed (no cached or output tokens counted);
-- *collector*: the garbage collector off once serving (the floor its passes allow).
+- *collector*: the garbage collector off once serving (the floor its passes allow);
+
+and *as shipped, again*, a second process of the router as shipped: what two processes
+of the same code differ by, the noise floor under these differences.
 
 Such a router is not one to run: each stand-in breaks what the part is for. ``wrk`` sends
 the chosen body at 32 connections to each target in a rotating order, as
@@ -37,6 +40,9 @@ from router_vs_sglang import routes_chat
 # Run before ``smetric serve``, each taking one part out.
 STAND_INS = {
     "as shipped": "",
+    # A second process of the same code: the differences between two alike, the floor
+    # under which a part's cost reads as nothing.
+    "as shipped, again": "",
     "no waits' timeouts": (
         "import contextlib\n"
         "from smetric.serve import upstream\n"
