@@ -13,7 +13,8 @@ estimated from a profile:
 - *usage*: the reply's ``usage`` not parsed (no cached or output tokens counted);
 - *collector*: the garbage collector off once serving (the floor its passes allow);
 
-and *as shipped, again*, a second process of the router as shipped: what two processes
+*none of these*, all four taken out at once (what the rest of the path costs); and *as
+shipped, again*, a second process of the router as shipped: what two processes
 of the same code differ by, the noise floor under these differences.
 
 Such a router is not one to run: each stand-in breaks what the part is for. ``wrk`` sends
@@ -63,6 +64,7 @@ STAND_INS = {
         "collector.settle = lambda: (gc.freeze(), gc.disable())\n"
     ),
 }
+STAND_INS["none of these"] = "".join(STAND_INS.values())
 SERVE = (
     "import runpy, sys\nsys.argv[0] = 'smetric'\nrunpy.run_module('smetric', run_name='__main__')\n"
 )
