@@ -4,10 +4,10 @@ Reference counting frees what a request allocates the moment the request ends; t
 collector is there for cycles, and a router makes few (under load, young passes find
 none). Yet with CPython's default, a young pass every 700 net allocations, one comes every
 twenty-odd tiny requests and walks every object of every request in flight (coroutines,
-frames, headers), and every hundred or so a full pass walks all the caches hold (blocks,
-prefix-tree nodes, messages: 21 ms at 60,000-90,000 objects, more as they fill), landing
-on whichever requests are in flight. Together they cost a tiny request about a tenth of
-its CPU time (``benchmarks/router_collector.py``).
+frames, headers); about one in a hundred and twenty is a full pass, which walks all the
+caches hold (blocks, prefix-tree nodes, messages: 22 ms at 60,000-90,000 objects, more as
+they fill), landing on whichever requests are in flight. Together they cost a tiny
+request about a tenth of its CPU time (``benchmarks/router_collector.py``).
 
 So what exists once the router is built lives as long as the process and is left out of
 collection, and young passes come every ``YOUNG`` net allocations: thousands of requests,
