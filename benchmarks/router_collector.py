@@ -16,28 +16,27 @@ trivial engines; they differ only in what runs before it serves:
 connections to each in a rotating order, as ``router_throughput.py`` does. Printed per
 body and target: requests/s and CPU time per request, the median and range over rounds;
 then, over the whole run, each target's collector passes per generation, per thousand
-requests, and their mean CPU time: a full pass lands on whatever requests are in flight.
+requests, their mean CPU time and the objects they freed (a full pass lands on whatever
+requests are in flight), and how many objects each tracks at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from router_interpreters import bodies_and_engines, print_cells, side_by_side
 from router_overhead import processes
 from router_throughput import Target
-from router_vs_sglang import routes_chat
+from side_by_side import bodies_and_engines, print_cells, serve_command, side_by_side, start_target
 
-# Run before ``smetric serve``: the collector's setting, and a record of every pass
-# (generation, CPU time) written as JSON when the process exits.
+# Run before ``smetric serve``: the collector's setting, and a record of every pass once it
+# serves (generation: passes, CPU ns, objects freed) and of the objects the collector
+# tracks at the end, written as JSON when the process exits.
 PRELUDE = """
-import atexit, gc, json, sys, time
+import atexit, gc, json, time
 from smetric.serve import collector
 SETTINGS = {{
     "settled": collector.settle,
@@ -52,13 +51,14 @@ def _timed(phase, info):
     if phase == "start":
         started[0] = time.thread_time_ns()
         return
-    count, ns = passes.get(info["generation"], (0, 0))
-    passes[info["generation"]] = (count + 1, ns + time.thread_time_ns() - started[0])
+    count, ns, freed = passes.get(info["generation"], (0, 0, 0))
+    spent = time.thread_time_ns() - started[0]
+    passes[info["generation"]] = (count + 1, ns + spent, freed + info["collected"])
 gc.callbacks.append(_timed)
-atexit.register(lambda: open({out!r}, "w").write(json.dumps(passes)))
-sys.argv = ["smetric", *sys.argv[1:]]
-import runpy
-runpy.run_module("smetric", run_name="__main__")
+def _record():
+    with open({out!r}, "w") as out:
+        json.dump({{"passes": passes, "tracked": len(gc.get_objects())}}, out)
+atexit.register(_record)
 """
 
 SETTINGS = ("settled", "default", "off")
@@ -72,35 +72,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         folder = Path(tmp)
         bodies, urls = bodies_and_engines(procs, folder)
-        engines = [arg for url in urls for arg in ("-e", url)]
-        targets: dict[str, tuple[Target, Path]] = {}
+        targets: dict[str, Target] = {}
         servers: list[subprocess.Popen[bytes]] = []
         for setting in SETTINGS:
-            out = folder / f"{setting}.json"
-            code = PRELUDE.format(setting=setting, out=str(out))
-            command = [sys.executable, "-c", code, "serve", "--log-level", "warning"]
-            url, proc = procs.start_listening([*command, *engines, "--port", "0"])
-            asyncio.run(routes_chat(url))
-            targets[setting] = (Target(url, proc.pid), out)
-            servers.append(proc)
-        cells = side_by_side(
-            {s: t for s, (t, _) in targets.items()}, bodies, args.rounds, args.duration
-        )
-        for server in servers:  # a clean exit writes the passes
+            prelude = PRELUDE.format(setting=setting, out=str(folder / f"{setting}.json"))
+            targets[setting], server = start_target(procs, serve_command(urls, prelude))
+            servers.append(server)
+        cells = side_by_side(targets, bodies, args.rounds, args.duration)
+        for server in servers:  # a clean exit writes the record
             server.terminate()
             server.wait(30)
-        passes = {s: json.loads(out.read_text()) for s, (_, out) in targets.items()}
-    print(f"wrk -c32, {args.duration} s per cell, {args.rounds} rounds; median (range) over rounds")
-    print_cells(cells, "collector", 10)
+        records = {s: json.loads((folder / f"{s}.json").read_text()) for s in SETTINGS}
+    print_cells(cells, "collector", 10, args.duration, args.rounds)
     served = dict.fromkeys(SETTINGS, 0.0)
     for (_, setting), runs in cells.items():
         served[setting] += sum(cell.rps for cell in runs) * args.duration
     print("\ncollector passes over the whole run (warm-ups included, about as many requests)")
-    print(f"{'collector':<10} {'generation':>10} {'per 1,000 requests':>20} {'mean CPU ms':>12}")
-    for setting, generations in passes.items():
-        for generation, (count, ns) in sorted(generations.items()):
+    header = f"{'generation':>10} {'per 1,000 requests':>20} {'mean CPU ms':>12} {'freed':>8}"
+    print(f"{'collector':<10} {header}")
+    for setting, record in records.items():
+        for generation, (count, ns, freed) in sorted(record["passes"].items()):
             per = count / served[setting] * 1000
-            print(f"{setting:<10} {generation:>10} {per:>20.2f} {ns / count / 1e6:>12.3f}")
+            print(
+                f"{setting:<10} {generation:>10} {per:>20.2f} {ns / count / 1e6:>12.3f} {freed:>8}"
+            )
+    print("\nobjects the collector tracks at the end (not frozen), in thousands:")
+    print(", ".join(f"{s} {r['tracked'] / 1000:.0f}" for s, r in records.items()))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ on this machine; targets side by side in one run drift together.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import subprocess
@@ -26,10 +25,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from router_interpreters import bodies_and_engines, print_cells, side_by_side
 from router_overhead import processes
 from router_throughput import Target
-from router_vs_sglang import routes_chat
+from side_by_side import bodies_and_engines, print_cells, serve_command, side_by_side, start_target
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,18 +80,13 @@ def main() -> None:
         processes() as procs,
     ):
         bodies, urls = bodies_and_engines(procs, Path(tmp), args.stream)
-        engines = [arg for url in urls for arg in ("-e", url)]
         targets: dict[str, Target] = {}
         for name, tree in trees.items():
             os.environ["PYTHONPATH"] = str(tree)  # inherited by the server started next
-            command = [sys.executable, "-m", "smetric", "serve", "--log-level", "warning"]
-            url, proc = procs.start_listening([*command, *engines, "--port", "0"])
-            asyncio.run(routes_chat(url))
-            targets[name] = Target(url, proc.pid)
+            targets[name], _ = start_target(procs, serve_command(urls))
         del os.environ["PYTHONPATH"]
         cells = side_by_side(targets, bodies, args.rounds, args.duration)
-    print(f"wrk -c32, {args.duration} s per cell, {args.rounds} rounds; median (range) over rounds")
-    print_cells(cells, "commit", 16)
+    print_cells(cells, "commit", 16, args.duration, args.rounds)
 
 
 if __name__ == "__main__":

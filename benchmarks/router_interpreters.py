@@ -15,16 +15,13 @@ of the same one) buys the router time shows here, beside what it buys the stack 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from agentic_bodies import agent_messages
-from router_overhead import Processes, processes, wait_ready
-from router_throughput import HERE, Cell, Target, start_trivial_engine, write_script, wrk
-from router_vs_sglang import routes_chat
+from router_overhead import processes
+from router_throughput import HERE, Target
+from side_by_side import bodies_and_engines, print_cells, serve_command, side_by_side, start_target
 
 
 def interpreters(specs: list[str]) -> dict[str, str]:
@@ -40,51 +37,6 @@ def interpreters(specs: list[str]) -> dict[str, str]:
     return found
 
 
-def spread(values: list[float], width: int) -> str:
-    return f"{statistics.median(values):>{width},.0f} ({min(values):,.0f}-{max(values):,.0f})"
-
-
-def bodies_and_engines(
-    procs: Processes, folder: Path, stream: bool = False
-) -> tuple[dict[str, Path], list[str]]:
-    """The wrk scripts of a tiny and an agent body (``stream``: and of a tiny body whose
-    reply streams), and two trivial engines' URLs."""
-    bodies = {
-        "tiny": write_script(folder, "tiny", []),
-        "agent": write_script(folder, "agent", agent_messages(414_000)),
-    }
-    if stream:
-        bodies["stream"] = write_script(folder, "stream", [], stream=True)
-    urls = [start_trivial_engine(procs).url for _ in range(2)]
-    asyncio.run(wait_ready(urls))
-    return bodies, urls
-
-
-def side_by_side(
-    targets: dict[str, Target], bodies: dict[str, Path], rounds: int, duration: int
-) -> dict[tuple[str, str], list[Cell]]:
-    """Each body to every target at 32 connections, after a warm-up, in an order that
-    rotates round by round so that none always runs first: cells by (body, target)."""
-    cells: dict[tuple[str, str], list[Cell]] = {}
-    for body, script in bodies.items():
-        for target in targets.values():
-            wrk(target, script, 32, 1)  # warm-up
-        for round_ in range(rounds):
-            order = list(targets.items())
-            order = order[round_ % len(order) :] + order[: round_ % len(order)]
-            for label, target in order:
-                cells.setdefault((body, label), []).append(wrk(target, script, 32, duration))
-    return cells
-
-
-def print_cells(cells: dict[tuple[str, str], list[Cell]], label: str, width: int) -> None:
-    """Requests/s and CPU time per request, median and range over rounds, per cell."""
-    print(f"{'body':<6} {label:<{width}} {'req/s':>22} {'CPU us/req':>20}")
-    for (body, name), runs in cells.items():
-        rps, cpu = [c.rps for c in runs], [c.cpu_us for c in runs]
-        print(f"{body:<6} {name:<{width}} {spread(rps, 8)} {spread(cpu, 7)}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", action="append", default=[], help="NAME=PATH (repeatable)")
@@ -94,30 +46,16 @@ def main() -> None:
     pythons = interpreters(args.python)
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         bodies, urls = bodies_and_engines(procs, Path(tmp))
-        engines = [arg for url in urls for arg in ("-e", url)]
         targets: dict[str, Target] = {}
         for name, python in pythons.items():
             commands = {
-                f"smetric {name}": [
-                    python,
-                    "-m",
-                    "smetric",
-                    "serve",
-                    "--log-level",
-                    "warning",
-                    *engines,
-                    "--port",
-                    "0",
-                ],
+                f"smetric {name}": serve_command(urls, python=python),
                 f"pass {name}": [python, str(HERE / "passthrough.py"), "0", "1", *urls],
             }
             for label, command in commands.items():
-                url, proc = procs.start_listening(command)
-                asyncio.run(routes_chat(url))
-                targets[label] = Target(url, proc.pid)
+                targets[label], _ = start_target(procs, command)
         cells = side_by_side(targets, bodies, args.rounds, args.duration)
-    print(f"wrk -c32, {args.duration} s per cell, {args.rounds} rounds; median (range) over rounds")
-    print_cells(cells, "target", 22)
+    print_cells(cells, "target", 22, args.duration, args.rounds)
 
 
 if __name__ == "__main__":

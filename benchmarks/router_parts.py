@@ -27,16 +27,13 @@ router as shipped.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from router_interpreters import bodies_and_engines, print_cells, side_by_side
 from router_overhead import processes
 from router_throughput import Target
-from router_vs_sglang import routes_chat
+from side_by_side import bodies_and_engines, print_cells, serve_command, side_by_side, start_target
 
 # Run before ``smetric serve``, each taking one part out.
 STAND_INS = {
@@ -65,9 +62,6 @@ STAND_INS = {
     ),
 }
 STAND_INS["none of these"] = "".join(STAND_INS.values())
-SERVE = (
-    "import runpy, sys\nsys.argv[0] = 'smetric'\nrunpy.run_module('smetric', run_name='__main__')\n"
-)
 
 
 def main() -> None:
@@ -78,17 +72,12 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         bodies, urls = bodies_and_engines(procs, Path(tmp), stream=args.body == "stream")
-        engines = [arg for url in urls for arg in ("-e", url)]
         targets: dict[str, Target] = {}
         for name, stand_in in STAND_INS.items():
-            command = [sys.executable, "-c", stand_in + SERVE, "serve", "--log-level", "warning"]
-            url, proc = procs.start_listening([*command, *engines, "--port", "0"])
-            asyncio.run(routes_chat(url))
-            targets[name] = Target(url, proc.pid)
+            targets[name], _ = start_target(procs, serve_command(urls, stand_in))
         body = {args.body: bodies[args.body]}
         cells = side_by_side(targets, body, args.rounds, args.duration)
-    print(f"wrk -c32, {args.duration} s per cell, {args.rounds} rounds; median (range) over rounds")
-    print_cells(cells, "target", 20)
+    print_cells(cells, "target", 20, args.duration, args.rounds)
     shipped = cells[(args.body, "as shipped")]
     print("\nwhat the part costs a request: the median of each round's CPU us difference")
     for (_, name), runs in cells.items():
