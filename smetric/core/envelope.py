@@ -185,10 +185,10 @@ class SegmentCache:
 @dataclass(frozen=True, slots=True)
 class Conversation:
     """A body's messages rendered, with what a rendering reads of every one of them
-    gathered: a follow-up's extends its kept prefix's, so gathering costs what it adds, not
-    what the conversation holds. ``values`` and ``packs``: as a model's template reads them
-    and as its splicer identifies them (None each with the generic rendering); ``turns``:
-    the assistant messages among them."""
+    gathered: a follow-up's extends its kept prefix's, so gathering reads only what it adds
+    (the tuples are copied, a pointer per message). ``values`` and ``packs``: as a model's
+    template reads them and as its splicer identifies them (None each with the generic
+    rendering); ``turns``: the assistant messages among them."""
 
     messages: tuple[Rendered, ...] = ()
     values: tuple[Any, ...] = ()
