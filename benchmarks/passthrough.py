@@ -1,6 +1,7 @@
 """The least a router on SMetric's server stack can do: read the body, post it to an
-engine (each in turn), return the reply. Nothing parsed, nothing decided, nothing logged,
-so a benchmark through it measures aiohttp itself, the floor under ``smetric serve``.
+engine (each in turn), return the reply (a stream chunk by chunk as it arrives). Nothing
+parsed, nothing decided, nothing logged, so a benchmark through it measures aiohttp
+itself, the floor under ``smetric serve``.
 
     python benchmarks/passthrough.py PORT WORKERS ENGINE_URL...
 
@@ -26,12 +27,20 @@ def app(engines: list[str]) -> web.Application:
     turns = itertools.cycle(engines)
     clients: list[aiohttp.ClientSession] = []
 
-    async def forward(request: web.Request) -> web.Response:
+    async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {"Content-Type": "application/json"}
         async with clients[0].post(next(turns) + request.path, data=body, headers=headers) as up:
-            reply = await up.read()
-        return web.Response(body=reply, status=up.status, content_type=up.content_type)
+            if up.content_type != "text/event-stream":
+                reply = await up.read()
+                return web.Response(body=reply, status=up.status, content_type=up.content_type)
+            stream_type = {"Content-Type": up.content_type}
+            response = web.StreamResponse(status=up.status, headers=stream_type)
+            await response.prepare(request)
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
 
     async def client(_: web.Application) -> AsyncIterator[None]:
         clients.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))

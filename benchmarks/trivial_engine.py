@@ -1,8 +1,9 @@
 """A stand-in engine that answers every completion at once: it reads the body and replies
 with a fixed chat completion, so a benchmark through it measures the router, not the engine.
-A body that ends by asking for a stream (``"stream": true`` last, as ``router_throughput``
-writes it) gets ``STREAM_CHUNKS`` chunks of one token each, a millisecond apart as a
-decode's tokens are spaced, so that the router reads each on its own.
+A body whose last 4 KB ask for a stream (``"stream": true`` or ``"stream":true``: all of
+a tiny body, where a router that re-encodes bodies, as smg does, may move it) gets
+``STREAM_CHUNKS`` chunks of one token each, a millisecond apart as a decode's tokens are
+spaced, so that a router that keeps up reads each on its own.
 
     python benchmarks/trivial_engine.py PORT
 
@@ -15,6 +16,7 @@ It also answers what routers probe at start (``/health``, ``/model_info``,
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import sys
 
@@ -28,6 +30,8 @@ COMPLETION = (
 
 
 STREAM_CHUNKS = 64
+# As a client writes it, or as a router that re-encodes the body does (no space).
+ASKS_STREAM = re.compile(rb'"stream": ?true')
 CHUNK = (
     b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
     b'"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
@@ -42,7 +46,8 @@ LAST = (
 
 async def complete(request: web.Request) -> web.StreamResponse:
     body = await request.read()
-    if b'"stream": true' not in body[-32:]:  # only the tail: a stand-in costs next to nothing
+    # Only the tail, where a tiny body is whole: a stand-in costs next to nothing.
+    if ASKS_STREAM.search(body, max(0, len(body) - 4096)) is None:
         return web.Response(body=COMPLETION, content_type="application/json")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)

@@ -17,7 +17,7 @@ surface as connection errors in aiohttp) by which call raised.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import math
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
@@ -120,9 +120,16 @@ class Attempt:
         self.unprefilled_tokens = unprefilled_tokens
         self.response: aiohttp.ClientResponse | None = None
         self.lease: Lease | None = None
-        # The wait in progress, which ``cut`` ends at once; why it was cut.
-        self._wait: asyncio.Timeout | None = None
+        self._loop = asyncio.get_running_loop()
+        # Why it was cut, and the wait for the response headers while it lasts, which
+        # ``cut`` ends at once.
         self._cut: str | None = None
+        self._sending: asyncio.Timeout | None = None
+        # A read of the body in progress: when its bytes are due (``inf`` while none
+        # waits), how long it waits, and the one alarm that bounds all the reads.
+        self._due = math.inf
+        self._patience = 0.0
+        self._alarm: asyncio.TimerHandle | None = None
         # False while the engine's bytes are handed to the client: the engine waits on
         # the client then, not the client on the engine, so its silence is not a stall.
         self.waits_on_engine = True
@@ -144,6 +151,8 @@ class Attempt:
         self.engine.attempts.discard(self)
         assert self.lease is not None
         self.lease.release()
+        if self._alarm is not None:
+            self._alarm.cancel()
         if self.response is not None:
             # Back to the pool if fully read; otherwise the connection closes, which is how
             # an engine learns that nobody wants the rest (vLLM then aborts the request).
@@ -152,14 +161,10 @@ class Attempt:
     def cut(self, reason: str) -> None:
         """End the wait in progress (and any later one) now: the engine stalled."""
         self._cut = reason
-        if self._wait is not None and not self._wait.expired():
-            self._wait.reschedule(asyncio.get_running_loop().time())
-
-    def _timeout(self, seconds: float) -> _Wait:
-        """A wait on the engine of at most ``seconds``, which ``cut`` can end early
-        while it lasts (none when the attempt was cut already)."""
-        loop = asyncio.get_running_loop()
-        return _Wait(self, loop.time() if self._cut else loop.time() + seconds)
+        if self._sending is not None and not self._sending.expired():
+            self._sending.reschedule(self._loop.time())
+        elif self.response is not None:
+            self.response.content.set_exception(EngineFault(reason, stalled=True))
 
     async def deliver(self, write: Awaitable[None]) -> None:
         """Await ``write``, a write of the engine's bytes to the client. However long a
@@ -186,8 +191,10 @@ class Attempt:
         request: ``stream_headers_s``)."""
         wait = self.timeouts.stream_headers_s if stream else self.timeouts.first_byte_s
         headers = with_key(headers, self.auth)
+        # A cut attempt's wait is over before it starts.
+        deadline = self._loop.time() + (0.0 if self._cut else wait)
         try:
-            async with self._timeout(wait):
+            async with asyncio.timeout_at(deadline) as self._sending:
                 self.response = await self.client.post(
                     self.engine.url + path, data=body, headers=headers
                 )
@@ -203,6 +210,10 @@ class Attempt:
             raise EngineFault("connection lost", lost=True, detail=described(exc)) from None
         except aiohttp.ClientError as exc:  # not HTTP, or not HTTP we can parse
             raise EngineFault("not a valid HTTP response", detail=described(exc)) from None
+        finally:
+            self._sending = None
+        if self._cut:  # the headers came as it was cut: its reads fail as a wait would
+            self.response.content.set_exception(EngineFault(self._cut, stalled=True))
         self.engine.progressed_at = time.monotonic()
         return self.response
 
@@ -211,22 +222,44 @@ class Attempt:
         ``timeout_s`` (``idle_s`` by default) or a body cut short is the engine's fault."""
         assert self.response is not None, "send() first"
         content = self.response.content
-        wait = self.timeouts.idle_s if timeout_s is None else timeout_s
+        # A body whose end has come (a small reply, whole with its headers) has no wait
+        # to bound.
+        if not content.is_eof():
+            self._bound(self.timeouts.idle_s if timeout_s is None else timeout_s)
         try:
-            # A body whose end has come (a small reply, whole with its headers) has no wait
-            # to bound.
-            waiting = contextlib.nullcontext() if content.is_eof() else self._timeout(wait)
-            async with waiting:
-                chunk = await content.readany()
-        except TimeoutError:
-            raise self._stalled() or EngineFault(f"silent for {wait:g} s", timeout=True) from None
+            chunk = await content.readany()
         except aiohttp.ClientError as exc:
             raise EngineFault("response cut short", lost=True, detail=described(exc)) from None
+        finally:
+            self._due = math.inf
         if chunk:
             self.engine.progressed_at = time.monotonic()
             if self.lease is not None:
                 self.lease.prefilled()
         return chunk
+
+    def _bound(self, seconds: float) -> None:
+        """Bound the read about to wait by ``seconds``. A stream reads once per token, so
+        its reads share one alarm, moved only when it rings early or a read wants it
+        earlier, rather than a timer each; ringing late, it ends the read with an
+        ``EngineFault`` through the body's stream, as the HTTP client ends a read whose
+        connection was lost."""
+        self._due, self._patience = self._loop.time() + seconds, seconds
+        if self._alarm is None or self._alarm.when() > self._due:
+            if self._alarm is not None:
+                self._alarm.cancel()
+            self._alarm = self._loop.call_at(self._due, self._ring)
+
+    def _ring(self) -> None:
+        self._alarm = None
+        if self._due == math.inf:  # no read waits: the next one sets the alarm again
+            return
+        if self._loop.time() < self._due:
+            self._alarm = self._loop.call_at(self._due, self._ring)
+            return
+        assert self.response is not None
+        fault = EngineFault(f"silent for {self._patience:g} s", timeout=True)
+        self.response.content.set_exception(fault)
 
     async def read_all(self) -> bytes:
         """The whole body: no wait on the engine once it said the body ended."""
@@ -236,25 +269,3 @@ class Attempt:
         while parts[-1] and not content.at_eof():
             parts.append(await self.read())
         return b"".join(parts)
-
-
-class _Wait:
-    """An attempt's wait in progress, known to it while it lasts so that ``Attempt.cut``
-    can end it (a class, not a generator, since every request waits a few times)."""
-
-    def __init__(self, attempt: Attempt, when: float) -> None:
-        self.attempt = attempt
-        self.timeout = asyncio.timeout_at(when)
-
-    async def __aenter__(self) -> None:
-        await self.timeout.__aenter__()
-        self.attempt._wait = self.timeout
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.attempt._wait = None
-        await self.timeout.__aexit__(exc_type, exc, tb)
