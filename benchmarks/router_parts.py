@@ -8,7 +8,7 @@ the difference in CPU time per request is what the part costs, measured where it
 (with the caches, the allocator and the loop as they are under load) rather than
 estimated from a profile:
 
-- *waits' timeouts*: an attempt's waits on the engine unbounded (``Attempt._timeout``);
+- *read timeouts*: an attempt's reads of the engine's reply unbounded (``Attempt._bound``);
 - *metrics*: prometheus_client's counters, gauges and histograms updated by nothing;
 - *usage*: the reply's ``usage`` not parsed (no cached or output tokens counted);
 - *collector*: the garbage collector off once serving (the floor its passes allow);
@@ -18,10 +18,10 @@ shipped, again*, a second process of the router as shipped: what two processes
 of the same code differ by, the noise floor under these differences.
 
 Such a router is not one to run: each stand-in breaks what the part is for. ``wrk`` sends
-the chosen body at 32 connections to each target in a rotating order, as
-``router_throughput.py`` does; printed per target: requests/s, CPU time per request
-(median and range over rounds), and the median of each round's difference from the
-router as shipped.
+the chosen body at its ``BUSY`` connections (32, a stream 8) to each target in a
+rotating order, as ``router_throughput.py`` does; printed per target: requests/s, CPU
+time per request (median and range over rounds), and the median of each round's
+difference from the router as shipped.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ STAND_INS = {
     # A second process of the same code: the differences between two alike, the floor
     # under which a part's cost reads as nothing.
     "as shipped, again": "",
-    "no waits' timeouts": (
-        "import contextlib\n"
+    "no read timeouts": (
         "from smetric.serve import upstream\n"
-        "upstream.Attempt._timeout = lambda self, seconds: contextlib.nullcontext()\n"
+        "upstream.Attempt._bound = lambda self, seconds: None\n"
     ),
     "no metrics": (
         "from prometheus_client import metrics, values\n"

@@ -1,20 +1,23 @@
-"""Router throughput and latency with tiny and agent-sized bodies, against the peers and
-against the server stack itself.
+"""Router throughput and latency with tiny and agent-sized bodies and streamed replies,
+against the peers and against the server stack itself.
 
     python benchmarks/router_throughput.py [--duration 4] [--rounds 3] [--history-kb 390]
 
 Two trivial engines (``trivial_engine.py``: they read the body and answer at once) sit
 behind each router, and ``wrk`` drives every target in turn from one process, in one run:
 directly to an engine; through a bare aiohttp pass-through (``passthrough.py``: read the
-body, post it to an engine, return the reply) with 1 and 2 processes, the floor of the
+body, post it to an engine, return the reply, a stream chunk by chunk) with 1 and 2
+processes, the floor of the
 stack ``smetric serve`` runs on; through smg's and sglang-router's ``cache_aware`` policy
-(each where installed); and through ``smetric serve`` with 1 and with 2 workers. Two
-bodies: *tiny* (one short user message) and *long*, an agent's history
-(``agent_bodies``, ~390 KB, ~100 k tokens) plus a new user turn per request, as a
-session's next call would be. Each cell is ``--duration`` seconds at 1 and at 32
-connections, after a one-second warm-up of each body; rounds interleave the targets.
+(each where installed); and through ``smetric serve`` with 1 and with 2 workers. Three
+bodies: *tiny* (one short user message); *long*, an agent's history (``agent_bodies``,
+~390 KB, ~100 k tokens) plus a new user turn per request, as a session's next call would
+be; and *stream*, a tiny body asking for a stream, whose reply comes as 64 chunks a
+millisecond apart, as agents ask for every reply. Each cell is ``--duration`` seconds at
+1 connection and at ``BUSY`` connections, after a one-second warm-up of each body; rounds
+interleave the targets.
 
-Prints, per body and target, requests/s at 32 connections, the target's CPU time per
+Prints, per body and target, requests/s at ``BUSY`` connections, the target's CPU time per
 request (all its processes), and the latency it adds at 1 connection (its mean latency
 less the engine's own, measured directly in the same round), each as the median and range
 over rounds. Then smetric (1 and 2 workers) over each peer and over the pass-through with
@@ -58,6 +61,11 @@ request = function()
 end
 """
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+# Connections per body under load. A streamed reply takes 64 ms whatever the router, so at
+# 32 connections a router that spends more per chunk is saturated, reads the chunks that
+# piled up meanwhile in one go and so spends less per reply than on a load it keeps up
+# with; at 8, none of the targets is saturated and each reads every chunk on its own.
+BUSY = {"tiny": 32, "long": 32, "agent": 32, "stream": 8}
 
 
 @dataclass(frozen=True)
@@ -177,13 +185,12 @@ Runs = dict[tuple[str, int, str], list[Cell]]
 def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
     """Per target, then smetric's ratios to each peer and to its own stack."""
     print(
-        f"{'body':<6}{'target':<12}{'req/s at c=32':>24}{'CPU us/req at c=32':>24}"
-        f"{'added ms at c=1':>24}"
+        f"{'body':<6}{'target':<12}{'req/s busy':>24}{'CPU us/req busy':>24}{'added ms at c=1':>24}"
     )
     for body in bodies:
         direct = runs[body, 1, "direct"]
         for name in names:
-            busy = runs[body, 32, name]
+            busy = runs[body, BUSY[body], name]
             own = "(the engine)" if name == "direct" else spread(added(runs[body, 1, name], direct))
             print(
                 f"{body:<6}{name:<12}{spread([c.rps for c in busy], 0):>24}"
@@ -191,7 +198,7 @@ def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
             )
     print("\nsmetric over each reference, each round's ratio: median (range) over rounds")
     print(
-        f"{'body':<6}{'smetric':<12}{'over':<10}{'req/s at c=32':>22}{'CPU/req at c=32':>22}"
+        f"{'body':<6}{'smetric':<12}{'over':<10}{'req/s busy':>22}{'CPU/req busy':>22}"
         f"{'added ms at c=1':>22}"
     )
     for body in bodies:
@@ -199,7 +206,7 @@ def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
         for workers in (1, 2):
             ours = f"smetric x{workers}"
             for other in (*(p for p in PEERS if p in names), f"pass x{workers}"):
-                mine, theirs = runs[body, 32, ours], runs[body, 32, other]
+                mine, theirs = runs[body, BUSY[body], ours], runs[body, BUSY[body], other]
                 rps = [a.rps / b.rps for a, b in zip(mine, theirs, strict=True)]
                 cpu = [a.cpu_us / b.cpu_us for a, b in zip(mine, theirs, strict=True)]
                 mine_ms = added(runs[body, 1, ours], direct)
@@ -227,22 +234,23 @@ def main() -> None:
         folder = Path(tmp)
         bodies = {"tiny": write_script(folder, "tiny", [])}
         bodies["long"] = write_script(folder, "long", history)
+        bodies["stream"] = write_script(folder, "stream", [], stream=True)
         size = (folder / "long.prefix").stat().st_size // 1000
         urls = asyncio.run(targets(procs))
-        for script in bodies.values():
+        for body, script in bodies.items():
             for url in urls.values():
-                wrk(url, script, 32, 1)  # warm-up: connections, caches, the memo
+                wrk(url, script, BUSY[body], 1)  # warm-up: connections, caches, the memo
         # Rounds interleave the targets, so that a burst of other load hits them all alike.
         runs: Runs = {}
         for _ in range(args.rounds):
             for body, script in bodies.items():
-                for connections in (1, 32):
+                for connections in (1, BUSY[body]):
                     for name, url in urls.items():
                         cell = wrk(url, script, connections, args.duration)
                         runs.setdefault((body, connections, name), []).append(cell)
     print(
         f"\n2 trivial engines; wrk -t1, {args.duration} s per cell, {args.rounds} rounds; "
-        f"long = {size} KB; median (range) over rounds"
+        f"long = {size} KB; busy = {BUSY} connections; median (range) over rounds"
     )
     report(runs, list(urls), list(bodies))
     print(f"\nload average (1, 5, 15 min) before {load_before}, after {load_average()}")

@@ -14,20 +14,13 @@ from pathlib import Path
 
 from agentic_bodies import agent_messages
 from router_overhead import Processes, wait_ready
-from router_throughput import Cell, Target, start_trivial_engine, write_script, wrk
+from router_throughput import BUSY, Cell, Target, start_trivial_engine, write_script, wrk
 from router_vs_sglang import routes_chat
 
 # ``smetric serve`` as ``python -c`` runs it, after whatever a prelude set up.
 _SERVE = (
     "import runpy, sys\nsys.argv[0] = 'smetric'\nrunpy.run_module('smetric', run_name='__main__')\n"
 )
-
-
-# Connections per body. A streamed reply takes 64 ms whatever the router, so at 32
-# connections a router that spends more per chunk is saturated, reads the chunks that
-# piled up meanwhile in one go and so spends less per reply than it would on a load it
-# keeps up with; at 8, none of the targets is saturated and each reads every chunk alone.
-CONNECTIONS = {"tiny": 32, "agent": 32, "stream": 8}
 
 
 def spread(values: list[float], width: int) -> str:
@@ -79,11 +72,12 @@ def start_target(procs: Processes, command: list[str]) -> tuple[Target, subproce
 def side_by_side(
     targets: dict[str, Target], bodies: dict[str, Path], rounds: int, duration: int
 ) -> dict[tuple[str, str], list[Cell]]:
-    """Each body to every target at its ``CONNECTIONS``, after a warm-up, in an order
-    that rotates round by round so that none always runs first: cells by (body, target)."""
+    """Each body to every target at its ``BUSY`` connections (``router_throughput``),
+    after a warm-up, in an order that rotates round by round so that none always runs
+    first: cells by (body, target)."""
     cells: dict[tuple[str, str], list[Cell]] = {}
     for body, script in bodies.items():
-        connections = CONNECTIONS[body]
+        connections = BUSY[body]
         for target in targets.values():
             wrk(target, script, connections, 1)  # warm-up
         for round_ in range(rounds):
@@ -100,7 +94,7 @@ def print_cells(
 ) -> None:
     """Requests/s and CPU time per request, median and range over rounds, per cell."""
     bodies = dict.fromkeys(body for body, _ in cells)
-    at = ", ".join(f"{body} at c={CONNECTIONS[body]}" for body in bodies)
+    at = ", ".join(f"{body} at c={BUSY[body]}" for body in bodies)
     print(f"wrk: {at}; {duration} s per cell, {rounds} rounds; median (range) over rounds")
     print(f"{'body':<6} {label:<{width}} {'req/s':>22} {'CPU us/req':>20}")
     for (body, name), runs in cells.items():
