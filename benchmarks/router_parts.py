@@ -42,8 +42,7 @@ STAND_INS = {
     # under which a part's cost reads as nothing.
     "as shipped, again": "",
     "no read timeouts": (
-        "from smetric.serve import upstream\n"
-        "upstream.Attempt._bound = lambda self, seconds: None\n"
+        "from smetric.serve import upstream\nupstream.Attempt._bound = lambda self, seconds: None\n"
     ),
     "no metrics": (
         "from prometheus_client import metrics, values\n"

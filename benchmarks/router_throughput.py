@@ -185,7 +185,7 @@ Runs = dict[tuple[str, int, str], list[Cell]]
 def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
     """Per target, then smetric's ratios to each peer and to its own stack."""
     print(
-        f"{'body':<6}{'target':<12}{'req/s busy':>24}{'CPU us/req busy':>24}{'added ms at c=1':>24}"
+        f"{'body':<8}{'target':<12}{'req/s busy':>24}{'CPU us/req busy':>24}{'added ms at c=1':>24}"
     )
     for body in bodies:
         direct = runs[body, 1, "direct"]
@@ -193,12 +193,12 @@ def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
             busy = runs[body, BUSY[body], name]
             own = "(the engine)" if name == "direct" else spread(added(runs[body, 1, name], direct))
             print(
-                f"{body:<6}{name:<12}{spread([c.rps for c in busy], 0):>24}"
+                f"{body:<8}{name:<12}{spread([c.rps for c in busy], 0):>24}"
                 f"{spread([c.cpu_us for c in busy], 0):>24}{own:>24}"
             )
     print("\nsmetric over each reference, each round's ratio: median (range) over rounds")
     print(
-        f"{'body':<6}{'smetric':<12}{'over':<10}{'req/s busy':>22}{'CPU/req busy':>22}"
+        f"{'body':<8}{'smetric':<12}{'over':<10}{'req/s busy':>22}{'CPU/req busy':>22}"
         f"{'added ms at c=1':>22}"
     )
     for body in bodies:
@@ -213,7 +213,7 @@ def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
                 theirs_ms = added(runs[body, 1, other], direct)
                 lat = [a / b for a, b in zip(mine_ms, theirs_ms, strict=True) if b > 0]
                 print(
-                    f"{body:<6}{ours:<12}{other:<10}{spread(rps):>22}{spread(cpu):>22}"
+                    f"{body:<8}{ours:<12}{other:<10}{spread(rps):>22}{spread(cpu):>22}"
                     f"{(spread(lat) if lat else 'n/a'):>22}"
                 )
 
