@@ -12,8 +12,9 @@ stack ``smetric serve`` runs on; through smg's and sglang-router's ``cache_aware
 (each where installed); and through ``smetric serve`` with 1 and with 2 workers. Three
 bodies: *tiny* (one short user message); *long*, an agent's history (``agent_bodies``,
 ~390 KB, ~100 k tokens) plus a new user turn per request, as a session's next call would
-be; and *stream*, a tiny body asking for a stream, whose reply comes as 64 chunks a
-millisecond apart, as agents ask for every reply. Each cell is ``--duration`` seconds at
+be; *stream*, a tiny body asking for a stream, whose reply comes as 64 chunks a
+millisecond apart, as agents ask for every reply; and *long+stream*, both at once: what an
+agent's call sends and gets back. Each cell is ``--duration`` seconds at
 1 connection and at ``BUSY`` connections, after a one-second warm-up of each body; rounds
 interleave the targets.
 
@@ -65,7 +66,7 @@ UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 # 32 connections a router that spends more per chunk is saturated, reads the chunks that
 # piled up meanwhile in one go and so spends less per reply than on a load it keeps up
 # with; at 8, none of the targets is saturated and each reads every chunk on its own.
-BUSY = {"tiny": 32, "long": 32, "agent": 32, "stream": 8}
+BUSY = {"tiny": 32, "long": 32, "agent": 32, "stream": 8, "long+stream": 8}
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ Runs = dict[tuple[str, int, str], list[Cell]]
 def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
     """Per target, then smetric's ratios to each peer and to its own stack."""
     print(
-        f"{'body':<8}{'target':<12}{'req/s busy':>24}{'CPU us/req busy':>24}{'added ms at c=1':>24}"
+        f"{'body':<12}{'target':<12}{'req/s busy':>24}{'CPU us/req busy':>24}"
+        f"{'added ms at c=1':>24}"
     )
     for body in bodies:
         direct = runs[body, 1, "direct"]
@@ -193,12 +195,12 @@ def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
             busy = runs[body, BUSY[body], name]
             own = "(the engine)" if name == "direct" else spread(added(runs[body, 1, name], direct))
             print(
-                f"{body:<8}{name:<12}{spread([c.rps for c in busy], 0):>24}"
+                f"{body:<12}{name:<12}{spread([c.rps for c in busy], 0):>24}"
                 f"{spread([c.cpu_us for c in busy], 0):>24}{own:>24}"
             )
     print("\nsmetric over each reference, each round's ratio: median (range) over rounds")
     print(
-        f"{'body':<8}{'smetric':<12}{'over':<10}{'req/s busy':>22}{'CPU/req busy':>22}"
+        f"{'body':<12}{'smetric':<12}{'over':<10}{'req/s busy':>22}{'CPU/req busy':>22}"
         f"{'added ms at c=1':>22}"
     )
     for body in bodies:
@@ -213,7 +215,7 @@ def report(runs: Runs, names: list[str], bodies: list[str]) -> None:
                 theirs_ms = added(runs[body, 1, other], direct)
                 lat = [a / b for a, b in zip(mine_ms, theirs_ms, strict=True) if b > 0]
                 print(
-                    f"{body:<8}{ours:<12}{other:<10}{spread(rps):>22}{spread(cpu):>22}"
+                    f"{body:<12}{ours:<12}{other:<10}{spread(rps):>22}{spread(cpu):>22}"
                     f"{(spread(lat) if lat else 'n/a'):>22}"
                 )
 
@@ -235,6 +237,7 @@ def main() -> None:
         bodies = {"tiny": write_script(folder, "tiny", [])}
         bodies["long"] = write_script(folder, "long", history)
         bodies["stream"] = write_script(folder, "stream", [], stream=True)
+        bodies["long+stream"] = write_script(folder, "long-stream", history, stream=True)
         size = (folder / "long.prefix").stat().st_size // 1000
         urls = asyncio.run(targets(procs))
         for body, script in bodies.items():
