@@ -171,6 +171,15 @@ class Engine:
         self._load = np.zeros((1, LOAD_COLUMNS), dtype=np.int64)
         self._row = 0
 
+    def waited_on(self, besides: object = None) -> bool:
+        """Whether an attempt here (other than ``besides``) waits on the engine, not on
+        its client (``serve.upstream.Attempt.deliver``): the engine's silence counts only
+        then."""
+        for attempt in self.attempts:
+            if attempt.waits_on_engine and attempt is not besides:
+                return True
+        return False
+
     @property
     def inflight(self) -> int:
         """Requests this worker routed here whose response has not ended."""

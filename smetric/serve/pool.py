@@ -226,7 +226,7 @@ class EnginePool:
         take; never for an engine whose scrapes answer without counters. A request
         whose client is slow to read waits on its client, not on the engine: whatever
         the engine holds back meanwhile is the client's doing (``Attempt.deliver``)."""
-        if not any(a.waits_on_engine for a in engine.attempts):
+        if not engine.waited_on():
             return False
         if now - engine.progressed_at < self.stall_timeout_s:
             return False

@@ -136,7 +136,7 @@ class Attempt:
 
     async def __aenter__(self) -> Attempt:
         engine = self.engine
-        if not any(a.waits_on_engine for a in engine.attempts):
+        if not engine.waited_on():
             engine.progressed_at = time.monotonic()  # owed nothing until now: silence starts
         engine.attempts.add(self)
         self.lease = Lease(engine, self.prompt_tokens, self.unprefilled_tokens)
@@ -177,8 +177,7 @@ class Attempt:
             await write
         finally:
             self.waits_on_engine = True
-            others = (a for a in self.engine.attempts if a is not self)
-            if not any(a.waits_on_engine for a in others):
+            if not self.engine.waited_on(besides=self):
                 self.engine.progressed_at = time.monotonic()
 
     def _stalled(self) -> EngineFault | None:
