@@ -175,7 +175,8 @@ class Engine:
         """Whether an attempt here (other than ``besides``) waits on the engine, not on
         its client (``serve.upstream.Attempt.deliver``): the engine's silence counts only
         then."""
-        for attempt in self.attempts:
+        # A loop rather than any() of a generator: asked once per chunk of every stream.
+        for attempt in self.attempts:  # noqa: SIM110
             if attempt.waits_on_engine and attempt is not besides:
                 return True
         return False
