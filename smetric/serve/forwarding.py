@@ -433,10 +433,14 @@ class UsageTap:
         """The ``usage`` objects in the kept tail, last first; parsed once per tap."""
         if self._parsed is None:
             self._parsed = []
-            tail = b"".join(self.chunks)[-self.KEEP :]
-            for piece in reversed(tail.replace(b"data: ", b"\n").split(b"\n")):
-                if b'"usage"' not in piece:
-                    continue
+            lines = b"".join(self.chunks)[-self.KEEP :].replace(b"data: ", b"\n")
+            # The lines that name a usage, found from the end rather than split out: a
+            # stream's tail is hundreds of lines, of which one has it.
+            end = len(lines)
+            while (found := lines.rfind(b'"usage"', 0, end)) >= 0:
+                end = lines.rfind(b"\n", 0, found) + 1
+                stop = lines.find(b"\n", found)
+                piece = lines[end : stop if stop >= 0 else len(lines)]
                 try:
                     data = _decode(piece)
                     usage = data.get("usage") or (data.get("response") or {}).get("usage")
