@@ -2,7 +2,7 @@
 
     python benchmarks/decision_steps.py [--tokenizer hf:/path] [--tokens 128000]
 
-One agent session (``agent_bodies``) of about ``--tokens`` tokens is decided turn by turn
+One agent session (``agentic_bodies``) of about ``--tokens`` tokens is decided turn by turn
 as ``router_decision.py`` decides it, with the model's tokenizer and chat template (the
 SmolLM2 folder the real-engine setup leaves in ~/.cache/smetric by default). For the last
 20 follow-ups, the CPU time of each step is summed: each step's function is wrapped with

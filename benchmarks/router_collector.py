@@ -12,7 +12,7 @@ trivial engines; they differ only in what runs before it serves:
 - *off*: what exists frozen, the collector disabled: the floor, not a setting to ship
   (nothing would ever free a cycle).
 
-``wrk`` sends tiny bodies and then agent bodies (``agent_bodies``, ~414 KB) at 32
+``wrk`` sends tiny bodies and then agent bodies (``agentic_bodies``, ~414 KB) at 32
 connections to each in a rotating order, as ``router_throughput.py`` does. Printed per
 body and target: requests/s and CPU time per request, the median and range over rounds;
 then, over the whole run, each target's collector passes per generation, per thousand

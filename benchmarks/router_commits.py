@@ -7,7 +7,7 @@ Each commit is checked out in a temporary git worktree and served from there
 (``PYTHONPATH`` puts it before the installed package), with this environment's packages;
 the REV ``working`` serves the working tree as it is. One pair of trivial
 engines serves every target; ``wrk`` sends tiny bodies and then agent bodies
-(``agent_bodies``, ~414 KB), with ``--stream`` tiny bodies whose replies stream 64 chunks
+(``agentic_bodies``, ~414 KB), with ``--stream`` tiny bodies whose replies stream 64 chunks
 a millisecond apart, each at its ``BUSY`` connections (``router_throughput``: 32, a stream
 8) to each in a rotating order, as ``router_interpreters.py`` does. Printed per body and
 commit: requests/s and CPU time per request, the median and range over rounds. Runs

@@ -8,7 +8,7 @@ last messages rendered and spliced onto the rendering kept of its previous turn,
 ``core.template_splice``). For each tokenizer (bytes;
 a Hugging Face one, given or SmolLM2's when the real-engine setup left it in
 ~/.cache/smetric, with the generic rendering and with the model's chat template) and
-prompt size, one agent session (``agent_bodies``) is decided turn by turn as the router
+prompt size, one agent session (``agentic_bodies``) is decided turn by turn as the router
 decides it:
 
 - *cold*: the last, largest request with an empty memo (a conversation the router has

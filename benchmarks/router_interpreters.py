@@ -6,7 +6,7 @@
 Each interpreter needs smetric installed (``python -m pip install .`` in a venv of its
 own) and, for a fair comparison, the same versions of aiohttp, uvloop and numpy. One pair
 of trivial engines serves every target; ``wrk`` sends tiny bodies and then agent bodies
-(``agent_bodies``, ~414 KB) at 32 connections to each in a rotating order, as
+(``agentic_bodies``, ~414 KB) at 32 connections to each in a rotating order, as
 ``router_throughput.py`` does. Printed per body and target: requests/s and CPU time per
 request, the median and range over rounds. Whether a newer interpreter (or another build
 of the same one) buys the router time shows here, beside what it buys the stack itself.

@@ -10,10 +10,10 @@ body, post it to an engine, return the reply, a stream chunk by chunk) with 1 an
 processes, the floor of the
 stack ``smetric serve`` runs on; through smg's and sglang-router's ``cache_aware`` policy
 (each where installed); and through ``smetric serve`` with 1 and with 2 workers. Three
-bodies: *tiny* (one short user message); *long*, an agent's history (``agent_bodies``,
+bodies: *tiny* (one short user message); *agent*, an agent's history (``agentic_bodies``,
 ~390 KB, ~100 k tokens) plus a new user turn per request, as a session's next call would
 be; *stream*, a tiny body asking for a stream, whose reply comes as 64 chunks a
-millisecond apart, as agents ask for every reply; and *long+stream*, both at once: what an
+millisecond apart, as agents ask for every reply; and *agent+stream*, both at once: what an
 agent's call sends and gets back. Each cell is ``--duration`` seconds at
 1 connection and at ``BUSY`` connections, after a one-second warm-up of each body; rounds
 interleave the targets.
@@ -66,7 +66,7 @@ UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 # 32 connections a router that spends more per chunk is saturated, reads the chunks that
 # piled up meanwhile in one go and so spends less per reply than on a load it keeps up
 # with; at 8, none of the targets is saturated and each reads every chunk on its own.
-BUSY = {"tiny": 32, "long": 32, "agent": 32, "stream": 8, "long+stream": 8}
+BUSY = {"tiny": 32, "agent": 32, "stream": 8, "agent+stream": 8}
 
 
 @dataclass(frozen=True)
@@ -235,10 +235,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         folder = Path(tmp)
         bodies = {"tiny": write_script(folder, "tiny", [])}
-        bodies["long"] = write_script(folder, "long", history)
+        bodies["agent"] = write_script(folder, "agent", history)
         bodies["stream"] = write_script(folder, "stream", [], stream=True)
-        bodies["long+stream"] = write_script(folder, "long-stream", history, stream=True)
-        size = (folder / "long.prefix").stat().st_size // 1000
+        bodies["agent+stream"] = write_script(folder, "agent-stream", history, stream=True)
+        size = (folder / "agent.prefix").stat().st_size // 1000
         urls = asyncio.run(targets(procs))
         for body, script in bodies.items():
             for url in urls.values():
@@ -253,7 +253,7 @@ def main() -> None:
                         runs.setdefault((body, connections, name), []).append(cell)
     print(
         f"\n2 trivial engines; wrk -t1, {args.duration} s per cell, {args.rounds} rounds; "
-        f"long = {size} KB; busy = {BUSY} connections; median (range) over rounds"
+        f"agent = {size} KB; busy = {BUSY} connections; median (range) over rounds"
     )
     report(runs, list(urls), list(bodies))
     print(f"\nload average (1, 5, 15 min) before {load_before}, after {load_average()}")

@@ -164,7 +164,7 @@ class Attempt:
         if self._sending is not None and not self._sending.expired():
             self._sending.reschedule(self._loop.time())
         elif self.response is not None:
-            self.response.content.set_exception(EngineFault(reason, stalled=True))
+            self._end_reads(EngineFault(reason, stalled=True))
 
     async def deliver(self, write: Awaitable[None]) -> None:
         """Await ``write``, a write of the engine's bytes to the client. However long a
@@ -211,8 +211,9 @@ class Attempt:
             raise EngineFault("not a valid HTTP response", detail=described(exc)) from None
         finally:
             self._sending = None
-        if self._cut:  # the headers came as it was cut: its reads fail as a wait would
-            self.response.content.set_exception(EngineFault(self._cut, stalled=True))
+        stalled = self._stalled()
+        if stalled is not None:  # the headers came as it was cut: its reads fail at once
+            self._end_reads(stalled)
         self.engine.progressed_at = time.monotonic()
         return self.response
 
@@ -240,9 +241,8 @@ class Attempt:
     def _bound(self, seconds: float) -> None:
         """Bound the read about to wait by ``seconds``. A stream reads once per token, so
         its reads share one alarm, moved only when it rings early or a read wants it
-        earlier, rather than a timer each; ringing late, it ends the read with an
-        ``EngineFault`` through the body's stream, as the HTTP client ends a read whose
-        connection was lost."""
+        earlier, rather than a timer each; ringing late, it ends the read
+        (``_end_reads``)."""
         self._due, self._patience = self._loop.time() + seconds, seconds
         if self._alarm is None or self._alarm.when() > self._due:
             if self._alarm is not None:
@@ -256,8 +256,12 @@ class Attempt:
         if self._loop.time() < self._due:
             self._alarm = self._loop.call_at(self._due, self._ring)
             return
+        self._end_reads(EngineFault(f"silent for {self._patience:g} s", timeout=True))
+
+    def _end_reads(self, fault: EngineFault) -> None:
+        """End the read in progress, and every later one, with ``fault``: through the
+        body's stream, as the HTTP client ends a read whose connection was lost."""
         assert self.response is not None
-        fault = EngineFault(f"silent for {self._patience:g} s", timeout=True)
         self.response.content.set_exception(fault)
 
     async def read_all(self) -> bytes:
