@@ -1,6 +1,7 @@
 """``smetric pick`` behind Envoy against ``smetric serve``, on agent-sized bodies.
 
     python benchmarks/picker_vs_serve.py [--rounds 3] [--requests 200] [--concurrency 8]
+                                         [--stream]
 
 Four paths to the same two trivial engines (``trivial_engine.py``: they answer at once,
 so what is measured is the path, not the engine), all in one run, round by round in a
@@ -14,7 +15,11 @@ rotating order so that every path sees the same machine state:
   gRPC, the decision made, Envoy forwarding its own copy), engine.
 
 Bodies are coding-agent sessions (``agentic_bodies.py``): the last turns of sessions of
-about ``--body-kb`` KB each, resent as an agent resends them. Each round measures every
+about ``--body-kb`` KB each, resent as an agent resends them. With ``--stream`` they ask
+for a streamed reply, as an agent's calls do: the engines send 64 chunks a millisecond
+apart, and Envoy passes each to the picker and waits for its answer before it passes it
+on, so the CPU per request then holds what each path spends per chunk. The rates are
+then bounded by the replies' 64 ms rather than by the paths. Each round measures every
 path's throughput (closed loop, ``--concurrency`` clients; one request is one routing
 decision for serve and pick) and its latency at concurrency 1. Reported: the median over
 rounds and the spread (min to max); the added latency of each path over direct; the gRPC
@@ -52,13 +57,17 @@ ROLES = ("envoy", "router", "engines")
 the engines."""
 
 
-def bodies(sessions: int, turns: int, body_kb: int) -> list[bytes]:
-    """The last ``turns`` turns of each session, interleaved as concurrent agents send them."""
+def bodies(sessions: int, turns: int, body_kb: int, stream: bool = False) -> list[bytes]:
+    """The last ``turns`` turns of each session, interleaved as concurrent agents send them
+    (``stream``: asking for a streamed reply, last in the body, where the trivial engine
+    looks)."""
     per_session = [
         session_turns(agent_messages(body_kb * 1000, seed=s))[-turns:] for s in range(sessions)
     ]
     return [
-        json.dumps(chat_body(turn, max_tokens=8)).encode()
+        json.dumps(
+            {**chat_body(turn, max_tokens=8), **({"stream": True} if stream else {})}
+        ).encode()
         for step in range(turns)
         for session in per_session
         for turn in session[step : step + 1]
@@ -213,9 +222,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--body-kb", type=int, default=400)
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="ask for streamed replies: 64 chunks a millisecond apart, as an agent's call",
+    )
     args = parser.parse_args()
     turns = max(1, args.requests // args.sessions)
-    payloads = bodies(args.sessions, turns, args.body_kb)[: args.requests]
+    payloads = bodies(args.sessions, turns, args.body_kb, args.stream)[: args.requests]
     size_kb = statistics.mean(len(p) for p in payloads) / 1000
     with processes() as procs:
         started = [procs.start_listening([sys.executable, str(TRIVIAL), "0"]) for _ in range(2)]

@@ -83,14 +83,15 @@ class Exchange:
         return []
 
     async def _request_body(self, body: ext_proc.HttpBody) -> Replies:
+        piece = body.body  # each read of a bytes field copies it: read it once
         if self.pick is not None:  # the body came whole before: nothing more to hold
-            return protocol.body_chunks("request", [body.body], body.end_of_stream)
+            return protocol.body_chunks("request", [piece], body.end_of_stream)
         try:
-            await self._hold(self.size + len(body.body))
+            await self._hold(self.size + len(piece))
         except Refusal as refusal:
             return self._refuse(refusal)
-        self.body.append(body.body)
-        self.size += len(body.body)
+        self.body.append(piece)
+        self.size += len(piece)
         if self.modes.whole_request or body.end_of_stream:  # whole: trailers may follow
             return await self._decide(self.body, end_of_stream=True)
         return []
@@ -172,13 +173,15 @@ class Exchange:
         return [protocol.immediate(200, count, {TOKEN_COUNT_HEADER: "router"})]
 
     def _response_body(self, body: ext_proc.HttpBody) -> Replies:
+        """Once per chunk of a streamed reply: a token, or a few."""
+        piece = body.body
         if self.pick is not None:
-            self.picker.streamed(self.pick, body.body)
+            self.picker.streamed(self.pick, piece)
             if body.end_of_stream:
                 self.close(complete=True)
         if self.modes.echo_response:
-            return protocol.body_chunks("response", [body.body], body.end_of_stream)
-        return [protocol.continue_body("response")]
+            return protocol.body_chunks("response", [piece], body.end_of_stream)
+        return [protocol.CONTINUE_RESPONSE_BODY]
 
     def close(self, complete: bool) -> None:
         """The exchange is over: the response ended, or the stream did (client gone,

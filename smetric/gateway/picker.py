@@ -11,6 +11,7 @@ past (``UsageTap``).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import time
 from collections.abc import Mapping
@@ -31,9 +32,11 @@ from smetric.serve.token_count import COUNT_TOKENS_PATH
 from smetric.serve.upstream import EngineFault
 
 
+@functools.lru_cache(maxsize=4096)
 def endpoint_of(url: str) -> str:
     """An engine's ``ip:port`` as the gateway names endpoints (``[v6]:port`` for IPv6);
-    ``ConfigError`` unless the URL's host is an IP address, which Envoy connects to as is."""
+    ``ConfigError`` unless the URL's host is an IP address, which Envoy connects to as is.
+    Cached: every response is matched against every engine's."""
     parts = urlsplit(url)
     try:
         address = ipaddress.ip_address(parts.hostname or "")

@@ -181,6 +181,11 @@ def continue_body(
     return _reply(f"{phase}_body", ext_proc.BodyResponse(response=common), destination)
 
 
+CONTINUE_RESPONSE_BODY = ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
+"""The answer to a piece of a response Envoy holds (not full duplex): let it go on as it
+is. Built once and never changed: one is sent for every chunk of a streamed reply."""
+
+
 def body_chunks(
     phase: Phase, chunks: Iterable[bytes], end_of_stream: bool
 ) -> list[ext_proc.ProcessingResponse]:
