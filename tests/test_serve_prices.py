@@ -127,3 +127,60 @@ def test_the_router_learns_from_real_streams_of_mock_engines() -> None:
     assert kv_read[1] > 3 * kv_read[0]
     prefill_tps = [policy.prefill_tps for policy in policies]
     assert prefill_tps[0] > 3 * prefill_tps[1]
+
+
+def test_a_stream_s_decode_runs_from_its_first_chunk_to_its_last() -> None:
+    """What learning reads of a stream's decode: its chunks after the first, and the time
+    from the first to the last; the engine's silence before it ends the stream is not
+    decode."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from smetric.serve.app import Router, RouterSettings
+    from smetric.serve.engines import Engine
+    from smetric.serve.forwarding import Completion
+
+    from conftest import eventually, router_client
+
+    chunk, gap_s, chunks, end_s = b'data: {"choices": []}\n\n', 0.05, 5, 0.5
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(chunk)
+        for _ in range(chunks):
+            await asyncio.sleep(gap_s)
+            await response.write(chunk)
+        await asyncio.sleep(end_s)
+        await response.write_eof()
+        return response
+
+    async def healthy(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def go() -> Completion:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", stream)
+        app.router.add_get("/health", healthy)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        router = Router([Engine(f"http://127.0.0.1:{server.port}", 1000)], RouterSettings())
+        ended: list[Completion] = []
+        router.observers.append(ended.append)
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        try:
+            async with router_client(router.app(), True, 30) as (client, url):
+                async with client.post(url + "/v1/chat/completions", json=chat) as reply:
+                    assert reply.status == 200
+                    assert (await reply.read()).count(chunk) == chunks + 1
+                await eventually(lambda: ended)
+        finally:
+            await server.close()
+        return ended[0]
+
+    completion = asyncio.run(go())
+    assert completion.decode_chunks == chunks
+    assert chunks * gap_s * 0.9 <= completion.decode_s < chunks * gap_s + end_s / 2

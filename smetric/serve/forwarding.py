@@ -7,7 +7,7 @@ answered 5xx or garbage) is retried on another engine, so it may run more than o
 ``data: [DONE]``).
 
 Every request the router dispatched ends in one ``Completion``: where it went, what the
-engine reported cached, its time to first token and the gaps between its chunks, who sent
+engine reported cached, its time to first token and how long its stream took, who sent
 it, and how it ended. Each of ``Forwarder.observers`` is called with it once the response
 has ended (however it ended), outside the response's path: an observer that raises is
 logged and the next one still runs. Recorders and online learners hang off this one hook.
@@ -94,8 +94,11 @@ class Completion:
     outcome: Outcome | None = None
     attempts: int = 0
     ttft_s: float | None = None
-    # Seconds between successive chunks of a stream, after the first.
-    chunk_gaps_s: list[float] = field(default_factory=list)
+    # A stream's chunks after the first, and the seconds from the first to the last: all
+    # that learning reads of the gaps between them, which a long stream would otherwise
+    # hold a float each for while it lasts.
+    decode_chunks: int = 0
+    decode_s: float = 0.0
     # What the router counted on the chosen engine at the first chunk, for learning prices
     # (serve/prices.py): the prompt tokens in flight there and the unprefilled tokens ever
     # routed there.
@@ -235,8 +238,8 @@ class Forwarder:
         engine = attempt.engine
         headers = {"Content-Type": reply.content_type, **tags}
         response = web.StreamResponse(status=reply.status, headers=headers)
-        chunk, last = reply.data, time.perf_counter()
-        gaps = completion.chunk_gaps_s
+        chunk, chunks = reply.data, 0
+        first = last = time.perf_counter()
         usage = UsageTap()
         try:
             await response.prepare(request)
@@ -244,11 +247,9 @@ class Forwarder:
                 usage.feed(chunk)
                 await attempt.deliver(response.write(chunk))
                 chunk = await attempt.read()
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-            if gaps:
-                gaps.pop()  # the wait for the end, not a chunk
+                if chunk:
+                    chunks, last = chunks + 1, time.perf_counter()
+            completion.decode_chunks, completion.decode_s = chunks, last - first
             # Before the client can see the end and ask again.
             completion.cached_tokens = self.count_cached(engine, usage)
             completion.output_tokens = usage.output_tokens()

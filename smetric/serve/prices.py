@@ -89,16 +89,16 @@ def observed(completion: forwarding.Completion, engine: Engine | None) -> Observ
     if cached is None or ttft is None or engine is None or routed is None:
         return None
     prompt = completion.facts.prompt_tokens
-    gaps = completion.chunk_gaps_s
-    streamed = completion.stream and gaps and not math.isnan(completion.first_token_tokens)
+    chunks = completion.decode_chunks
+    streamed = completion.stream and chunks and not math.isnan(completion.first_token_tokens)
     return Observation(
         prompt_tokens=prompt,
         cached_tokens=cached,
         predicted_local_tokens=routed.predicted_local_tokens,
         queued_tokens=routed.queued_tokens,
         ttft_s=ttft,
-        output_tokens=len(gaps) + 1 if streamed else 0,
-        decode_s=sum(gaps) if streamed else math.nan,
+        output_tokens=chunks + 1 if streamed else 0,
+        decode_s=completion.decode_s if streamed else math.nan,
         decode_tokens=(
             (completion.first_token_tokens + engine.total_inflight_tokens() + prompt) / 2
             if streamed
