@@ -2,6 +2,8 @@
 against the peers and against the server stack itself.
 
     python benchmarks/router_throughput.py [--duration 4] [--rounds 3] [--history-kb 390]
+                                           [--bodies tiny,agent,stream,agent+stream]
+                                           [--stream-chunks 64]
 
 Two trivial engines (``trivial_engine.py``: they read the body and answer at once) sit
 behind each router, and ``wrk`` drives every target in turn from one process, in one run:
@@ -9,14 +11,14 @@ directly to an engine; through a bare aiohttp pass-through (``passthrough.py``: 
 body, post it to an engine, return the reply, a stream chunk by chunk) with 1 and 2
 processes, the floor of the
 stack ``smetric serve`` runs on; through smg's and sglang-router's ``cache_aware`` policy
-(each where installed); and through ``smetric serve`` with 1 and with 2 workers. Three
+(each where installed); and through ``smetric serve`` with 1 and with 2 workers. Four
 bodies: *tiny* (one short user message); *agent*, an agent's history (``agentic_bodies``,
 ~390 KB, ~100 k tokens) plus a new user turn per request, as a session's next call would
 be; *stream*, a tiny body asking for a stream, whose reply comes as 64 chunks a
-millisecond apart, as agents ask for every reply; and *agent+stream*, both at once: what an
-agent's call sends and gets back. Each cell is ``--duration`` seconds at
-1 connection and at ``BUSY`` connections, after a one-second warm-up of each body; rounds
-interleave the targets.
+millisecond apart (``--stream-chunks``), as agents ask for every reply; and *agent+stream*,
+both at once: what an agent's call sends and gets back. ``--bodies`` runs some of them.
+Each cell is ``--duration`` seconds at 1 connection and at ``BUSY`` connections, after a
+one-second warm-up of each body; rounds interleave the targets.
 
 Prints, per body and target, requests/s at ``BUSY`` connections, the target's CPU time per
 request (all its processes), and the latency it adds at 1 connection (its mean latency
@@ -49,6 +51,7 @@ import numpy as np
 from agentic_bodies import agent_messages, chat_body
 from router_overhead import Processes, processes, wait_ready
 from router_vs_sglang import PEERS, peer_available, routes_chat, start_peer_router
+from trivial_engine import STREAM_CHUNKS
 
 HERE = Path(__file__).parent
 LUA = """
@@ -82,8 +85,10 @@ class Cell:
     cpu_us: float  # the target's CPU time per request: robust to other load on the machine
 
 
-def start_trivial_engine(procs: Processes) -> Target:
-    url, proc = procs.start_listening([sys.executable, str(HERE / "trivial_engine.py"), "0"])
+def start_trivial_engine(procs: Processes, chunks: int = STREAM_CHUNKS) -> Target:
+    """A trivial engine whose streamed replies come in ``chunks`` chunks."""
+    script = [sys.executable, str(HERE / "trivial_engine.py"), "0", str(chunks)]
+    url, proc = procs.start_listening(script)
     return Target(url, proc.pid)
 
 
@@ -147,8 +152,8 @@ def _report(pattern: str, out: str) -> tuple[str, ...]:
     return found.groups()
 
 
-async def targets(procs: Processes) -> dict[str, Target]:
-    engines = [start_trivial_engine(procs) for _ in range(2)]
+async def targets(procs: Processes, chunks: int) -> dict[str, Target]:
+    engines = [start_trivial_engine(procs, chunks) for _ in range(2)]
     urls = [e.url for e in engines]
     await wait_ready(urls)
     found = {"direct": engines[0]}
@@ -225,7 +230,24 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=4)
     parser.add_argument("--history-kb", type=int, default=390)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--bodies",
+        type=lambda text: text.split(","),
+        default=list(BUSY),
+        help=f"which bodies, comma-separated, of {','.join(BUSY)}",
+    )
+    parser.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=STREAM_CHUNKS,
+        help="chunks in a streamed reply, a token each (an agent's reply is often hundreds)",
+    )
     args = parser.parse_args()
+    unknown = set(args.bodies) - set(BUSY)
+    if unknown:
+        parser.error(
+            f"no such body: {', '.join(sorted(unknown))}; the bodies are {', '.join(BUSY)}"
+        )
     if not any(map(peer_available, PEERS)) or shutil.which("wrk") is None:
         print("needs wrk (apt-get install wrk) and smg or sglang-router (pip install smg)")
         return
@@ -234,12 +256,15 @@ def main() -> None:
     history = agent_messages(args.history_kb * 1000)
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         folder = Path(tmp)
-        bodies = {"tiny": write_script(folder, "tiny", [])}
-        bodies["agent"] = write_script(folder, "agent", history)
-        bodies["stream"] = write_script(folder, "stream", [], stream=True)
-        bodies["agent+stream"] = write_script(folder, "agent-stream", history, stream=True)
-        size = (folder / "agent.prefix").stat().st_size // 1000
-        urls = asyncio.run(targets(procs))
+        every = {
+            "tiny": lambda: write_script(folder, "tiny", []),
+            "agent": lambda: write_script(folder, "agent", history),
+            "stream": lambda: write_script(folder, "stream", [], stream=True),
+            "agent+stream": lambda: write_script(folder, "agent-stream", history, stream=True),
+        }
+        bodies = {name: every[name]() for name in BUSY if name in args.bodies}
+        size = len(json.dumps(chat_body(history))) // 1000
+        urls = asyncio.run(targets(procs, args.stream_chunks))
         for body, script in bodies.items():
             for url in urls.values():
                 wrk(url, script, BUSY[body], 1)  # warm-up: connections, caches, the memo
@@ -253,7 +278,8 @@ def main() -> None:
                         runs.setdefault((body, connections, name), []).append(cell)
     print(
         f"\n2 trivial engines; wrk -t1, {args.duration} s per cell, {args.rounds} rounds; "
-        f"agent = {size} KB; busy = {BUSY} connections; median (range) over rounds"
+        f"agent = {size} KB; streams of {args.stream_chunks} chunks; busy = {BUSY} "
+        "connections; median (range) over rounds"
     )
     report(runs, list(urls), list(bodies))
     print(f"\nload average (1, 5, 15 min) before {load_before}, after {load_average()}")

@@ -2,10 +2,10 @@
 with a fixed chat completion, so a benchmark through it measures the router, not the engine.
 A body whose last 4 KB ask for a stream (``"stream": true`` or ``"stream":true``: all of
 a tiny body, where a router that re-encodes bodies, as smg does, may move it) gets
-``STREAM_CHUNKS`` chunks of one token each, a millisecond apart as a decode's tokens are
-spaced, so that a router that keeps up reads each on its own.
+``CHUNKS`` chunks of one token each (``STREAM_CHUNKS`` unless given), a millisecond apart
+as a decode's tokens are spaced, so that a router that keeps up reads each on its own.
 
-    python benchmarks/trivial_engine.py PORT
+    python benchmarks/trivial_engine.py PORT [CHUNKS]
 
 PORT 0 takes a free one; the startup line ("... on http://127.0.0.1:PORT") names it.
 
@@ -36,12 +36,19 @@ CHUNK = (
     b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
     b'"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
 )
-LAST = (
-    b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
-    b'"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":'
-    + str(STREAM_CHUNKS).encode()
-    + b',"total_tokens":65}}\n\ndata: [DONE]\n\n'
-)
+CHUNKS = web.AppKey("chunks", int)
+END = web.AppKey("end", bytes)
+
+
+def last_chunk(chunks: int) -> bytes:
+    """The stream's end: its usage (one prompt token, ``chunks`` generated), then [DONE]."""
+    usage = (
+        f'"usage":{{"prompt_tokens":1,"completion_tokens":{chunks},"total_tokens":{chunks + 1}}}'
+    )
+    return (
+        b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+        b'"delta":{},"finish_reason":"stop"}],' + usage.encode() + b"}\n\ndata: [DONE]\n\n"
+    )
 
 
 async def complete(request: web.Request) -> web.StreamResponse:
@@ -51,10 +58,10 @@ async def complete(request: web.Request) -> web.StreamResponse:
         return web.Response(body=COMPLETION, content_type="application/json")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    for _ in range(STREAM_CHUNKS):
+    for _ in range(request.app[CHUNKS]):
         await response.write(CHUNK)
         await asyncio.sleep(0.001)
-    await response.write(LAST)
+    await response.write(request.app[END])
     await response.write_eof()
     return response
 
@@ -65,6 +72,8 @@ async def info(request: web.Request) -> web.Response:
 
 def main() -> None:
     app = web.Application(client_max_size=64 << 20)
+    app[CHUNKS] = int(sys.argv[2]) if len(sys.argv) > 2 else STREAM_CHUNKS
+    app[END] = last_chunk(app[CHUNKS])
     app.router.add_post("/v1/chat/completions", complete)
     for path in ("/health", "/model_info", "/server_info", "/get_server_info", "/v1/models"):
         app.router.add_get(path, info)
