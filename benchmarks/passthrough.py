@@ -3,10 +3,15 @@ engine (each in turn), return the reply (a stream chunk by chunk as it arrives).
 parsed, nothing decided, nothing logged, so a benchmark through it measures aiohttp
 itself, the floor under ``smetric serve``.
 
-    python benchmarks/passthrough.py PORT WORKERS ENGINE_URL...
+    python benchmarks/passthrough.py PORT WORKERS ENGINE_URL... [--protocol-relay]
 
 PORT 0 takes a free one; the startup line ("... on http://127.0.0.1:PORT") names it.
 WORKERS processes share the listening socket, as ``smetric serve --workers`` does.
+
+``--protocol-relay`` posts to the engine on connections of its own instead of aiohttp's
+client, and passes a streamed reply's chunks on from the engine connection's
+``data_received`` to the client's transport (``relay.py``), waking no task per chunk: what a
+relay below aiohttp's stream API could cost a chunk on the same server stack.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
+import relay
 from aiohttp import web
 
 from smetric.serve.workers import new_event_loop
@@ -54,14 +60,16 @@ def app(engines: list[str]) -> web.Application:
 
 
 def main() -> None:
-    port, workers, engines = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    args = [a for a in sys.argv[1:] if a != "--protocol-relay"]
+    port, workers, engines = int(args[0]), int(args[1]), args[2:]
+    make_app = relay.app if "--protocol-relay" in sys.argv else app
     sock = socket.create_server(("127.0.0.1", port), backlog=1024)
     print(f"pass-through on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     for _ in range(workers - 1):
         if os.fork() == 0:
             break
     web.run_app(
-        app(engines),
+        make_app(engines),
         sock=sock,
         print=None,
         access_log=None,

@@ -9,8 +9,9 @@ Two trivial engines (``trivial_engine.py``: they read the body and answer at onc
 behind each router, and ``wrk`` drives every target in turn from one process, in one run:
 directly to an engine; through a bare aiohttp pass-through (``passthrough.py``: read the
 body, post it to an engine, return the reply, a stream chunk by chunk) with 1 and 2
-processes, the floor of the
-stack ``smetric serve`` runs on; through smg's and sglang-router's ``cache_aware`` policy
+processes, the floor of the stack ``smetric serve`` runs on, and with 1 process as a relay
+below aiohttp's stream API (``--protocol-relay``, where ``httptools`` is installed: what a
+chunk could cost on that stack); through smg's and sglang-router's ``cache_aware`` policy
 (each where installed); and through ``smetric serve`` with 1 and with 2 workers. Four
 bodies: *tiny* (one short user message); *agent*, an agent's history (``agentic_bodies``,
 ~390 KB, ~100 k tokens) plus a new user turn per request, as a session's next call would
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -161,6 +163,10 @@ async def targets(procs: Processes, chunks: int) -> dict[str, Target]:
         script = [sys.executable, str(HERE / "passthrough.py"), "0", str(workers), *urls]
         url, proc = procs.start_listening(script)
         found[f"pass x{workers}"] = Target(url, proc.pid)
+    if importlib.util.find_spec("httptools") is not None:
+        relay = [sys.executable, str(HERE / "passthrough.py"), "0", "1", *urls, "--protocol-relay"]
+        url, proc = procs.start_listening(relay)
+        found["relay x1"] = Target(url, proc.pid)
     for peer in PEERS:
         if peer_available(peer):
             found[peer] = Target(start_peer_router(procs, urls, peer), procs.procs[-1].pid)
