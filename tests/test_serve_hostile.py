@@ -432,3 +432,45 @@ def test_a_body_without_a_length_or_compressed_holds_what_has_arrived() -> None:
         await eventually(lambda: router.buffered.used == 0)
 
     run(lambda: with_mixed([], 1, body, max_buffered_bytes=3_000_000, body_timeout_s=30))
+
+
+def test_an_engine_s_cookie_never_reaches_another_request() -> None:
+    """An engine named by host name (as in a cluster's DNS) that sets a cookie, as a
+    sticky load balancer or an auth proxy in front of it would, gets it back from no later
+    request: the router keeps no cookies of its own, so one client's session cookie is
+    never sent on another client's request, nor pins it."""
+    from smetric.serve.app import Router, RouterSettings
+
+    from conftest import router_client
+
+    seen: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("Cookie"))
+        reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}
+        response = web.json_response(reply)
+        response.set_cookie("session", f"client-{len(seen)}")
+        return response
+
+    async def healthy(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", healthy)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        # "localhost", not an IP address: a cookie jar keeps cookies only from names.
+        router = Router([Engine(f"http://localhost:{server.port}", 1000)], RouterSettings())
+        try:
+            async with router_client(router.app(), True, 30) as (client, url):
+                for _ in range(3):
+                    async with client.post(url + "/v1/chat/completions", json=CHAT) as reply:
+                        assert reply.status == 200
+        finally:
+            await server.close()
+
+    run(go)
+    assert seen == [None, None, None]

@@ -202,9 +202,14 @@ class Router:
         scrapes and KV-event subscriptions run while it does."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
         # No cap on connections (aiohttp's default is 100): a hidden queue in the router
-        # would hold requests past their first-byte timeout and blame healthy engines.
+        # would hold requests past their first-byte timeout and blame healthy engines. No
+        # cookie jar: a cookie an engine sets answers one client, and a jar would send it
+        # on every later request to that engine, whoever sent it.
         client = aiohttp.ClientSession(
-            timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout,
+            auto_decompress=False,
+            connector=aiohttp.TCPConnector(limit=0),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         await self.pool.start(client)
         if self.recorder is not None:
