@@ -3,7 +3,8 @@ engine (each in turn), return the reply (a stream chunk by chunk as it arrives).
 parsed, nothing decided, nothing logged, so a benchmark through it measures aiohttp
 itself, the floor under ``smetric serve``.
 
-    python benchmarks/passthrough.py PORT WORKERS ENGINE_URL... [--protocol-relay]
+    python benchmarks/passthrough.py PORT WORKERS ENGINE_URL...
+                                     [--protocol-relay | --protocol-reads]
 
 PORT 0 takes a free one; the startup line ("... on http://127.0.0.1:PORT") names it.
 WORKERS processes share the listening socket, as ``smetric serve --workers`` does.
@@ -12,10 +13,13 @@ WORKERS processes share the listening socket, as ``smetric serve --workers`` doe
 client, and passes a streamed reply's chunks on from the engine connection's
 ``data_received`` to the client's transport (``relay.py``), waking no task per chunk: what a
 relay below aiohttp's stream API could cost a chunk on the same server stack.
+``--protocol-reads``: the same engine leg, but the handler reads each chunk and writes it
+through aiohttp's response.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -60,9 +64,13 @@ def app(engines: list[str]) -> web.Application:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--protocol-relay"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     port, workers, engines = int(args[0]), int(args[1]), args[2:]
-    make_app = relay.app if "--protocol-relay" in sys.argv else app
+    make_app = app
+    if "--protocol-relay" in sys.argv:
+        make_app = relay.app
+    elif "--protocol-reads" in sys.argv:
+        make_app = functools.partial(relay.app, callbacks=False)
     sock = socket.create_server(("127.0.0.1", port), backlog=1024)
     print(f"pass-through on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     for _ in range(workers - 1):

@@ -2,7 +2,8 @@
 sends goes on to the client from the engine connection's ``data_received``, with no task
 woken, no coroutine, no future per chunk. The bound of what a relay on SMetric's server
 stack (aiohttp's server, uvloop) could cost a chunk; ``passthrough.py --protocol-relay``
-serves it.
+serves it, and ``--protocol-reads`` the same engine leg read a chunk at a time by the
+handler, as a router's code would read it through an API.
 
 It is a measuring stick, not a router: connections of its own to the engines (kept for
 reuse), parsed with ``httptools``; no timeouts, and no backpressure (a client slower to
@@ -41,6 +42,7 @@ class EngineReply(asyncio.Protocol):
         self.headers = loop.create_future()
         self.body_started = loop.create_future()
         self.done = loop.create_future()
+        self.waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's: not a subclass
@@ -67,6 +69,7 @@ class EngineReply(asyncio.Protocol):
             self.kept.append(body)
             if not self.body_started.done():
                 self.body_started.set_result(None)
+            self._wake()
             return
         client.writelines((b"%x\r\n" % len(body), body, b"\r\n"))
 
@@ -74,13 +77,32 @@ class EngineReply(asyncio.Protocol):
         if not self.body_started.done():
             self.body_started.set_result(None)
         self.done.set_result(None)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next_piece(self) -> bytes:
+        """What came of the body since the last call, b"" at its end: a reader woken once
+        a chunk, as a handler reading the reply through an API rather than a callback."""
+        while not self.kept:
+            if self.done.done():
+                return b""
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        pieces, self.kept = self.kept, []
+        return b"".join(pieces)
 
     def to_client(self, client: asyncio.BaseTransport) -> None:
         """Send the rest of the body to ``client`` as it arrives."""
         self.client = cast(asyncio.Transport, client)
 
 
-def app(engines: list[str]) -> web.Application:
+def app(engines: list[str], callbacks: bool = True) -> web.Application:
+    """The relay in front of ``engines``; ``callbacks=False`` reads a stream's chunks in
+    the handler (``EngineReply.next_piece``) and writes each through aiohttp's response,
+    waking a task per chunk: the same engine leg behind the API a router's code reads."""
     turns = itertools.cycle(urlsplit(url) for url in engines)
     idle: dict[tuple[str, int], list[EngineReply]] = {}
 
@@ -118,6 +140,12 @@ def app(engines: list[str]) -> web.Application:
                 status=reply.status, headers={"Content-Type": reply.content_type}
             )
             await response.prepare(request)
+            if not callbacks:
+                while piece := await reply.next_piece():
+                    await response.write(piece)
+                await response.write_eof()
+                idle[host, port].append(reply)
+                return response
             await reply.body_started
             # aiohttp sends the headers with the first write: the kept pieces go that way,
             # and whatever comes after goes straight to the client's transport.

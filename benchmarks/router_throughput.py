@@ -10,16 +10,18 @@ behind each router, and ``wrk`` drives every target in turn from one process, in
 directly to an engine; through a bare aiohttp pass-through (``passthrough.py``: read the
 body, post it to an engine, return the reply, a stream chunk by chunk) with 1 and 2
 processes, the floor of the stack ``smetric serve`` runs on, and with 1 process as a relay
-below aiohttp's stream API (``--protocol-relay``, where ``httptools`` is installed: what a
-chunk could cost on that stack); through smg's and sglang-router's ``cache_aware`` policy
-(each where installed); and through ``smetric serve`` with 1 and with 2 workers. Four
-bodies: *tiny* (one short user message); *agent*, an agent's history (``agentic_bodies``,
-~390 KB, ~100 k tokens) plus a new user turn per request, as a session's next call would
-be; *stream*, a tiny body asking for a stream, whose reply comes as 64 chunks a
-millisecond apart (``--stream-chunks``), as agents ask for every reply; and *agent+stream*,
-both at once: what an agent's call sends and gets back. ``--bodies`` runs some of them.
-Each cell is ``--duration`` seconds at 1 connection and at ``BUSY`` connections, after a
-one-second warm-up of each body; rounds interleave the targets.
+below aiohttp's client and stream API (*relay*, ``--protocol-relay``, where ``httptools``
+is installed: what a request and a chunk could cost on that stack) and with the same
+engine leg read a chunk at a time by the handler (*reads*, ``--protocol-reads``); through
+smg's and sglang-router's ``cache_aware`` policy (each where installed); and through
+``smetric serve`` with 1 and with 2 workers. Four bodies: *tiny* (one short user message);
+*agent*, an agent's history (``agentic_bodies``, ~390 KB, ~100 k tokens) plus a new user
+turn per request, as a session's next call would be; *stream*, a tiny body asking for a
+stream, whose reply comes as 64 chunks a millisecond apart (``--stream-chunks``), as
+agents ask for every reply; and *agent+stream*, both at once: what an agent's call sends
+and gets back. ``--bodies`` runs some of them. Each cell is ``--duration`` seconds at 1
+connection and at ``BUSY`` connections, after a one-second warm-up of each body; rounds
+interleave the targets.
 
 Prints, per body and target, requests/s at ``BUSY`` connections, the target's CPU time per
 request (all its processes), and the latency it adds at 1 connection (its mean latency
@@ -164,9 +166,10 @@ async def targets(procs: Processes, chunks: int) -> dict[str, Target]:
         url, proc = procs.start_listening(script)
         found[f"pass x{workers}"] = Target(url, proc.pid)
     if importlib.util.find_spec("httptools") is not None:
-        relay = [sys.executable, str(HERE / "passthrough.py"), "0", "1", *urls, "--protocol-relay"]
-        url, proc = procs.start_listening(relay)
-        found["relay x1"] = Target(url, proc.pid)
+        for name, flag in (("relay x1", "--protocol-relay"), ("reads x1", "--protocol-reads")):
+            relay = [sys.executable, str(HERE / "passthrough.py"), "0", "1", *urls, flag]
+            url, proc = procs.start_listening(relay)
+            found[name] = Target(url, proc.pid)
     for peer in PEERS:
         if peer_available(peer):
             found[peer] = Target(start_peer_router(procs, urls, peer), procs.procs[-1].pid)
