@@ -252,6 +252,8 @@ def main() -> None:
         help="chunks in a streamed reply, a token each (an agent's reply is often hundreds)",
     )
     args = parser.parse_args()
+    if args.stream_chunks < 1:
+        parser.error("--stream-chunks: a streamed reply has at least one chunk")
     unknown = set(args.bodies) - set(BUSY)
     if unknown:
         parser.error(
