@@ -183,6 +183,28 @@ async def until_heard(
 
 
 @contextlib.asynccontextmanager
+async def chat_engine(
+    chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[int]:
+    """An engine on loopback that answers chat completions with ``chat`` and is healthy;
+    its port, while the block runs."""
+
+    async def healthy(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", healthy)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def router_client(
     app: web.Application, handler_cancellation: bool, timeout_s: float
 ) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:

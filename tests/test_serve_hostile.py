@@ -441,7 +441,7 @@ def test_an_engine_s_cookie_never_reaches_another_request() -> None:
     never sent on another client's request, nor pins it."""
     from smetric.serve.app import Router, RouterSettings
 
-    from conftest import router_client
+    from conftest import chat_engine, router_client
 
     seen: list[str | None] = []
 
@@ -453,24 +453,14 @@ def test_an_engine_s_cookie_never_reaches_another_request() -> None:
         response.set_cookie("session", f"client-{len(seen)}")
         return response
 
-    async def healthy(request: web.Request) -> web.Response:
-        return web.Response()
-
     async def go() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        app.router.add_get("/health", healthy)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        # "localhost", not an IP address: a cookie jar keeps cookies only from names.
-        router = Router([Engine(f"http://localhost:{server.port}", 1000)], RouterSettings())
-        try:
+        async with chat_engine(chat) as port:
+            # "localhost", not an IP address: a cookie jar keeps cookies only from names.
+            router = Router([Engine(f"http://localhost:{port}", 1000)], RouterSettings())
             async with router_client(router.app(), True, 30) as (client, url):
                 for _ in range(3):
                     async with client.post(url + "/v1/chat/completions", json=CHAT) as reply:
                         assert reply.status == 200
-        finally:
-            await server.close()
 
     run(go)
     assert seen == [None, None, None]

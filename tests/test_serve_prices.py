@@ -136,13 +136,12 @@ def test_a_stream_s_decode_runs_from_its_first_chunk_to_its_last() -> None:
     import asyncio
 
     from aiohttp import web
-    from aiohttp.test_utils import TestServer
 
     from smetric.serve.app import Router, RouterSettings
     from smetric.serve.engines import Engine
     from smetric.serve.forwarding import Completion
 
-    from conftest import eventually, router_client
+    from conftest import chat_engine, eventually, router_client
 
     chunk, gap_s, chunks, end_s = b'data: {"choices": []}\n\n', 0.05, 5, 0.5
 
@@ -158,27 +157,17 @@ def test_a_stream_s_decode_runs_from_its_first_chunk_to_its_last() -> None:
         await response.write_eof()
         return response
 
-    async def healthy(request: web.Request) -> web.Response:
-        return web.Response()
-
     async def go() -> Completion:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", stream)
-        app.router.add_get("/health", healthy)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        router = Router([Engine(f"http://127.0.0.1:{server.port}", 1000)], RouterSettings())
-        ended: list[Completion] = []
-        router.observers.append(ended.append)
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-        try:
+        ended: list[Completion] = []
+        async with chat_engine(stream) as port:
+            router = Router([Engine(f"http://127.0.0.1:{port}", 1000)], RouterSettings())
+            router.observers.append(ended.append)
             async with router_client(router.app(), True, 30) as (client, url):
                 async with client.post(url + "/v1/chat/completions", json=chat) as reply:
                     assert reply.status == 200
                     assert (await reply.read()).count(chunk) == chunks + 1
                 await eventually(lambda: ended)
-        finally:
-            await server.close()
         return ended[0]
 
     completion = asyncio.run(go())
