@@ -268,13 +268,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, processes() as procs:
         folder = Path(tmp)
         every = {
-            "tiny": lambda: write_script(folder, "tiny", []),
-            "agent": lambda: write_script(folder, "agent", history),
-            "stream": lambda: write_script(folder, "stream", [], stream=True),
-            "agent+stream": lambda: write_script(folder, "agent-stream", history, stream=True),
+            "tiny": write_script(folder, "tiny", []),
+            "agent": write_script(folder, "agent", history),
+            "stream": write_script(folder, "stream", [], stream=True),
+            "agent+stream": write_script(folder, "agent-stream", history, stream=True),
         }
-        bodies = {name: every[name]() for name in BUSY if name in args.bodies}
-        size = len(json.dumps(chat_body(history))) // 1000
+        bodies = {name: script for name, script in every.items() if name in args.bodies}
+        size = (folder / "agent.prefix").stat().st_size // 1000
         urls = asyncio.run(targets(procs, args.stream_chunks))
         for body, script in bodies.items():
             for url in urls.values():
