@@ -10,8 +10,8 @@ behind each router, and ``wrk`` drives every target in turn from one process, in
 directly to an engine; through a bare aiohttp pass-through (``passthrough.py``: read the
 body, post it to an engine, return the reply, a stream chunk by chunk) with 1 and 2
 processes, the floor of the stack ``smetric serve`` runs on, and with 1 process as a relay
-below aiohttp's client and stream API (*relay*, ``--protocol-relay``, where ``httptools``
-is installed: what a request and a chunk could cost on that stack) and with the same
+below aiohttp's client and stream API (*relay*, ``--protocol-relay``: what a request and a
+chunk could cost on that stack) and with the same
 engine leg read a chunk at a time by the handler (*reads*, ``--protocol-reads``); through
 smg's and sglang-router's ``cache_aware`` policy (each where installed); and through
 ``smetric serve`` with 1 and with 2 workers. Four bodies: *tiny* (one short user message);
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -165,11 +164,10 @@ async def targets(procs: Processes, chunks: int) -> dict[str, Target]:
         script = [sys.executable, str(HERE / "passthrough.py"), "0", str(workers), *urls]
         url, proc = procs.start_listening(script)
         found[f"pass x{workers}"] = Target(url, proc.pid)
-    if importlib.util.find_spec("httptools") is not None:
-        for name, flag in (("relay x1", "--protocol-relay"), ("reads x1", "--protocol-reads")):
-            relay = [sys.executable, str(HERE / "passthrough.py"), "0", "1", *urls, flag]
-            url, proc = procs.start_listening(relay)
-            found[name] = Target(url, proc.pid)
+    for name, flag in (("relay x1", "--protocol-relay"), ("reads x1", "--protocol-reads")):
+        relay = [sys.executable, str(HERE / "passthrough.py"), "0", "1", *urls, flag]
+        url, proc = procs.start_listening(relay)
+        found[name] = Target(url, proc.pid)
     for peer in PEERS:
         if peer_available(peer):
             found[peer] = Target(start_peer_router(procs, urls, peer), procs.procs[-1].pid)

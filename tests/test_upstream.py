@@ -12,11 +12,11 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from smetric.serve.engine_client import EngineClient
 from smetric.serve.engines import Engine
 from smetric.serve.upstream import Attempt, EngineFault, Timeouts
 
@@ -59,7 +59,7 @@ def attempt_on(
         engine = Engine(url, 16)
         timeouts = Timeouts(connect_s=5, first_byte_s=30, idle_s=idle_s, stream_headers_s=5)
         async with (
-            aiohttp.ClientSession() as client,
+            EngineClient() as client,
             Attempt(engine, client, timeouts, 0, 0) as attempt,
         ):
             await attempt.send("/v1/chat/completions", b"{}", {}, stream=True)
@@ -146,7 +146,7 @@ def test_a_cut_ends_the_read_in_progress_at_once() -> None:
 
 def test_a_cut_attempt_fails_its_send_at_once() -> None:
     async def go() -> None:
-        async with streaming([0.01]) as url, aiohttp.ClientSession() as client:
+        async with streaming([0.01]) as url, EngineClient() as client:
             engine = Engine(url, 16)
             async with Attempt(engine, client, Timeouts(), 0, 0) as attempt:
                 attempt.cut("the engine stalled")

@@ -41,6 +41,7 @@ from smetric.serve.buffered import ByteBudget, Hold
 from smetric.serve.disagg import Disaggregation
 from smetric.serve.discovery import Discovery
 from smetric.serve.dispatch import Call, Colocated, Wiring
+from smetric.serve.engine_client import EngineClient
 from smetric.serve.engines import Engine
 from smetric.serve.errors import answer_errors
 from smetric.serve.forwarding import (
@@ -201,17 +202,20 @@ class Router:
         """The cleanup context of any app that fronts this router: the engines' checks,
         scrapes and KV-event subscriptions run while it does."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
-        # No cap on connections (aiohttp's default is 100): a hidden queue in the router
-        # would hold requests past their first-byte timeout and blame healthy engines. No
-        # cookie jar: a cookie an engine sets answers one client, and a jar would send it
-        # on every later request to that engine, whoever sent it.
+        # The router's own requests (checks, scrapes, lookups, stored responses). No cap
+        # on connections (aiohttp's default is 100): a hidden queue in the router would
+        # hold requests past their timeouts and blame healthy engines. No cookie jar: a
+        # cookie an engine sets answers one request, and a jar would send it on every
+        # later one to that engine, whoever sent it.
         client = aiohttp.ClientSession(
             timeout=timeout,
             auto_decompress=False,
             connector=aiohttp.TCPConnector(limit=0),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        await self.pool.start(client)
+        # The requests it forwards (``serve/engine_client.py``).
+        engine_client = EngineClient()
+        await self.pool.start(client, engine_client)
         if self.recorder is not None:
             self.recorder.start()  # here, so that each forked worker runs its own writer
         async with contextlib.AsyncExitStack() as stack:
@@ -222,6 +226,7 @@ class Router:
         await self.pool.close()
         if self.recorder is not None:
             await asyncio.to_thread(self.recorder.close)
+        await engine_client.close()
         await client.close()
 
     # -- proxying ------------------------------------------------------------------------

@@ -319,7 +319,7 @@ class Tries:
         unprefilled = prompt_tokens - predicted
         attempt = Attempt(
             engine,
-            pool.client(),
+            pool.engine_client(),
             forwarder.timeouts,
             prompt_tokens,
             unprefilled,

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 
 import aiohttp
 
+from smetric.serve.engine_client import EngineClient
 from smetric.serve.engines import Engine
 from smetric.serve.kv_subscriber import KVEventSubscriber
 from smetric.serve.metrics import RouterMetrics
@@ -81,6 +82,7 @@ class EnginePool:
         self._max_context = 0
         self._next_number = 0
         self._client: aiohttp.ClientSession | None = None
+        self._engine_client: EngineClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._scraping: set[str] = set()
         for engine in engines:
@@ -133,11 +135,13 @@ class EnginePool:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, client: aiohttp.ClientSession) -> None:
-        """Subscribe, scrape each engine once (it sizes the index to the engine's KV pool
-        before anything is routed there, and the start time it reports is what a
-        re-admission compares with to tell a restart from a blip), then keep checking."""
-        self._client = client
+    async def start(self, client: aiohttp.ClientSession, engine_client: EngineClient) -> None:
+        """Start with ``client`` for the router's own requests (checks, scrapes, lookups)
+        and ``engine_client`` for those it forwards. Subscribe, scrape each engine once (it
+        sizes the index to the engine's KV pool before anything is routed there, and the
+        start time it reports is what a re-admission compares with to tell a restart from
+        a blip), then keep checking."""
+        self._client, self._engine_client = client, engine_client
         for subscriber in self.subscribers.values():
             await subscriber.start()
         self._tasks.append(asyncio.create_task(self._check_health_forever()))
@@ -155,11 +159,15 @@ class EnginePool:
         self._tasks.clear()
         for subscriber in self.subscribers.values():
             await subscriber.close()
-        self._client = None
+        self._client = self._engine_client = None
 
     def client(self) -> aiohttp.ClientSession:
         assert self._client is not None, "the pool is not started"
         return self._client
+
+    def engine_client(self) -> EngineClient:
+        assert self._engine_client is not None, "the pool is not started"
+        return self._engine_client
 
     def auth(self, engine: Engine) -> dict[str, str]:
         """The header that gives ``engine`` its key, if it needs one."""

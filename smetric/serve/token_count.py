@@ -61,7 +61,9 @@ class TokenCounter:
         engine = min(engines, key=lambda e: e.inflight)
         headers = self.forwarder.upstream_headers(request.headers)
         timeouts = self.forwarder.timeouts
-        async with Attempt(engine, pool.client(), timeouts, 0, 0, pool.auth(engine)) as attempt:
+        async with Attempt(
+            engine, pool.engine_client(), timeouts, 0, 0, pool.auth(engine)
+        ) as attempt:
             try:
                 upstream = await attempt.send(COUNT_TOKENS_PATH, body, headers)
                 reply = await attempt.read_all()

@@ -23,8 +23,7 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-import aiohttp
-
+from smetric.serve.engine_client import ConnectFailed, ConnectionLost, EngineClient, NotHttp, Reply
 from smetric.serve.engines import Engine, Lease
 
 
@@ -92,12 +91,6 @@ class EngineFault(Exception):
         return "protocol" if self.status is None else "status"
 
 
-def described(exc: aiohttp.ClientError) -> str:
-    """What the HTTP client said, for the log: not its ``repr``, which names the request
-    it failed with all its headers, the client's keys among them."""
-    return f"{type(exc).__name__}: {exc}"
-
-
 class Attempt:
     """Sends one request to ``engine`` and reads its reply, counted as in flight there
     from ``async with`` to its end."""
@@ -105,7 +98,7 @@ class Attempt:
     def __init__(
         self,
         engine: Engine,
-        client: aiohttp.ClientSession,
+        client: EngineClient,
         timeouts: Timeouts,
         prompt_tokens: int,
         unprefilled_tokens: int,
@@ -118,7 +111,7 @@ class Attempt:
         self.timeouts = timeouts
         self.prompt_tokens = prompt_tokens
         self.unprefilled_tokens = unprefilled_tokens
-        self.response: aiohttp.ClientResponse | None = None
+        self.response: Reply | None = None
         self.lease: Lease | None = None
         self._loop = asyncio.get_running_loop()
         # Why it was cut, and the wait for the response headers while it lasts, which
@@ -185,7 +178,7 @@ class Attempt:
 
     async def send(
         self, path: str, body: bytes, headers: dict[str, str], stream: bool = False
-    ) -> aiohttp.ClientResponse:
+    ) -> Reply:
         """POST and wait for the response headers, at most ``first_byte_s`` (a streaming
         request: ``stream_headers_s``)."""
         wait = self.timeouts.stream_headers_s if stream else self.timeouts.first_byte_s
@@ -195,9 +188,9 @@ class Attempt:
         try:
             async with asyncio.timeout_at(deadline) as self._sending:
                 self.response = await self.client.post(
-                    self.engine.url + path, data=body, headers=headers
+                    self.engine.url, path, body, headers, self.timeouts.connect_s
                 )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        except ConnectFailed as exc:
             raise EngineFault(f"connect failed: {exc}", refused=True) from None
         except TimeoutError:
             stalled = self._stalled()
@@ -205,10 +198,10 @@ class Attempt:
                 raise stalled from None
             what = "response headers of a stream" if stream else "response"
             raise EngineFault(f"no {what} within {wait:g} s", timeout=True) from None
-        except aiohttp.ClientConnectionError as exc:
-            raise EngineFault("connection lost", lost=True, detail=described(exc)) from None
-        except aiohttp.ClientError as exc:  # not HTTP, or not HTTP we can parse
-            raise EngineFault("not a valid HTTP response", detail=described(exc)) from None
+        except ConnectionLost as exc:
+            raise EngineFault("connection lost", lost=True, detail=str(exc)) from None
+        except NotHttp as exc:
+            raise EngineFault("not a valid HTTP response", detail=str(exc)) from None
         finally:
             self._sending = None
         stalled = self._stalled()
@@ -220,16 +213,16 @@ class Attempt:
     async def read(self, timeout_s: float | None = None) -> bytes:
         """The next piece of the body as it arrives, b"" at its end. A wait longer than
         ``timeout_s`` (``idle_s`` by default) or a body cut short is the engine's fault."""
-        assert self.response is not None, "send() first"
-        content = self.response.content
+        reply = self.response
+        assert reply is not None, "send() first"
         # A body whose end has come (a small reply, whole with its headers) has no wait
         # to bound.
-        if not content.is_eof():
+        if not reply.ended():
             self._bound(self.timeouts.idle_s if timeout_s is None else timeout_s)
         try:
-            chunk = await content.readany()
-        except aiohttp.ClientError as exc:
-            raise EngineFault("response cut short", lost=True, detail=described(exc)) from None
+            chunk = await reply.read()
+        except (ConnectionLost, NotHttp) as exc:
+            raise EngineFault("response cut short", lost=True, detail=str(exc)) from None
         finally:
             self._due = math.inf
         if chunk:
@@ -260,15 +253,15 @@ class Attempt:
 
     def _end_reads(self, fault: EngineFault) -> None:
         """End the read in progress, and every later one, with ``fault``: through the
-        body's stream, as the HTTP client ends a read whose connection was lost."""
+        reply, as a lost connection ends them."""
         assert self.response is not None
-        self.response.content.set_exception(fault)
+        self.response.set_exception(fault)
 
     async def read_all(self) -> bytes:
         """The whole body: no wait on the engine once it said the body ended."""
-        assert self.response is not None, "send() first"
-        content = self.response.content
+        reply = self.response
+        assert reply is not None, "send() first"
         parts = [await self.read()]
-        while parts[-1] and not content.at_eof():
+        while parts[-1] and not reply.at_eof():
             parts.append(await self.read())
         return b"".join(parts)
