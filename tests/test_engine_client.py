@@ -7,10 +7,13 @@ read whole, and broken ones fail as the engine's fault."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
+import trustme
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -271,5 +274,44 @@ def test_a_refused_connection_and_a_cancelled_wait() -> None:
                     await closed.wait()
             finally:
                 server.close()
+
+    run(go)
+
+
+@pytest.mark.parametrize("trusted", [True, False], ids=["trusted", "untrusted"])
+def test_an_https_engine_is_reached_over_tls_checked_against_trusted_authorities(
+    trusted: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine at an ``https`` URL whose certificate a trusted authority signed answers;
+    one the machine does not trust is never sent the request."""
+    authority = trustme.CA()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(served)
+    if trusted:
+        authority.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+
+    async def go() -> None:
+        async def answer(request: web.Request) -> web.Response:
+            return web.json_response({"secure": request.secure})
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=served)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with EngineClient() as client:
+                if not trusted:
+                    with pytest.raises(ConnectFailed, match="CERTIFICATE_VERIFY_FAILED"):
+                        await post(client, f"https://127.0.0.1:{port}")
+                    return
+                reply = await post(client, f"https://127.0.0.1:{port}")
+                assert await read_all(reply) == b'{"secure": true}'
+                reply.release()
+        finally:
+            await runner.cleanup()
 
     run(go)
