@@ -214,6 +214,40 @@ def test_a_client_that_stops_reading_never_gets_a_healthy_engine_ejected() -> No
     run(lambda: with_mixed([], 1, body, engine_config=engine, stall_timeout_s=1.0))
 
 
+def http_1_0_stream(port: int, payload: dict[str, Any]) -> bytes:
+    """What an HTTP/1.0 client gets for a streaming chat request, to the connection's end."""
+    body = json.dumps(payload).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        answer = b""
+        while piece := sock.recv(65536):
+            answer += piece
+    return answer
+
+
+def test_an_http_1_0_client_gets_its_stream_unframed_to_the_connection_s_end() -> None:
+    """HTTP/1.0 has no chunks: the relay passes a stream's events on as they are, and
+    the end of the connection ends the body."""
+
+    async def body(client: aiohttp.ClientSession, url: str, router, fakes) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        payload = {**CHAT, "stream": True, "max_tokens": 40}
+        answer = await asyncio.to_thread(http_1_0_stream, port, payload)
+        head, _, events = answer.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0].endswith(b" 200 OK"), head
+        assert b"transfer-encoding" not in head.lower()
+        lines = [line for line in events.split(b"\n") if line]
+        assert len(lines) > 3 and all(line.startswith(b"data: ") for line in lines), events
+        assert lines[-1] == b"data: [DONE]"
+        await eventually(no_load_left(router), 30)
+
+    run(lambda: with_mixed([], 1, body))
+
+
 def test_an_engine_s_silence_starts_again_once_a_slow_client_took_its_bytes() -> None:
     """While a relay waits on its client, the engine owes nothing; once the client took
     the bytes, the engine's silence is measured from then, unless another request was

@@ -181,3 +181,68 @@ def test_an_attempt_leaves_nothing_scheduled_however_it_ended() -> None:
             assert [ref() for ref in left] == [None, None]
 
     run(go)
+
+
+@asynccontextmanager
+async def client_transport() -> AsyncIterator[asyncio.StreamWriter]:
+    """A client's end of a loopback connection, as ``pass_on`` writes to one."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+    try:
+        yield writer
+    finally:
+        writer.close()
+        server.close()
+
+
+def test_passing_on_hands_every_chunk_and_bounds_each_wait() -> None:
+    """Chunks 0.1 s apart pass on whole, however long the stream, each wait bounded by
+    its own 0.3 s; then an engine silent for longer is the engine's fault."""
+
+    async def go() -> None:
+        async with client_transport() as client:
+
+            async def whole(attempt: Attempt) -> None:
+                assert await attempt.read() == CHUNK
+                got: list[bytes] = []
+                await attempt.pass_on(got.append, client.transport, client.drain)
+                assert b"".join(got) == CHUNK * 9
+
+            async def silent(attempt: Attempt) -> None:
+                assert await attempt.read() == CHUNK
+                got: list[bytes] = []
+                started = time.monotonic()
+                with pytest.raises(EngineFault, match=r"silent for 0\.3 s"):
+                    await attempt.pass_on(got.append, client.transport, client.drain)
+                assert got == [CHUNK] and 0.25 < time.monotonic() - started < 2
+
+            async with streaming([0.1] * 10) as url:
+                await attempt_on(url, 0.3, whole)()
+            async with streaming([0.05, 0.05, 5.0]) as url:
+                await attempt_on(url, 0.3, silent)()
+
+    run(go)
+
+
+def test_a_cut_ends_passing_on_at_once_and_a_sink_s_error_ends_it_too() -> None:
+    async def go() -> None:
+        async with streaming([0.01, 0.01, 30.0]) as url, client_transport() as client:
+
+            async def cut(attempt: Attempt) -> None:
+                asyncio.get_running_loop().call_later(0.2, attempt.cut, "the engine stalled")
+                started = time.monotonic()
+                with pytest.raises(EngineFault, match="the engine stalled") as fault:
+                    await attempt.pass_on(lambda _: None, client.transport, client.drain)
+                assert fault.value.stalled and time.monotonic() - started < 5
+
+            async def client_gone(attempt: Attempt) -> None:
+                def gone(chunk: bytes) -> None:
+                    raise ConnectionResetError("the client went away")
+
+                with pytest.raises(ConnectionResetError):
+                    await attempt.pass_on(gone, client.transport, client.drain)
+
+            await attempt_on(url, 60, cut)()
+            await attempt_on(url, 60, client_gone)()
+
+    run(go)

@@ -25,7 +25,7 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import NamedTuple, cast
 from urllib.parse import urlsplit
@@ -80,7 +80,9 @@ def origin_of(url: str) -> Origin:
 
 class Reply:
     """One engine reply as it arrives: its status and content type once its head came,
-    then its body's pieces, read in order by one reader."""
+    then its body's pieces, read in order by one reader (``read``), or handed as they
+    arrive to a sink (``hand_to``), in the connection's callback: a stream's token then
+    goes on to the client without a task woken for it."""
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
@@ -95,6 +97,7 @@ class Reply:
         self._unread = 0
         self._exception: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
 
     def ended(self) -> bool:
         """No more of the body will come."""
@@ -127,6 +130,52 @@ class Reply:
         self.connection.resume()
         return data
 
+    def hand_to(self, sink: Callable[[bytes], None] | None) -> None:
+        """From now on, hand each piece of the body to ``sink`` as it arrives, those
+        already here first; None: keep them for ``read`` again. What ``sink`` raises
+        ends the reply with it (never blaming the engine)."""
+        self._sink = sink
+        if sink is None:
+            return
+        pieces = self._pieces
+        self._unread = 0
+        while pieces and self._exception is None:
+            self._handed(sink, pieces.popleft())
+        pieces.clear()
+
+    def _handed(self, sink: Callable[[bytes], None], data: bytes) -> None:
+        # Raised to the reader: raised to the parser, it would blame the engine.
+        try:
+            sink(data)
+        except Exception as exc:
+            self.set_exception(exc)
+
+    async def wait(self) -> None:
+        """Until the body ended, failed (raising why) or someone woke this (``wake``)."""
+        if self._exception is None and not self.complete:
+            self._waiter = self.connection.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._exception is not None:
+            raise self._exception
+
+    def wake(self) -> None:
+        """End the ``wait`` in progress."""
+        self._wake()
+
+    def pause(self) -> None:
+        """Stop reading the engine's connection (its data waits in TCP) until ``resume``."""
+        self.connection.pause()
+
+    def resume(self) -> None:
+        self.connection.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.connection.paused
+
     def set_exception(self, exception: BaseException) -> None:
         """End the read in progress, and every later one, with ``exception``."""
         if self._exception is None:
@@ -139,6 +188,11 @@ class Reply:
         self.connection.finished(self)
 
     def _fed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            if self._exception is None:
+                self._handed(sink, data)
+            return
         self._pieces.append(data)
         self._unread += len(data)
         if self._unread > HIGH_WATER:

@@ -238,17 +238,33 @@ class Forwarder:
         engine = attempt.engine
         headers = {"Content-Type": reply.content_type, **tags}
         response = web.StreamResponse(status=reply.status, headers=headers)
-        chunk, chunks = reply.data, 0
+        if request.version >= (1, 1):  # an HTTP/1.0 client's body ends with the connection
+            response.enable_chunked_encoding()
+        chunks = 0
         first = last = time.perf_counter()
-        usage = UsageTap()
+        usage = UsageTap.of(reply.data)
         try:
             await response.prepare(request)
-            while chunk:
+            # The headers go with the first chunk, through aiohttp; the rest straight to
+            # the client's transport as the engine sends it, framed as the response is.
+            await attempt.deliver(response.write(reply.data))
+            client = request.transport
+            if client is None:
+                raise ConnectionResetError("the client went away")
+            chunked = response.chunked
+
+            def write(chunk: bytes) -> None:
+                nonlocal chunks, last
+                if client.is_closing():
+                    raise ConnectionResetError("the client went away")
                 usage.feed(chunk)
-                await attempt.deliver(response.write(chunk))
-                chunk = await attempt.read()
-                if chunk:
-                    chunks, last = chunks + 1, time.perf_counter()
+                chunks, last = chunks + 1, time.perf_counter()
+                if chunked:
+                    client.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+                else:
+                    client.write(chunk)
+
+            await attempt.pass_on(write, client, request.writer.drain)
             completion.decode_chunks, completion.decode_s = chunks, last - first
             # Before the client can see the end and ask again.
             completion.cached_tokens = self.count_cached(engine, usage)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -230,6 +230,51 @@ class Attempt:
             if self.lease is not None:
                 self.lease.prefilled()
         return chunk
+
+    async def pass_on(
+        self,
+        sink: Callable[[bytes], None],
+        client: asyncio.WriteTransport,
+        drain: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Hand the rest of the body to ``sink`` (which writes it to the ``client``) as it
+        arrives, from the engine connection's callback, until its end: no task wakes per
+        token. Bounded as ``read``'s waits are: ``idle_s`` between pieces. While the
+        client's transport is past its high-water mark, the engine's connection is not
+        read and the attempt waits on the client (``deliver``) until ``drain`` says it
+        took the bytes. ``sink`` raising ``ConnectionResetError`` (the client went away)
+        ends it with that; an engine that failed, with ``EngineFault``."""
+        reply = self.response
+        assert reply is not None, "send() first"
+        engine, lease, loop = self.engine, self.lease, self._loop
+        patience = self.timeouts.idle_s
+        high = client.get_write_buffer_limits()[1]
+        if lease is not None:
+            lease.prefilled()
+
+        def piece(data: bytes) -> None:
+            engine.progressed_at = time.monotonic()
+            self._due = loop.time() + patience
+            sink(data)
+            if client.get_write_buffer_size() > high:
+                reply.pause()
+                reply.wake()
+
+        reply.hand_to(piece)
+        try:
+            while not reply.complete:
+                if reply.paused:
+                    self._due = math.inf
+                    await self.deliver(drain())
+                    reply.resume()
+                    continue
+                self._bound(patience)
+                await reply.wait()
+        except (ConnectionLost, NotHttp) as exc:
+            raise EngineFault("response cut short", lost=True, detail=str(exc)) from None
+        finally:
+            reply.hand_to(None)
+            self._due = math.inf
 
     def _bound(self, seconds: float) -> None:
         """Bound the read about to wait by ``seconds``. A stream reads once per token, so
