@@ -10,8 +10,9 @@ left, however it is left; it closes the engine's response with it, so a stream n
 reads stops on the engine.
 
 Reads from the engine raise ``EngineFault`` and nothing else, and nothing here writes to
-the client, so a caller can tell an engine that failed from a client that hung up (both
-surface as connection errors in aiohttp) by which call raised.
+the client but the caller's own sink (``pass_on``, which raises what the sink raised), so
+a caller can tell an engine that failed from a client that hung up (both surface as
+connection errors) by what was raised.
 """
 
 from __future__ import annotations
