@@ -161,10 +161,6 @@ class Reply:
         if self._exception is not None:
             raise self._exception
 
-    def wake(self) -> None:
-        """End the ``wait`` in progress."""
-        self._wake()
-
     def pause(self) -> None:
         """Stop reading the engine's connection (its data waits in TCP) until ``resume``."""
         self.connection.pause()
@@ -180,7 +176,7 @@ class Reply:
         """End the read in progress, and every later one, with ``exception``."""
         if self._exception is None:
             self._exception = exception
-            self._wake()
+            self.wake()
 
     def release(self) -> None:
         """The reader is done: the connection is reused if the reply ended cleanly, else
@@ -197,9 +193,10 @@ class Reply:
         self._unread += len(data)
         if self._unread > HIGH_WATER:
             self.connection.pause()
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wake whoever waits on the reply (``wait``, ``read``)."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -281,7 +278,7 @@ class Connection(asyncio.Protocol):
             return
         if self.head is not None and self.head.done() and not reply.framed:
             reply.complete = True  # a body without length or chunks ends with its connection
-            reply._wake()
+            reply.wake()
             return
         lost = ConnectionLost("the engine closed the connection before its reply ended")
         self._fail(lost)
@@ -342,7 +339,7 @@ class Connection(asyncio.Protocol):
             return
         reply.complete = True
         reply.keep_alive = self.parser.should_keep_alive()
-        reply._wake()
+        reply.wake()
 
 
 class EngineClient:
