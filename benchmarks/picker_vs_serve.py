@@ -12,7 +12,10 @@ rotating order so that every path sees the same machine state:
   over the engines), engine: what the gateway costs by itself;
 - **serve**: client, ``smetric serve``, engine;
 - **pick**: client, Envoy, ext_proc to ``smetric pick`` (the body sent there whole over
-  gRPC, the decision made, Envoy forwarding its own copy), engine.
+  gRPC, the decision made, Envoy forwarding its own copy), engine;
+- **null**: the same, to a picker that decides nothing (``null_picker.py``: the picker's
+  gRPC stack and messages, always naming the first engine): the floor under any picker
+  on that stack, so that what pick costs splits into the exchange and the picker's work.
 
 Bodies are coding-agent sessions (``agentic_bodies.py``): the last turns of sessions of
 about ``--body-kb`` KB each, resent as an agent resends them. With ``--stream`` they ask
@@ -40,6 +43,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from agentic_bodies import agent_messages, chat_body, session_turns
@@ -51,7 +55,8 @@ from smetric.serve.engines import Engine
 from smetric.testing.gateway import gateway_config, run_envoy, run_picker
 
 TRIVIAL = Path(__file__).resolve().parent / "trivial_engine.py"
-PATHS = ("direct", "envoy", "serve", "pick")
+NULL_PICKER = Path(__file__).resolve().parent / "null_picker.py"
+PATHS = ("direct", "envoy", "serve", "pick", "null")
 ROLES = ("envoy", "router", "engines")
 """The processes a path's CPU is counted for: Envoy, the router (serve or the picker), and
 the engines."""
@@ -212,6 +217,8 @@ def report(args: argparse.Namespace, results: dict, decision_ms: float, size_kb:
     print(f"pick over envoy alone, p50: {spread(pick_over_envoy)} ms")
     print(f"the picker's analysis and decision, in process: {decision_ms:.2f} ms per body")
     print(f"the gRPC hop (pick over envoy, less the decision): {spread(hop)} ms")
+    floor = [n / s for n, s in zip(results["null"]["rps"], results["serve"]["rps"], strict=True)]
+    print(f"a picker that decides nothing / serve throughput: {spread(floor)}x")
 
 
 def main() -> None:
@@ -241,18 +248,23 @@ def main() -> None:
         urls = {"direct": engines[0], "serve": serve}
         asyncio.run(wait_ready([*engines, urls["serve"]]))
         pick_args = [a for e in engines for a in ("-e", e)]
+        null_url, null_picker = procs.start_listening(
+            [sys.executable, str(NULL_PICKER), urlsplit(engines[0]).netloc]
+        )
         with (
             run_picker([*pick_args, "--policy", "smetric", "--log-level", "warning"]) as picker,
             run_envoy(gateway_config(picker.grpc_port, engines)) as gateway,
+            run_envoy(gateway_config(urlsplit(null_url).port or 0, engines)) as floor,
             run_envoy(envoy_only(engines)) as plain,
         ):
-            urls |= {"pick": gateway.url, "envoy": plain.url}
+            urls |= {"pick": gateway.url, "null": floor.url, "envoy": plain.url}
             both = {"engines": [proc.pid for _, proc in started]}
             pids = {
                 "direct": {"engines": both["engines"][:1]},
                 "envoy": {**both, "envoy": [plain.process.pid]},
                 "serve": {**both, "router": [serving.pid]},
                 "pick": {**both, "envoy": [gateway.process.pid], "router": [picker.process.pid]},
+                "null": {**both, "envoy": [floor.process.pid], "router": [null_picker.pid]},
             }
             results = asyncio.run(measure(args, urls, payloads, pids))
         decision_ms = asyncio.run(decision_cost(engines, payloads)) * 1000
