@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -21,6 +22,7 @@ from typing import ClassVar
 import aiohttp
 import grpc
 import pytest
+import yaml
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from grpc_health.v1 import health_pb2
@@ -782,3 +784,39 @@ async def _oversized(port: int, path: str, chunked: bool) -> tuple[int, dict]:
     finally:
         sending.cancel()
         writer.close()
+
+
+def test_envoy_sends_a_body_to_its_picker_only_over_grpc(tmp_path: Path) -> None:
+    """Why the picker speaks gRPC, for all it costs (see the picker's results page): Envoy's
+    ``ext_proc`` can reach a plain HTTP service instead, but then it sends headers only,
+    and a decision needs the body. Should a later Envoy lift that, this fails, and the
+    cheaper transport is worth measuring."""
+    binary = envoy_binary()
+    assert binary is not None
+    config = gateway_config(9002, ["http://127.0.0.1:8001"])
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    ext_proc_filter = next(
+        f
+        for f in manager["typed_config"]["http_filters"]
+        if f["name"] == "envoy.filters.http.ext_proc"
+    )["typed_config"]
+    del ext_proc_filter["grpc_service"]
+    uri = {"uri": "http://127.0.0.1:9002/", "cluster": "picker", "timeout": "1s"}
+    ext_proc_filter["http_service"] = {"http_service": {"http_uri": uri}}
+    mode = ext_proc_filter["processing_mode"]
+    verdicts = {}
+    for body_mode in ("BUFFERED", "NONE"):
+        mode.update(request_body_mode=body_mode, response_body_mode="NONE")
+        mode.update(response_trailer_mode="SKIP")
+        path = tmp_path / f"{body_mode}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        verdicts[body_mode] = subprocess.run(
+            [binary, "--mode", "validate", "-c", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert verdicts["NONE"].returncode == 0, verdicts["NONE"].stderr[-2000:]
+    refused = verdicts["BUFFERED"]
+    assert refused.returncode != 0
+    assert "can not be configured to send body" in refused.stdout + refused.stderr
