@@ -37,11 +37,15 @@ class ConnectFailed(Exception):
     """No connection to the engine: the request never reached it."""
 
 
-class ConnectionLost(Exception):
+class ReplyBroken(Exception):
+    """The engine's reply cannot go on: what a read of its body raises."""
+
+
+class ConnectionLost(ReplyBroken):
     """The engine's connection ended before its reply did."""
 
 
-class NotHttp(Exception):
+class NotHttp(ReplyBroken):
     """The engine answered with something that is not an HTTP/1.x response."""
 
 

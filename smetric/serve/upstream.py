@@ -24,7 +24,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from smetric.serve.engine_client import ConnectFailed, ConnectionLost, EngineClient, NotHttp, Reply
+from smetric.serve.engine_client import (
+    ConnectFailed,
+    ConnectionLost,
+    EngineClient,
+    NotHttp,
+    Reply,
+    ReplyBroken,
+)
 from smetric.serve.engines import Engine, Lease
 
 
@@ -222,7 +229,7 @@ class Attempt:
             self._bound(self.timeouts.idle_s if timeout_s is None else timeout_s)
         try:
             chunk = await reply.read()
-        except (ConnectionLost, NotHttp) as exc:
+        except ReplyBroken as exc:
             raise EngineFault("response cut short", lost=True, detail=str(exc)) from None
         finally:
             self._due = math.inf
@@ -271,7 +278,7 @@ class Attempt:
                     continue
                 self._bound(patience)
                 await reply.wait()
-        except (ConnectionLost, NotHttp) as exc:
+        except ReplyBroken as exc:
             raise EngineFault("response cut short", lost=True, detail=str(exc)) from None
         finally:
             reply.hand_to(None)
