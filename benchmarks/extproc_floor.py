@@ -2,14 +2,16 @@
 stack and with gRPC's transport options, for agent and tiny bodies.
 
     python benchmarks/extproc_floor.py [--rounds 3] [--requests 160] [--concurrency 8]
+                                       [--latency-requests 40]
 
 Each variant is ``null_picker.py`` (``ext_proc`` answered as ``smetric pick`` answers it,
 nothing read, nothing decided) behind its own Envoy on the shipped configuration, in
 front of two trivial engines, all started at once and measured round by round in a
 rotating order. The picker cluster's one-a-second health check is left out of every
 variant's configuration, since ``grpclib`` here answers no health service. Per variant
-and body: requests a second at ``--concurrency`` (closed loop) and the CPU the null picker
-and Envoy spend per request (from ``/proc``), median over rounds (min-max). The
+and body: requests a second at ``--concurrency`` (closed loop), the CPU the null picker
+and Envoy spend per request there (from ``/proc``), and the median latency of
+``--latency-requests`` requests sent one at a time, each median over rounds (min-max). The
 ``grpclib`` row runs where ``grpclib`` is installed (the ``dev`` extra has it).
 
 What it answers: whether any stack or option available to a Python picker takes a body
@@ -31,7 +33,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from picker_vs_serve import TRIVIAL, bodies, cpu_seconds, drive, spread
-from router_overhead import processes, wait_ready
+from router_overhead import processes, quantile_ms, wait_ready
 
 from smetric.testing.gateway import gateway_config, run_envoy
 
@@ -78,14 +80,18 @@ def unchecked_config(picker_port: int, engines: list[str]) -> dict:
 async def measure(
     rounds: int,
     concurrency: int,
+    latency_requests: int,
     workloads: dict[str, list[bytes]],
     targets: dict[str, tuple[str, int, int]],
 ) -> dict[tuple[str, str], dict[str, list[float]]]:
-    """Per (variant, body): rates and CPU ms per request of the picker and Envoy
-    (``targets``: variant to its Envoy's URL, the picker's and Envoy's pids)."""
+    """Per (variant, body): rates and CPU ms per request of the picker and Envoy, and
+    the median latency at concurrency 1 (``targets``: variant to its Envoy's URL, the
+    picker's and Envoy's pids)."""
     names = list(targets)
     results: dict[tuple[str, str], dict[str, list[float]]] = {
-        (name, body): {"rps": [], "picker": [], "envoy": []} for name in names for body in workloads
+        (name, body): {"rps": [], "picker": [], "envoy": [], "p50": []}
+        for name in names
+        for body in workloads
     }
     for name in names:  # warm every path's connections before measuring
         for payloads in workloads.values():
@@ -101,6 +107,8 @@ async def measure(
                 row["rps"].append(rps)
                 row["picker"].append((after[0] - before[0]) / len(payloads) * 1000)
                 row["envoy"].append((after[1] - before[1]) / len(payloads) * 1000)
+                _, latencies = await drive(url, payloads[:latency_requests], 1)
+                row["p50"].append(quantile_ms(latencies, 0.5))
         print(f"round {round_ + 1}/{rounds} done", file=sys.stderr)
     return results
 
@@ -116,13 +124,13 @@ def report(
     )
     for body, size in sizes.items():
         print(f"{body} bodies ({size:,.0f} bytes on average)\n")
-        print("| stack | requests/s | null picker CPU ms/req | Envoy CPU ms/req |")
-        print("|---|---|---|---|")
+        print("| stack | requests/s | null picker CPU ms/req | Envoy CPU ms/req | p50 ms (c=1) |")
+        print("|---|---|---|---|---|")
         for (name, kind), row in results.items():
             if kind == body:
                 print(
                     f"| {name} | {spread(row['rps'], 0)} | {spread(row['picker'], 2)} "
-                    f"| {spread(row['envoy'], 2)} |"
+                    f"| {spread(row['envoy'], 2)} | {spread(row['p50'], 2)} |"
                 )
         print()
 
@@ -139,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--latency-requests", type=int, default=40)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--body-kb", type=int, default=400)
     args = parser.parse_args(argv)
@@ -163,7 +172,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     run_envoy(unchecked_config(urlsplit(url).port or 0, engines))
                 )
                 targets[name] = (envoy.url, picker.pid, envoy.process.pid)
-            results = asyncio.run(measure(args.rounds, args.concurrency, workloads, targets))
+            results = asyncio.run(
+                measure(args.rounds, args.concurrency, args.latency_requests, workloads, targets)
+            )
     report(args, results, sizes)
 
 
