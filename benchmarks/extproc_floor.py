@@ -29,15 +29,13 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from urllib.parse import urlsplit
 
-from picker_vs_serve import TRIVIAL, bodies, cpu_seconds, drive, spread
+from picker_vs_serve import NULL_PICKER, TRIVIAL, bodies, cpu_seconds, drive, spread
 from router_overhead import processes, quantile_ms, wait_ready
 
 from smetric.testing.gateway import gateway_config, run_envoy
 
-NULL_PICKER = Path(__file__).resolve().parent / "null_picker.py"
 VARIANTS: dict[str, list[str]] = {
     "grpc.aio (as pick)": [],
     "grpc.aio, 4 MiB HTTP/2 frames": ["--option", "grpc.http2.max_frame_size=4194304"],

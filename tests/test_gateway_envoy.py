@@ -37,7 +37,13 @@ from smetric.serve.app import Router, RouterSettings
 from smetric.serve.engines import Engine
 from smetric.testing.engines import http_get, metric
 from smetric.testing.fault_suite import SmetricProcess
-from smetric.testing.gateway import envoy_binary, gateway_config, run_envoy, run_picker
+from smetric.testing.gateway import (
+    envoy_binary,
+    ext_proc_config,
+    gateway_config,
+    run_envoy,
+    run_picker,
+)
 from smetric.trace.load import load_trace
 from smetric.trace.recording_format import SEGMENT_GLOB
 
@@ -794,12 +800,7 @@ def test_envoy_sends_a_body_to_its_picker_only_over_grpc(tmp_path: Path) -> None
     binary = envoy_binary()
     assert binary is not None
     config = gateway_config(9002, ["http://127.0.0.1:8001"])
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    ext_proc_filter = next(
-        f
-        for f in manager["typed_config"]["http_filters"]
-        if f["name"] == "envoy.filters.http.ext_proc"
-    )["typed_config"]
+    ext_proc_filter = ext_proc_config(config)
     del ext_proc_filter["grpc_service"]
     uri = {"uri": "http://127.0.0.1:9002/", "cluster": "picker", "timeout": "1s"}
     ext_proc_filter["http_service"] = {"http_service": {"http_uri": uri}}

@@ -113,8 +113,8 @@ class Reply:
 
     async def read(self) -> bytes:
         """What came of the body since the last read, waiting for some; b"" at its end.
-        Raises ``ConnectionLost``, ``NotHttp`` or whatever ``set_exception`` set, at once,
-        even with bytes unread."""
+        Raises ``ReplyBroken`` or whatever ``set_exception`` set, at once, even with
+        bytes unread."""
         while True:
             if self._exception is not None:
                 raise self._exception

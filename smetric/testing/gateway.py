@@ -75,13 +75,10 @@ def gateway_config(
         picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"],
         picker_port,
     )
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    ext_proc = next(
-        f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
-    )
-    ext_proc["typed_config"]["failure_mode_allow"] = fail_open
+    ext_proc = ext_proc_config(config)
+    ext_proc["failure_mode_allow"] = fail_open
     if streamed:
-        ext_proc["typed_config"]["processing_mode"].update(STREAMED_MODE)
+        ext_proc["processing_mode"].update(STREAMED_MODE)
     index = next(i for i, c in enumerate(clusters) if c["name"] == "engines")
     if original_dst:
         clusters[index] = ORIGINAL_DST_CLUSTER
@@ -89,6 +86,17 @@ def gateway_config(
         endpoints = clusters[index]["load_assignment"]["endpoints"][0]
         endpoints["lb_endpoints"] = [_endpoint(engine) for engine in engines]
     return config
+
+
+def ext_proc_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``ext_proc`` filter's own settings in a gateway configuration, to change in
+    place."""
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(
+        f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
+    )
+    return ext_proc["typed_config"]
 
 
 ORIGINAL_DST_CLUSTER: dict[str, Any] = yaml.safe_load(
